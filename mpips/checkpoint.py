@@ -1,0 +1,92 @@
+"""HDF5 checkpoints keyed by variable name, with global_step.
+
+``ckpt-<step>.h5`` files are written under a temporary name, fsynced, then renamed into
+place: a crash at any moment leaves every earlier checkpoint intact and loadable. Old ones
+are pruned only after the new one is committed. Loading reads arrays only (no pickle).
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .errors import CheckpointError
+from .placement import VariableSpec
+
+_NAME = re.compile(r"^ckpt-(\d+)\.h5$")
+FORMAT = "mpips-checkpoint-1"
+
+
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """Committed checkpoints in ``directory`` as (global_step, path), oldest first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), d / p.name) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    found = list_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def save(directory: str | Path, step: int, values: dict[str, np.ndarray],
+         max_to_keep: int = 3, meta: dict[str, str] | None = None) -> Path:
+    """Commit ``ckpt-<step>.h5`` atomically, then prune to the newest ``max_to_keep``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"ckpt-{step}.h5"
+    tmp = d / f".ckpt-{step}.h5.tmp-{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["global_step"] = step
+            for k, v in (meta or {}).items():
+                f.attrs[k] = v
+            group = f.create_group("variables")
+            for name, value in values.items():
+                group.create_dataset(name, data=value)
+            f.flush()
+            os.fsync(f.id.get_vfd_handle())
+        os.replace(tmp, final)
+        dir_fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        tmp.unlink(missing_ok=True)
+    for _, old in list_checkpoints(d)[:-max_to_keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def restore(path: str | Path, specs: list[VariableSpec]) -> tuple[int, dict[str, np.ndarray]]:
+    """Load (global_step, values) for exactly ``specs``; any mismatch names the variable."""
+    out = {}
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                raise CheckpointError(f"checkpoint {path}: not an mpips checkpoint")
+            step = int(f.attrs["global_step"])
+            group = f["variables"]
+            for spec in specs:
+                if spec.name not in group:
+                    raise CheckpointError(f"checkpoint {path}: has no variable '{spec.name}'")
+                ds = group[spec.name]
+                if not isinstance(ds, h5py.Dataset):
+                    raise CheckpointError(f"checkpoint {path}: '{spec.name}' is not an array")
+                if tuple(ds.shape) != spec.shape or ds.dtype != np.dtype(spec.dtype):
+                    raise CheckpointError(
+                        f"checkpoint {path}: variable '{spec.name}' is {ds.dtype}{list(ds.shape)}"
+                        f", the model expects {spec.dtype}{list(spec.shape)}")
+                out[spec.name] = ds[()]
+    except CheckpointError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: corrupt or unreadable ({e})") from None
+    return step, out

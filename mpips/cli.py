@@ -1,0 +1,150 @@
+"""Command line: ``python -m mpips {train,layout,data}``. The only module that knows about argv."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import MpipsError
+from .job import Job, load_job
+
+EPILOG = """examples:
+  mpirun -n 8 python -m mpips train                  # built-in default job (digits, 2 PS + 6 workers)
+  mpirun -n 8 python -m mpips train jobs/fashion_mnist.toml
+  python -m mpips layout jobs/fashion_mnist.toml -n 8
+  python -m mpips data fashion-mnist data/fashion_mnist.h5
+"""
+
+
+def _job_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", nargs="?", help="job file (TOML); default: the built-in digits job")
+    p.add_argument("--layout", metavar="FILE",
+                   help="rank-layout file (TOML: ps = 2 or ps = [0, 4]) overriding the job's [layout]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mpips", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Parameter-server training on MPI: ps and worker tasks, one-sided windows, "
+                    "HDF5 checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train a job (run under mpirun/srun)",
+                       description="Train a job. Run under MPI: ranks become ps and worker "
+                                   "tasks by the job's [layout] (default: one PS per 4 ranks).")
+    _job_args(t)
+    t.add_argument("--steps", type=int, help="override train.steps (absolute global step target)")
+    t.add_argument("--ckpt-dir", help="override checkpoint.dir")
+    t.add_argument("--no-restore", action="store_true",
+                   help="start from fresh variables even if the checkpoint dir has a checkpoint")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar on the chief")
+    t.add_argument("--log-every", type=int, help="override train.log_every")
+    t.set_defaults(func=cmd_train)
+
+    lay = sub.add_parser("layout", help="print roles and placement for N ranks (no MPI launch)",
+                         description="Print which rank plays which task and where each "
+                                     "variable lives, without launching MPI.")
+    _job_args(lay)
+    lay.add_argument("-n", "--ranks", type=int, default=None,
+                     help="world size (default: the layout's world_size, else 8)")
+    lay.set_defaults(func=cmd_layout)
+
+    d = sub.add_parser("data", help="convert a dataset to mpips HDF5",
+                       description="Write a dataset as an mpips HDF5 file (train/x, train/y, "
+                                   "test/x, test/y).")
+    d.add_argument("dataset", choices=["fashion-mnist", "digits", "synthetic"],
+                   help="fashion-mnist: Debian's dataset-fashion-mnist idx files; digits: "
+                        "scikit-learn's 8x8 digits; synthetic: REFERENCE.md's N(0,1) workload")
+    d.add_argument("out", help="output .h5 file")
+    d.add_argument("--src", help="fashion-mnist: folder of the idx files "
+                                 "(default /usr/share/datasets/fashion-mnist)")
+    d.add_argument("--rows", type=int, default=60000, help="synthetic: train rows")
+    d.set_defaults(func=cmd_data)
+    return parser
+
+
+def _resolve_job(args: argparse.Namespace) -> Job:
+    """The job file plus command-line overrides, validated."""
+    from dataclasses import replace
+
+    from .job import _validate
+    from .layout import read_layout_file
+    job = load_job(args.job)
+    if args.layout:
+        spec = read_layout_file(args.layout)
+        job.layout = replace(job.layout, ps=spec.get("ps"), world_size=spec.get("world_size"))
+        job.source = f"{job.source} with layout {args.layout}"
+    for attr, section, key in (("steps", "train", "steps"), ("ckpt_dir", "checkpoint", "dir"),
+                               ("log_every", "train", "log_every")):
+        value = getattr(args, attr, None)
+        if value is not None:
+            setattr(getattr(job, section), key, value)
+    if getattr(args, "no_restore", False):
+        job.checkpoint.restore = False
+    if getattr(args, "no_progress", False):
+        job.train.progress = False
+    return _validate(job)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from .failure import abort_on_error
+    from .store import agreed
+    from .train import train
+    with abort_on_error():
+        job = agreed(MPI.COMM_WORLD, lambda: _resolve_job(args))
+        train(job)
+    return 0
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    from .data import open_dataset, resolve_path
+    from .nn import build_model
+    from .train import job_layout, job_placement
+    job = _resolve_job(args)
+    n = args.ranks or job.layout.world_size or 8
+    layout = job_layout(job, n)
+    info = open_dataset(resolve_path(job.data.path, job.data.builtin))
+    model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes)
+    placement = job_placement(job, model, layout.num_ps)
+    print(f"job {job.name} ({job.source}) on {n} ranks: {layout.num_ps} ps, "
+          f"{layout.num_workers} workers, chief = rank {layout.chief_rank}")
+    print(f"\n{'rank':>4}  task")
+    for r in range(n):
+        role = layout.role(r)
+        print(f"{r:>4}  {role}{'  (chief)' if role.is_chief else ''}")
+    print(f"\nplacement ({job.layout.placement}):")
+    print(f"{'variable':<20} {'shape':<12} {'dtype':<8} {'bytes':>10}  {'ps task':<14} offset")
+    for e in placement:
+        shape = "x".join(map(str, e.spec.shape))
+        print(f"{e.spec.name:<20} {shape:<12} {e.spec.dtype:<8} {e.spec.nbytes:>10}  "
+              f"/job:ps/task:{e.ps_task:<4} {e.offset}")
+    for p in range(layout.num_ps):
+        print(f"/job:ps/task:{p} (rank {layout.ps_ranks[p]}): "
+              f"{len(placement.on_ps(p))} variables, {placement.ps_bytes(p)} bytes")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from . import data
+    out = Path(args.out)
+    if args.dataset == "fashion-mnist":
+        data.convert_fashion_mnist(out, args.src or data.FASHION_MNIST_DIR)
+    elif args.dataset == "digits":
+        data.convert_digits(out)
+    else:
+        data.make_synthetic(out, rows=args.rows)
+    info = data.open_dataset(str(out))
+    print(f"wrote {out}: {info.rows['train']} train + {info.rows['test']} test rows, "
+          f"{info.num_inputs} inputs, {info.num_classes} classes")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MpipsError as e:
+        print(f"mpips: error: {e}", file=sys.stderr)
+        return e.exit_code

@@ -1,0 +1,203 @@
+"""HDF5 input: dataset files, per-worker shards, shuffled batches, and converters.
+
+A dataset file holds ``train/x, train/y, test/x, test/y`` (x: 2-D uint8 or float32, y: 1-D
+integer labels) and attributes ``num_classes`` and ``x_scale`` (x is multiplied by it on load).
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+import h5py
+import numpy as np
+
+from .errors import DataError
+
+SPLITS = ("train", "test")
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """Shape facts of a dataset file, checked once on open."""
+
+    path: str
+    num_inputs: int
+    num_classes: int
+    rows: dict[str, int]
+    x_scale: float
+
+
+def resolve_path(path: str, builtin: str) -> str:
+    """The HDF5 file a job's [data] names (a path, or a dataset shipped in the package)."""
+    if builtin:
+        return str(resources.files("mpips.builtin").joinpath(f"{builtin}.h5"))
+    return path
+
+
+def open_dataset(path: str) -> DatasetInfo:
+    """Check the file's layout; any problem is one DataError naming the file and the key."""
+    if not os.path.exists(path):
+        raise DataError(f"data file {path}: not found (make one with `python -m mpips data ...`)")
+    try:
+        with h5py.File(path, "r") as f:
+            rows, dims = {}, set()
+            for split in SPLITS:
+                for key in ("x", "y"):
+                    if f"{split}/{key}" not in f:
+                        raise DataError(f"data file {path}: missing dataset '{split}/{key}'")
+                x, y = f[f"{split}/x"], f[f"{split}/y"]
+                if x.ndim != 2 or x.dtype not in (np.uint8, np.float32):
+                    raise DataError(f"data file {path}: '{split}/x' must be 2-D uint8 or float32, "
+                                    f"got {x.ndim}-D {x.dtype}")
+                if y.ndim != 1 or y.dtype.kind not in "iu":
+                    raise DataError(f"data file {path}: '{split}/y' must be 1-D integer labels, "
+                                    f"got {y.ndim}-D {y.dtype}")
+                if x.shape[0] != y.shape[0]:
+                    raise DataError(f"data file {path}: '{split}/x' has {x.shape[0]} rows but "
+                                    f"'{split}/y' has {y.shape[0]}")
+                rows[split] = int(x.shape[0])
+                dims.add(int(x.shape[1]))
+            if len(dims) != 1:
+                raise DataError(f"data file {path}: train and test have different widths {dims}")
+            num_classes = int(f.attrs.get("num_classes", 0))
+            if num_classes < 2:
+                raise DataError(f"data file {path}: attribute num_classes must be >= 2")
+            x_scale = float(f.attrs.get("x_scale", 1.0))
+    except DataError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise DataError(f"data file {path}: not a readable mpips HDF5 dataset ({e})") from None
+    if rows["train"] == 0:
+        raise DataError(f"data file {path}: 'train' has no rows")
+    return DatasetInfo(path, dims.pop(), num_classes, rows, x_scale)
+
+
+def shard_rows(num_rows: int, num_shards: int, index: int) -> tuple[int, int]:
+    """Contiguous, disjoint, near-equal row range ``[start, stop)`` of shard ``index``."""
+    base, extra = divmod(num_rows, num_shards)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)
+
+
+def load_split(info: DatasetInfo, split: str, rows: tuple[int, int] | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Read rows of a split as float32 features (scaled) and int64 labels."""
+    start, stop = rows or (0, info.rows[split])
+    try:
+        with h5py.File(info.path, "r") as f:
+            x = f[f"{split}/x"][start:stop].astype(np.float32)
+            y = f[f"{split}/y"][start:stop].astype(np.int64)
+    except (OSError, KeyError, ValueError) as e:
+        raise DataError(f"data file {info.path}: cannot read {split} rows "
+                        f"[{start}, {stop}) ({e})") from None
+    if info.x_scale != 1.0:
+        x *= np.float32(info.x_scale)
+    bad = (y < 0) | (y >= info.num_classes)
+    if bad.any():
+        raise DataError(f"data file {info.path}: {split}/y has label {int(y[bad][0])} outside "
+                        f"0..{info.num_classes - 1}")
+    return x, y
+
+
+def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, task: int,
+            epochs: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(epoch, x, y) batches of one shard, reshuffled each epoch from (seed, task, epoch).
+
+    ``epochs = 0`` repeats forever. A last short batch of an epoch is kept.
+    """
+    n = len(y)
+    epoch = 0
+    while not epochs or epoch < epochs:
+        order = np.random.default_rng([seed, task, epoch]).permutation(n)
+        for i in range(0, n, batch_size):
+            idx = order[i:i + batch_size]
+            yield epoch, x[idx], y[idx]
+        epoch += 1
+
+
+# -- writing and converting -------------------------------------------------------------------
+
+def write_dataset(path: str | Path, train: tuple[np.ndarray, np.ndarray],
+                  test: tuple[np.ndarray, np.ndarray], num_classes: int,
+                  x_scale: float = 1.0, name: str = "") -> None:
+    """Write a dataset file atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with h5py.File(tmp, "w") as f:
+            for split, (x, y) in zip(SPLITS, (train, test)):
+                f.create_dataset(f"{split}/x", data=x, compression="gzip", compression_opts=4,
+                                 chunks=(min(len(x), 1024), x.shape[1]))
+                f.create_dataset(f"{split}/y", data=y.astype(np.int64))
+            f.attrs["num_classes"] = num_classes
+            f.attrs["x_scale"] = x_scale
+            f.attrs["name"] = name
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """Read an idx file (the MNIST format), gzipped or not."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+        zero, dtype, ndim = struct.unpack(">HBB", raw[:4])
+        if zero != 0 or dtype != 0x08:
+            raise DataError(f"{path}: not an unsigned-byte idx file")
+        shape = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+        data = np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim)
+        return data.reshape(shape)
+    except (OSError, EOFError, struct.error, ValueError) as e:
+        raise DataError(f"{path}: cannot read idx data ({e})") from None
+
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+def convert_fashion_mnist(out: str | Path, src: str | Path = FASHION_MNIST_DIR) -> None:
+    """Debian's dataset-fashion-mnist idx files -> one HDF5 dataset (uint8, scale 1/255)."""
+    src = Path(src)
+    names = {"train": "train", "test": "t10k"}
+    parts = {}
+    for split, prefix in names.items():
+        found = {}
+        for kind, stem in (("x", "images-idx3-ubyte"), ("y", "labels-idx1-ubyte")):
+            cands = [src / f"{prefix}-{stem}.gz", src / f"{prefix}-{stem}"]
+            hit = next((c for c in cands if c.exists()), None)
+            if hit is None:
+                raise DataError(f"{cands[0]}: not found (apt-get install dataset-fashion-mnist)")
+            found[kind] = _read_idx(hit)
+        x = found["x"].reshape(len(found["x"]), -1)
+        parts[split] = (x, found["y"].astype(np.int64))
+    write_dataset(out, parts["train"], parts["test"], 10, 1 / 255, "fashion-mnist")
+
+
+def convert_digits(out: str | Path) -> None:
+    """scikit-learn's 1797 8x8 digits -> HDF5 (1437 train / 360 test, uint8, scale 1/16)."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise DataError("the digits converter needs scikit-learn (pip install scikit-learn)") from None
+    d = load_digits()
+    x, y = d.data.astype(np.uint8), d.target.astype(np.int64)
+    order = np.random.default_rng(0).permutation(len(y))
+    x, y = x[order], y[order]
+    n_test = 360
+    write_dataset(out, (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test]), 10, 1 / 16, "digits")
+
+
+def make_synthetic(out: str | Path, rows: int = 60000, test_rows: int = 10000,
+                   inputs: int = 784, classes: int = 10) -> None:
+    """REFERENCE.md's workload: X ~ N(0,1) (seed 0), labels argmax(X @ W), W ~ N(0,1) (seed 1)."""
+    x = np.random.default_rng(0).standard_normal((rows + test_rows, inputs), dtype=np.float32)
+    w = np.random.default_rng(1).standard_normal((inputs, classes), dtype=np.float32)
+    y = (x @ w).argmax(axis=1)
+    write_dataset(out, (x[:rows], y[:rows]), (x[rows:], y[rows:]), classes, 1.0, "synthetic")

@@ -1,0 +1,61 @@
+"""Never hang: an error on any rank ends the whole job, naming the rank and its task.
+
+Errors every rank knows about (bad job or layout, agreed collectively) are printed once by
+rank 0 and every rank exits 2. Anything else on one rank prints there and aborts the world,
+the way ``python -m mpi4py`` does, so no other rank waits forever in a collective.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from contextlib import contextmanager
+from typing import Iterator
+
+from .errors import AgreedError, MpipsError
+
+_role: str | None = None
+
+
+def set_role(role: object) -> None:
+    """Record this rank's task so failure messages can name it."""
+    global _role
+    _role = str(role)
+
+
+def _world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def where() -> str:
+    rank = _world().rank
+    return f"rank {rank} ({_role})" if _role else f"rank {rank}"
+
+
+@contextmanager
+def abort_on_error() -> Iterator[None]:
+    """Run a rank's work; turn any exception into a clean exit (agreed) or a world abort."""
+    try:
+        yield
+    except AgreedError as e:
+        if _world().rank == 0:
+            print(f"mpips: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    except MpipsError as e:
+        print(f"mpips: error on {where()}: {e}", file=sys.stderr, flush=True)
+        _abort(e.exit_code)
+    except KeyboardInterrupt:
+        print(f"mpips: {where()} interrupted; aborting the job", file=sys.stderr, flush=True)
+        _abort(130)
+    except Exception as e:
+        tb = "".join(traceback.format_exception(e))
+        print(f"mpips: {where()} failed:\n{tb}mpips: {where()} failed with "
+              f"{type(e).__name__}: {e}; aborting the job", file=sys.stderr, flush=True)
+        _abort(1)
+
+
+def _abort(code: int) -> None:
+    comm = _world()
+    if comm.size > 1:
+        comm.Abort(code)
+    sys.exit(code)

@@ -1,0 +1,108 @@
+"""Training-loop hooks: step logging, the chief's progress bar and periodic checkpoints."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from . import checkpoint
+from .log import log
+
+if TYPE_CHECKING:
+    from .train import Run
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One update just applied by this worker."""
+
+    step: int            # the global step this update produced (unique across workers)
+    loss: float
+    epoch: int           # epoch of this worker's shard
+    local_updates: int   # updates made by this worker in this run
+
+
+class Hook:
+    """Override any of these; they run on every worker unless the hook says otherwise."""
+
+    def begin(self, run: Run) -> None: ...
+
+    def after_step(self, run: Run, info: StepInfo) -> None: ...
+
+    def end(self, run: Run) -> None: ...
+
+
+class StepLogger(Hook):
+    """Every ``every`` local updates: the unique global step this worker's push produced."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def after_step(self, run: Run, info: StepInfo) -> None:
+        if self.every and info.local_updates % self.every == 0:
+            log(run.role, f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
+                          f"(update {info.local_updates} of this worker)")
+
+
+class ProgressBar(Hook):
+    """A tqdm bar of global_step on the chief."""
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+
+    def begin(self, run: Run) -> None:
+        if run.is_chief:
+            self.bar = tqdm(total=run.target_steps or None, initial=run.start_step,
+                            desc="global_step", unit="step", file=sys.stderr,
+                            mininterval=0.5, dynamic_ncols=True)
+
+    def after_step(self, run: Run, info: StepInfo) -> None:
+        if self.bar is not None and info.step > self.bar.n:
+            self.bar.update(info.step - self.bar.n)
+
+    def end(self, run: Run) -> None:
+        if self.bar is not None:
+            final = run.client.global_step()  # other workers' last steps too
+            if final > self.bar.n:
+                self.bar.update(final - self.bar.n)
+            self.bar.close()
+
+
+class CheckpointSaver(Hook):
+    """Chief: write a checkpoint every N global steps and/or seconds, and once at the end."""
+
+    def __init__(self, directory: str, every_steps: int, every_secs: float, max_to_keep: int):
+        self.directory = directory
+        self.every_steps = every_steps
+        self.every_secs = every_secs
+        self.max_to_keep = max_to_keep
+        self.last_step = 0
+        self.last_time = 0.0
+
+    def begin(self, run: Run) -> None:
+        self.last_step, self.last_time = run.start_step, time.monotonic()
+
+    def after_step(self, run: Run, info: StepInfo) -> None:
+        if not run.is_chief:
+            return
+        due_steps = self.every_steps and info.step >= self.last_step + self.every_steps
+        due_secs = self.every_secs and time.monotonic() - self.last_time >= self.every_secs
+        if due_steps or due_secs:
+            self.save(run)
+
+    def end(self, run: Run) -> None:
+        if run.is_chief and run.client.global_step() != self.last_step:
+            self.save(run)
+
+    def save(self, run: Run) -> Path:
+        values = run.client.pull()
+        step = run.client.global_step()
+        path = checkpoint.save(self.directory, step, values, self.max_to_keep,
+                               {"job": run.job.source})
+        self.last_step, self.last_time = step, time.monotonic()
+        log(run.role, f"saved checkpoint {path} (global_step {step})")
+        return path

@@ -1,0 +1,200 @@
+"""Job file (TOML) -> validated, typed configuration.
+
+Unknown keys and wrong types are errors that name the key (and suggest the closest one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [64])
+    init_seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    path: str = ""             # an HDF5 file made by `python -m mpips data ...`
+    builtin: str = ""          # or a dataset that ships inside mpips: "digits"
+
+
+@dataclass
+class OptimizerConfig:
+    kind: str = "sgd"
+    learning_rate: float = 0.1
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "async"
+    steps: int = 0             # stop when global_step reaches this (0: no step limit)
+    epochs: int = 0            # each worker makes this many passes over its shard (0: no limit)
+    batch_size: int = 32
+    seed: int = 0
+    log_every: int = 100       # per-worker log line every N of its own updates (0: off)
+    progress: bool = True      # tqdm bar on the chief
+    device: str = "cpu"        # "cpu" (numpy) or "gpu" (cupy, one device per local rank)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""              # empty: no checkpoints
+    every_steps: int = 0
+    every_secs: float = 0.0
+    max_to_keep: int = 3
+    restore: bool = True       # resume from the latest checkpoint in dir
+
+
+@dataclass
+class LayoutConfig:
+    ps: int | list[int] | None = None        # PS count or explicit ranks (default: world // 4)
+    world_size: int | None = None            # if set, the job refuses another world size
+    placement: str = "round_robin"           # or "greedy" (fewest bytes first)
+
+
+@dataclass
+class Job:
+    name: str = "job"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    source: str = "<defaults>"  # where it was read from (not a TOML key)
+
+
+CHOICES = {
+    "model.kind": ("mlp",),
+    "optimizer.kind": ("sgd",),
+    "train.mode": ("async",),
+    "train.device": ("cpu", "gpu"),
+    "data.builtin": ("", "digits"),
+    "layout.placement": ("round_robin", "greedy"),
+}
+NON_NEGATIVE = ("train.steps", "train.epochs", "train.log_every", "checkpoint.every_steps",
+                "checkpoint.every_secs", "model.init_seed", "train.seed")
+POSITIVE = ("train.batch_size", "optimizer.learning_rate", "checkpoint.max_to_keep")
+
+
+def check_keys(table: dict[str, Any], allowed: typing.Iterable[str], where: str) -> None:
+    """Reject keys not in ``allowed``, naming the key and the closest allowed one."""
+    allowed = list(allowed)
+    for key in table:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else \
+                f" (allowed: {', '.join(allowed)})"
+            raise ConfigError(f"{where}: unknown key '{key}'{hint}")
+
+
+def _type_name(t: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            list: "a list"}.get(t, getattr(t, "__name__", str(t)))
+
+
+def _matches(value: Any, t: Any) -> bool:
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(t))
+    if t is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(t)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, t)
+
+
+def _describe(t: Any) -> str:
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(t) if a is not type(None))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(t)[0]).removeprefix('a ').removeprefix('an ')}s"
+    return _type_name(t)
+
+
+def _fill(cls: type, table: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "source"]
+    check_keys(table, names, where)
+    kwargs = {}
+    for name, value in table.items():
+        t = hints[name]
+        key = f"{where}.{name}" if where != "job" else name
+        if dataclasses.is_dataclass(t):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a table [{name}], got {value!r}")
+            kwargs[name] = _fill(t, value, name)
+        elif not _matches(value, t):
+            raise ConfigError(f"{key}: expected {_describe(t)}, got {value!r}")
+        else:
+            kwargs[name] = float(value) if t is float else value
+    return cls(**kwargs)
+
+
+def _validate(job: Job) -> Job:
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(job, section), name)
+        if value not in allowed:
+            shown = ", ".join(repr(a) for a in allowed if a)
+            raise ConfigError(f"{key}: {value!r} is not one of {shown}")
+    for key in NON_NEGATIVE + POSITIVE:
+        section, name = key.split(".")
+        value = getattr(getattr(job, section), name)
+        if value < 0 or (key in POSITIVE and value == 0):
+            bound = "> 0" if key in POSITIVE else ">= 0"
+            raise ConfigError(f"{key}: must be {bound}, got {value!r}")
+    if any(h <= 0 for h in job.model.hidden):
+        raise ConfigError(f"model.hidden: layer sizes must be > 0, got {job.model.hidden}")
+    if bool(job.data.path) == bool(job.data.builtin):
+        raise ConfigError("data: give exactly one of data.path (an HDF5 file) "
+                          "or data.builtin (\"digits\")")
+    if job.train.steps == 0 and job.train.epochs == 0:
+        raise ConfigError("train: give train.steps or train.epochs (or both) so the run can end")
+    return job
+
+
+def parse_job(text: str, source: str = "<string>") -> Job:
+    """Parse and validate job TOML text."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: invalid TOML: {e}") from None
+    try:
+        job = _validate(_fill(Job, data, "job"))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    job.source = source
+    return job
+
+
+def load_job(path: str | Path | None = None) -> Job:
+    """Read a job file; ``None`` gives the built-in default job (digits, async, 2 PS on 8 ranks)."""
+    if path is None:
+        text = resources.files("mpips.builtin").joinpath("default.toml").read_text()
+        return parse_job(text, "<built-in default job>")
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"job file {path}: not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"job file {path}: cannot read: {e}") from None
+    return parse_job(text, str(path))

@@ -1,0 +1,118 @@
+"""Rank layout: which MPI rank plays which role (``/job:ps/task:i`` or ``/job:worker/task:i``)."""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+PS, WORKER = "ps", "worker"
+
+
+@dataclass(frozen=True)
+class Role:
+    """One rank's job and task index; the chief is worker task 0."""
+
+    job: str
+    task: int
+
+    @property
+    def is_chief(self) -> bool:
+        return self.job == WORKER and self.task == 0
+
+    def __str__(self) -> str:
+        return f"/job:{self.job}/task:{self.task}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The PS ranks of a world; every other rank is a worker, in rank order."""
+
+    world_size: int
+    ps_ranks: tuple[int, ...]
+
+    @property
+    def worker_ranks(self) -> tuple[int, ...]:
+        ps = set(self.ps_ranks)
+        return tuple(r for r in range(self.world_size) if r not in ps)
+
+    @property
+    def num_ps(self) -> int:
+        return len(self.ps_ranks)
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size - len(self.ps_ranks)
+
+    @property
+    def chief_rank(self) -> int:
+        return self.worker_ranks[0]
+
+    def role(self, rank: int) -> Role:
+        if rank in self.ps_ranks:
+            return Role(PS, self.ps_ranks.index(rank))
+        return Role(WORKER, self.worker_ranks.index(rank))
+
+    def rank_of(self, job: str, task: int) -> int:
+        return (self.ps_ranks if job == PS else self.worker_ranks)[task]
+
+
+def default_num_ps(world_size: int) -> int:
+    """One PS per four ranks, at least one: 8 -> 2 PS + 6 workers, 3 -> 1 PS + 2 workers."""
+    return max(1, world_size // 4)
+
+
+def make_layout(world_size: int, ps: int | list[int] | None = None,
+                expected_world_size: int | None = None, source: str = "layout") -> Layout:
+    """Validate a PS spec (count, explicit rank list, or None for the default) for a world size."""
+    if expected_world_size is not None and expected_world_size != world_size:
+        raise ConfigError(f"{source}: world_size = {expected_world_size}, but the job runs "
+                          f"on {world_size} ranks (mpirun -n {expected_world_size}?)")
+    if world_size < 2:
+        raise ConfigError(f"{source}: mpips needs at least 2 ranks (1 ps + 1 worker), got "
+                          f"{world_size}; launch with e.g. `mpirun -n 3 python -m mpips train`")
+    if ps is None:
+        ps = default_num_ps(world_size)
+    if isinstance(ps, bool) or not isinstance(ps, (int, list)):
+        raise ConfigError(f"{source}: ps must be a count or a list of ranks, got {ps!r}")
+    if isinstance(ps, int):
+        if not 1 <= ps < world_size:
+            raise ConfigError(f"{source}: ps = {ps} needs 1 <= ps < world size {world_size} "
+                              f"(at least one worker)")
+        ranks = tuple(range(ps))
+    else:
+        if not ps:
+            raise ConfigError(f"{source}: ps = [] names no PS rank")
+        bad = [r for r in ps if isinstance(r, bool) or not isinstance(r, int)]
+        if bad:
+            raise ConfigError(f"{source}: ps ranks must be integers, got {bad[0]!r}")
+        out = [r for r in ps if not 0 <= r < world_size]
+        if out:
+            raise ConfigError(f"{source}: ps rank {out[0]} is out of range for "
+                              f"{world_size} ranks (0..{world_size - 1})")
+        dups = sorted({r for r in ps if ps.count(r) > 1})
+        if dups:
+            raise ConfigError(f"{source}: ps rank {dups[0]} is listed more than once")
+        if len(ps) >= world_size:
+            raise ConfigError(f"{source}: every rank is a PS; at least one worker is needed")
+        ranks = tuple(ps)
+    return Layout(world_size, ranks)
+
+
+LAYOUT_KEYS = ("ps", "world_size")
+
+
+def read_layout_file(path: str | Path) -> dict[str, Any]:
+    """Parse a rank-layout TOML file (``ps = 2`` or ``ps = [0, 4]``, optional ``world_size``)."""
+    from .job import check_keys  # one schema checker for every TOML file
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"layout file {path}: not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"layout file {path}: invalid TOML: {e}") from None
+    check_keys(data, LAYOUT_KEYS, f"layout file {path}")
+    return data

@@ -1,0 +1,93 @@
+"""Models: a multi-layer perceptron with ReLU and softmax cross-entropy, written for any xp."""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .backend import to_host
+from .metrics import accuracy
+from .placement import VariableSpec
+
+
+class MLP:
+    """Dense layers ``sizes[0] -> ... -> sizes[-1]``; variables in creation order
+    ``dense_0/kernel, dense_0/bias, dense_1/kernel, ...`` (the order placement uses)."""
+
+    def __init__(self, sizes: list[int], xp: ModuleType = np):
+        self.sizes = list(sizes)
+        self.xp = xp
+        self.num_layers = len(sizes) - 1
+
+    def variables(self) -> list[VariableSpec]:
+        out = []
+        for i, (a, b) in enumerate(zip(self.sizes[:-1], self.sizes[1:])):
+            out.append(VariableSpec(f"dense_{i}/kernel", (a, b)))
+            out.append(VariableSpec(f"dense_{i}/bias", (b,)))
+        return out
+
+    def initial_values(self, seed: int) -> dict[str, np.ndarray]:
+        """He-uniform kernels, zero biases (numpy, on the host: the chief writes them to the PS)."""
+        rng = np.random.default_rng(seed)
+        out = {}
+        for i, (a, b) in enumerate(zip(self.sizes[:-1], self.sizes[1:])):
+            limit = np.sqrt(6.0 / a)
+            out[f"dense_{i}/kernel"] = rng.uniform(-limit, limit, (a, b)).astype(np.float32)
+            out[f"dense_{i}/bias"] = np.zeros(b, np.float32)
+        return out
+
+    def logits(self, params: dict[str, Any], x: Any) -> Any:
+        h = x
+        for i in range(self.num_layers):
+            h = h @ params[f"dense_{i}/kernel"] + params[f"dense_{i}/bias"]
+            if i < self.num_layers - 1:
+                h = self.xp.maximum(h, 0)
+        return h
+
+    def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> tuple[float, float]:
+        """(mean cross-entropy, accuracy) of the model on ``x, y``."""
+        z = self.logits(params, x)
+        loss, _ = _cross_entropy(self.xp, z, y)
+        return float(loss), accuracy(to_host(z), to_host(y))
+
+    def loss_and_grads(self, params: dict[str, Any], x: Any, y: Any,
+                       grads: dict[str, Any]) -> float:
+        """Mean cross-entropy of the batch; writes d loss / d variable into ``grads`` in place."""
+        xp = self.xp
+        acts = [x]
+        h = x
+        for i in range(self.num_layers):
+            h = h @ params[f"dense_{i}/kernel"] + params[f"dense_{i}/bias"]
+            if i < self.num_layers - 1:
+                h = xp.maximum(h, 0)
+            acts.append(h)
+        loss, probs = _cross_entropy(xp, h, y)
+        d = probs
+        d[xp.arange(len(y)), y] -= 1
+        d /= len(y)
+        for i in reversed(range(self.num_layers)):
+            xp.matmul(acts[i].T, d, out=grads[f"dense_{i}/kernel"])
+            d.sum(axis=0, out=grads[f"dense_{i}/bias"])
+            if i:
+                d = d @ params[f"dense_{i}/kernel"].T
+                d *= acts[i] > 0
+        return float(loss)
+
+
+def _cross_entropy(xp: ModuleType, z: Any, y: Any) -> tuple[Any, Any]:
+    """Mean softmax cross-entropy and the softmax probabilities."""
+    z = z - z.max(axis=1, keepdims=True)
+    e = xp.exp(z)
+    s = e.sum(axis=1, keepdims=True)
+    probs = e / s
+    loss = (xp.log(s[:, 0]) - z[xp.arange(len(y)), y]).mean()
+    return loss, probs
+
+
+def build_model(kind: str, hidden: list[int], num_inputs: int, num_classes: int,
+                xp: ModuleType = np) -> MLP:
+    """The job's model for a dataset of ``num_inputs`` features and ``num_classes`` labels."""
+    if kind != "mlp":
+        raise ValueError(f"unknown model kind {kind!r}")
+    return MLP([num_inputs, *hidden, num_classes], xp)
