@@ -1,0 +1,104 @@
+"""Test harness for both `python -m pytest` and `mpirun -n 3 python -m pytest`.
+
+* ``@pytest.mark.mpi(ranks=3)``: runs in-process on COMM_WORLD; skipped unless the suite
+  runs under mpirun with at least that many ranks (test_mpi_suite.py launches them under
+  plain pytest, so one command covers everything).
+* ``@pytest.mark.launcher``: spawns its own ``mpiexec``; skipped under mpirun.
+* Under mpirun, a failed test aborts the world at once and every test has a hard timeout
+  (faulthandler, outside the GIL), so one rank's failure never leaves the others hanging.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_TIMEOUT = float(os.environ.get("MPIPS_TEST_TIMEOUT", "120"))
+
+
+def _world_size_from_env() -> int:
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+WORLD_SIZE = _world_size_from_env()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mpi(ranks=3): runs across COMM_WORLD under mpirun")
+    config.addinivalue_line("markers", "launcher: spawns mpiexec itself (plain pytest only)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        m = item.get_closest_marker("mpi")
+        if m is not None:
+            need = m.kwargs.get("ranks", 3)
+            if WORLD_SIZE < need:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs mpirun -n {need} (run by test_mpi_suite.py under plain pytest)"))
+        if item.get_closest_marker("launcher") is not None and WORLD_SIZE > 1:
+            item.add_marker(pytest.mark.skip(reason="spawns mpiexec; run under plain pytest"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if WORLD_SIZE > 1:
+        faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True)
+    yield
+    if WORLD_SIZE > 1:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_runtest_logreport(report):
+    if WORLD_SIZE > 1 and report.failed:
+        from mpi4py import MPI
+        sys.stderr.write(f"\n[rank {MPI.COMM_WORLD.rank}] {report.nodeid} failed:\n"
+                         f"{report.longreprtext}\naborting all ranks\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
+def mpiexec_path() -> str:
+    """The mpiexec that belongs to this Python's environment (the PyPI MPICH), else PATH's."""
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment minus any launcher variables (so a child mpiexec starts fresh)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_", "PRTE_", "MPI_LOCALNRANKS",
+                                "MPI_LOCALRANKID"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_mpi(n: int, args: list[str], cwd: Path, timeout: float = 90,
+            **env: str) -> subprocess.CompletedProcess:
+    """``mpiexec -n N python ARGS`` with a hard timeout; output captured as text."""
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, *args]
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=clean_env(**env), capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        pytest.fail(f"mpiexec -n {n} {' '.join(args)} hung for {timeout} s\n"
+                    f"stdout:\n{out}\nstderr:\n{err}")
+
+
+def run_py(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python ARGS`` as a plain process (no MPI launcher)."""
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(),
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)

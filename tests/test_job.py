@@ -1,0 +1,51 @@
+from pathlib import Path
+
+import pytest
+
+from mpips.errors import ConfigError
+from mpips.job import load_job, parse_job
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_builtin_default_job_is_jobs_default():
+    job = load_job(None)
+    assert job.data.builtin == "digits" and job.train.mode == "async"
+    assert (ROOT / "jobs/default.toml").read_text() == \
+        (ROOT / "mpips/builtin/default.toml").read_text()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "jobs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_jobs_parse(path):
+    job = load_job(path)
+    assert job.name and (job.train.steps or job.train.epochs)
+
+
+MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
+
+
+@pytest.mark.parametrize("text,message", [
+    (MINIMAL + "bach_size = 3\n", r"unknown key 'bach_size' \(did you mean 'batch_size'\?\)"),
+    (MINIMAL + "[optimzer]\n", r"unknown key 'optimzer' \(did you mean 'optimizer'\?\)"),
+    (MINIMAL + "batch_size = 'x'\n", r"train.batch_size: expected an integer, got 'x'"),
+    (MINIMAL + "batch_size = 0\n", r"train.batch_size: must be > 0"),
+    (MINIMAL + "seed = 1.5\n", r"train.seed: expected an integer"),
+    (MINIMAL + "mode = 'semi'\n", r"train.mode: 'semi' is not one of 'async'"),
+    (MINIMAL + "[model]\nhidden = [64, 'x']\n", r"model.hidden: expected a list of integers"),
+    (MINIMAL + "[layout]\nps = 'two'\n", r"layout.ps: expected an integer or a list of integers"),
+    (MINIMAL + "[checkpoint]\nevery_secs = true\n", r"checkpoint.every_secs: expected a number"),
+    ('[train]\nsteps = 10\n', r"give exactly one of data.path"),
+    ('[data]\nbuiltin = "digits"\n', r"give train.steps or train.epochs"),
+    ('train = 3\n', r"train: expected a table"),
+    ('[train\n', r"invalid TOML"),
+])
+def test_job_errors_name_the_key(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_job(text, "job.toml")
+
+
+def test_numbers_widen_and_missing_file():
+    job = parse_job(MINIMAL + "[optimizer]\nlearning_rate = 1\n")
+    assert job.optimizer.learning_rate == 1.0 and isinstance(job.optimizer.learning_rate, float)
+    with pytest.raises(ConfigError, match="not found"):
+        load_job("/nonexistent/job.toml")

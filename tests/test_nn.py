@@ -1,0 +1,41 @@
+import numpy as np
+
+from mpips.nn import MLP
+from mpips.optim import SGD
+
+
+def test_gradients_match_finite_differences():
+    model = MLP([5, 7, 3])
+    params = {k: v.astype(np.float64) for k, v in model.initial_values(0).items()}
+    params = {k: v + 0.1 * np.random.default_rng(1).standard_normal(v.shape) for k, v in params.items()}
+    x = np.random.default_rng(2).standard_normal((6, 5))
+    y = np.array([0, 1, 2, 1, 0, 2])
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    model.loss_and_grads(params, x, y, grads)
+    eps = 1e-6
+    for name, p in params.items():
+        for idx in [(0,) * p.ndim, tuple(s - 1 for s in p.shape)]:
+            old = p[idx]
+            p[idx] = old + eps
+            up = model.evaluate(params, x, y)[0]
+            p[idx] = old - eps
+            down = model.evaluate(params, x, y)[0]
+            p[idx] = old
+            assert abs((up - down) / (2 * eps) - grads[name][idx]) < 1e-6, name
+
+
+def test_sgd_steps_reduce_loss():
+    model = MLP([4, 8, 2])
+    params = model.initial_values(0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    opt = SGD(0.5)
+    first = model.loss_and_grads(params, x, y, grads)
+    for _ in range(50):
+        model.loss_and_grads(params, x, y, grads)
+        opt.deltas(grads)
+        for k in params:
+            params[k] += grads[k]
+    assert model.evaluate(params, x, y)[0] < first / 3

@@ -1,0 +1,149 @@
+"""Store contracts across real ranks: run under `mpirun -n 3 python -m pytest` (1 PS + 2 workers).
+
+Under plain pytest these are run by test_mpi_suite.py in an mpiexec subprocess.
+"""
+import time
+
+import numpy as np
+import pytest
+
+from mpips.errors import AgreedError, MpipsError
+from mpips.layout import make_layout
+from mpips.placement import VariableSpec, round_robin
+
+pytestmark = pytest.mark.mpi(ranks=3)
+
+SPECS = [VariableSpec("a", (1000,)), VariableSpec("b", (3, 7)), VariableSpec("c", (5,), "float64"),
+         VariableSpec("d", (2,))]
+
+
+class Store:
+    """Windows + client over COMM_WORLD with the default layout; freed collectively."""
+
+    def __init__(self, specs=SPECS):
+        from mpi4py import MPI
+
+        from mpips.store import Cluster, StoreClient, Windows
+        self.comm = MPI.COMM_WORLD
+        self.cluster = Cluster(self.comm, make_layout(self.comm.size))
+        self.placement = round_robin(specs, self.cluster.layout.num_ps)
+        self.windows = Windows(self.comm, self.cluster.layout, self.placement)
+        self.client = StoreClient(self.windows, self.placement)
+
+    def close(self):
+        from mpips.store import sleepy_barrier
+        sleepy_barrier(self.comm)
+        self.windows.free()
+        self.cluster.free()
+
+
+def test_pushes_of_ones_sum_exactly():
+    s = Store()
+    from mpips.store import sleepy_barrier
+    pushes = 200
+    init = {spec.name: np.full(spec.shape, 0.5, spec.dtype) for spec in SPECS}
+    if s.cluster.is_chief:
+        s.client.write(init)
+        s.client.raise_ready()
+    if not s.cluster.is_ps:
+        s.client.wait_ready(timeout=30)
+        for g in s.client.grads.values():
+            g[...] = 1
+        for _ in range(pushes):
+            s.client.push()
+        sleepy_barrier(s.cluster.workers)
+        got = s.client.pull()
+        workers = s.cluster.layout.num_workers
+        for name, value in got.items():
+            np.testing.assert_array_equal(value, init[name] + workers * pushes, err_msg=name)
+    s.close()
+
+
+def test_global_steps_are_unique_and_gapless():
+    from mpips.store import allgather_json
+    s = Store()
+    per_worker = 300
+    if s.cluster.is_chief:
+        s.client.set_counters(0)
+        s.client.raise_ready()
+    if not s.cluster.is_ps:
+        s.client.wait_ready(timeout=30)
+        mine = [s.client.advance_step() for _ in range(per_worker)]
+        assert mine == sorted(mine)  # each worker sees its own steps increase
+        everyone = sum(allgather_json(s.cluster.workers, mine), [])
+        total = per_worker * s.cluster.layout.num_workers
+        assert sorted(everyone) == list(range(1, total + 1))
+        assert s.client.global_step() == total
+    s.close()
+
+
+def test_tickets_stop_exactly_at_target():
+    from mpips.store import allgather_json
+    s = Store()
+    start, target = 40, 137
+    if s.cluster.is_chief:
+        s.client.set_counters(start)
+        s.client.raise_ready()
+    if not s.cluster.is_ps:
+        s.client.wait_ready(timeout=30)
+        made = 0
+        while s.client.claim_ticket() < target:
+            s.client.advance_step()
+            made += 1
+        assert sum(allgather_json(s.cluster.workers, made)) == target - start
+        from mpips.store import sleepy_barrier
+        sleepy_barrier(s.cluster.workers)
+        assert s.client.global_step() == target
+    s.close()
+
+
+def test_workers_wait_for_the_ready_flag():
+    s = Store()
+    init = {spec.name: np.arange(np.prod(spec.shape), dtype=spec.dtype).reshape(spec.shape)
+            for spec in SPECS}
+    if s.cluster.is_chief:
+        time.sleep(0.5)  # a slow chief: the others must wait for the flag, not a fixed sleep
+        s.client.write(init)
+        s.client.raise_ready()
+    elif not s.cluster.is_ps:
+        t0 = time.monotonic()
+        s.client.wait_ready(timeout=30)
+        assert time.monotonic() - t0 > 0.3
+        for name, value in s.client.pull().items():
+            np.testing.assert_array_equal(value, init[name])
+    s.close()
+
+
+def test_placement_mismatch_names_the_first_differing_variable():
+    from mpi4py import MPI
+
+    from mpips.store import Cluster, PlacementMismatch
+    comm = MPI.COMM_WORLD
+    cluster = Cluster(comm, make_layout(comm.size))
+    specs = list(SPECS)
+    if comm.rank == comm.size - 1:  # "dict order" trap: one rank creates b before a
+        specs[0], specs[1] = specs[1], specs[0]
+    with pytest.raises(PlacementMismatch) as e:
+        cluster.check_placement(round_robin(specs, cluster.layout.num_ps))
+    text = str(e.value)
+    assert "variable #0" in text
+    assert "rank 0 (/job:ps/task:0): a [1000] float32" in text
+    assert f"rank {comm.size - 1} (/job:worker/task:{comm.size - 2}): b [3x7]" in text
+    cluster.check_placement(round_robin(SPECS, cluster.layout.num_ps))  # agreeing ranks pass
+    cluster.free()
+
+
+def test_an_error_on_one_rank_is_agreed_by_all():
+    from mpi4py import MPI
+
+    from mpips.store import agreed
+    comm = MPI.COMM_WORLD
+
+    def prepare():
+        if comm.rank == 1:
+            raise MpipsError("data file x.h5: not found")
+        return comm.rank
+
+    with pytest.raises(AgreedError, match="data file x.h5: not found"):
+        agreed(comm, prepare)
+    assert agreed(comm, lambda: comm.rank * 2) == comm.rank * 2

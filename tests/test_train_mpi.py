@@ -1,0 +1,115 @@
+"""End-to-end runs of `python -m mpips train` under mpiexec (plain pytest only)."""
+import re
+import time
+
+import pytest
+from conftest import ROOT, run_mpi, run_py
+
+pytestmark = pytest.mark.launcher
+
+STEP = re.compile(r"^\[/job:worker/task:(\d+)\] step (\d+) ", re.M)
+FINAL = re.compile(r"final: global_step (\d+) test_accuracy ([0-9.]+)")
+
+
+def train(tmp_path, n, *args, timeout=90):
+    return run_mpi(n, ["-m", "mpips", "train", "--no-progress", *args], cwd=tmp_path,
+                   timeout=timeout)
+
+
+def test_async_digits_converges_with_unique_steps(tmp_path):
+    r = train(tmp_path, 3, "--log-every", "1")
+    assert r.returncode == 0, r.stderr
+    step, acc = FINAL.search(r.stdout).groups()
+    assert int(step) == 600 and float(acc) >= 0.90
+    steps = [int(s) for _, s in STEP.findall(r.stdout)]
+    assert sorted(steps) == list(range(1, 601)), "every global step printed exactly once"
+    assert {t for t, _ in STEP.findall(r.stdout)} == {"0", "1"}
+    assert "[/job:worker/task:1] shard rows [719, 1437) of 1437" in r.stdout
+    assert (tmp_path / "runs/default/ckpt-600.h5").exists()
+
+
+def test_resume_continues_the_step_on_another_layout(tmp_path):
+    layout = tmp_path / "two_ps.toml"
+    layout.write_text("ps = [0, 3]\n")
+    first = train(tmp_path, 4, "--steps", "150", "--layout", str(layout), "--log-every", "1")
+    assert first.returncode == 0, first.stderr
+    assert FINAL.search(first.stdout).group(1) == "150"
+    second = train(tmp_path, 3, "--steps", "300", "--log-every", "1")
+    assert second.returncode == 0, second.stderr
+    assert "restored global_step 150 from runs/default/ckpt-150.h5" in second.stdout
+    steps = sorted(int(s) for _, s in STEP.findall(second.stdout))
+    assert steps == list(range(151, 301))
+    assert FINAL.search(second.stdout).group(1) == "300"
+    third = train(tmp_path, 3, "--steps", "300")
+    assert "already reached train.steps = 300: nothing to train" in third.stdout
+    fresh = train(tmp_path, 3, "--steps", "20", "--no-restore", "--ckpt-dir", "runs/fresh")
+    assert "restored" not in fresh.stdout and FINAL.search(fresh.stdout).group(1) == "20"
+
+
+def assert_clean_error(r, message, code=2):
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.count(message) == 1, r.stderr  # said once, not once per rank
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("layout,message", [
+    ("ps = [0, 9]\n", "ps rank 9 is out of range for 3 ranks"),
+    ("ps = [1, 1]\n", "ps rank 1 is listed more than once"),
+    ("ps = [0, 1, 2]\n", "at least one worker"),
+    ("ps = 1\nworld_size = 8\n", "world_size = 8, but the job runs on 3 ranks"),
+    ("ps = 1\nranks = 3\n", "unknown key 'ranks'"),
+    ("ps = [0,\n", "invalid TOML"),
+])
+def test_bad_layout_fails_fast_on_every_rank(tmp_path, layout, message):
+    (tmp_path / "layout.toml").write_text(layout)
+    t0 = time.monotonic()
+    r = train(tmp_path, 3, "--layout", "layout.toml", timeout=30)
+    assert_clean_error(r, message)
+    assert time.monotonic() - t0 < 20
+
+
+def test_bad_job_and_missing_data(tmp_path):
+    (tmp_path / "job.toml").write_text('[data]\npath = "nope.h5"\n[train]\nsteps = 5\nbach_size = 3\n')
+    assert_clean_error(train(tmp_path, 3, "job.toml", timeout=30),
+                       "unknown key 'bach_size' (did you mean 'batch_size'?)")
+    (tmp_path / "job.toml").write_text('[data]\npath = "nope.h5"\n[train]\nsteps = 5\n')
+    assert_clean_error(train(tmp_path, 3, "job.toml", timeout=30), "data file nope.h5: not found")
+    assert_clean_error(train(tmp_path, 3, "missing.toml", timeout=30),
+                       "job file missing.toml: not found")
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_left_alone(tmp_path):
+    d = tmp_path / "runs/default"
+    d.mkdir(parents=True)
+    (d / "ckpt-50.h5").write_bytes(b"\x89HDF\r\n\x1a\n truncated")
+    r = train(tmp_path, 3, "--steps", "60", timeout=30)
+    assert_clean_error(r, "checkpoint runs/default/ckpt-50.h5: corrupt or unreadable")
+    assert (d / "ckpt-50.h5").read_bytes().endswith(b"truncated")
+
+
+def test_single_process_says_how_to_launch(tmp_path):
+    r = run_py(["-m", "mpips", "train"], cwd=tmp_path)
+    assert r.returncode == 2 and "needs at least 2 ranks" in r.stderr and "mpirun -n" in r.stderr
+
+
+BOOM = '''
+import sys, mpips
+class Boom(mpips.Hook):
+    def after_step(self, run, info):
+        if run.role.task == 1 and info.local_updates == 5:
+            raise RuntimeError("injected failure")
+with mpips.abort_on_error():
+    job = mpips.load_job(None)
+    job.train.progress, job.checkpoint.dir, job.train.steps = False, "", 10**9
+    mpips.train(job, hooks=[Boom()])
+'''
+
+
+def test_exception_on_one_worker_ends_the_job(tmp_path):
+    (tmp_path / "boom.py").write_text(BOOM)
+    t0 = time.monotonic()
+    r = run_mpi(4, ["boom.py"], cwd=tmp_path, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "rank 2 (/job:worker/task:1) failed with RuntimeError: injected failure" in r.stderr
+    assert elapsed < 20, elapsed
