@@ -113,3 +113,20 @@ def test_exception_on_one_worker_ends_the_job(tmp_path):
     assert r.returncode != 0
     assert "rank 2 (/job:worker/task:1) failed with RuntimeError: injected failure" in r.stderr
     assert elapsed < 20, elapsed
+
+
+FASHION = "/usr/share/datasets/fashion-mnist"
+
+
+def test_fashion_mnist_job_reaches_085(tmp_path):
+    import os
+    if not os.path.isdir(FASHION):
+        if os.environ.get("CI"):
+            pytest.fail(f"{FASHION} missing: .ci/run must apt-get install dataset-fashion-mnist")
+        pytest.skip("apt-get install dataset-fashion-mnist")
+    r = run_py(["-m", "mpips", "data", "fashion-mnist", "data/fashion_mnist.h5"], cwd=tmp_path,
+               timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = train(tmp_path, 8, str(ROOT / "jobs/fashion_mnist.toml"), timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert float(FINAL.search(r.stdout).group(2)) >= 0.85, r.stdout[-3000:]
