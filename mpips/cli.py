@@ -67,7 +67,7 @@ def _resolve_job(args: argparse.Namespace) -> Job:
     """The job file plus command-line overrides, validated."""
     from dataclasses import replace
 
-    from .job import _validate
+    from .job import validate
     from .layout import read_layout_file
     job = load_job(args.job)
     if args.layout:
@@ -83,7 +83,7 @@ def _resolve_job(args: argparse.Namespace) -> Job:
         job.checkpoint.restore = False
     if getattr(args, "no_progress", False):
         job.train.progress = False
-    return _validate(job)
+    return validate(job)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -91,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .failure import abort_on_error
     from .store import agreed
-    from .train import train
+    from .training import train
     with abort_on_error():
         job = agreed(MPI.COMM_WORLD, lambda: _resolve_job(args))
         train(job)
@@ -100,14 +100,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     from .data import open_dataset, resolve_path
+    from .job import job_layout, job_placement
     from .nn import build_model
-    from .train import job_layout, job_placement
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8
     layout = job_layout(job, n)
     info = open_dataset(resolve_path(job.data.path, job.data.builtin))
     model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes)
-    placement = job_placement(job, model, layout.num_ps)
+    placement = job_placement(job, model.variables(), layout.num_ps)
     print(f"job {job.name} ({job.source}) on {n} ranks: {layout.num_ps} ps, "
           f"{layout.num_workers} workers, chief = rank {layout.chief_rank}")
     print(f"\n{'rank':>4}  task")

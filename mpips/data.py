@@ -8,10 +8,10 @@ from __future__ import annotations
 import gzip
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterator
 
 import h5py
 import numpy as np

@@ -13,7 +13,7 @@ from . import checkpoint
 from .log import log
 
 if TYPE_CHECKING:
-    from .train import Run
+    from .training import Run
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .layout import Layout, make_layout
+from .placement import STRATEGIES, Placement, VariableSpec
 
 
 @dataclass
@@ -149,7 +151,8 @@ def _fill(cls: type, table: dict[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
-def _validate(job: Job) -> Job:
+def validate(job: Job) -> Job:
+    """Check cross-field rules and value ranges (after overrides, too)."""
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(job, section), name)
@@ -179,7 +182,7 @@ def parse_job(text: str, source: str = "<string>") -> Job:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: invalid TOML: {e}") from None
     try:
-        job = _validate(_fill(Job, data, "job"))
+        job = validate(_fill(Job, data, "job"))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     job.source = source
@@ -198,3 +201,14 @@ def load_job(path: str | Path | None = None) -> Job:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"job file {path}: cannot read: {e}") from None
     return parse_job(text, str(path))
+
+
+def job_layout(job: Job, world_size: int) -> Layout:
+    """The job's rank layout on ``world_size`` ranks (ConfigError if it does not fit)."""
+    return make_layout(world_size, job.layout.ps, job.layout.world_size,
+                       source=f"{job.source}: [layout]")
+
+
+def job_placement(job: Job, specs: list[VariableSpec], num_ps: int) -> Placement:
+    """The job's placement strategy applied to the model's variables."""
+    return STRATEGIES[job.layout.placement](specs, num_ps)

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from math import prod
-from typing import Iterable
 
 import numpy as np
 

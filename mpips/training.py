@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -11,16 +12,16 @@ from mpi4py import MPI
 from . import checkpoint
 from .backend import get_xp, pin_blas_threads, to_device, to_host
 from .data import batches, load_split, open_dataset, resolve_path, shard_rows
+from .errors import DataError
 from .failure import set_role
 from .hooks import CheckpointSaver, Hook, ProgressBar, StepInfo, StepLogger
-from .job import Job
-from .layout import Layout, Role, make_layout
+from .job import Job, job_layout, job_placement
+from .layout import Role
 from .log import log
 from .nn import MLP, build_model
 from .optim import build_optimizer
-from .placement import STRATEGIES, Placement
-from .store import (Cluster, StoreClient, Windows, agreed, allgather_json, serve,
-                    sleepy_barrier)
+from .placement import Placement
+from .store import Cluster, StoreClient, Windows, agreed, allgather_json, serve, sleepy_barrier
 
 
 @dataclass
@@ -53,15 +54,6 @@ class Run:
         return self.role.is_chief
 
 
-def job_layout(job: Job, world_size: int) -> Layout:
-    return make_layout(world_size, job.layout.ps, job.layout.world_size,
-                       source=f"{job.source}: [layout]")
-
-
-def job_placement(job: Job, model: MLP, num_ps: int) -> Placement:
-    return STRATEGIES[job.layout.placement](model.variables(), num_ps)
-
-
 def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None) -> TrainResult:
     """Run ``job`` on every rank of ``comm`` (collective): PS ranks serve, workers train."""
     comm = comm or MPI.COMM_WORLD
@@ -83,7 +75,6 @@ def _prepare(job: Job, cluster: Cluster) -> dict[str, Any]:
     task, workers = cluster.role.task, cluster.layout.num_workers
     rows = shard_rows(info.rows["train"], workers, task)
     if rows[1] <= rows[0]:
-        from .errors import DataError
         raise DataError(f"{info.path}: {info.rows['train']} train rows cannot feed "
                         f"{workers} workers")
     prep["rows"] = rows
@@ -108,7 +99,7 @@ def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:
     xp = agreed(cluster.comm, lambda: np if cluster.is_ps
                 else get_xp(job.train.device, cluster.local_rank))
     model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes, xp)
-    placement = job_placement(job, model, cluster.layout.num_ps)
+    placement = job_placement(job, model.variables(), cluster.layout.num_ps)
     cluster.check_placement(placement)
     windows = Windows(cluster.comm, cluster.layout, placement)
     if cluster.is_ps:
@@ -158,7 +149,7 @@ def _work(job: Job, cluster: Cluster, windows: Windows, placement: Placement, mo
     on_host = model.xp is np
     dev_grads = client.grads if on_host else {k: model.xp.empty_like(to_device(model.xp, v))
                                               for k, v in client.grads.items()}
-    x_all, y_all = (to_device(model.xp, a) for a in prep["train"])
+    x_all, y_all = prep["train"]  # host memory; batches go to the device one at a time
     updates = examples = 0
     t0 = time.perf_counter()
     for epoch, x, y in batches(x_all, y_all, tc.batch_size, tc.seed, role.task, tc.epochs):
@@ -167,6 +158,7 @@ def _work(job: Job, cluster: Cluster, windows: Windows, placement: Placement, mo
         params = client.pull()
         if not on_host:
             params = {k: to_device(model.xp, v) for k, v in params.items()}
+            x, y = to_device(model.xp, x), to_device(model.xp, y)
         loss = model.loss_and_grads(params, x, y, dev_grads)
         optimizer.deltas(dev_grads)
         if not on_host:
