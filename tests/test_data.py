@@ -21,7 +21,9 @@ def test_shards_are_disjoint_and_cover():
 def test_batches_reshuffle_per_epoch_and_are_deterministic():
     x = np.arange(10, dtype=np.float32)[:, None]
     y = np.arange(10)
-    run = lambda: [(e, b.tolist()) for e, _, b in data.batches(x, y, 4, seed=3, task=1, epochs=2)]
+    def run():
+        return [(e, b.tolist()) for e, _, b in data.batches(x, y, 4, seed=3, task=1, epochs=2)]
+
     first = run()
     assert first == run()
     assert [e for e, _ in first] == [0, 0, 0, 1, 1, 1]
