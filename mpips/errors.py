@@ -25,3 +25,7 @@ class CheckpointError(MpipsError):
 
 class AgreedError(MpipsError):
     """An error every rank knows about (raised collectively), so each rank can exit cleanly."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -147,3 +147,19 @@ def test_an_error_on_one_rank_is_agreed_by_all():
     with pytest.raises(AgreedError, match="data file x.h5: not found"):
         agreed(comm, prepare)
     assert agreed(comm, lambda: comm.rank * 2) == comm.rank * 2
+
+
+def test_an_unexpected_start_up_error_is_said_once_with_exit_1():
+    from mpi4py import MPI
+
+    from mpips.store import agreed
+    comm = MPI.COMM_WORLD
+
+    def prepare():
+        raise FileNotFoundError("no such file: default.toml")
+
+    with pytest.raises(AgreedError) as e:
+        agreed(comm, prepare)
+    assert e.value.exit_code == 1
+    assert str(e.value).startswith("unexpected error during start-up:\nTraceback")
+    assert str(e.value).count("FileNotFoundError: no such file: default.toml") == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -48,21 +49,28 @@ def allgather_json(comm: MPI.Comm, obj: Any) -> list[Any]:
 
 
 def agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it raises MpipsError anywhere, raise AgreedError everywhere.
+    """Run ``fn`` on every rank; if it raises anywhere, raise AgreedError on every rank.
 
-    The message is said once when all failing ranks agree on it, else once per failing rank.
+    Used for start-up work (reading the job, layout, data, checkpoint) so a problem is
+    said once, not once per rank: an MpipsError by its message (exit 2), anything else by
+    its traceback (exit 1). Different messages from different ranks are each said once.
     """
     result, error = None, None
     try:
         result = fn()
     except MpipsError as e:
-        error = str(e)
+        error = [str(e), e.exit_code]
+    except Exception as e:
+        error = ["unexpected error during start-up:\n" +
+                 "".join(traceback.format_exception(e)).rstrip(), 1]
     errors = allgather_json(comm, error)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
-        if len({e for _, e in bad}) == 1:
-            raise AgreedError(bad[0][1])
-        raise AgreedError("\n".join(f"rank {r}: {e}" for r, e in bad))
+        code = max(c for _, (_, c) in bad)
+        messages = list(dict.fromkeys(m for _, (m, _) in bad))
+        if len(messages) == 1:
+            raise AgreedError(messages[0], code)
+        raise AgreedError("\n".join(f"rank {r}: {m}" for r, (m, _) in bad), code)
     return result  # type: ignore[return-value]
 
 
