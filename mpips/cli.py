@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -148,3 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     except MpipsError as e:
         print(f"mpips: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # `python -m mpips layout | head`: not an error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

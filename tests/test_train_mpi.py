@@ -130,3 +130,15 @@ def test_fashion_mnist_job_reaches_085(tmp_path):
     r = train(tmp_path, 8, str(ROOT / "jobs/fashion_mnist.toml"), timeout=240)
     assert r.returncode == 0, r.stderr
     assert float(FINAL.search(r.stdout).group(2)) >= 0.85, r.stdout[-3000:]
+
+
+def test_run_ends_when_every_worker_has_exhausted_its_epochs(tmp_path):
+    (tmp_path / "job.toml").write_text(
+        '[data]\nbuiltin = "digits"\n[train]\nepochs = 2\nbatch_size = 100\nlog_every = 1\n')
+    r = train(tmp_path, 3, "job.toml")
+    assert r.returncode == 0, r.stderr
+    # shards of 719 and 718 rows: 8 batches an epoch each (the last one short), 2 epochs
+    assert "[/job:worker/task:0] done: 16 updates, 1438 examples" in r.stdout
+    assert "[/job:worker/task:1] done: 16 updates, 1436 examples" in r.stdout
+    assert FINAL.search(r.stdout).group(1) == "32"
+    assert sorted(int(s) for _, s in STEP.findall(r.stdout)) == list(range(1, 33))
