@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -34,9 +35,21 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def _h5_path(name: str, slot: bool) -> str:
+    """Variables live at ``variables/<name>``, slot ``<var>/<slot>`` at ``slots/<slot>/<var>``."""
+    if not slot:
+        return f"variables/{name}"
+    var, slot_name = name.rsplit("/", 1)
+    return f"slots/{slot_name}/{var}"
+
+
 def save(directory: str | Path, step: int, values: dict[str, np.ndarray],
-         max_to_keep: int = 3, meta: dict[str, str] | None = None) -> Path:
-    """Commit ``ckpt-<step>.h5`` atomically, then prune to the newest ``max_to_keep``."""
+         max_to_keep: int = 3, meta: dict[str, Any] | None = None,
+         slots: dict[str, np.ndarray] | None = None) -> Path:
+    """Commit ``ckpt-<step>.h5`` atomically, then prune to the newest ``max_to_keep``.
+
+    ``slots`` maps ``<variable>/<slot>`` to optimizer state arrays.
+    """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"ckpt-{step}.h5"
@@ -47,9 +60,10 @@ def save(directory: str | Path, step: int, values: dict[str, np.ndarray],
             f.attrs["global_step"] = step
             for k, v in (meta or {}).items():
                 f.attrs[k] = v
-            group = f.create_group("variables")
             for name, value in values.items():
-                group.create_dataset(name, data=value)
+                f.create_dataset(_h5_path(name, False), data=value)
+            for name, value in (slots or {}).items():
+                f.create_dataset(_h5_path(name, True), data=value)
             f.flush()
             os.fsync(f.id.get_vfd_handle())
         os.replace(tmp, final)
@@ -65,19 +79,27 @@ def save(directory: str | Path, step: int, values: dict[str, np.ndarray],
     return final
 
 
-def restore(path: str | Path, specs: list[VariableSpec]) -> tuple[int, dict[str, np.ndarray]]:
-    """Load (global_step, values) for exactly ``specs``; any mismatch names the variable."""
+def restore(path: str | Path, specs: list[VariableSpec], slot_specs: list[VariableSpec] = ()
+            ) -> tuple[int, dict[str, np.ndarray], list[int] | None]:
+    """Load (global_step, values, worker clocks) for exactly ``specs`` and ``slot_specs``.
+
+    Any mismatch names the variable; ``clocks`` (each worker's updates, i.e. its data
+    position) is None when the checkpoint has none.
+    """
     out = {}
     try:
         with h5py.File(path, "r") as f:
             if f.attrs.get("format") != FORMAT:
                 raise CheckpointError(f"checkpoint {path}: not an mpips checkpoint")
             step = int(f.attrs["global_step"])
-            group = f["variables"]
-            for spec in specs:
-                if spec.name not in group:
-                    raise CheckpointError(f"checkpoint {path}: has no variable '{spec.name}'")
-                ds = group[spec.name]
+            clocks = [int(c) for c in f.attrs["clocks"]] if "clocks" in f.attrs else None
+            for spec, slot in [(s, False) for s in specs] + [(s, True) for s in slot_specs]:
+                key = _h5_path(spec.name, slot)
+                if key not in f:
+                    raise CheckpointError(
+                        f"checkpoint {path}: has no variable '{spec.name}' (written for another "
+                        f"model or optimizer? start afresh with --no-restore or another --ckpt-dir)")
+                ds = f[key]
                 if not isinstance(ds, h5py.Dataset):
                     raise CheckpointError(f"checkpoint {path}: '{spec.name}' is not an array")
                 if tuple(ds.shape) != spec.shape or ds.dtype != np.dtype(spec.dtype):
@@ -89,4 +111,4 @@ def restore(path: str | Path, specs: list[VariableSpec]) -> tuple[int, dict[str,
         raise
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path}: corrupt or unreadable ({e})") from None
-    return step, out
+    return step, out, clocks

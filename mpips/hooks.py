@@ -24,6 +24,8 @@ class StepInfo:
     loss: float
     epoch: int           # epoch of this worker's shard
     local_updates: int   # updates made by this worker in this run
+    lead: int = 0        # updates this worker was ahead of the slowest one when it pulled
+    delay: int = 0       # global steps other workers applied between its pull and its push
 
 
 class Hook:
@@ -45,7 +47,8 @@ class StepLogger(Hook):
     def after_step(self, run: Run, info: StepInfo) -> None:
         if self.every and info.local_updates % self.every == 0:
             log(run.role, f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
-                          f"(update {info.local_updates} of this worker)")
+                          f"(update {info.local_updates} of this worker, pulled "
+                          f"{info.delay} steps earlier)")
 
 
 class ProgressBar(Hook):
@@ -66,7 +69,7 @@ class ProgressBar(Hook):
 
     def end(self, run: Run) -> None:
         if self.bar is not None:
-            final = run.client.global_step()  # other workers' last steps too
+            final = run.client.counters.global_step()  # other workers' last steps too
             if final > self.bar.n:
                 self.bar.update(final - self.bar.n)
             self.bar.close()
@@ -95,14 +98,17 @@ class CheckpointSaver(Hook):
             self.save(run)
 
     def end(self, run: Run) -> None:
-        if run.is_chief and run.client.global_step() != self.last_step:
+        if run.is_chief and run.client.counters.global_step() != self.last_step:
             self.save(run)
 
     def save(self, run: Run) -> Path:
+        """Variables, optimizer slots, global_step and each worker's clock (data position)."""
         values = run.client.pull()
-        step = run.client.global_step()
+        slots = run.client.pull_slots()
+        step = run.client.counters.global_step()
+        clocks = run.client.counters.clocks()[0]
         path = checkpoint.save(self.directory, step, values, self.max_to_keep,
-                               {"job": run.job.source})
+                               {"job": run.job.source, "clocks": clocks}, slots)
         self.last_step, self.last_time = step, time.monotonic()
         log(run.role, f"saved checkpoint {path} (global_step {step})")
         return path

@@ -34,8 +34,21 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    kind: str = "sgd"
+    kind: str = "sgd"          # sgd, momentum, adagrad, adam, ftrl
     learning_rate: float = 0.1
+    momentum: float = 0.9      # momentum
+    nesterov: bool = False     # momentum
+    beta1: float = 0.9         # adam
+    beta2: float = 0.999       # adam
+    epsilon: float = 1e-7      # adam, adagrad
+    initial_accumulator_value: float = 0.1  # adagrad, ftrl (n)
+    l1: float = 0.0            # ftrl
+    l2: float = 0.0            # ftrl
+    schedule: str = "constant"  # constant, exponential, step
+    decay_rate: float = 0.96
+    decay_steps: int = 1000
+    warmup_steps: int = 0      # linear warm-up over the first N global steps
+    clip_norm: float = 0.0     # clip each update's gradients to this global norm (0: off)
 
 
 @dataclass
@@ -48,6 +61,7 @@ class TrainConfig:
     log_every: int = 100       # per-worker log line every N of its own updates (0: off)
     progress: bool = True      # tqdm bar on the chief
     device: str = "cpu"        # "cpu" (numpy) or "gpu" (cupy, one device per local rank)
+    max_staleness: int | None = None  # bounded staleness: lead over the slowest worker (0: lock-step)
 
 
 @dataclass
@@ -80,15 +94,20 @@ class Job:
 
 CHOICES = {
     "model.kind": ("mlp",),
-    "optimizer.kind": ("sgd",),
+    "optimizer.kind": ("sgd", "momentum", "adagrad", "adam", "ftrl"),
+    "optimizer.schedule": ("constant", "exponential", "step"),
     "train.mode": ("async",),
     "train.device": ("cpu", "gpu"),
     "data.builtin": ("", "digits"),
     "layout.placement": ("round_robin", "greedy"),
 }
 NON_NEGATIVE = ("train.steps", "train.epochs", "train.log_every", "checkpoint.every_steps",
-                "checkpoint.every_secs", "model.init_seed", "train.seed")
-POSITIVE = ("train.batch_size", "optimizer.learning_rate", "checkpoint.max_to_keep")
+                "checkpoint.every_secs", "model.init_seed", "train.seed", "optimizer.momentum",
+                "optimizer.initial_accumulator_value", "optimizer.l1", "optimizer.l2",
+                "optimizer.warmup_steps", "optimizer.clip_norm")
+POSITIVE = ("train.batch_size", "optimizer.learning_rate", "checkpoint.max_to_keep",
+            "optimizer.epsilon", "optimizer.decay_rate", "optimizer.decay_steps")
+UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
 
 
 def check_keys(table: dict[str, Any], allowed: typing.Iterable[str], where: str) -> None:
@@ -165,6 +184,15 @@ def validate(job: Job) -> Job:
         if value < 0 or (key in POSITIVE and value == 0):
             bound = "> 0" if key in POSITIVE else ">= 0"
             raise ConfigError(f"{key}: must be {bound}, got {value!r}")
+    for key in UNIT_INTERVAL:
+        section, name = key.split(".")
+        value = getattr(getattr(job, section), name)
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key}: must be in [0, 1), got {value!r}")
+    if job.train.max_staleness is not None and job.train.max_staleness < 0:
+        raise ConfigError(f"train.max_staleness: must be >= 0, got {job.train.max_staleness}")
+    if job.optimizer.kind == "ftrl" and job.optimizer.initial_accumulator_value <= 0:
+        raise ConfigError("optimizer.initial_accumulator_value: FTRL needs a value > 0")
     if any(h <= 0 for h in job.model.hidden):
         raise ConfigError(f"model.hidden: layer sizes must be > 0, got {job.model.hidden}")
     if bool(job.data.path) == bool(job.data.builtin):

@@ -104,3 +104,18 @@ def _check_names(specs: list[VariableSpec]) -> None:
         if s.name in seen:
             raise ValueError(f"variable name {s.name!r} is used twice")
         seen.add(s.name)
+
+
+def slot_placement(placement: Placement, slots: tuple[str, ...]) -> Placement:
+    """Optimizer slots (``<variable>/<slot>``) on their variable's PS, after all variables.
+
+    Offsets start where the variables end, so a pull of the variables stays one contiguous Get.
+    """
+    fill = [placement.ps_bytes(p) for p in range(placement.num_ps)]
+    entries = []
+    for e in placement:
+        for slot in slots:
+            spec = VariableSpec(f"{e.spec.name}/{slot}", e.spec.shape, e.spec.dtype)
+            entries.append(Placed(spec, e.ps_task, fill[e.ps_task]))
+            fill[e.ps_task] = _align(fill[e.ps_task] + spec.nbytes)
+    return Placement(tuple(entries), placement.num_ps)

@@ -19,9 +19,10 @@ from .job import Job, job_layout, job_placement
 from .layout import Role
 from .log import log
 from .nn import MLP, build_model
-from .optim import build_optimizer
-from .placement import Placement
-from .store import Cluster, StoreClient, Windows, agreed, allgather_json, serve, sleepy_barrier
+from .optim import Optimizer, build_optimizer, clip_by_global_norm, learning_rate
+from .placement import slot_placement
+from .store import Cluster, Counters, StoreClient, Windows, agreed, allgather_json, serve, sleepy_barrier
+from .store.cluster import POLL_SECONDS
 
 
 @dataclass
@@ -37,6 +38,7 @@ class TrainResult:
     total_examples: int = 0        # over all workers (chief only)
     test_accuracy: float | None = None
     test_loss: float | None = None
+    staleness: list[dict[str, Any]] | None = None  # per worker task (chief: all workers)
 
 
 @dataclass
@@ -65,13 +67,13 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None) ->
     return result
 
 
-def _prepare(job: Job, cluster: Cluster) -> dict[str, Any]:
+def _prepare(job: Job, cluster: Cluster, optimizer: Optimizer) -> dict[str, Any]:
     """Everything that can fail on bad input, done before any window exists."""
     info = open_dataset(resolve_path(job.data.path, job.data.builtin))
-    prep: dict[str, Any] = {"info": info, "start_step": 0}
-    model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes)
+    prep: dict[str, Any] = {"info": info, "start_step": 0, "clocks": None}
     if cluster.is_ps:
         return prep
+    model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes)
     task, workers = cluster.role.task, cluster.layout.num_workers
     rows = shard_rows(info.rows["train"], workers, task)
     if rows[1] <= rows[0]:
@@ -83,16 +85,25 @@ def _prepare(job: Job, cluster: Cluster) -> dict[str, Any]:
         prep["test"] = load_split(info, "test")
         latest = checkpoint.latest_checkpoint(job.checkpoint.dir) \
             if job.checkpoint.dir and job.checkpoint.restore else None
+        specs = model.variables()
+        slot_specs = [e.spec for e in slot_placement(job_placement(job, specs, 1),
+                                                     optimizer.slots)]
         if latest is not None:
-            prep["start_step"], prep["values"] = checkpoint.restore(latest, model.variables())
-            prep["restored"] = str(latest)
+            step, values, clocks = checkpoint.restore(latest, specs, slot_specs)
+            prep.update(start_step=step, restored=str(latest), clocks=clocks,
+                        values={s.name: values[s.name] for s in specs},
+                        slots={s.name: values[s.name] for s in slot_specs})
         else:
-            prep["values"] = model.initial_values(job.model.init_seed)
+            values = model.initial_values(job.model.init_seed)
+            prep["values"] = values
+            prep["slots"] = {f"{name}/{slot}": array for name, v in values.items()
+                             for slot, array in optimizer.init_slots(v).items()}
     return prep
 
 
 def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:
-    prep = agreed(cluster.comm, lambda: _prepare(job, cluster))
+    optimizer = build_optimizer(job.optimizer)
+    prep = agreed(cluster.comm, lambda: _prepare(job, cluster, optimizer))
     info = prep["info"]
     if not cluster.is_ps:
         pin_blas_threads(cluster.local_size)
@@ -101,38 +112,56 @@ def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:
     model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes, xp)
     placement = job_placement(job, model.variables(), cluster.layout.num_ps)
     cluster.check_placement(placement)
-    windows = Windows(cluster.comm, cluster.layout, placement)
+    slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
+    windows = Windows(cluster.comm, cluster.layout, placement, slots, optimizer.stateful)
     if cluster.is_ps:
-        serve(cluster)
+        serve(cluster, windows, optimizer)
         result = TrainResult(cluster.role, 0, 0)
     else:
-        result = _work(job, cluster, windows, placement, model, prep, hooks)
+        result = _work(job, cluster, windows, model, optimizer, prep, hooks)
         sleepy_barrier(cluster.comm)  # releases the PS ranks
     windows.free()  # collective, so never in a finally: a failing rank must reach Abort
     return result
 
 
-def _work(job: Job, cluster: Cluster, windows: Windows, placement: Placement, model: MLP,
-          prep: dict[str, Any], hooks: list[Hook]) -> TrainResult:
-    role, tc = cluster.role, job.train
-    client = StoreClient(windows, placement)
-    start_step = prep["start_step"]
+def _start(job: Job, cluster: Cluster, client: StoreClient, prep: dict[str, Any]) -> tuple[int, int]:
+    """Chief: write variables and slots, set counters, raise ready. Others: wait for it.
+
+    Returns (start global_step, this worker's clock = batches of its shard already used).
+    """
+    counters, role, tc = client.counters, cluster.role, job.train
+    workers = cluster.layout.num_workers
     if cluster.is_chief:
-        client.write(prep["values"])
-        client.set_counters(start_step)
-        client.raise_ready()
+        clocks = prep["clocks"]
+        client.write(prep["values"], prep["slots"])
+        counters.set_counters(prep["start_step"], clocks if clocks and len(clocks) == workers
+                              else None)
+        counters.raise_ready()
         if "restored" in prep:
-            log(role, f"restored global_step {start_step} from {prep['restored']}")
-        if tc.steps and start_step >= tc.steps:
-            log(role, f"global_step {start_step} already reached train.steps = {tc.steps}: "
-                      f"nothing to train (raise train.steps or use another checkpoint dir)")
+            log(role, f"restored global_step {prep['start_step']} from {prep['restored']}")
+            if clocks and len(clocks) != workers:
+                log(role, f"data position not restored: the checkpoint was written by "
+                          f"{len(clocks)} workers, this run has {workers} (shards start afresh)")
+        if tc.steps and prep["start_step"] >= tc.steps:
+            log(role, f"global_step {prep['start_step']} already reached train.steps = "
+                      f"{tc.steps}: nothing to train (raise train.steps or use another "
+                      f"checkpoint dir)")
     else:
-        client.wait_ready()
-        start_step = client.global_step()
+        counters.wait_ready()
+    return counters.global_step(), int(counters.clocks()[0][role.task])
+
+
+def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: Optimizer,
+          prep: dict[str, Any], hooks: list[Hook]) -> TrainResult:
+    role, tc, oc = cluster.role, job.train, job.optimizer
+    client = StoreClient(windows, role.task, optimizer.stateful)
+    counters = client.counters
+    start_step, clock = _start(job, cluster, client, prep)
     start, stop = prep["rows"]
     log(role, f"shard rows [{start}, {stop}) of {prep['info'].rows['train']} train rows, "
               f"batch {tc.batch_size}, pulls {client.nbytes / 1e6:.2f} MB per step from "
-              f"{placement.num_ps} ps task(s)")
+              f"{windows.placement.num_ps} ps task(s)"
+              + (f", resuming at batch {clock}" if clock else ""))
 
     all_hooks: list[Hook] = [StepLogger(tc.log_every)]
     if tc.progress:
@@ -145,50 +174,109 @@ def _work(job: Job, cluster: Cluster, windows: Windows, placement: Placement, mo
     for h in all_hooks:
         h.begin(run)
 
-    optimizer = build_optimizer(job.optimizer.kind, job.optimizer.learning_rate)
     on_host = model.xp is np
     dev_grads = client.grads if on_host else {k: model.xp.empty_like(to_device(model.xp, v))
                                               for k, v in client.grads.items()}
     x_all, y_all = prep["train"]  # host memory; batches go to the device one at a time
+    stats = Staleness()
     updates = examples = 0
     t0 = time.perf_counter()
-    for epoch, x, y in batches(x_all, y_all, tc.batch_size, tc.seed, role.task, tc.epochs):
-        if tc.steps and client.claim_ticket() >= tc.steps:
+    for epoch, x, y in batches(x_all, y_all, tc.batch_size, tc.seed, role.task, tc.epochs,
+                               start_batch=clock):
+        if tc.steps and counters.claim_ticket() >= tc.steps:
             break
+        lead = _wait_for_slowest(counters, clock, tc.max_staleness)
+        pulled_at = counters.global_step()
         params = client.pull()
         if not on_host:
             params = {k: to_device(model.xp, v) for k, v in params.items()}
             x, y = to_device(model.xp, x), to_device(model.xp, y)
         loss = model.loss_and_grads(params, x, y, dev_grads)
-        optimizer.deltas(dev_grads)
+        clip_by_global_norm(list(dev_grads.values()), oc.clip_norm)
+        lr = learning_rate(oc, pulled_at)
+        if not optimizer.stateful:
+            for g in dev_grads.values():
+                g *= -lr  # plain SGD: push the delta, Accumulate adds it on the PS
         if not on_host:
             for k, g in dev_grads.items():
                 client.grads[k][...] = to_host(g)
-        client.push()
-        step = client.advance_step()
+        client.push(lr)
+        step = counters.advance_step()
+        clock += 1
+        counters.publish_clock(role.task, clock)
+        stats.add(lead, step - 1 - pulled_at)
         updates += 1
         examples += len(y)
-        info = StepInfo(step, loss, epoch, updates)
+        info = StepInfo(step, loss, epoch, updates, lead, step - 1 - pulled_at)
         for h in all_hooks:
             h.after_step(run, info)
+    counters.publish_clock(role.task, clock, done=True)
     seconds = time.perf_counter() - t0
     log(role, f"done: {updates} updates, {examples} examples in {seconds:.1f} s")
 
-    totals = allgather_json(cluster.workers, [examples, seconds])
+    gathered = allgather_json(cluster.workers, [examples, seconds, stats.summary()])
     sleepy_barrier(cluster.workers)  # every push has landed: global_step is final
     for h in all_hooks:
         h.end(run)
-    result = TrainResult(role, start_step, client.global_step(), updates, examples, seconds)
+    result = TrainResult(role, start_step, counters.global_step(), updates, examples, seconds,
+                         staleness=[stats.summary()])
     if cluster.is_chief:
+        result.staleness = [g[2] for g in gathered]
+        for task, s in enumerate(result.staleness):
+            if s["updates"]:
+                log(role, f"staleness of /job:worker/task:{task}: {Staleness.describe(s)}")
         _evaluate(model, client, prep["test"], result)
-        result.total_examples = sum(e for e, _ in totals)
-        wall = max(s for _, s in totals)
+        result.total_examples = sum(g[0] for g in gathered)
+        wall = max(g[1] for g in gathered)
         rate = result.total_examples / wall if wall else 0.0
         log(role, f"final: global_step {result.global_step} test_accuracy "
                   f"{result.test_accuracy:.4f} test_loss {result.test_loss:.4f} "
                   f"({result.total_examples} examples on {cluster.layout.num_workers} workers "
                   f"in {wall:.1f} s, {rate:.0f} examples/s)")
     return result
+
+
+def _wait_for_slowest(counters: Counters, clock: int, bound: int | None) -> int:
+    """This worker's lead over the slowest running worker, after waiting (sleeping) until
+    it is at most ``bound`` (None: no bound, plain async; 0: lock-step)."""
+    lead = counters.lead(clock)
+    while bound is not None and lead > bound:
+        time.sleep(POLL_SECONDS / 10)
+        lead = counters.lead(clock)
+    return lead
+
+
+class Staleness:
+    """Per-worker distribution of two staleness measures of its updates.
+
+    * lead: how many updates this worker was ahead of the slowest running worker when it
+      pulled (what ``train.max_staleness`` bounds: stale-synchronous-parallel clocks);
+    * delay: how many global steps other workers applied between its pull and its push.
+    """
+
+    def __init__(self) -> None:
+        self.leads: list[int] = []
+        self.delays: list[int] = []
+
+    def add(self, lead: int, delay: int) -> None:
+        self.leads.append(lead)
+        self.delays.append(delay)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"updates": len(self.leads)}
+        for name, values in (("lead", self.leads), ("delay", self.delays)):
+            if values:
+                a = np.asarray(values)
+                out[name] = {"mean": round(float(a.mean()), 3), "p50": int(np.percentile(a, 50)),
+                             "p90": int(np.percentile(a, 90)), "max": int(a.max())}
+        return out
+
+    @staticmethod
+    def describe(s: dict[str, Any]) -> str:
+        def one(d: dict[str, Any]) -> str:
+            return f"mean {d['mean']:.2f} p50 {d['p50']} p90 {d['p90']} max {d['max']}"
+        return (f"{s['updates']} updates; lead over slowest worker {one(s['lead'])}; "
+                f"delay in global steps {one(s['delay'])}")
 
 
 def _evaluate(model: MLP, client: StoreClient, test: tuple[np.ndarray, np.ndarray],

@@ -33,6 +33,8 @@ WORLD_SIZE = _world_size_from_env()
 
 
 def pytest_configure(config):
+    global _CONFIG
+    _CONFIG = config
     config.addinivalue_line("markers", "mpi(ranks=3): runs across COMM_WORLD under mpirun")
     config.addinivalue_line("markers", "launcher: spawns mpiexec itself (plain pytest only)")
 
@@ -49,10 +51,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="spawns mpiexec; run under plain pytest"))
 
 
+_REAL_STDERR = None
+
+
+def _real_stderr():
+    """A file on the terminal's stderr, past pytest's fd capture (so a timeout dump is seen)."""
+    global _REAL_STDERR
+    if _REAL_STDERR is None:
+        fd = 2
+        capman = _CONFIG.pluginmanager.getplugin("capturemanager") if _CONFIG else None
+        saved = getattr(getattr(getattr(capman, "_global_capturing", None), "err", None),
+                        "targetfd_save", None)
+        if isinstance(saved, int):
+            fd = saved
+        _REAL_STDERR = os.fdopen(os.dup(fd), "w")
+    return _REAL_STDERR
+
+
+_CONFIG = None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if WORLD_SIZE > 1:
-        faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True)
+        faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True, file=_real_stderr())
     yield
     if WORLD_SIZE > 1:
         faulthandler.cancel_dump_traceback_later()

@@ -19,10 +19,11 @@ def values(seed=0):
 def test_round_trip_and_latest(tmp_path):
     v = values()
     checkpoint.save(tmp_path, 7, v)
-    checkpoint.save(tmp_path, 12, values(1))
+    checkpoint.save(tmp_path, 12, values(1), meta={"clocks": [5, 7]})
     assert checkpoint.latest_checkpoint(tmp_path).name == "ckpt-12.h5"
-    step, got = checkpoint.restore(tmp_path / "ckpt-7.h5", SPECS)
-    assert step == 7
+    step, got, clocks = checkpoint.restore(tmp_path / "ckpt-7.h5", SPECS)
+    assert step == 7 and clocks is None
+    assert checkpoint.restore(tmp_path / "ckpt-12.h5", SPECS)[2] == [5, 7]
     for k in v:
         np.testing.assert_array_equal(got[k], v[k])
 

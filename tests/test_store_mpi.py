@@ -20,19 +20,25 @@ SPECS = [VariableSpec("a", (1000,)), VariableSpec("b", (3, 7)), VariableSpec("c"
 class Store:
     """Windows + client over COMM_WORLD with the default layout; freed collectively."""
 
-    def __init__(self, specs=SPECS):
+    def __init__(self, specs=SPECS, optimizer=None):
         from mpi4py import MPI
 
+        from mpips.placement import slot_placement
         from mpips.store import Cluster, StoreClient, Windows
         self.comm = MPI.COMM_WORLD
         self.cluster = Cluster(self.comm, make_layout(self.comm.size))
         self.placement = round_robin(specs, self.cluster.layout.num_ps)
-        self.windows = Windows(self.comm, self.cluster.layout, self.placement)
-        self.client = StoreClient(self.windows, self.placement)
+        stateful = optimizer is not None and optimizer.stateful
+        slots = slot_placement(self.placement, optimizer.slots) if stateful else None
+        self.windows = Windows(self.comm, self.cluster.layout, self.placement, slots, stateful)
+        self.client = StoreClient(self.windows, self.cluster.role.task, stateful)
+        self.counters = self.client.counters
 
-    def close(self):
+    def close(self, served=False):
+        """End of run. ``served``: the PS ranks' serve() already took the end barrier."""
         from mpips.store import sleepy_barrier
-        sleepy_barrier(self.comm)
+        if not (served and self.cluster.is_ps):
+            sleepy_barrier(self.comm)
         self.windows.free()
         self.cluster.free()
 
@@ -44,9 +50,9 @@ def test_pushes_of_ones_sum_exactly():
     init = {spec.name: np.full(spec.shape, 0.5, spec.dtype) for spec in SPECS}
     if s.cluster.is_chief:
         s.client.write(init)
-        s.client.raise_ready()
+        s.counters.raise_ready()
     if not s.cluster.is_ps:
-        s.client.wait_ready(timeout=30)
+        s.counters.wait_ready(timeout=30)
         for g in s.client.grads.values():
             g[...] = 1
         for _ in range(pushes):
@@ -64,16 +70,16 @@ def test_global_steps_are_unique_and_gapless():
     s = Store()
     per_worker = 300
     if s.cluster.is_chief:
-        s.client.set_counters(0)
-        s.client.raise_ready()
+        s.counters.set_counters(0)
+        s.counters.raise_ready()
     if not s.cluster.is_ps:
-        s.client.wait_ready(timeout=30)
-        mine = [s.client.advance_step() for _ in range(per_worker)]
+        s.counters.wait_ready(timeout=30)
+        mine = [s.counters.advance_step() for _ in range(per_worker)]
         assert mine == sorted(mine)  # each worker sees its own steps increase
         everyone = sum(allgather_json(s.cluster.workers, mine), [])
         total = per_worker * s.cluster.layout.num_workers
         assert sorted(everyone) == list(range(1, total + 1))
-        assert s.client.global_step() == total
+        assert s.counters.global_step() == total
     s.close()
 
 
@@ -82,18 +88,18 @@ def test_tickets_stop_exactly_at_target():
     s = Store()
     start, target = 40, 137
     if s.cluster.is_chief:
-        s.client.set_counters(start)
-        s.client.raise_ready()
+        s.counters.set_counters(start)
+        s.counters.raise_ready()
     if not s.cluster.is_ps:
-        s.client.wait_ready(timeout=30)
+        s.counters.wait_ready(timeout=30)
         made = 0
-        while s.client.claim_ticket() < target:
-            s.client.advance_step()
+        while s.counters.claim_ticket() < target:
+            s.counters.advance_step()
             made += 1
         assert sum(allgather_json(s.cluster.workers, made)) == target - start
         from mpips.store import sleepy_barrier
         sleepy_barrier(s.cluster.workers)
-        assert s.client.global_step() == target
+        assert s.counters.global_step() == target
     s.close()
 
 
@@ -104,10 +110,10 @@ def test_workers_wait_for_the_ready_flag():
     if s.cluster.is_chief:
         time.sleep(0.5)  # a slow chief: the others must wait for the flag, not a fixed sleep
         s.client.write(init)
-        s.client.raise_ready()
+        s.counters.raise_ready()
     elif not s.cluster.is_ps:
         t0 = time.monotonic()
-        s.client.wait_ready(timeout=30)
+        s.counters.wait_ready(timeout=30)
         assert time.monotonic() - t0 > 0.3
         for name, value in s.client.pull().items():
             np.testing.assert_array_equal(value, init[name])
@@ -163,3 +169,63 @@ def test_an_unexpected_start_up_error_is_said_once_with_exit_1():
     assert e.value.exit_code == 1
     assert str(e.value).startswith("unexpected error during start-up:\nTraceback")
     assert str(e.value).count("FileNotFoundError: no such file: default.toml") == 1
+
+
+def test_adagrad_on_the_ps_loses_no_update():
+    """Accumulator = initial value + sum of the squares of every gradient any worker pushed."""
+    from mpips.optim import Optimizer
+    from mpips.store import allgather_json, serve
+    specs = [VariableSpec("w", (64,)), VariableSpec("b", (3,), "float64")]
+    opt = Optimizer("adagrad", {"epsilon": 1e-7, "initial_accumulator_value": 0.1})
+    s = Store(specs, opt)
+    pushes = 40
+    if s.cluster.is_ps:
+        assert serve(s.cluster, s.windows, opt) == pushes * s.cluster.layout.num_workers
+    else:
+        if s.cluster.is_chief:
+            init = {sp.name: np.zeros(sp.shape, sp.dtype) for sp in specs}
+            s.client.write(init, {f"{k}/accumulator": opt.init_slots(v)["accumulator"]
+                                  for k, v in init.items()})
+            s.counters.raise_ready()
+        s.counters.wait_ready(timeout=30)
+        rng = np.random.default_rng(s.cluster.role.task)
+        mine = {sp.name: np.zeros(sp.shape) for sp in specs}
+        for _ in range(pushes):
+            for name, g in s.client.grads.items():
+                g[...] = rng.uniform(-2, 2, g.shape).round(2)
+                mine[name] += g.astype(np.float64) ** 2
+            s.client.push(lr=0.01)
+        totals = allgather_json(s.cluster.workers, {k: v.tolist() for k, v in mine.items()})
+        from mpips.store import sleepy_barrier
+        sleepy_barrier(s.cluster.workers)
+        got = s.client.pull_slots()
+        for sp in specs:
+            want = 0.1 + sum(np.asarray(t[sp.name]) for t in totals)
+            tol = 1e-6 if sp.dtype == "float64" else 2e-4
+            np.testing.assert_allclose(got[f"{sp.name}/accumulator"], want, rtol=tol)
+    s.close(served=True)
+
+
+def test_sum_of_pushed_sgd_deltas_equals_the_change():
+    from mpips.store import allgather_json, sleepy_barrier
+    s = Store()
+    pushes = 50
+    if s.cluster.is_chief:
+        s.client.write({sp.name: np.full(sp.shape, 1.0, sp.dtype) for sp in SPECS})
+        s.counters.raise_ready()
+    if not s.cluster.is_ps:
+        s.counters.wait_ready(timeout=30)
+        rng = np.random.default_rng(10 + s.cluster.role.task)
+        mine = {sp.name: np.zeros(sp.shape) for sp in SPECS}
+        for _ in range(pushes):
+            for name, g in s.client.grads.items():
+                g[...] = rng.integers(-8, 9, g.shape) / 8  # exact in float32: sums are exact
+                mine[name] += g
+            s.client.push()
+        totals = allgather_json(s.cluster.workers, {k: v.tolist() for k, v in mine.items()})
+        sleepy_barrier(s.cluster.workers)
+        got = s.client.pull()
+        for sp in SPECS:
+            want = 1.0 + sum(np.asarray(t[sp.name]) for t in totals)
+            np.testing.assert_array_equal(got[sp.name], want.astype(sp.dtype), err_msg=sp.name)
+    s.close()

@@ -1,7 +1,8 @@
-"""Worker side of the store: pull (Get), push (Accumulate), and the global_step counter.
+"""Worker side of the store: pull (Get), push (Accumulate, or inbox + mailbox for stateful
+optimizers), and the optimizer slots for checkpoints.
 
 All variables of one PS are contiguous in its window, so a pull is one ``Get`` per PS and a
-push one ``Accumulate`` per PS and dtype run, whatever the number of variables.
+push one ``Accumulate`` (or one ``Put``) per PS and dtype run, whatever the number of variables.
 """
 from __future__ import annotations
 
@@ -12,10 +13,24 @@ import numpy as np
 from mpi4py import MPI
 
 from ..placement import Placement
-from .cluster import POLL_SECONDS
-from .window import GLOBAL_STEP, READY, TICKETS, Windows
+from .counters import Counters
+from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows
 
-_ONE = np.ones(1, dtype=np.int64)
+ACK_POLL_SECONDS = 5e-5
+
+
+def views(placement: Placement, bufs: list[np.ndarray], base: list[int] | None = None,
+          only_ps: int | None = None) -> dict[str, np.ndarray]:
+    """Typed views of each placed variable (of PS ``only_ps``, if given) into per-PS byte
+    buffers, each offset by ``base[p]``."""
+    out = {}
+    for e in placement:
+        if only_ps is not None and e.ps_task != only_ps:
+            continue
+        start = e.offset - (base[e.ps_task] if base else 0)
+        raw = bufs[e.ps_task][start:start + e.spec.nbytes]
+        out[e.spec.name] = raw.view(e.spec.dtype).reshape(e.spec.shape)
+    return out
 
 
 class StoreClient:
@@ -25,18 +40,26 @@ class StoreClient:
     reads parameters and writes gradients in place, so no copy is made on either path.
     """
 
-    def __init__(self, windows: Windows, placement: Placement):
+    def __init__(self, windows: Windows, task: int, stateful: bool = False):
         self.windows = windows
-        self.placement = placement
+        self.placement = placement = windows.placement
+        self.task = task
+        self.stateful = stateful
+        self.counters = Counters(windows)
         self.ps_ranks = windows.layout.ps_ranks
-        self._param_bufs = [np.zeros(placement.ps_bytes(p), np.uint8)
-                            for p in range(placement.num_ps)]
+        num_ps = placement.num_ps
+        self._param_bufs = [np.zeros(placement.ps_bytes(p), np.uint8) for p in range(num_ps)]
         self._grad_bufs = [np.zeros_like(b) for b in self._param_bufs]
-        self.params = self._views(self._param_bufs)
-        self.grads = self._views(self._grad_bufs)
+        self.params = views(placement, self._param_bufs)
+        self.grads = views(placement, self._grad_bufs)
+        self._slot_base = [placement.ps_bytes(p) for p in range(num_ps)]
+        self._slot_bufs = [np.zeros(windows.state_bytes(p) - self._slot_base[p], np.uint8)
+                           for p in range(num_ps)]
+        self.slots = views(windows.slots, self._slot_bufs, self._slot_base) \
+            if windows.slots else {}
         # contiguous same-dtype runs per PS: one typed Accumulate each
         self._runs: list[list[tuple[int, int, np.dtype]]] = []
-        for p in range(placement.num_ps):
+        for p in range(num_ps):
             runs = []
             for dtype, group in groupby(placement.on_ps(p), key=lambda e: e.spec.dtype):
                 group = list(group)
@@ -45,84 +68,96 @@ class StoreClient:
                 runs.append((start, end - start, np.dtype(dtype)))
             self._runs.append(runs)
 
-    def _views(self, bufs: list[np.ndarray]) -> dict[str, np.ndarray]:
-        out = {}
-        for e in self.placement:
-            raw = bufs[e.ps_task][e.offset:e.offset + e.spec.nbytes]
-            out[e.spec.name] = raw.view(e.spec.dtype).reshape(e.spec.shape)
-        return out
-
     @property
     def nbytes(self) -> int:
         """Bytes moved by one pull (and by one push)."""
         return sum(b.size for b in self._param_bufs)
 
+    def _targets(self):
+        return [(p, self.ps_ranks[p], buf) for p, buf in enumerate(self._param_bufs) if buf.size]
+
     def pull(self) -> dict[str, np.ndarray]:
         """Read every variable from its PS (one Get per PS), return the views."""
         win = self.windows.params
-        for p, buf in enumerate(self._param_bufs):
-            if buf.size:
-                win.Get([buf, MPI.BYTE], self.ps_ranks[p], [0, buf.size, MPI.BYTE])
-        for p, buf in enumerate(self._param_bufs):
-            if buf.size:
-                win.Flush(self.ps_ranks[p])
+        for p, rank, buf in self._targets():
+            win.Get([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
+        for p, rank, buf in self._targets():
+            win.Flush(rank)
         return self.params
 
-    def push(self) -> None:
-        """Add ``self.grads`` (already turned into deltas) into the PS windows, atomically per element."""
-        win = self.windows.params
-        for p, buf in enumerate(self._grad_bufs):
-            for start, nbytes, dtype in self._runs[p]:
-                data = buf[start:start + nbytes].view(dtype)
-                mpi_type = MPI.Datatype.fromcode(dtype.char)  # predefined: fast path
-                win.Accumulate([data, mpi_type], self.ps_ranks[p],
-                               [start, data.size, mpi_type], MPI.SUM)
-        for p in range(len(self._grad_bufs)):
-            if self._runs[p]:
-                win.Flush(self.ps_ranks[p])
+    def push(self, lr: float = 0.0) -> None:
+        """Send ``self.grads`` to the PS.
 
-    def write(self, values: dict[str, np.ndarray]) -> None:
-        """Overwrite every variable on the PS (chief initialisation / restore)."""
+        Plain SGD: the grads already hold deltas (``-lr * grad``); Accumulate adds them,
+        atomically per element. Stateful optimizers: Put the gradient into this worker's
+        inbox on each PS, raise its mail flag with ``lr``, and wait until every PS has applied
+        it (so the next pull sees this update, and the inbox is free again).
+        """
+        if self.stateful:
+            self._post(lr)
+            self._wait_applied()
+            return
+        win = self.windows.params
+        for p, rank, _ in self._targets():
+            for start, nbytes, dtype in self._runs[p]:
+                data = self._grad_bufs[p][start:start + nbytes].view(dtype)
+                mpi_type = MPI.Datatype.fromcode(dtype.char)  # predefined: fast path
+                win.Accumulate([data, mpi_type], rank, [start, data.size, mpi_type], MPI.SUM)
+        for p, rank, _ in self._targets():
+            win.Flush(rank)
+
+    def _post(self, lr: float) -> None:
+        win, mail = self.windows.params, self.windows.mail
+        for p, rank, _ in self._targets():
+            buf = self._grad_bufs[p]
+            win.Put([buf, MPI.BYTE], rank, [self.windows.inbox_offset(p, self.task), buf.size,
+                                            MPI.BYTE])
+        for p, rank, _ in self._targets():
+            win.Flush(rank)  # the gradient is in place before the flag goes up
+        base = MAIL_WORDS * self.task
+        lr_word = np.array([lr], dtype=np.float64).view(np.int64)
+        one, old = np.ones(1, np.int64), np.zeros(1, np.int64)
+        for p, rank, _ in self._targets():
+            mail.Fetch_and_op(lr_word, old, rank, base + MAIL_LR, MPI.REPLACE)
+            mail.Flush(rank)
+            mail.Fetch_and_op(one, old, rank, base + MAIL_FLAG, MPI.REPLACE)
+        for p, rank, _ in self._targets():
+            mail.Flush(rank)
+
+    def _wait_applied(self) -> None:
+        mail, flag = self.windows.mail, MAIL_WORDS * self.task + MAIL_FLAG
+        pending = [rank for _, rank, _ in self._targets()]
+        out, dummy = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        while pending:
+            for rank in list(pending):
+                mail.Fetch_and_op(dummy, out, rank, flag, MPI.NO_OP)
+                mail.Flush(rank)
+                if out[0] == 0:
+                    pending.remove(rank)
+            if pending:
+                time.sleep(ACK_POLL_SECONDS)  # let the PS have the core
+
+    def write(self, values: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
+              ) -> None:
+        """Overwrite every variable (and slot) on the PS (chief initialisation / restore)."""
         for name, view in self.params.items():
             view[...] = values[name]
+        for name, view in self.slots.items():
+            view[...] = (slots or {})[name]
         win = self.windows.params
-        for p, buf in enumerate(self._param_bufs):
-            if buf.size:
-                win.Put([buf, MPI.BYTE], self.ps_ranks[p], [0, buf.size, MPI.BYTE])
-                win.Flush(self.ps_ranks[p])
+        for p, rank, buf in self._targets():
+            win.Put([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
+            if self._slot_bufs[p].size:
+                sbuf = self._slot_bufs[p]
+                win.Put([sbuf, MPI.BYTE], rank, [self._slot_base[p], sbuf.size, MPI.BYTE])
+            win.Flush(rank)
 
-    # -- counters on ps task 0 ------------------------------------------------------------
-    def _fetch_and_op(self, index: int, value: np.ndarray | None, op: MPI.Op) -> int:
-        win, target = self.windows.control, self.windows.control_rank
-        result = np.zeros(1, dtype=np.int64)
-        win.Fetch_and_op(_ONE if value is None else value, result, target, index, op)
-        win.Flush(target)
-        return int(result[0])
-
-    def claim_ticket(self) -> int:
-        """Reserve the right to make one update; tickets >= the step target mean stop."""
-        return self._fetch_and_op(TICKETS, None, MPI.SUM)
-
-    def advance_step(self) -> int:
-        """Count one applied update; returns its global step (unique across all workers)."""
-        return self._fetch_and_op(GLOBAL_STEP, None, MPI.SUM) + 1
-
-    def global_step(self) -> int:
-        return self._fetch_and_op(GLOBAL_STEP, _ONE, MPI.NO_OP)
-
-    def set_counters(self, step: int) -> None:
-        """Chief, before raising ready: start global_step (and tickets) at ``step``."""
-        value = np.array([step], dtype=np.int64)
-        self._fetch_and_op(GLOBAL_STEP, value, MPI.REPLACE)
-        self._fetch_and_op(TICKETS, value, MPI.REPLACE)
-
-    def raise_ready(self) -> None:
-        self._fetch_and_op(READY, _ONE, MPI.REPLACE)
-
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait (sleeping) until the chief has initialised or restored the variables."""
-        start = time.monotonic()
-        while self._fetch_and_op(READY, _ONE, MPI.NO_OP) == 0:
-            if timeout is not None and time.monotonic() - start > timeout:
-                raise TimeoutError(f"chief did not raise the ready flag within {timeout:.0f} s")
-            time.sleep(POLL_SECONDS)
+    def pull_slots(self) -> dict[str, np.ndarray]:
+        """Read every optimizer slot (for checkpoints)."""
+        win = self.windows.params
+        for p, rank, _ in self._targets():
+            sbuf = self._slot_bufs[p]
+            if sbuf.size:
+                win.Get([sbuf, MPI.BYTE], rank, [self._slot_base[p], sbuf.size, MPI.BYTE])
+                win.Flush(rank)
+        return self.slots

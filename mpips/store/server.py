@@ -1,10 +1,83 @@
-"""PS side of the store. Plain SGD needs no PS code in the hot path: Accumulate is atomic
-per element, so a PS only keeps its window alive, asleep, until every worker is done."""
+"""PS side of the store.
+
+Plain SGD needs no PS code: Accumulate is atomic per element, so the PS only keeps its window
+alive, asleep, until every worker is done. For stateful optimizers the PS applies the rule
+itself: it watches its mailbox, applies each posted gradient to its own variables and slots
+(in place, in window memory), and clears the flag. Idle, it backs off to 1 ms sleeps; busy,
+it polls every ~50 us and never blocks the workers' windows (MPI progress happens in the poll).
+"""
 from __future__ import annotations
 
-from .cluster import Cluster, sleepy_barrier
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..optim import Optimizer
+from .client import views
+from .cluster import POLL_SECONDS, Cluster, wait
+from .counters import Counters
+from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows
+
+BUSY_POLL_SECONDS = 5e-5
 
 
-def serve(cluster: Cluster) -> None:
-    """Hold this PS's window open until all ranks reach the end-of-run barrier."""
-    sleepy_barrier(cluster.comm)
+def serve(cluster: Cluster, windows: Windows, optimizer: Optimizer | None = None) -> int:
+    """Serve this PS task until all ranks reach the end-of-run barrier; returns updates applied."""
+    done = cluster.comm.Ibarrier()
+    if optimizer is None or not optimizer.stateful:
+        wait(done)
+        return 0
+    return _apply_loop(cluster, windows, optimizer, done)
+
+
+def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
+                done: MPI.Request) -> int:
+    task, me = cluster.role.task, cluster.rank
+    counters = Counters(windows)
+    while not counters.is_ready():  # t continues from the restored global_step
+        if done.Test():
+            return 0
+        time.sleep(POLL_SECONDS)
+    t = counters.global_step()
+
+    memory = windows.local(windows.params)
+    bufs = [memory] * windows.placement.num_ps
+    variables = views(windows.placement, bufs, only_ps=task)
+    slot_views = views(windows.slots, bufs, only_ps=task) if windows.slots else {}
+    slots = {name: {s: slot_views[f"{name}/{s}"] for s in optimizer.slots} for name in variables}
+    width = windows.placement.ps_bytes(task)
+    inboxes = []
+    for k in range(cluster.layout.num_workers):
+        start = windows.inbox_offset(task, k)
+        inbox_bufs = [memory[start:start + width]] * windows.placement.num_ps
+        inboxes.append(views(windows.placement, inbox_bufs, only_ps=task))
+
+    mail, applied = windows.mail, 0
+    flags = np.zeros(1, np.int64)
+    zero = np.zeros(1, np.int64)
+    lr_word = np.zeros(1, np.int64)
+    sleep = BUSY_POLL_SECONDS
+    while not done.Test():
+        busy = False
+        for k, inbox in enumerate(inboxes):
+            base = MAIL_WORDS * k
+            mail.Fetch_and_op(zero, flags, me, base + MAIL_FLAG, MPI.NO_OP)
+            mail.Flush(me)
+            if flags[0] == 0:
+                continue
+            mail.Fetch_and_op(zero, lr_word, me, base + MAIL_LR, MPI.NO_OP)
+            mail.Flush(me)
+            windows.params.Sync()  # see the worker's Put of the gradient
+            t += 1
+            lr = float(lr_word.view(np.float64)[0])
+            for name, var in variables.items():
+                optimizer.apply(var, inbox[name], slots[name], lr, t)
+            windows.params.Sync()
+            mail.Fetch_and_op(zero, flags, me, base + MAIL_FLAG, MPI.REPLACE)
+            mail.Flush(me)
+            applied += 1
+            busy = True
+        sleep = BUSY_POLL_SECONDS if busy else min(POLL_SECONDS, sleep * 2)
+        time.sleep(sleep)
+    return applied

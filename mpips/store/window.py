@@ -1,4 +1,8 @@
-"""PS memory: one byte-addressed ``MPI.Win.Allocate`` window per PS rank, plus a control window.
+"""PS memory: one byte-addressed ``MPI.Win.Allocate`` window per PS rank, plus small int64
+windows for the mailboxes (one per PS) and the control counters (on ps task 0).
+
+A PS window holds ``[variables | optimizer slots | one gradient inbox per worker]``; the inboxes
+exist only for stateful optimizers, which the PS applies itself (plain SGD is Accumulated).
 
 Every rank opens one ``Lock_all`` epoch per window for the whole run and completes each
 operation with ``Flush``: with MPICH a Lock/Unlock per operation waits for the (sleeping)
@@ -13,42 +17,59 @@ from ..layout import Layout
 from ..placement import Placement
 from .cluster import sleepy_barrier
 
-# control window on ps task 0: int64 counters
-GLOBAL_STEP, TICKETS, READY, NUM_CONTROL = 0, 1, 2, 4
+# control window on ps task 0: int64 counters, then a clock and a done flag per worker
+GLOBAL_STEP, TICKETS, READY, CLOCKS = 0, 1, 2, 4
+# mailbox window on every PS: per worker, [flag, learning rate (float64 bits)]
+MAIL_FLAG, MAIL_LR, MAIL_WORDS = 0, 1, 2
 
 
 class Windows:
-    """The parameter windows and the control window; created and freed collectively."""
+    """The parameter, mailbox and control windows; created and freed collectively."""
 
-    def __init__(self, comm: MPI.Comm, layout: Layout, placement: Placement):
+    def __init__(self, comm: MPI.Comm, layout: Layout, placement: Placement,
+                 slots: Placement | None = None, inboxes: bool = False):
         self.layout = layout
+        self.placement = placement
+        self.slots = slots
         role = layout.role(comm.rank)
-        size = placement.ps_bytes(role.task) if role.job == "ps" else 0
+        workers = layout.num_workers
+        is_ps = role.job == "ps"
+        size = self.inbox_offset(role.task, workers) if is_ps and inboxes else \
+            self.state_bytes(role.task) if is_ps else 0
         self.params = MPI.Win.Allocate(size, disp_unit=1, comm=comm)
-        control = NUM_CONTROL * 8 if comm.rank == layout.ps_ranks[0] else 0
+        mail = MAIL_WORDS * workers * 8 if is_ps and inboxes else 0
+        self.mail = MPI.Win.Allocate(mail, disp_unit=8, comm=comm)
+        control = (CLOCKS + 2 * workers) * 8 if comm.rank == layout.ps_ranks[0] else 0
         self.control = MPI.Win.Allocate(control, disp_unit=8, comm=comm)
         self.control_rank = layout.ps_ranks[0]
-        if control:
-            self.local_control()[:] = 0
-        self.local_params()[:] = 0
-        self.params.Lock_all(MPI.MODE_NOCHECK)
-        self.control.Lock_all(MPI.MODE_NOCHECK)
+        for win in self._wins:
+            np.frombuffer(win.tomemory(), dtype=np.uint8)[:] = 0
+            win.Lock_all(MPI.MODE_NOCHECK)
         self._open = True
-        sleepy_barrier(comm)  # nobody reads a counter before ps task 0 has zeroed it
+        sleepy_barrier(comm)  # nobody reads a counter before its owner has zeroed it
 
-    def local_params(self) -> np.ndarray:
-        """This rank's own window memory as bytes (empty on workers)."""
-        return np.frombuffer(self.params.tomemory(), dtype=np.uint8)
+    @property
+    def _wins(self) -> tuple[MPI.Win, ...]:
+        return self.params, self.mail, self.control
 
-    def local_control(self) -> np.ndarray:
-        return np.frombuffer(self.control.tomemory(), dtype=np.int64)
+    def state_bytes(self, task: int) -> int:
+        """Bytes of variables plus slots on PS ``task``."""
+        end = self.placement.ps_bytes(task)
+        return max(end, self.slots.ps_bytes(task)) if self.slots else end
+
+    def inbox_offset(self, task: int, worker: int) -> int:
+        """Byte offset of worker ``worker``'s gradient inbox in PS ``task``'s window."""
+        return self.state_bytes(task) + worker * self.placement.ps_bytes(task)
+
+    def local(self, win: MPI.Win, dtype: str = "uint8") -> np.ndarray:
+        """This rank's own memory of ``win`` (empty where it holds none)."""
+        return np.frombuffer(win.tomemory(), dtype=dtype)
 
     def free(self) -> None:
-        """Close the epochs and free both windows (collective). Safe to call twice."""
+        """Close the epochs and free the windows (collective). Safe to call twice."""
         if not self._open:
             return
         self._open = False
-        self.params.Unlock_all()
-        self.control.Unlock_all()
-        self.params.Free()
-        self.control.Free()
+        for win in self._wins:
+            win.Unlock_all()
+            win.Free()

@@ -1,0 +1,155 @@
+"""Stateful optimizers end to end: one async worker equals a single-process reference;
+checkpoints keep slots; bounded staleness holds (plain pytest; each case launches mpiexec)."""
+import re
+
+import h5py
+import numpy as np
+import pytest
+from conftest import run_mpi
+
+from mpips.data import batches, load_split, open_dataset, resolve_path
+from mpips.job import parse_job
+from mpips.nn import MLP
+from mpips.optim import build_optimizer, clip_by_global_norm, learning_rate
+
+pytestmark = pytest.mark.launcher
+
+JOB = """
+[model]
+hidden = [16]
+[data]
+builtin = "digits"
+[optimizer]
+kind = "{kind}"
+learning_rate = {lr}
+{extra}
+[train]
+steps = {steps}
+batch_size = 32
+seed = 3
+log_every = 0
+progress = false
+[checkpoint]
+dir = "{ckpt}"
+"""
+CASES = {
+    "sgd": (0.1, 'schedule = "exponential"\ndecay_steps = 20\ndecay_rate = 0.5\nwarmup_steps = 5'),
+    "momentum": (0.05, "nesterov = true\nclip_norm = 1.0"),
+    "adagrad": (0.1, ""),
+    "adam": (0.005, 'schedule = "step"\ndecay_steps = 15'),
+    "ftrl": (0.1, "l1 = 0.001\nl2 = 0.001"),
+}
+
+
+def write_job(tmp_path, kind, steps, ckpt="runs/ckpt"):
+    lr, extra = CASES[kind]
+    text = JOB.format(kind=kind, lr=lr, extra=extra, steps=steps, ckpt=ckpt)
+    (tmp_path / "job.toml").write_text(text)
+    return parse_job(text)
+
+
+def reference(job, steps):
+    """Single process, same rules, same batches: the sequence one async worker must follow."""
+    info = open_dataset(resolve_path("", "digits"))
+    x, y = load_split(info, "train")
+    model = MLP([64, *job.model.hidden, 10])
+    params = model.initial_values(job.model.init_seed)
+    opt = build_optimizer(job.optimizer)
+    slots = {k: opt.init_slots(v) for k, v in params.items()}
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    stream = batches(x, y, job.train.batch_size, job.train.seed, 0)
+    for step in range(steps):
+        _, bx, by = next(stream)
+        model.loss_and_grads(params, bx, by, grads)
+        clip_by_global_norm(list(grads.values()), job.optimizer.clip_norm)
+        lr = learning_rate(job.optimizer, step)
+        for k in params:
+            opt.apply(params[k], grads[k], slots[k], lr, step + 1)
+    return params, slots
+
+
+def read_ckpt(path):
+    with h5py.File(path) as f:
+        variables = {}
+        f["variables"].visititems(lambda n, d: variables.update({n: d[()]})
+                                  if isinstance(d, h5py.Dataset) else None)
+        slots = {}
+        if "slots" in f:
+            f["slots"].visititems(lambda n, d: slots.update({n: d[()]})
+                                  if isinstance(d, h5py.Dataset) else None)
+        return variables, slots, list(f.attrs["clocks"])
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_one_async_worker_equals_single_process_reference(tmp_path, kind):
+    job = write_job(tmp_path, kind, 50)
+    r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-50.h5")
+    want, want_slots = reference(job, 50)
+    assert clocks == [50]
+    for name, value in want.items():
+        np.testing.assert_allclose(variables[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert len(slots) == sum(len(s) for s in want_slots.values())
+    for name, per_slot in want_slots.items():
+        for slot, value in per_slot.items():
+            np.testing.assert_allclose(slots[f"{slot}/{name}"], value, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{name}/{slot}")
+
+
+@pytest.mark.parametrize("kind", ["adam", "ftrl"])
+def test_checkpoint_round_trip_keeps_slots_and_data_position(tmp_path, kind):
+    write_job(tmp_path, kind, 20, "runs/straight")
+    assert run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path).returncode == 0
+    write_job(tmp_path, kind, 10, "runs/resumed")
+    assert run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path).returncode == 0
+    write_job(tmp_path, kind, 20, "runs/resumed")
+    r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "restored global_step 10" in r.stdout and "resuming at batch 10" in r.stdout
+    a = read_ckpt(tmp_path / "runs/straight/ckpt-20.h5")
+    b = read_ckpt(tmp_path / "runs/resumed/ckpt-20.h5")
+    for got, want in zip(b[:2], a[:2]):
+        assert got.keys() == want.keys() and got
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_restoring_into_another_optimizer_names_the_missing_slot(tmp_path):
+    write_job(tmp_path, "sgd", 5)
+    assert run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path).returncode == 0
+    write_job(tmp_path, "adam", 10)
+    r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    assert r.returncode == 2
+    assert "has no variable 'dense_0/kernel/m'" in r.stderr and "--no-restore" in r.stderr
+
+
+LEAD = re.compile(r"staleness of /job:worker/task:(\d+): \d+ updates; lead over slowest worker "
+                  r"mean [0-9.]+ p50 \d+ p90 \d+ max (\d+)")
+SLOW = """
+import time, mpips
+class Slow(mpips.Hook):
+    def after_step(self, run, info):
+        if run.role.task == 2:
+            time.sleep(0.004)
+with mpips.abort_on_error():
+    job = mpips.load_job("job.toml")
+    mpips.train(job, hooks=[Slow()])
+"""
+
+
+@pytest.mark.parametrize("bound", [0, 1, None])
+def test_bounded_staleness(tmp_path, bound):
+    text = JOB.format(kind="adagrad", lr=0.1, extra="", steps=240, ckpt="")
+    if bound is not None:
+        text = text.replace("progress = false", f"progress = false\nmax_staleness = {bound}")
+    (tmp_path / "job.toml").write_text(text)
+    (tmp_path / "slow.py").write_text(SLOW)
+    r = run_mpi(4, ["slow.py"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    leads = {int(t): int(m) for t, m in LEAD.findall(r.stdout)}
+    assert set(leads) == {0, 1, 2}, r.stdout
+    if bound is None:
+        assert max(leads[0], leads[1]) > 3, leads  # fast workers run ahead of the slow one
+    else:
+        assert max(leads.values()) <= bound, leads
