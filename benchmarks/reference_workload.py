@@ -7,6 +7,7 @@ on the synthetic set (X ~ N(0,1), labels argmax(X @ W)). The single process runs
 numpy model code with one BLAS thread, timed after 20 warm-up steps; the mpips rate is what its
 chief reports (all workers' examples over the slowest worker's loop time, warm-up included).
 Rounds alternate between the two so both see the same machine load. Target: >= 1.6x.
+``--optimizers sgd,adam`` adds mpips runs with Adam (lr 0.001, applied on the PS) to each round.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ hidden = [512, 512]
 [data]
 path = "{data}"
 [optimizer]
-learning_rate = 0.05
+kind = "{kind}"
+learning_rate = {lr}
 [train]
 steps = {steps}
 batch_size = 128
@@ -74,6 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=1000, help="global steps of each mpips run")
+    ap.add_argument("--optimizers", default="sgd", help="comma list: sgd, adam, adagrad, ...")
     ap.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "mpips-bench/synthetic.h5"))
     args = ap.parse_args()
     data = Path(args.data)
@@ -81,19 +84,27 @@ def main() -> None:
         print(f"making {data} ...", flush=True)
         make_synthetic(data)
     x, y = load_split(open_dataset(str(data)), "train")
+    kinds = args.optimizers.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        job = Path(tmp) / "job.toml"
-        job.write_text(JOB.format(data=data, steps=args.steps))
-        single, multi = [], []
+        jobs = {}
+        for kind in kinds:
+            jobs[kind] = Path(tmp) / f"{kind}.toml"
+            lr = 0.05 if kind in ("sgd", "momentum", "adagrad") else 0.001
+            jobs[kind].write_text(JOB.format(data=data, steps=args.steps, kind=kind, lr=lr))
+        single, multi = [], {k: [] for k in kinds}
         for r in range(args.rounds):
             single.append(single_process(x, y, args.steps // 2))
-            multi.append(mpips_async(job, Path(tmp)))
-            print(f"round {r + 1}: single process {single[-1]:8.0f} ex/s | "
-                  f"mpips 1 ps + 2 workers {multi[-1]:8.0f} ex/s", flush=True)
-    ratio = np.median(multi) / np.median(single)
-    print(f"\nsingle process, 1 BLAS thread : {min(single):.0f}-{max(single):.0f} examples/s")
-    print(f"mpips async, 1 ps + 2 workers : {min(multi):.0f}-{max(multi):.0f} examples/s")
-    print(f"ratio of medians              : {ratio:.2f}x (target >= 1.6x, linear limit 2x)")
+            line = f"round {r + 1}: single process (sgd) {single[-1]:8.0f} ex/s"
+            for kind in kinds:
+                multi[kind].append(mpips_async(jobs[kind], Path(tmp)))
+                line += f" | mpips {kind} {multi[kind][-1]:8.0f} ex/s"
+            print(line, flush=True)
+    print(f"\nsingle process (sgd), 1 BLAS thread : {min(single):.0f}-{max(single):.0f} examples/s")
+    for kind in kinds:
+        m = multi[kind]
+        ratio = np.median(m) / np.median(single)
+        print(f"mpips async {kind:<8} 1 ps + 2 workers : {min(m):.0f}-{max(m):.0f} examples/s, "
+              f"{ratio:.2f}x the single process (SGD target >= 1.6x, linear limit 2x)")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def apply_ftrl(var: Array, grad: Array, z: Array, n: Array, lr: float, l1: float
     z += grad - sigma * var
     n[...] = n_new
     quadratic = xp.sqrt(n) / lr + 2 * l2
-    var[...] = xp.where(xp.abs(z) > l1, (xp.sign(z) * l1 - z) / quadratic, 0).astype(var.dtype)
+    # soft threshold: -(z - sign(z) l1) / quadratic where |z| > l1, exactly 0 elsewhere
+    var[...] = (xp.clip(z, -l1, l1) - z) / quadratic
 
 
 # -- optimizers: a rule, its hyper-parameters and its slots -------------------------------

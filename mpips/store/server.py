@@ -3,8 +3,9 @@
 Plain SGD needs no PS code: Accumulate is atomic per element, so the PS only keeps its window
 alive, asleep, until every worker is done. For stateful optimizers the PS applies the rule
 itself: it watches its mailbox, applies each posted gradient to its own variables and slots
-(in place, in window memory), and clears the flag. Idle, it backs off to 1 ms sleeps; busy,
-it polls every ~50 us and never blocks the workers' windows (MPI progress happens in the poll).
+(in place, in window memory), and clears the flag. Busy, it polls every 50-200 us; idle for
+0.1 s, it backs off to 1 ms sleeps; it never blocks the workers' windows (MPI progress
+happens in the poll).
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from .cluster import POLL_SECONDS, Cluster, wait
 from .counters import Counters
 from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows
 
-BUSY_POLL_SECONDS = 5e-5
+BUSY_POLL_SECONDS = 5e-5   # right after an update
+WARM_POLL_SECONDS = 2e-4   # busy within the last WARM_SECONDS: the next push is coming soon
+WARM_SECONDS = 0.1
 
 
 def serve(cluster: Cluster, windows: Windows, optimizer: Optimizer | None = None) -> int:
@@ -57,7 +60,7 @@ def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
     flags = np.zeros(1, np.int64)
     zero = np.zeros(1, np.int64)
     lr_word = np.zeros(1, np.int64)
-    sleep = BUSY_POLL_SECONDS
+    sleep, last_busy = BUSY_POLL_SECONDS, 0.0
     while not done.Test():
         busy = False
         for k, inbox in enumerate(inboxes):
@@ -78,6 +81,11 @@ def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
             mail.Flush(me)
             applied += 1
             busy = True
-        sleep = BUSY_POLL_SECONDS if busy else min(POLL_SECONDS, sleep * 2)
+        now = time.monotonic()
+        if busy:
+            sleep, last_busy = BUSY_POLL_SECONDS, now
+        else:  # back off; sleep 1 ms only when no push came for WARM_SECONDS
+            cap = WARM_POLL_SECONDS if now - last_busy < WARM_SECONDS else POLL_SECONDS
+            sleep = min(cap, sleep * 2)
         time.sleep(sleep)
     return applied
