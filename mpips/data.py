@@ -105,18 +105,22 @@ def load_split(info: DatasetInfo, split: str, rows: tuple[int, int] | None = Non
 
 
 def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, task: int,
-            epochs: int = 0, start_batch: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+            epochs: int = 0, start_batch: int = 0, per_epoch: int | None = None
+            ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """(epoch, x, y) batches of one shard, reshuffled each epoch from (seed, task, epoch).
 
-    ``epochs = 0`` repeats forever. A last short batch of an epoch is kept. ``start_batch``
-    skips that many batches (a restored data position) without reading them.
+    ``epochs = 0`` repeats forever. A last short batch of an epoch is kept, unless
+    ``per_epoch`` is given: then each epoch is exactly that many full batches (sync replicas
+    must all make the same number of equal batches). ``start_batch`` skips that many
+    batches (a restored data position) without reading them.
     """
     n = len(y)
-    per_epoch = -(-n // batch_size)
+    if per_epoch is None:
+        per_epoch = -(-n // batch_size)
     epoch, first = divmod(start_batch, per_epoch)
     while not epochs or epoch < epochs:
         order = np.random.default_rng([seed, task, epoch]).permutation(n)
-        for i in range(first * batch_size, n, batch_size):
+        for i in range(first * batch_size, min(n, per_epoch * batch_size), batch_size):
             idx = order[i:i + batch_size]
             yield epoch, x[idx], y[idx]
         epoch, first = epoch + 1, 0

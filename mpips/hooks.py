@@ -45,7 +45,14 @@ class StepLogger(Hook):
         self.every = every
 
     def after_step(self, run: Run, info: StepInfo) -> None:
-        if self.every and info.local_updates % self.every == 0:
+        if run.job.train.mode == "sync" and not run.is_chief:
+            return  # every replica makes the same step: the chief says it once
+        if not self.every or info.local_updates % self.every:
+            return
+        if run.job.train.mode == "sync":
+            log(run.role, f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
+                          f"(chief's batch; gradients averaged over all replicas)")
+        else:
             log(run.role, f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
                           f"(update {info.local_updates} of this worker, pulled "
                           f"{info.delay} steps earlier)")
@@ -69,7 +76,7 @@ class ProgressBar(Hook):
 
     def end(self, run: Run) -> None:
         if self.bar is not None:
-            final = run.client.counters.global_step()  # other workers' last steps too
+            final = run.global_step()  # other workers' last steps too
             if final > self.bar.n:
                 self.bar.update(final - self.bar.n)
             self.bar.close()
@@ -98,15 +105,12 @@ class CheckpointSaver(Hook):
             self.save(run)
 
     def end(self, run: Run) -> None:
-        if run.is_chief and run.client.counters.global_step() != self.last_step:
+        if run.is_chief and run.global_step() != self.last_step:
             self.save(run)
 
     def save(self, run: Run) -> Path:
         """Variables, optimizer slots, global_step and each worker's clock (data position)."""
-        values = run.client.pull()
-        slots = run.client.pull_slots()
-        step = run.client.counters.global_step()
-        clocks = run.client.counters.clocks()[0]
+        step, values, slots, clocks = run.state()
         path = checkpoint.save(self.directory, step, values, self.max_to_keep,
                                {"job": run.job.source, "clocks": clocks}, slots)
         self.last_step, self.last_time = step, time.monotonic()

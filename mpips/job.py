@@ -62,6 +62,8 @@ class TrainConfig:
     progress: bool = True      # tqdm bar on the chief
     device: str = "cpu"        # "cpu" (numpy) or "gpu" (cupy, one device per local rank)
     max_staleness: int | None = None  # bounded staleness: lead over the slowest worker (0: lock-step)
+    bucket_bytes: int = 1 << 20  # sync: gradients fused into allreduce buckets of about this size
+    check_every: int = 100     # sync: verify replicas are bitwise identical every N steps (0: off)
 
 
 @dataclass
@@ -96,7 +98,7 @@ CHOICES = {
     "model.kind": ("mlp",),
     "optimizer.kind": ("sgd", "momentum", "adagrad", "adam", "ftrl"),
     "optimizer.schedule": ("constant", "exponential", "step"),
-    "train.mode": ("async",),
+    "train.mode": ("async", "sync"),
     "train.device": ("cpu", "gpu"),
     "data.builtin": ("", "digits"),
     "layout.placement": ("round_robin", "greedy"),
@@ -104,8 +106,9 @@ CHOICES = {
 NON_NEGATIVE = ("train.steps", "train.epochs", "train.log_every", "checkpoint.every_steps",
                 "checkpoint.every_secs", "model.init_seed", "train.seed", "optimizer.momentum",
                 "optimizer.initial_accumulator_value", "optimizer.l1", "optimizer.l2",
-                "optimizer.warmup_steps", "optimizer.clip_norm")
+                "optimizer.warmup_steps", "optimizer.clip_norm", "train.check_every")
 POSITIVE = ("train.batch_size", "optimizer.learning_rate", "checkpoint.max_to_keep",
+            "train.bucket_bytes",
             "optimizer.epsilon", "optimizer.decay_rate", "optimizer.decay_steps")
 UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
 
@@ -189,6 +192,10 @@ def validate(job: Job) -> Job:
         value = getattr(getattr(job, section), name)
         if not 0 <= value < 1:
             raise ConfigError(f"{key}: must be in [0, 1), got {value!r}")
+    if job.train.mode == "sync" and job.train.device != "cpu":
+        raise ConfigError('train.device: mode = "sync" runs on the CPU (numpy) for now')
+    if job.train.mode == "sync" and job.train.max_staleness is not None:
+        raise ConfigError("train.max_staleness: only for mode = \"async\" (sync is lock-step)")
     if job.train.max_staleness is not None and job.train.max_staleness < 0:
         raise ConfigError(f"train.max_staleness: must be >= 0, got {job.train.max_staleness}")
     if job.optimizer.kind == "ftrl" and job.optimizer.initial_accumulator_value <= 0:
@@ -234,7 +241,7 @@ def load_job(path: str | Path | None = None) -> Job:
 def job_layout(job: Job, world_size: int) -> Layout:
     """The job's rank layout on ``world_size`` ranks (ConfigError if it does not fit)."""
     return make_layout(world_size, job.layout.ps, job.layout.world_size,
-                       source=f"{job.source}: [layout]")
+                       source=f"{job.source}: [layout]", sync=job.train.mode == "sync")
 
 
 def job_placement(job: Job, specs: list[VariableSpec], num_ps: int) -> Placement:

@@ -48,6 +48,7 @@ class Layout:
 
     @property
     def chief_rank(self) -> int:
+        """Worker task 0's rank."""
         return self.worker_ranks[0]
 
     def role(self, rank: int) -> Role:
@@ -65,16 +66,23 @@ def default_num_ps(world_size: int) -> int:
 
 
 def make_layout(world_size: int, ps: int | list[int] | None = None,
-                expected_world_size: int | None = None, source: str = "layout") -> Layout:
-    """Validate a PS spec (count, explicit rank list, or None for the default) for a world size."""
+                expected_world_size: int | None = None, source: str = "layout",
+                sync: bool = False) -> Layout:
+    """Validate a PS spec (count, explicit rank list, or None for the default) for a world size.
+
+    ``sync``: synchronous replicas need no PS, so ``ps = 0`` is allowed and is the default.
+    """
     if expected_world_size is not None and expected_world_size != world_size:
         raise ConfigError(f"{source}: world_size = {expected_world_size}, but the job runs "
                           f"on {world_size} ranks (mpirun -n {expected_world_size}?)")
-    if world_size < 2:
+    least = 1 if sync else 2
+    if world_size < least:
         raise ConfigError(f"{source}: mpips needs at least 2 ranks (1 ps + 1 worker), got "
                           f"{world_size}; launch with e.g. `mpirun -n 3 python -m mpips train`")
     if ps is None:
-        ps = default_num_ps(world_size)
+        ps = 0 if sync else default_num_ps(world_size)
+    if sync and (ps == 0 or ps == []):
+        return Layout(world_size, ())
     if isinstance(ps, bool) or not isinstance(ps, (int, list)):
         raise ConfigError(f"{source}: ps must be a count or a list of ranks, got {ps!r}")
     if isinstance(ps, int):

@@ -1,6 +1,7 @@
 """Models: a multi-layer perceptron with ReLU and softmax cross-entropy, written for any xp."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -51,9 +52,13 @@ class MLP:
         loss, _ = _cross_entropy(self.xp, z, y)
         return float(loss), accuracy(to_host(z), to_host(y))
 
-    def loss_and_grads(self, params: dict[str, Any], x: Any, y: Any,
-                       grads: dict[str, Any]) -> float:
-        """Mean cross-entropy of the batch; writes d loss / d variable into ``grads`` in place."""
+    def loss_and_grads(self, params: dict[str, Any], x: Any, y: Any, grads: dict[str, Any],
+                       ready: Callable[[str], None] | None = None) -> float:
+        """Mean cross-entropy of the batch; writes d loss / d variable into ``grads`` in place.
+
+        ``ready(name)`` is called as soon as each gradient is written (last layer first), so a
+        caller can start reducing it while backward goes on.
+        """
         xp = self.xp
         acts = [x]
         h = x
@@ -69,6 +74,9 @@ class MLP:
         for i in reversed(range(self.num_layers)):
             xp.matmul(acts[i].T, d, out=grads[f"dense_{i}/kernel"])
             d.sum(axis=0, out=grads[f"dense_{i}/bias"])
+            if ready is not None:
+                ready(f"dense_{i}/bias")
+                ready(f"dense_{i}/kernel")
             if i:
                 d = d @ params[f"dense_{i}/kernel"].T
                 d *= acts[i] > 0

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,19 +41,53 @@ class TrainResult:
     staleness: list[dict[str, Any]] | None = None  # per worker task (chief: all workers)
 
 
+State = tuple[int, dict[str, Any], dict[str, Any], list[int]]
+
+
 @dataclass
 class Run:
-    """The state hooks can see."""
+    """What hooks can see and read, the same in async and sync mode."""
 
     job: Job
     role: Role
-    client: StoreClient
     start_step: int
     target_steps: int
+    global_step: Callable[[], int]
+    state: Callable[[], State]   # (global_step, variables, slots, each worker's clock)
+    params: dict[str, Any] | None = None  # sync mode: this replica's variables
 
     @property
     def is_chief(self) -> bool:
         return self.role.is_chief
+
+
+def build_hooks(job: Job, hooks: list[Hook]) -> list[Hook]:
+    """The standard hooks of a job (logging, progress bar, checkpoints), then the caller's."""
+    out: list[Hook] = [StepLogger(job.train.log_every)]
+    if job.train.progress:
+        out.append(ProgressBar())
+    if job.checkpoint.dir:
+        c = job.checkpoint
+        out.append(CheckpointSaver(c.dir, c.every_steps, c.every_secs, c.max_to_keep))
+    return out + hooks
+
+
+def report(cluster: Cluster, model: MLP, params: dict[str, Any], prep: dict[str, Any],
+           result: TrainResult, gathered: list[Any]) -> None:
+    """Chief: evaluate on the test split and print the final line."""
+    role = cluster.role
+    xp = model.xp
+    if xp is not np:
+        params = {k: to_device(xp, v) for k, v in params.items()}
+    x, y = (to_device(xp, a) for a in prep["test"])
+    result.test_loss, result.test_accuracy = model.evaluate(params, x, y)
+    result.total_examples = sum(g[0] for g in gathered)
+    wall = max(g[1] for g in gathered)
+    rate = result.total_examples / wall if wall else 0.0
+    log(role, f"final: global_step {result.global_step} test_accuracy "
+              f"{result.test_accuracy:.4f} test_loss {result.test_loss:.4f} "
+              f"({result.total_examples} examples on {cluster.layout.num_workers} workers "
+              f"in {wall:.1f} s, {rate:.0f} examples/s)")
 
 
 def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None) -> TrainResult:
@@ -110,6 +144,9 @@ def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:
     xp = agreed(cluster.comm, lambda: np if cluster.is_ps
                 else get_xp(job.train.device, cluster.local_rank))
     model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes, xp)
+    if job.train.mode == "sync":
+        from .replicas import run_replicas
+        return run_replicas(job, cluster, model, optimizer, prep, hooks)
     placement = job_placement(job, model.variables(), cluster.layout.num_ps)
     cluster.check_placement(placement)
     slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
@@ -163,14 +200,13 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
               f"{windows.placement.num_ps} ps task(s)"
               + (f", resuming at batch {clock}" if clock else ""))
 
-    all_hooks: list[Hook] = [StepLogger(tc.log_every)]
-    if tc.progress:
-        all_hooks.append(ProgressBar())
-    if job.checkpoint.dir:
-        c = job.checkpoint
-        all_hooks.append(CheckpointSaver(c.dir, c.every_steps, c.every_secs, c.max_to_keep))
-    all_hooks += hooks
-    run = Run(job, role, client, start_step, tc.steps)
+    all_hooks = build_hooks(job, hooks)
+
+    def state() -> State:
+        values, slots = client.pull(), client.pull_slots()
+        return counters.global_step(), values, slots, [int(c) for c in counters.clocks()[0]]
+
+    run = Run(job, role, start_step, tc.steps, counters.global_step, state)
     for h in all_hooks:
         h.begin(run)
 
@@ -225,14 +261,7 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
         for task, s in enumerate(result.staleness):
             if s["updates"]:
                 log(role, f"staleness of /job:worker/task:{task}: {Staleness.describe(s)}")
-        _evaluate(model, client, prep["test"], result)
-        result.total_examples = sum(g[0] for g in gathered)
-        wall = max(g[1] for g in gathered)
-        rate = result.total_examples / wall if wall else 0.0
-        log(role, f"final: global_step {result.global_step} test_accuracy "
-                  f"{result.test_accuracy:.4f} test_loss {result.test_loss:.4f} "
-                  f"({result.total_examples} examples on {cluster.layout.num_workers} workers "
-                  f"in {wall:.1f} s, {rate:.0f} examples/s)")
+        report(cluster, model, client.pull(), prep, result, gathered)
     return result
 
 
@@ -277,13 +306,3 @@ class Staleness:
             return f"mean {d['mean']:.2f} p50 {d['p50']} p90 {d['p90']} max {d['max']}"
         return (f"{s['updates']} updates; lead over slowest worker {one(s['lead'])}; "
                 f"delay in global steps {one(s['delay'])}")
-
-
-def _evaluate(model: MLP, client: StoreClient, test: tuple[np.ndarray, np.ndarray],
-              result: TrainResult) -> None:
-    params = client.pull()
-    xp = model.xp
-    if xp is not np:
-        params = {k: to_device(xp, v) for k, v in params.items()}
-    x, y = (to_device(xp, a) for a in test)
-    result.test_loss, result.test_accuracy = model.evaluate(params, x, y)

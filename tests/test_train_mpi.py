@@ -118,7 +118,8 @@ def test_exception_on_one_worker_ends_the_job(tmp_path):
 FASHION = "/usr/share/datasets/fashion-mnist"
 
 
-def test_fashion_mnist_job_reaches_085(tmp_path):
+@pytest.mark.parametrize("job", ["fashion_mnist.toml", "fashion_mnist_sync.toml"])
+def test_fashion_mnist_job_reaches_085(tmp_path, job):
     import os
     if not os.path.isdir(FASHION):
         if os.environ.get("CI"):
@@ -127,7 +128,7 @@ def test_fashion_mnist_job_reaches_085(tmp_path):
     r = run_py(["-m", "mpips", "data", "fashion-mnist", "data/fashion_mnist.h5"], cwd=tmp_path,
                timeout=120)
     assert r.returncode == 0, r.stderr
-    r = train(tmp_path, 8, str(ROOT / "jobs/fashion_mnist.toml"), timeout=240)
+    r = train(tmp_path, 8, str(ROOT / "jobs" / job), timeout=240)
     assert r.returncode == 0, r.stderr
     assert float(FINAL.search(r.stdout).group(2)) >= 0.85, r.stdout[-3000:]
 

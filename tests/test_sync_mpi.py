@@ -1,0 +1,144 @@
+"""mode = "sync": W replicas with batch b equal one process with batch W*b; replicas stay
+bitwise identical; the divergence check fires; shutdown never hangs (plain pytest)."""
+import re
+import time
+
+import numpy as np
+import pytest
+from conftest import run_mpi
+from test_optimizers_mpi import read_ckpt
+
+from mpips.data import batches, load_split, open_dataset, resolve_path, shard_rows
+from mpips.job import parse_job
+from mpips.nn import MLP
+from mpips.optim import build_optimizer, learning_rate
+
+pytestmark = pytest.mark.launcher
+
+JOB = """
+[model]
+hidden = [16]
+[data]
+builtin = "digits"
+[optimizer]
+kind = "{kind}"
+learning_rate = {lr}
+[train]
+mode = "sync"
+steps = {steps}
+batch_size = 16
+seed = 5
+log_every = 1
+progress = false
+check_every = {check}
+[checkpoint]
+dir = "runs/ckpt"
+"""
+LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
+DONE = re.compile(r"\[/job:worker/task:(\d+)\] done: (\d+) updates.*replica crc32 ([0-9a-f]{8})")
+
+
+def write_job(tmp_path, kind="sgd", steps=20, check=5):
+    text = JOB.format(kind=kind, lr=LR[kind], steps=steps, check=check)
+    (tmp_path / "job.toml").write_text(text)
+    return parse_job(text)
+
+
+def one_process(job, workers, steps):
+    """One process, batch W*b: the concatenation of what the W replicas see each step."""
+    info = open_dataset(resolve_path("", "digits"))
+    b = job.train.batch_size
+    shards = [shard_rows(info.rows["train"], workers, k) for k in range(workers)]
+    per_epoch = min((stop - start) // b for start, stop in shards)
+    streams = [batches(*load_split(info, "train", rows), b, job.train.seed, k,
+                       per_epoch=per_epoch) for k, rows in enumerate(shards)]
+    model = MLP([64, *job.model.hidden, 10])
+    params = model.initial_values(job.model.init_seed)
+    opt = build_optimizer(job.optimizer)
+    slots = {k: opt.init_slots(v) for k, v in params.items()}
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    for step in range(steps):
+        parts = [next(s) for s in streams]
+        x = np.concatenate([p[1] for p in parts])
+        y = np.concatenate([p[2] for p in parts])
+        model.loss_and_grads(params, x, y, grads)
+        for k in params:
+            opt.apply(params[k], grads[k], slots[k], learning_rate(job.optimizer, step), step + 1)
+    return params, slots
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("kind", ["sgd", "momentum", "adam"])
+def test_w_replicas_equal_one_process_with_w_times_the_batch(tmp_path, kind, workers):
+    job = write_job(tmp_path, kind)
+    r = run_mpi(workers, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    done = DONE.findall(r.stdout)
+    assert sorted(t for t, _, _ in done) == [str(k) for k in range(workers)]
+    assert {n for _, n, _ in done} == {"20"}, "global_step advanced once per aggregated step"
+    assert len({crc for _, _, crc in done}) == 1, "replicas are bitwise identical"
+    steps = [int(s) for s in re.findall(r"\] step (\d+) loss", r.stdout)]
+    assert steps == list(range(1, 21)), "each step said once (by the chief)"
+    variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-20.h5")
+    assert clocks == [20] * workers
+    want, want_slots = one_process(job, workers, 20)
+    for name, value in want.items():
+        np.testing.assert_allclose(variables[name], value, rtol=2e-4, atol=2e-6, err_msg=name)
+    for name, per in want_slots.items():
+        for slot, value in per.items():
+            np.testing.assert_allclose(slots[f"{slot}/{name}"], value, rtol=2e-4, atol=2e-6)
+
+
+PERTURB = """
+import mpips
+class Perturb(mpips.Hook):
+    def after_step(self, run, info):
+        if run.role.task == 1 and info.step == 7:
+            run.params["dense_0/bias"][0] += 1e-6
+with mpips.abort_on_error():
+    mpips.train(mpips.load_job("job.toml"), hooks=[Perturb()])
+"""
+
+
+def test_divergence_check_fires_when_a_replica_is_perturbed(tmp_path):
+    write_job(tmp_path, "sgd", steps=40, check=10)
+    (tmp_path / "perturb.py").write_text(PERTURB)
+    r = run_mpi(3, ["perturb.py"], cwd=tmp_path)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    message = "replicas diverged at global_step 10: the variables of worker task(s) 1 differ"
+    assert r.stderr.count(message) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+BOOM = """
+import mpips
+class Boom(mpips.Hook):
+    def after_step(self, run, info):
+        if run.role.task == 2 and info.step == 9:
+            raise RuntimeError("injected failure")
+with mpips.abort_on_error():
+    mpips.train(mpips.load_job("job.toml"), hooks=[Boom()])
+"""
+
+
+def test_a_worker_raising_mid_run_ends_the_job(tmp_path):
+    write_job(tmp_path, "sgd", steps=10**6)
+    (tmp_path / "boom.py").write_text(BOOM)
+    t0 = time.monotonic()
+    r = run_mpi(3, ["boom.py"], cwd=tmp_path, timeout=60)
+    assert r.returncode != 0
+    assert "rank 2 (/job:worker/task:2) failed with RuntimeError: injected failure" in r.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_ps_ranks_in_sync_mode_just_wait_and_resume_works(tmp_path):
+    write_job(tmp_path, "adam", steps=10)
+    (tmp_path / "layout.toml").write_text("ps = 1\n")
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--layout", "layout.toml"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert {t for t, _, _ in DONE.findall(r.stdout)} == {"0", "1"}
+    write_job(tmp_path, "adam", steps=16)
+    r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "restored global_step 10" in r.stdout and "resuming at batch 10" in r.stdout
+    assert "final: global_step 16" in r.stdout
