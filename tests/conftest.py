@@ -3,7 +3,8 @@
 * ``@pytest.mark.mpi(ranks=3)``: runs in-process on COMM_WORLD; skipped unless the suite
   runs under mpirun with at least that many ranks (test_mpi_suite.py launches them under
   plain pytest, so one command covers everything).
-* ``@pytest.mark.launcher``: spawns its own ``mpiexec``; skipped under mpirun.
+* ``@pytest.mark.launcher``: spawns its own ``mpiexec`` (or another subprocess that must run
+  once); skipped under mpirun.
 * Under mpirun, a failed test aborts the world at once and every test has a hard timeout
   (faulthandler, outside the GIL), so one rank's failure never leaves the others hanging.
 """
@@ -36,7 +37,8 @@ def pytest_configure(config):
     global _CONFIG
     _CONFIG = config
     config.addinivalue_line("markers", "mpi(ranks=3): runs across COMM_WORLD under mpirun")
-    config.addinivalue_line("markers", "launcher: spawns mpiexec itself (plain pytest only)")
+    config.addinivalue_line("markers", "launcher: spawns mpiexec or other subprocesses itself "
+                                       "(plain pytest only)")
 
 
 def pytest_collection_modifyitems(config, items):

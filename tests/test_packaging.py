@@ -1,14 +1,20 @@
 """The built wheel carries what a fresh `pip install .` needs (the tests run from source)."""
+import shutil
 import subprocess
 import sys
 import zipfile
 
+import pytest
 from conftest import ROOT
 
 
+@pytest.mark.launcher  # a subprocess build: once, under plain pytest (not once per MPI rank)
 def test_wheel_ships_the_default_job_and_digits(tmp_path):
+    src = tmp_path / "src"  # a clean copy: setuptools writes build/ into the source tree
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "runs", "data", "__pycache__", ".pytest_cache"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
-                        str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+                        str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("mpips-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
