@@ -8,6 +8,7 @@ progress only inside MPI calls.
 """
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ class GradientBuckets:
             if self._pending.get(index):
                 raise RuntimeError(f"gradients {sorted(self._pending[index])} were never written")
             while b.request is not None and not b.request.Test():
-                time.sleep(2e-5)
+                os.sched_yield()  # cores go to any runnable rank; a 20 us sleep doubled the time
             b.request = None
             b.buffer /= self.size
         self.reduce_seconds += time.perf_counter() - t0
