@@ -18,12 +18,10 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-
-from mpips.data import load_split, make_synthetic, open_dataset
+from common import DEFAULT_DATA, mpips_rate, one_numpy_process, reference_data
 
 JOB = """
 [model]
@@ -72,26 +70,6 @@ dist.destroy_process_group()
 """
 
 
-def one_numpy_process(x: np.ndarray, y: np.ndarray, steps: int) -> float:
-    from threadpoolctl import threadpool_limits
-
-    from mpips.nn import MLP
-    from mpips.optim import apply_sgd
-    model = MLP([784, 512, 512, 10])
-    params = model.initial_values(0)
-    grads = {k: np.empty_like(v) for k, v in params.items()}
-    rng = np.random.default_rng(0)
-    with threadpool_limits(limits=1):
-        for i in range(20 + steps):
-            if i == 20:
-                t0 = time.perf_counter()
-            idx = rng.integers(0, len(y), 128)
-            model.loss_and_grads(params, x[idx], y[idx], grads)
-            for k in params:
-                apply_sgd(params[k], grads[k], 0.05)
-    return steps * 128 / (time.perf_counter() - t0)
-
-
 def ddp(data: Path, steps: int, port: int, workdir: Path) -> float:
     script = workdir / "ddp.py"
     script.write_text(DDP)
@@ -104,27 +82,14 @@ def ddp(data: Path, steps: int, port: int, workdir: Path) -> float:
     return float(re.search(r"ddp_examples_per_s (\d+)", out[0]).group(1))
 
 
-def mpips_sync(job: Path, workdir: Path) -> float:
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    r = subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", "2",
-                        sys.executable, "-m", "mpips", "train", str(job)],
-                       cwd=workdir, capture_output=True, text=True, timeout=600)
-    m = re.search(r"([0-9]+) examples/s\)", r.stdout)
-    if r.returncode or not m:
-        raise SystemExit(f"mpips run failed:\n{r.stdout}\n{r.stderr}")
-    return float(m.group(1))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=600, help="aggregated steps per run")
-    ap.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "mpips-bench/synthetic.h5"))
+    ap.add_argument("--data", default=DEFAULT_DATA)
     args = ap.parse_args()
-    data = Path(args.data)
-    if not data.exists():
-        make_synthetic(data)
-    x, y = load_split(open_dataset(str(data)), "train")
+    data = args.data
+    x, y = reference_data(data)
     single, torch_ddp, sync = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "sync.toml"
@@ -132,7 +97,7 @@ def main() -> None:
         for r in range(args.rounds):
             single.append(one_numpy_process(x, y, args.steps))
             torch_ddp.append(ddp(data, args.steps, 29500 + r, Path(tmp)))
-            sync.append(mpips_sync(job, Path(tmp)))
+            sync.append(mpips_rate(2, job, Path(tmp)))
             print(f"round {r + 1}: 2 x one numpy process {2 * single[-1]:8.0f} | torch DDP "
                   f"gloo {torch_ddp[-1]:8.0f} | mpips sync {sync[-1]:8.0f} examples/s", flush=True)
     limit, d, s = 2 * np.median(single), np.median(torch_ddp), np.median(sync)

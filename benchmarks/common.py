@@ -1,0 +1,57 @@
+"""Pieces the benchmarks share: the reference data, the one-process numpy baseline, and a
+timed mpips run (examples/s as the chief reports it)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from mpips.data import load_split, make_synthetic, open_dataset
+from mpips.nn import MLP
+from mpips.optim import apply_sgd
+
+DEFAULT_DATA = str(Path(tempfile.gettempdir()) / "mpips-bench/synthetic.h5")
+
+
+def reference_data(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """REFERENCE.md's synthetic train split, made once (60000 x 784, N(0,1))."""
+    if not Path(path).exists():
+        print(f"making {path} ...", flush=True)
+        make_synthetic(path)
+    return load_split(open_dataset(path), "train")
+
+
+def one_numpy_process(x: np.ndarray, y: np.ndarray, steps: int) -> float:
+    """Examples/s of the reference MLP with SGD in this process, 1 BLAS thread, after 20
+    warm-up steps: the same numpy model code mpips runs, without any MPI."""
+    model = MLP([784, 512, 512, 10])
+    params = model.initial_values(0)
+    grads = {k: np.empty_like(v) for k, v in params.items()}
+    rng = np.random.default_rng(0)
+    with threadpool_limits(limits=1):
+        for i in range(20 + steps):
+            if i == 20:
+                t0 = time.perf_counter()
+            idx = rng.integers(0, len(y), 128)
+            model.loss_and_grads(params, x[idx], y[idx], grads)
+            for k in params:
+                apply_sgd(params[k], grads[k], 0.05)
+    return steps * 128 / (time.perf_counter() - t0)
+
+
+def mpips_rate(ranks: int, job: Path, workdir: Path) -> float:
+    """Run `mpiexec -n RANKS python -m mpips train JOB`; the examples/s its chief reports."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    r = subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks),
+                        sys.executable, "-m", "mpips", "train", str(job)],
+                       cwd=workdir, capture_output=True, text=True, timeout=600)
+    m = re.search(r"([0-9]+) examples/s\)", r.stdout)
+    if r.returncode or not m:
+        raise SystemExit(f"mpips run failed:\n{r.stdout}\n{r.stderr}")
+    return float(m.group(1))
