@@ -91,12 +91,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from .failure import abort_on_error
+    from .preemption import EXIT_PREEMPTED
     from .store import agreed
     from .training import train
     with abort_on_error():
         job = agreed(MPI.COMM_WORLD, lambda: _resolve_job(args))
-        train(job)
-    return 0
+        result = train(job)
+    return EXIT_PREEMPTED if result.stopped_by else 0
 
 
 def cmd_layout(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from . import preemption
 from .data import batches, shard_rows
 from .errors import AgreedError
 from .hooks import Hook, StepInfo
@@ -22,8 +23,8 @@ from .log import log
 from .nn import MLP
 from .optim import Optimizer, clip_by_global_norm, learning_rate
 from .store import Cluster, allgather_json, sleepy_barrier
-from .sync import GradientBuckets, broadcast, check_replicas, replica_hash
-from .training import Run, State, TrainResult, build_hooks, report
+from .sync import GradientBuckets, agree_max, broadcast, check_replicas, replica_hash
+from .training import Run, State, TrainResult, build_hooks, report, say_preempted
 
 
 def run_replicas(job: Job, cluster: Cluster, model: MLP, optimizer: Optimizer,
@@ -93,9 +94,13 @@ def _replica(job: Job, cluster: Cluster, model: MLP, optimizer: Optimizer,
         h.begin(run)
     updates = examples = 0
     t0 = time.perf_counter()
+    stopped = 0
     for epoch, x, y in batches(*prep["train"], tc.batch_size, tc.seed, role.task, tc.epochs,
                                start_batch=clock, per_epoch=per_epoch):
         if tc.steps and step >= tc.steps:
+            break
+        stopped = agree_max(comm, preemption.requested())  # a signal on any replica
+        if stopped:
             break
         buckets.start_step()
         loss = model.loss_and_grads(params, x, y, buckets.grads, ready=buckets.ready)
@@ -118,7 +123,9 @@ def _replica(job: Job, cluster: Cluster, model: MLP, optimizer: Optimizer,
     gathered = allgather_json(comm, [examples, seconds])
     for h in all_hooks:
         h.end(run)
-    result = TrainResult(role, start_step, step, updates, examples, seconds)
+    result = TrainResult(role, start_step, step, updates, examples, seconds, stopped_by=stopped)
     if cluster.is_chief:
+        if stopped:
+            say_preempted(role, stopped, step, job)
         report(cluster, model, params, prep, result, gathered)
     return result

@@ -94,6 +94,13 @@ class GradientBuckets:
         return self.grads
 
 
+def agree_max(comm: MPI.Comm, value: int) -> int:
+    """The largest ``value`` over all replicas (one 8-byte allreduce)."""
+    buf = np.array([value], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, buf, MPI.MAX)
+    return int(buf[0])
+
+
 def broadcast(comm: MPI.Comm, arrays: list[np.ndarray], root: int = 0) -> None:
     """Broadcast arrays in place from ``root`` (waiting ranks sleep)."""
     for a in arrays:

@@ -1,6 +1,8 @@
 """The training loop: chief init/restore, async workers, PS serving, end of run, evaluation."""
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -9,7 +11,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import checkpoint
+from . import checkpoint, preemption
 from .backend import get_xp, pin_blas_threads, to_device, to_host
 from .data import batches, load_split, open_dataset, resolve_path, shard_rows
 from .errors import DataError
@@ -23,6 +25,7 @@ from .optim import Optimizer, build_optimizer, clip_by_global_norm, learning_rat
 from .placement import slot_placement
 from .store import Cluster, Counters, StoreClient, Windows, agreed, allgather_json, serve, sleepy_barrier
 from .store.cluster import POLL_SECONDS
+from .store.counters import NO_MORE_TICKETS
 
 
 @dataclass
@@ -39,6 +42,7 @@ class TrainResult:
     test_accuracy: float | None = None
     test_loss: float | None = None
     staleness: list[dict[str, Any]] | None = None  # per worker task (chief: all workers)
+    stopped_by: int = 0            # signal that stopped the run early (preemption), else 0
 
 
 State = tuple[int, dict[str, Any], dict[str, Any], list[int]]
@@ -72,6 +76,13 @@ def build_hooks(job: Job, hooks: list[Hook]) -> list[Hook]:
     return out + hooks
 
 
+def say_preempted(role: Role, signum: int, step: int, job: Job) -> None:
+    saved = (f"checkpoint at global_step {step} in {job.checkpoint.dir}; rerun the same "
+             f"command to resume" if job.checkpoint.dir else "no checkpoint.dir: not saved")
+    log(role, f"stopped early by {preemption.name(signum)}: {saved} "
+              f"(exit code {preemption.EXIT_PREEMPTED})")
+
+
 def report(cluster: Cluster, model: MLP, params: dict[str, Any], prep: dict[str, Any],
            result: TrainResult, gathered: list[Any]) -> None:
     """Chief: evaluate on the test split and print the final line."""
@@ -96,6 +107,9 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None) ->
     layout = agreed(comm, lambda: job_layout(job, comm.size))
     cluster = Cluster(comm, layout)
     set_role(cluster.role)
+    preemption.install()
+    # if a process is killed, the launcher speaks only of pids: this line maps pids to tasks
+    log(cluster.role, f"rank {cluster.rank}, pid {os.getpid()} on {socket.gethostname()}")
     result = _train(job, cluster, list(hooks))
     cluster.free()  # collective: only on success (an error aborts the world instead)
     return result
@@ -157,6 +171,7 @@ def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:
     else:
         result = _work(job, cluster, windows, model, optimizer, prep, hooks)
         sleepy_barrier(cluster.comm)  # releases the PS ranks
+    result.stopped_by = Counters(windows).stop_signal()
     windows.free()  # collective, so never in a finally: a failing rank must reach Abort
     return result
 
@@ -219,7 +234,10 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
     t0 = time.perf_counter()
     for epoch, x, y in batches(x_all, y_all, tc.batch_size, tc.seed, role.task, tc.epochs,
                                start_batch=clock):
-        if tc.steps and counters.claim_ticket() >= tc.steps:
+        if preemption.requested():  # every worker stops at its next ticket
+            counters.request_stop(preemption.requested())
+            break
+        if counters.claim_ticket() >= (tc.steps or NO_MORE_TICKETS):
             break
         lead = _wait_for_slowest(counters, clock, tc.max_staleness)
         pulled_at = counters.global_step()
@@ -256,7 +274,10 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
         h.end(run)
     result = TrainResult(role, start_step, counters.global_step(), updates, examples, seconds,
                          staleness=[stats.summary()])
+    stopped = counters.stop_signal()
     if cluster.is_chief:
+        if stopped:
+            say_preempted(role, stopped, result.global_step, job)
         result.staleness = [g[2] for g in gathered]
         for task, s in enumerate(result.staleness):
             if s["updates"]:

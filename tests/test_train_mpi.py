@@ -143,3 +143,82 @@ def test_run_ends_when_every_worker_has_exhausted_its_epochs(tmp_path):
     assert "[/job:worker/task:1] done: 16 updates, 1436 examples" in r.stdout
     assert FINAL.search(r.stdout).group(1) == "32"
     assert sorted(int(s) for _, s in STEP.findall(r.stdout)) == list(range(1, 33))
+
+
+PID = re.compile(r"^\[/job:(ps|worker)/task:(\d+)\] rank \d+, pid (\d+) on ", re.M)
+
+
+class Job:
+    """A training job run in the background, its output in a file, its tasks' pids known."""
+
+    def __init__(self, tmp_path, ranks, *args):
+        import subprocess
+        import sys
+
+        from conftest import clean_env, mpiexec_path
+        self.log = tmp_path / "out.log"
+        self._out = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpips", "train",
+             "--no-progress", "--log-every", "0", *args],
+            cwd=tmp_path, env=clean_env(), stdout=self._out, stderr=subprocess.STDOUT)
+        self.pids = {}
+        deadline = time.monotonic() + 30
+        while len(self.pids) < ranks and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self.pids = {f"/job:{j}/task:{t}": int(p) for j, t, p in PID.findall(self.text())}
+        assert len(self.pids) == ranks, self.text()
+        time.sleep(1.0)  # training is under way
+
+    def text(self):
+        return self.log.read_text()
+
+    def signal(self, task, sig, within=10):
+        import os
+        t0 = time.monotonic()
+        os.kill(self.pids[task], sig)
+        try:
+            rc = self.proc.wait(timeout=within)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self._out.close()
+        assert time.monotonic() - t0 < within
+        return rc
+
+
+@pytest.mark.parametrize("victim", ["/job:worker/task:1", "/job:ps/task:0"])
+def test_kill_9_of_a_worker_or_ps_ends_the_job(tmp_path, victim):
+    import signal
+    job = Job(tmp_path, 4, "--steps", str(10**9))
+    rc = job.signal(victim, signal.SIGKILL)
+    assert rc != 0
+    assert "signal 9" in job.text()  # said by the launcher; the start lines map pids to tasks
+
+
+@pytest.mark.parametrize("victim,sig", [("/job:worker/task:1", "SIGUSR1"),
+                                        ("/job:ps/task:0", "SIGTERM")])
+def test_preemption_signal_checkpoints_and_resume_continues(tmp_path, victim, sig):
+    import signal
+    job = Job(tmp_path, 4, "--steps", str(10**9))
+    assert job.signal(victim, getattr(signal, sig)) == 3
+    m = re.search(rf"stopped early by {sig}: checkpoint at global_step (\d+) in runs/default",
+                  job.text())
+    assert m, job.text()
+    step = int(m.group(1))
+    assert (tmp_path / f"runs/default/ckpt-{step}.h5").exists()
+    again = train(tmp_path, 3, "--steps", str(step + 50))
+    assert again.returncode == 0, again.stderr
+    assert f"restored global_step {step}" in again.stdout
+    assert f"final: global_step {step + 50} " in again.stdout
+
+
+def test_preemption_in_sync_mode(tmp_path):
+    import signal
+    (tmp_path / "sync.toml").write_text(
+        '[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 1000000000\n'
+        '[checkpoint]\ndir = "runs/sync"\n')
+    job = Job(tmp_path, 3, "sync.toml")
+    assert job.signal("/job:worker/task:2", signal.SIGUSR1) == 3
+    m = re.search(r"stopped early by SIGUSR1: checkpoint at global_step (\d+)", job.text())
+    assert m and (tmp_path / f"runs/sync/ckpt-{m.group(1)}.h5").exists(), job.text()

@@ -8,9 +8,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .cluster import POLL_SECONDS
-from .window import CLOCKS, GLOBAL_STEP, READY, TICKETS, Windows
+from .window import CLOCKS, GLOBAL_STEP, READY, STOP, TICKETS, Windows
 
 _ONE = np.ones(1, dtype=np.int64)
+NO_MORE_TICKETS = 1 << 62  # every later claim is past any step target
 
 
 class Counters:
@@ -45,6 +46,15 @@ class Counters:
         self._op(TICKETS, value, MPI.REPLACE)
         for task, clock in enumerate(clocks or []):
             self.publish_clock(task, clock)
+
+    def request_stop(self, signum: int) -> None:
+        """Stop the whole job at the next step boundary of every worker (preemption)."""
+        self._op(STOP, np.array([signum], dtype=np.int64), MPI.REPLACE)
+        self._op(TICKETS, np.array([NO_MORE_TICKETS], dtype=np.int64), MPI.REPLACE)
+
+    def stop_signal(self) -> int:
+        """The signal that stopped the job early (0: none)."""
+        return self._op(STOP, _ONE, MPI.NO_OP)
 
     def raise_ready(self) -> None:
         self._op(READY, _ONE, MPI.REPLACE)

@@ -14,9 +14,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .. import preemption
 from ..optim import Optimizer
 from .client import views
-from .cluster import POLL_SECONDS, Cluster, wait
+from .cluster import POLL_SECONDS, Cluster
 from .counters import Counters
 from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows
 
@@ -29,9 +30,19 @@ def serve(cluster: Cluster, windows: Windows, optimizer: Optimizer | None = None
     """Serve this PS task until all ranks reach the end-of-run barrier; returns updates applied."""
     done = cluster.comm.Ibarrier()
     if optimizer is None or not optimizer.stateful:
-        wait(done)
+        counters = Counters(windows)
+        while not done.Test():
+            _forward_stop(counters)
+            time.sleep(POLL_SECONDS)
         return 0
     return _apply_loop(cluster, windows, optimizer, done)
+
+
+def _forward_stop(counters: Counters) -> None:
+    """A signal on a PS rank stops the job like one on a worker."""
+    signum = preemption.requested()
+    if signum and not counters.stop_signal():
+        counters.request_stop(signum)
 
 
 def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
@@ -62,6 +73,7 @@ def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
     lr_word = np.zeros(1, np.int64)
     sleep, last_busy = BUSY_POLL_SECONDS, 0.0
     while not done.Test():
+        _forward_stop(counters)
         busy = False
         for k, inbox in enumerate(inboxes):
             base = MAIL_WORDS * k

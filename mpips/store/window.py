@@ -18,7 +18,7 @@ from ..placement import Placement
 from .cluster import sleepy_barrier
 
 # control window on ps task 0: int64 counters, then a clock and a done flag per worker
-GLOBAL_STEP, TICKETS, READY, CLOCKS = 0, 1, 2, 4
+GLOBAL_STEP, TICKETS, READY, STOP, CLOCKS = 0, 1, 2, 3, 4
 # mailbox window on every PS: per worker, [flag, learning rate (float64 bits)]
 MAIL_FLAG, MAIL_LR, MAIL_WORDS = 0, 1, 2
 
