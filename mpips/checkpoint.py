@@ -112,3 +112,63 @@ def restore(path: str | Path, specs: list[VariableSpec], slot_specs: list[Variab
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path}: corrupt or unreadable ({e})") from None
     return step, out, clocks
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint file, or the latest committed one in a directory."""
+    p = Path(path)
+    if p.is_dir():
+        latest = latest_checkpoint(p)
+        if latest is None:
+            raise CheckpointError(f"{p}: no checkpoint (ckpt-<step>.h5) in this directory")
+        return latest
+    if not p.exists():
+        raise CheckpointError(f"{p}: not found")
+    return p
+
+
+def read_all(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray],
+                                        dict[str, np.ndarray]]:
+    """(attributes, variables, slots ``<variable>/<slot>``) of a checkpoint file, arrays only."""
+    variables: dict[str, np.ndarray] = {}
+    slots: dict[str, np.ndarray] = {}
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                raise CheckpointError(f"checkpoint {path}: not an mpips checkpoint")
+            attrs = {k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                     for k, v in f.attrs.items()}
+
+            def visit(group: str, out: dict[str, np.ndarray], name_of) -> None:
+                if group in f:
+                    f[group].visititems(lambda n, d: out.__setitem__(name_of(n), d[()])
+                                        if isinstance(d, h5py.Dataset) else None)
+
+            visit("variables", variables, lambda n: n)
+            visit("slots", slots, lambda n: "{1}/{0}".format(*n.split("/", 1)))
+    except CheckpointError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: corrupt or unreadable ({e})") from None
+    return attrs, variables, slots
+
+
+def export(path: str | Path, out: str | Path, with_slots: bool = False) -> Path:
+    """Write the full variables (and, optionally, slots) of a checkpoint to one plain HDF5
+    file: one dataset per variable at its name, global_step as an attribute; atomically."""
+    attrs, variables, slots = read_all(path)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["global_step"] = attrs["global_step"]
+            f.attrs["source"] = str(path)
+            for name, value in variables.items():
+                f.create_dataset(name, data=value)
+            for name, value in (slots if with_slots else {}).items():
+                var, slot = name.rsplit("/", 1)
+                f.create_dataset(f"slots/{slot}/{var}", data=value)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out

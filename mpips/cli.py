@@ -14,6 +14,7 @@ EPILOG = """examples:
   mpirun -n 8 python -m mpips train jobs/fashion_mnist.toml
   python -m mpips layout jobs/fashion_mnist.toml -n 8
   python -m mpips data fashion-mnist data/fashion_mnist.h5
+  python -m mpips ckpt inspect runs/default              # the latest checkpoint
 """
 
 
@@ -49,6 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("-n", "--ranks", type=int, default=None,
                      help="world size (default: the layout's world_size, else 8)")
     lay.set_defaults(func=cmd_layout)
+
+    c = sub.add_parser("ckpt", help="list, inspect or export checkpoints",
+                       description="Look into checkpoints without MPI. PATH is a checkpoint "
+                                   "file or a checkpoint directory (its latest checkpoint).")
+    csub = c.add_subparsers(dest="action", required=True, metavar="ACTION")
+    cl = csub.add_parser("list", help="committed checkpoints in a directory")
+    cl.add_argument("dir")
+    ci = csub.add_parser("inspect", help="variables, slots and attributes of a checkpoint")
+    ci.add_argument("path")
+    ce = csub.add_parser("export", help="write the full variables to one plain HDF5 file")
+    ce.add_argument("path")
+    ce.add_argument("out", help="output .h5 file")
+    ce.add_argument("--slots", action="store_true", help="include optimizer slots")
+    c.set_defaults(func=cmd_ckpt)
 
     d = sub.add_parser("data", help="convert a dataset to mpips HDF5",
                        description="Write a dataset as an mpips HDF5 file (train/x, train/y, "
@@ -125,6 +140,34 @@ def cmd_layout(args: argparse.Namespace) -> int:
     for p in range(layout.num_ps):
         print(f"/job:ps/task:{p} (rank {layout.ps_ranks[p]}): "
               f"{len(placement.on_ps(p))} variables, {placement.ps_bytes(p)} bytes")
+    return 0
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from . import checkpoint
+    if args.action == "list":
+        found = checkpoint.list_checkpoints(args.dir)
+        if not found:
+            print(f"{args.dir}: no checkpoints")
+        for step, path in found:
+            print(f"{step:>10}  {path}  {path.stat().st_size / 1e6:.2f} MB")
+        return 0
+    path = checkpoint.resolve(args.path)
+    if args.action == "export":
+        out = checkpoint.export(path, args.out, args.slots)
+        print(f"exported {path} -> {out}")
+        return 0
+    attrs, variables, slots = checkpoint.read_all(path)
+    print(f"{path}: global_step {attrs.get('global_step')}, written by {attrs.get('job', '?')}")
+    if "clocks" in attrs:
+        print(f"data position (updates per worker task): {attrs['clocks']}")
+    print(f"{'variable':<28} {'shape':<12} {'dtype':<8} {'mean':>11} {'std':>11}")
+    for name, a in list(variables.items()) + list(slots.items()):
+        shape = "x".join(map(str, a.shape)) or "scalar"
+        print(f"{name:<28} {shape:<12} {str(a.dtype):<8} {float(np.mean(a)):>11.4g} "
+              f"{float(np.std(a)):>11.4g}")
     return 0
 
 

@@ -44,3 +44,32 @@ def test_data_converter_errors(tmp_path):
     r = run_py(["-m", "mpips", "data", "fashion-mnist", "f.h5", "--src", str(tmp_path)], cwd=tmp_path)
     assert r.returncode == 2 and "not found (apt-get install dataset-fashion-mnist)" in r.stderr
     assert not (tmp_path / "f.h5").exists()
+
+
+def test_ckpt_list_inspect_export(tmp_path):
+    import numpy as np
+
+    from mpips import checkpoint
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for step in (5, 9):
+        checkpoint.save(tmp_path / "ck", step, {"dense_0/kernel": w * step},
+                        meta={"job": "j.toml", "clocks": [4, 5]},
+                        slots={"dense_0/kernel/m": w + 1})
+    r = run_py(["-m", "mpips", "ckpt", "list", "ck"], cwd=tmp_path)
+    assert r.returncode == 0 and [line.split()[0] for line in r.stdout.splitlines()] == ["5", "9"]
+    r = run_py(["-m", "mpips", "ckpt", "inspect", "ck"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "ck/ckpt-9.h5: global_step 9, written by j.toml" in r.stdout
+    assert "data position (updates per worker task): [4, 5]" in r.stdout
+    rows = [line.split()[:3] for line in r.stdout.splitlines()]
+    assert ["dense_0/kernel", "2x3", "float32"] in rows and ["dense_0/kernel/m", "2x3", "float32"] in rows
+    r = run_py(["-m", "mpips", "ckpt", "export", "ck/ckpt-5.h5", "out.h5", "--slots"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    with h5py.File(tmp_path / "out.h5") as f:
+        assert f.attrs["global_step"] == 5
+        np.testing.assert_array_equal(f["dense_0/kernel"][()], w * 5)
+        np.testing.assert_array_equal(f["slots/m/dense_0/kernel"][()], w + 1)
+    for args, message in ((["inspect", "missing"], "missing: not found"),
+                          (["inspect", "."], "no checkpoint (ckpt-<step>.h5) in this directory")):
+        r = run_py(["-m", "mpips", "ckpt", *args], cwd=tmp_path)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
