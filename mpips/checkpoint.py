@@ -18,6 +18,7 @@ from .errors import CheckpointError
 from .placement import VariableSpec
 
 _NAME = re.compile(r"^ckpt-(\d+)\.h5$")
+_TEMPORARY = re.compile(r"^\.ckpt-\d+\.h5\.tmp-(\d+)$")
 FORMAT = "mpips-checkpoint-1"
 
 
@@ -52,6 +53,7 @@ def save(directory: str | Path, step: int, values: dict[str, np.ndarray],
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(d)
     final = d / f"ckpt-{step}.h5"
     tmp = d / f".ckpt-{step}.h5.tmp-{os.getpid()}"
     try:
@@ -77,6 +79,14 @@ def save(directory: str | Path, step: int, values: dict[str, np.ndarray],
     for _, old in list_checkpoints(d)[:-max_to_keep]:
         old.unlink(missing_ok=True)
     return final
+
+
+def _remove_stale_temporaries(d: Path) -> None:
+    """Delete half-written files left by a writer that was killed (its pid is gone)."""
+    for p in d.iterdir():
+        m = _TEMPORARY.match(p.name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            p.unlink(missing_ok=True)
 
 
 def restore(path: str | Path, specs: list[VariableSpec], slot_specs: list[VariableSpec] = ()

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import h5py
@@ -31,9 +32,13 @@ def test_round_trip_and_latest(tmp_path):
 def test_prune_keeps_newest_and_ignores_partial_files(tmp_path):
     for s in (1, 2, 3, 4):
         checkpoint.save(tmp_path, s, values(s), max_to_keep=2)
-    (tmp_path / ".ckpt-9.h5.tmp-123").write_bytes(b"half written")
+    dead, alive = tmp_path / ".ckpt-9.h5.tmp-999999999", tmp_path / f".ckpt-9.h5.tmp-{os.getpid()}"
+    dead.write_bytes(b"half written")
+    alive.write_bytes(b"being written")
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [3, 4]
     assert checkpoint.latest_checkpoint(tmp_path).name == "ckpt-4.h5"
+    checkpoint.save(tmp_path, 5, values(5), max_to_keep=2)
+    assert not dead.exists() and alive.exists()  # only a dead writer's file is removed
 
 
 def test_failed_write_keeps_previous(tmp_path):

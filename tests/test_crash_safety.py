@@ -1,0 +1,88 @@
+"""kill -9 of the whole job at random moments, 20 times: every time, the latest committed
+checkpoint loads, and the next run resumes from it (plain pytest; launches mpiexec)."""
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import clean_env, mpiexec_path
+
+from mpips import checkpoint
+
+pytestmark = pytest.mark.launcher
+
+JOB = """
+[model]
+hidden = [512, 512]      # ~1.2 MB checkpoints, written every 5 steps: kills land mid-write
+[data]
+builtin = "digits"
+[optimizer]
+kind = "adam"
+learning_rate = 0.001
+[train]
+steps = 1000000000
+batch_size = 16
+log_every = 0
+progress = false
+[checkpoint]
+dir = "runs/crash"
+every_steps = 5
+max_to_keep = 2
+"""
+
+
+def kill_job(marker: str) -> None:
+    """SIGKILL every process of this job (the launcher and all ranks), found by its marker."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if f"MPIPS_CRASH_TEST={marker}".encode() in env:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_kill_9_at_random_moments_never_loses_the_last_checkpoint(tmp_path):
+    (tmp_path / "job.toml").write_text(JOB)
+    rng = random.Random(1234)
+    marker = uuid.uuid4().hex
+    last_seen = 0
+    for attempt in range(20):
+        log = tmp_path / f"run{attempt}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([mpiexec_path(), "-n", "3", sys.executable, "-m", "mpips",
+                                     "train", "job.toml"], cwd=tmp_path, stdout=out,
+                                    stderr=subprocess.STDOUT,
+                                    env=clean_env(MPIPS_CRASH_TEST=marker))
+            time.sleep(rng.uniform(1.0, 2.5))
+            kill_job(marker)
+            proc.wait(timeout=30)
+        text = log.read_text()
+        if last_seen:  # the previous kill left a committed checkpoint: this run resumed from it
+            m = re.search(r"restored global_step (\d+)", text)
+            assert m and int(m.group(1)) >= last_seen, text[-2000:]
+        latest = checkpoint.latest_checkpoint(tmp_path / "runs/crash")
+        if latest is not None:
+            attrs, variables, slots = checkpoint.read_all(latest)  # loads, whole
+            assert len(variables) == 6 and len(slots) == 12
+            assert latest.name == f"ckpt-{attrs['global_step']}.h5"
+            last_seen = attrs["global_step"]
+    assert last_seen > 0
+    # a last, clean run removes what killed writers left half-written
+    (tmp_path / "job.toml").write_text(JOB.replace("steps = 1000000000", f"steps = {last_seen + 5}"))
+    r = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, "-m", "mpips", "train",
+                        "job.toml"], cwd=tmp_path, env=clean_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not list((tmp_path / "runs/crash").glob(".ckpt-*")), "stale temporaries remain"
