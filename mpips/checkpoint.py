@@ -81,11 +81,20 @@ def save(directory: str | Path, step: int, values: dict[str, np.ndarray],
     return final
 
 
+def _writer_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a killed, unreaped zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
 def _remove_stale_temporaries(d: Path) -> None:
-    """Delete half-written files left by a writer that was killed (its pid is gone)."""
+    """Delete half-written files left by a writer that was killed."""
     for p in d.iterdir():
         m = _TEMPORARY.match(p.name)
-        if m and not Path(f"/proc/{m.group(1)}").exists():
+        if m and not _writer_alive(int(m.group(1))):
             p.unlink(missing_ok=True)
 
 
