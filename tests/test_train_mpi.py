@@ -222,3 +222,26 @@ def test_preemption_in_sync_mode(tmp_path):
     assert job.signal("/job:worker/task:2", signal.SIGUSR1) == 3
     m = re.search(r"stopped early by SIGUSR1: checkpoint at global_step (\d+)", job.text())
     assert m and (tmp_path / f"runs/sync/ckpt-{m.group(1)}.h5").exists(), job.text()
+
+
+STUCK = """
+import time
+from mpi4py import MPI
+import mpips
+with mpips.abort_on_error():
+    if MPI.COMM_WORLD.rank == {rank}:
+        time.sleep(1000)  # a rank that never starts its loop
+    mpips.train(mpips.load_job(None))
+"""
+
+
+@pytest.mark.parametrize("rank,message", [
+    (2, "error on rank 0: rank(s) 2 did not reach start-up within 2 s"),
+    (0, "waited 7 s for every rank to reach start-up"),  # rank 0 itself stuck: others give up
+])
+def test_a_rank_that_never_starts_ends_the_job(tmp_path, rank, message):
+    (tmp_path / "stuck.py").write_text(STUCK.format(rank=rank))
+    t0 = time.monotonic()
+    r = run_mpi(4, ["stuck.py"], cwd=tmp_path, timeout=60, MPIPS_START_TIMEOUT="2")
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 15

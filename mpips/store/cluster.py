@@ -6,6 +6,7 @@ Idle ranks never spin: every wait is a non-blocking request polled with a short 
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -20,16 +21,52 @@ from ..placement import Placement
 
 POLL_SECONDS = 1e-3
 T = TypeVar("T")
+# every start-up step must be reached by every rank within this many seconds, else the job
+# ends naming the ranks that never arrived (a stuck rank must not hang the others forever)
+START_TIMEOUT = float(os.environ.get("MPIPS_START_TIMEOUT", "300"))
+_ARRIVAL_TAG = 7001
+_arrivals = 0
 
 
 class PlacementMismatch(AgreedError):
     """Ranks computed different placement tables (e.g. variables created in another order)."""
 
 
-def wait(request: MPI.Request, poll: float = POLL_SECONDS) -> None:
-    """Complete a request without burning a core."""
+class StartTimeout(MpipsError):
+    """Some rank never reached a start-up step."""
+
+
+def wait(request: MPI.Request, poll: float = POLL_SECONDS, timeout: float | None = None,
+         what: str = "") -> None:
+    """Complete a request without burning a core (StartTimeout after ``timeout`` seconds)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise StartTimeout(f"waited {timeout:.0f} s for every rank to reach {what}")
         time.sleep(poll)
+
+
+def check_arrival(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> None:
+    """Every rank reports to rank 0; if some never does within ``timeout``, rank 0 names them
+    (StartTimeout, which aborts the job). Other ranks give up a little later, in case rank 0
+    is the one missing."""
+    global _arrivals
+    _arrivals += 1
+    tag = _ARRIVAL_TAG + _arrivals % 1000
+    token = np.zeros(1, np.uint8)
+    if comm.rank != 0:
+        comm.Isend(token, dest=0, tag=tag).Free()
+        return
+    buffers = [np.zeros(1, np.uint8) for _ in range(comm.size)]
+    pending = {r: comm.Irecv(buffers[r], source=r, tag=tag) for r in range(1, comm.size)}
+    deadline = time.monotonic() + timeout
+    while pending:
+        pending = {r: q for r, q in pending.items() if not q.Test()}
+        if pending and time.monotonic() > deadline:
+            raise StartTimeout(f"rank(s) {', '.join(map(str, sorted(pending)))} did not reach "
+                               f"{what} within {timeout:.0f} s (stuck or never started; "
+                               f"MPIPS_START_TIMEOUT sets the limit)")
+        time.sleep(POLL_SECONDS)
 
 
 def sleepy_barrier(comm: MPI.Comm) -> None:
@@ -37,14 +74,16 @@ def sleepy_barrier(comm: MPI.Comm) -> None:
     wait(comm.Ibarrier())
 
 
-def allgather_json(comm: MPI.Comm, obj: Any) -> list[Any]:
+def allgather_json(comm: MPI.Comm, obj: Any, timeout: float | None = None,
+                   what: str = "") -> list[Any]:
     """Allgather JSON-able values (no pickle): bytes via Iallgatherv, waited on with sleeps."""
     data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
     counts = np.zeros(comm.size, dtype=np.int64)
-    wait(comm.Iallgather(np.array([data.size], dtype=np.int64), counts))
+    wait(comm.Iallgather(np.array([data.size], dtype=np.int64), counts), timeout=timeout,
+         what=what)
     out = np.empty(int(counts.sum()), dtype=np.uint8)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    wait(comm.Iallgatherv(data, [out, counts, displs, MPI.BYTE]))
+    wait(comm.Iallgatherv(data, [out, counts, displs, MPI.BYTE]), timeout=timeout, what=what)
     return [json.loads(out[d:d + c].tobytes()) for d, c in zip(displs, counts)]
 
 
@@ -63,7 +102,8 @@ def agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
     except Exception as e:
         error = ["unexpected error during start-up:\n" +
                  "".join(traceback.format_exception(e)).rstrip(), 1]
-    errors = allgather_json(comm, error)
+    check_arrival(comm, "start-up")
+    errors = allgather_json(comm, error, timeout=START_TIMEOUT + 5, what="start-up")
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         code = max(c for _, (_, c) in bad)
