@@ -7,6 +7,7 @@ the way ``python -m mpi4py`` does, so no other rank waits forever in a collectiv
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,8 +55,14 @@ def abort_on_error() -> Iterator[None]:
         _abort(1)
 
 
+ABORT_GRACE_SECONDS = 0.5
+
+
 def _abort(code: int) -> None:
     comm = _world()
     if comm.size > 1:
+        # MPI_Abort tears the launcher's stdio forwarding down at once; without a moment's
+        # grace the message just written (the one that names this rank) was sometimes lost
+        time.sleep(ABORT_GRACE_SECONDS)
         comm.Abort(code)
     sys.exit(code)
