@@ -1,0 +1,94 @@
+"""The project's own sbatch script on a real (one-node) Slurm: a job completes with a
+checkpoint; `scancel --signal=USR1` makes it checkpoint and exit 3; with MPIPS_REQUEUE=1 the
+job is requeued and resumes with the global step continuing.
+
+.ci/run starts the cluster (../shared/tools/local-slurm.sh) and exports SLURM_CONF; elsewhere
+these tests skip unless a Slurm controller answers (under CI they fail instead)."""
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+from conftest import ROOT, clean_env
+
+pytestmark = pytest.mark.launcher
+
+
+def slurm_up() -> bool:
+    if not shutil.which("sbatch"):
+        return False
+    r = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
+    return r.returncode == 0 and "UP" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if not slurm_up():
+        if os.environ.get("CI"):
+            pytest.fail("no Slurm controller: .ci/run must start ../shared/tools/local-slurm.sh")
+        pytest.skip("no Slurm controller (start ../shared/tools/local-slurm.sh)")
+
+
+def sbatch(tmp_path, *args, **env):
+    r = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}",
+                        str(ROOT / "slurm/train.sbatch"), *args], capture_output=True,
+                       text=True, env=clean_env(**env), timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+def job_field(job, field):
+    r = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
+                       timeout=20)
+    m = re.search(rf"\b{field}=(\S+)", r.stdout)
+    return m.group(1) if m else ""
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def output(tmp_path, job):
+    path = tmp_path / f"mpips-{job}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def test_training_job_completes_with_a_checkpoint(slurm, tmp_path):
+    job = sbatch(tmp_path, "--steps", "300")
+    state = wait_for(lambda: job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                                                            "TIMEOUT") and
+                     job_field(job, "JobState"), 180, f"job {job} to end")
+    assert state == "COMPLETED", output(tmp_path, job)
+    assert job_field(job, "ExitCode") == "0:0"
+    text = output(tmp_path, job)
+    assert "final: global_step 300 test_accuracy" in text, text
+    assert (tmp_path / "runs/default/ckpt-300.h5").exists()
+
+
+def test_usr1_checkpoints_exits_3_and_requeue_resumes(slurm, tmp_path):
+    job = sbatch(tmp_path, "--steps", str(10**9), MPIPS_REQUEUE="1")
+    try:
+        wait_for(lambda: "update" in output(tmp_path, job) or
+                 "saved checkpoint" in output(tmp_path, job), 120, "training to start")
+        subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=20)
+        first = wait_for(lambda: re.search(r"stopped early by SIGUSR1: checkpoint at "
+                                           r"global_step (\d+)", output(tmp_path, job)),
+                         60, "the preemption checkpoint")
+        step = int(first.group(1))
+        assert (tmp_path / f"runs/default/ckpt-{step}.h5").exists()
+        wait_for(lambda: job_field(job, "Restarts") == "1", 60, "the requeue")
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=20)
+        resumed = wait_for(lambda: re.search(r"restored global_step (\d+)",
+                                             output(tmp_path, job)), 120, "the resumed run")
+        assert int(resumed.group(1)) == step
+        assert "preempted with a checkpoint; requeueing job" in output(tmp_path, job)
+    finally:
+        subprocess.run(["scancel", job], timeout=20)
