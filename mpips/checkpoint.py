@@ -113,19 +113,21 @@ def restore(path: str | Path, specs: list[VariableSpec], slot_specs: list[Variab
             step = int(f.attrs["global_step"])
             clocks = [int(c) for c in f.attrs["clocks"]] if "clocks" in f.attrs else None
             for spec, slot in [(s, False) for s in specs] + [(s, True) for s in slot_specs]:
-                key = _h5_path(spec.name, slot)
-                if key not in f:
+                ds = f.get(_h5_path(spec.name, slot))  # one lookup per name
+                if ds is None:
                     raise CheckpointError(
                         f"checkpoint {path}: has no variable '{spec.name}' (written for another "
                         f"model or optimizer? start afresh with --no-restore or another --ckpt-dir)")
-                ds = f[key]
                 if not isinstance(ds, h5py.Dataset):
                     raise CheckpointError(f"checkpoint {path}: '{spec.name}' is not an array")
                 if tuple(ds.shape) != spec.shape or ds.dtype != np.dtype(spec.dtype):
                     raise CheckpointError(
                         f"checkpoint {path}: variable '{spec.name}' is {ds.dtype}{list(ds.shape)}"
                         f", the model expects {spec.dtype}{list(spec.shape)}")
-                out[spec.name] = ds[()]
+                array = np.empty(spec.shape, spec.dtype)
+                if array.size:
+                    ds.read_direct(array)
+                out[spec.name] = array
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError, TypeError) as e:
