@@ -20,9 +20,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpips.job import TrainConfig
 from mpips.nn import MLP
 from mpips.store import sleepy_barrier
-from mpips.sync import DEFAULT_BUCKET_BYTES, GradientBuckets
+from mpips.sync import GradientBuckets
 
 comm = MPI.COMM_WORLD
 
@@ -41,7 +42,7 @@ def median_time(fn, reps: int, iters: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
+    ap.add_argument("--bucket-bytes", type=int, default=TrainConfig().bucket_bytes)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()

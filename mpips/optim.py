@@ -157,10 +157,13 @@ def learning_rate(cfg: Any, step: int) -> float:
 def clip_by_global_norm(grads: list[Array], clip_norm: float) -> float:
     """Scale all gradients in place so their joint L2 norm is at most ``clip_norm``.
 
-    Returns the norm before clipping (``clip_norm <= 0``: no clipping, norm still returned).
+    Returns the norm before clipping. ``clip_norm <= 0`` means no clipping: nothing is
+    computed (this runs on every step) and 0.0 is returned.
     """
+    if clip_norm <= 0:
+        return 0.0
     norm = math.sqrt(sum(float((g.astype("float64") ** 2).sum()) for g in grads))
-    if clip_norm > 0 and norm > clip_norm:
+    if norm > clip_norm:
         for g in grads:
             g *= clip_norm / norm
     return norm

@@ -20,8 +20,6 @@ from .errors import AgreedError
 from .placement import VariableSpec
 from .store.cluster import allgather_json, wait
 
-DEFAULT_BUCKET_BYTES = 1 << 20
-
 
 @dataclass
 class Bucket:

@@ -50,6 +50,10 @@ class StoreClient:
         num_ps = placement.num_ps
         self._param_bufs = [np.zeros(placement.ps_bytes(p), np.uint8) for p in range(num_ps)]
         self._grad_bufs = [np.zeros_like(b) for b in self._param_bufs]
+        # (ps task, rank, variable buffer) of every PS holding variables: walked by every
+        # pull and push, so computed once
+        self._targets = [(p, self.ps_ranks[p], buf) for p, buf in enumerate(self._param_bufs)
+                         if buf.size]
         self.params = views(placement, self._param_bufs)
         self.grads = views(placement, self._grad_bufs)
         self._slot_base = [placement.ps_bytes(p) for p in range(num_ps)]
@@ -73,15 +77,12 @@ class StoreClient:
         """Bytes moved by one pull (and by one push)."""
         return sum(b.size for b in self._param_bufs)
 
-    def _targets(self):
-        return [(p, self.ps_ranks[p], buf) for p, buf in enumerate(self._param_bufs) if buf.size]
-
     def pull(self) -> dict[str, np.ndarray]:
         """Read every variable from its PS (one Get per PS), return the views."""
         win = self.windows.params
-        for p, rank, buf in self._targets():
+        for p, rank, buf in self._targets:
             win.Get([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
-        for p, rank, buf in self._targets():
+        for p, rank, buf in self._targets:
             win.Flush(rank)
         return self.params
 
@@ -98,35 +99,35 @@ class StoreClient:
             self._wait_applied()
             return
         win = self.windows.params
-        for p, rank, _ in self._targets():
+        for p, rank, _ in self._targets:
             for start, nbytes, dtype in self._runs[p]:
                 data = self._grad_bufs[p][start:start + nbytes].view(dtype)
                 mpi_type = MPI.Datatype.fromcode(dtype.char)  # predefined: fast path
                 win.Accumulate([data, mpi_type], rank, [start, data.size, mpi_type], MPI.SUM)
-        for p, rank, _ in self._targets():
+        for p, rank, _ in self._targets:
             win.Flush(rank)
 
     def _post(self, lr: float) -> None:
         win, mail = self.windows.params, self.windows.mail
-        for p, rank, _ in self._targets():
+        for p, rank, _ in self._targets:
             buf = self._grad_bufs[p]
             win.Put([buf, MPI.BYTE], rank, [self.windows.inbox_offset(p, self.task), buf.size,
                                             MPI.BYTE])
-        for p, rank, _ in self._targets():
+        for p, rank, _ in self._targets:
             win.Flush(rank)  # the gradient is in place before the flag goes up
         base = MAIL_WORDS * self.task
         lr_word = np.array([lr], dtype=np.float64).view(np.int64)
         one, old = np.ones(1, np.int64), np.zeros(1, np.int64)
-        for p, rank, _ in self._targets():
+        for p, rank, _ in self._targets:
             mail.Fetch_and_op(lr_word, old, rank, base + MAIL_LR, MPI.REPLACE)
             mail.Flush(rank)
             mail.Fetch_and_op(one, old, rank, base + MAIL_FLAG, MPI.REPLACE)
-        for p, rank, _ in self._targets():
+        for p, rank, _ in self._targets:
             mail.Flush(rank)
 
     def _wait_applied(self) -> None:
         mail, flag = self.windows.mail, MAIL_WORDS * self.task + MAIL_FLAG
-        pending = [rank for _, rank, _ in self._targets()]
+        pending = [rank for _, rank, _ in self._targets]
         out, dummy = np.zeros(1, np.int64), np.zeros(1, np.int64)
         while pending:
             for rank in list(pending):
@@ -145,7 +146,7 @@ class StoreClient:
         for name, view in self.slots.items():
             view[...] = (slots or {})[name]
         win = self.windows.params
-        for p, rank, buf in self._targets():
+        for p, rank, buf in self._targets:
             win.Put([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
             if self._slot_bufs[p].size:
                 sbuf = self._slot_bufs[p]
@@ -155,7 +156,7 @@ class StoreClient:
     def pull_slots(self) -> dict[str, np.ndarray]:
         """Read every optimizer slot (for checkpoints)."""
         win = self.windows.params
-        for p, rank, _ in self._targets():
+        for p, rank, _ in self._targets:
             sbuf = self._slot_bufs[p]
             if sbuf.size:
                 win.Get([sbuf, MPI.BYTE], rank, [self._slot_base[p], sbuf.size, MPI.BYTE])

@@ -61,9 +61,9 @@ class Windows:
         """Byte offset of worker ``worker``'s gradient inbox in PS ``task``'s window."""
         return self.state_bytes(task) + worker * self.placement.ps_bytes(task)
 
-    def local(self, win: MPI.Win, dtype: str = "uint8") -> np.ndarray:
-        """This rank's own memory of ``win`` (empty where it holds none)."""
-        return np.frombuffer(win.tomemory(), dtype=dtype)
+    def local(self, win: MPI.Win) -> np.ndarray:
+        """This rank's own memory of ``win`` as bytes (empty where it holds none)."""
+        return np.frombuffer(win.tomemory(), dtype=np.uint8)
 
     def free(self) -> None:
         """Close the epochs and free the windows (collective). Safe to call twice."""
