@@ -1,13 +1,28 @@
-"""HDF5 checkpoints keyed by variable name, with global_step.
+"""Sharded HDF5 checkpoints, committed by a small JSON manifest.
 
-``ckpt-<step>.h5`` files are written under a temporary name, fsynced, then renamed into
-place: a crash at any moment leaves every earlier checkpoint intact and loadable. Old ones
-are pruned only after the new one is committed. Loading reads arrays only (no pickle).
+A checkpoint at global step S in directory D is:
+
+* ``D/ckpt-S.shard-K-of-N.h5``: one per writer. In async mode every PS task writes the
+  variables and slots it holds, in parallel; in sync mode the chief writes one shard.
+* ``D/ckpt-S.json``: the manifest (global step, layout, job hash, data position and the
+  variable index: name -> shape, dtype, and the parts that hold its rows in which shard).
+
+Every file is written under a temporary name, fsynced and renamed into place; the chief
+renames the manifest last, after every shard is in place, and *that* is the commit. A crash
+at any moment leaves every earlier checkpoint loadable. Old checkpoints, and files of a write
+that never committed, are deleted only after a new commit. Restore is keyed by variable name:
+parts are reassembled, so a checkpoint loads on any number of PS tasks or workers. Loading
+reads JSON and arrays only (no pickle, no eval); file names come from a fixed pattern and
+never leave the checkpoint directory.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,19 +30,56 @@ import h5py
 import numpy as np
 
 from .errors import CheckpointError
-from .placement import VariableSpec
+from .placement import Placement, VariableSpec
 
-_NAME = re.compile(r"^ckpt-(\d+)\.h5$")
-_TEMPORARY = re.compile(r"^\.ckpt-\d+\.h5\.tmp-(\d+)$")
-FORMAT = "mpips-checkpoint-1"
+FORMAT = "mpips-checkpoint-2"
+_MANIFEST = re.compile(r"^ckpt-(\d+)\.json$")
+_SHARD = re.compile(r"^ckpt-(\d+)\.shard-(\d+)-of-(\d+)\.h5$")
+_TEMPORARY = re.compile(r"^\.ckpt-\d+\..*\.tmp-")
+_DTYPE_KINDS = "biufc"  # numbers only: an object dtype would mean pickled data
+
+Rows = tuple[int, int, int]  # range(start, stop, step) of axis 0
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows of a variable held by one shard (``rows`` None: the whole variable)."""
+
+    shard: int
+    rows: Rows | None = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One variable or slot in the index."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    parts: tuple[Part, ...]
+
+
+def shard_name(step: int, shard: int, num_shards: int) -> str:
+    return f"ckpt-{step}.shard-{shard}-of-{num_shards}.h5"
+
+
+def manifest_name(step: int) -> str:
+    return f"ckpt-{step}.json"
+
+
+def h5_path(name: str, slot: bool) -> str:
+    """Variables live at ``variables/<name>``, slot ``<var>/<slot>`` at ``slots/<slot>/<var>``."""
+    if not slot:
+        return f"variables/{name}"
+    var, slot_name = name.rsplit("/", 1)
+    return f"slots/{slot_name}/{var}"
 
 
 def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
-    """Committed checkpoints in ``directory`` as (global_step, path), oldest first."""
+    """Committed checkpoints in ``directory`` as (global_step, manifest path), oldest first."""
     d = Path(directory)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), d / p.name) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), d / p.name) for p in d.iterdir() if (m := _MANIFEST.match(p.name))]
     return sorted(found)
 
 
@@ -36,160 +88,264 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _h5_path(name: str, slot: bool) -> str:
-    """Variables live at ``variables/<name>``, slot ``<var>/<slot>`` at ``slots/<slot>/<var>``."""
-    if not slot:
-        return f"variables/{name}"
-    var, slot_name = name.rsplit("/", 1)
-    return f"slots/{slot_name}/{var}"
-
-
-def save(directory: str | Path, step: int, values: dict[str, np.ndarray],
-         max_to_keep: int = 3, meta: dict[str, Any] | None = None,
-         slots: dict[str, np.ndarray] | None = None) -> Path:
-    """Commit ``ckpt-<step>.h5`` atomically, then prune to the newest ``max_to_keep``.
-
-    ``slots`` maps ``<variable>/<slot>`` to optimizer state arrays.
-    """
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(d)
-    final = d / f"ckpt-{step}.h5"
-    tmp = d / f".ckpt-{step}.h5.tmp-{os.getpid()}"
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
     try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = FORMAT
-            f.attrs["global_step"] = step
-            for k, v in (meta or {}).items():
-                f.attrs[k] = v
-            for name, value in values.items():
-                f.create_dataset(_h5_path(name, False), data=value)
-            for name, value in (slots or {}).items():
-                f.create_dataset(_h5_path(name, True), data=value)
-            f.flush()
-            os.fsync(f.id.get_vfd_handle())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(final: Path, write: Any) -> Path:
+    """``write(tmp_path)``, fsync it, rename it to ``final``; no trace left on failure."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.uname().nodename}-{os.getpid()}")
+    try:
+        write(tmp)
         os.replace(tmp, final)
-        dir_fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(final.parent)
     finally:
         tmp.unlink(missing_ok=True)
-    for _, old in list_checkpoints(d)[:-max_to_keep]:
-        old.unlink(missing_ok=True)
     return final
 
 
-def _writer_alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a killed, unreaped zombie does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+def write_shard(directory: str | Path, step: int, shard: int, num_shards: int,
+                variables: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
+                ) -> Path:
+    """Write one shard atomically: ``variables`` (name -> array, or the part of it this
+    shard holds) and ``slots`` (``<variable>/<slot>`` -> array)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def write(tmp: Path) -> None:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["global_step"] = step
+            f.attrs["shard"] = shard
+            for is_slot, arrays in ((False, variables), (True, slots or {})):
+                for name, value in arrays.items():
+                    f.create_dataset(h5_path(name, is_slot), data=value)
+            f.flush()
+            os.fsync(f.id.get_vfd_handle())
+
+    return _atomic_write(d / shard_name(step, shard, num_shards), write)
 
 
-def _remove_stale_temporaries(d: Path) -> None:
-    """Delete half-written files left by a writer that was killed."""
+def index_of(placement: Placement, slots: Placement | None = None
+             ) -> tuple[dict[str, Entry], dict[str, Entry]]:
+    """The variable and slot index of shards written one per PS task of ``placement``."""
+    def entries(p: Placement | None) -> dict[str, Entry]:
+        return {e.spec.name: Entry(e.spec.shape, e.spec.dtype, (Part(e.ps_task, e.rows),))
+                for e in (p or ())}
+    return entries(placement), entries(slots)
+
+
+def whole_index(arrays: dict[str, np.ndarray]) -> dict[str, Entry]:
+    """The index of whole arrays all held by shard 0."""
+    return {n: Entry(tuple(a.shape), str(a.dtype), (Part(0),)) for n, a in arrays.items()}
+
+
+def job_digest(job: Any) -> str:
+    """sha256 of the job's effective settings (as JSON), to tell which job wrote a checkpoint."""
+    from dataclasses import asdict
+    settings = {k: v for k, v in asdict(job).items() if k != "source"}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def commit(directory: str | Path, step: int, num_shards: int, variables: dict[str, Entry],
+           slots: dict[str, Entry], meta: dict[str, Any], max_to_keep: int = 3) -> Path:
+    """After every shard of ``step`` is in place: write the manifest (the commit), then prune
+    to the newest ``max_to_keep`` and delete what uncommitted writes left behind."""
+    d = Path(directory)
+    for k in range(num_shards):
+        if not (d / shard_name(step, k, num_shards)).is_file():
+            raise CheckpointError(f"checkpoint {d}: shard {k} of {num_shards} for global_step "
+                                  f"{step} is missing; not committed")
+
+    def encode(index: dict[str, Entry]) -> dict[str, Any]:
+        return {n: {"shape": list(e.shape), "dtype": e.dtype,
+                    "parts": [{"shard": p.shard, "rows": list(p.rows) if p.rows else None}
+                              for p in e.parts]} for n, e in index.items()}
+
+    manifest = {"format": FORMAT, "global_step": step, "shards": num_shards, **meta,
+                "variables": encode(variables), "slots": encode(slots)}
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+
+    path = _atomic_write(d / manifest_name(step), write)
+    committed = list_checkpoints(d)
+    for _, old in committed[:-max_to_keep]:
+        old.unlink(missing_ok=True)  # uncommit first, then delete its shards below
+    keep = {s for s, _ in committed[-max_to_keep:]}
     for p in d.iterdir():
-        m = _TEMPORARY.match(p.name)
-        if m and not _writer_alive(int(m.group(1))):
+        m = _SHARD.match(p.name)
+        if (m and int(m.group(1)) not in keep) or _TEMPORARY.match(p.name):
             p.unlink(missing_ok=True)
+    return path
 
 
-def restore(path: str | Path, specs: list[VariableSpec], slot_specs: list[VariableSpec] = ()
-            ) -> tuple[int, dict[str, np.ndarray], list[int] | None]:
-    """Load (global_step, values, worker clocks) for exactly ``specs`` and ``slot_specs``.
+def _ints(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise ValueError(f"{what} must be a list of non-negative integers")
+    return value
 
-    Any mismatch names the variable; ``clocks`` (each worker's updates, i.e. its data
-    position) is None when the checkpoint has none.
-    """
+
+def _parse_index(raw: Any, num_shards: int, what: str) -> dict[str, Entry]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"'{what}' must be a table")
     out = {}
-    try:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get("format") != FORMAT:
-                raise CheckpointError(f"checkpoint {path}: not an mpips checkpoint")
-            step = int(f.attrs["global_step"])
-            clocks = [int(c) for c in f.attrs["clocks"]] if "clocks" in f.attrs else None
-            for spec, slot in [(s, False) for s in specs] + [(s, True) for s in slot_specs]:
-                ds = f.get(_h5_path(spec.name, slot))  # one lookup per name
-                if ds is None:
-                    raise CheckpointError(
-                        f"checkpoint {path}: has no variable '{spec.name}' (written for another "
-                        f"model or optimizer? start afresh with --no-restore or another --ckpt-dir)")
-                if not isinstance(ds, h5py.Dataset):
-                    raise CheckpointError(f"checkpoint {path}: '{spec.name}' is not an array")
-                if tuple(ds.shape) != spec.shape or ds.dtype != np.dtype(spec.dtype):
-                    raise CheckpointError(
-                        f"checkpoint {path}: variable '{spec.name}' is {ds.dtype}{list(ds.shape)}"
-                        f", the model expects {spec.dtype}{list(spec.shape)}")
-                array = np.empty(spec.shape, spec.dtype)
-                if array.size:
-                    ds.read_direct(array)
-                out[spec.name] = array
-    except CheckpointError:
-        raise
-    except (OSError, KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path}: corrupt or unreadable ({e})") from None
-    return step, out, clocks
+    for name, e in raw.items():
+        if not isinstance(e, dict) or not {"shape", "dtype", "parts"} <= e.keys():
+            raise ValueError(f"{what} '{name}' needs shape, dtype and parts")
+        shape = tuple(_ints(e["shape"], f"{what} '{name}': shape"))
+        if not isinstance(e["dtype"], str) or np.dtype(e["dtype"]).kind not in _DTYPE_KINDS:
+            raise ValueError(f"{what} '{name}': dtype {e['dtype']!r} is not a number type")
+        if not isinstance(e["parts"], list) or not e["parts"]:
+            raise ValueError(f"{what} '{name}': parts must be a non-empty list")
+        parts = []
+        for p in e["parts"]:
+            if not isinstance(p, dict) or type(p.get("shard")) is not int or \
+                    not 0 <= p["shard"] < num_shards:
+                raise ValueError(f"{what} '{name}': a part names no shard of 0..{num_shards - 1}")
+            rows = p.get("rows")
+            if rows is not None:
+                rows = tuple(_ints(rows, f"{what} '{name}': rows"))
+                if len(rows) != 3 or rows[2] == 0 or not shape or rows[1] > shape[0]:
+                    raise ValueError(f"{what} '{name}': rows {list(rows)} do not fit {list(shape)}")
+            parts.append(Part(p["shard"], rows))
+        covered = sum(len(range(*p.rows)) if p.rows else (shape[0] if shape else 1)
+                      for p in parts)
+        if covered != (shape[0] if shape else 1) or \
+                (len(parts) > 1 and any(p.rows is None for p in parts)):
+            raise ValueError(f"{what} '{name}': its parts do not cover it exactly once")
+        out[name] = Entry(shape, e["dtype"], tuple(parts))
+    return out
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint file, or the latest committed one in a directory."""
+class Checkpoint:
+    """A committed checkpoint, read through its manifest."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.directory = self.path.parent
+        m = _MANIFEST.match(self.path.name)
+        if not m:
+            raise CheckpointError(f"{path}: not a checkpoint manifest (ckpt-<step>.json)")
+        try:
+            raw = json.loads(self.path.read_text())
+            if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+                raise CheckpointError(f"checkpoint {path}: not an mpips checkpoint manifest")
+            self.step = raw["global_step"]
+            self.num_shards = raw["shards"]
+            if type(self.step) is not int or self.step != int(m.group(1)):
+                raise ValueError("global_step does not match the file name")
+            if type(self.num_shards) is not int or self.num_shards < 1:
+                raise ValueError("shards must be a positive integer")
+            self.variables = _parse_index(raw["variables"], self.num_shards, "variables")
+            self.slots = _parse_index(raw.get("slots", {}), self.num_shards, "slots")
+            clocks = raw.get("clocks")
+            self.clocks = _ints(clocks, "clocks") if clocks is not None else None
+        except CheckpointError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"checkpoint {path}: corrupt or unreadable ({e})") from None
+        self.meta = {k: v for k, v in raw.items() if k not in ("variables", "slots")}
+
+    def shard_path(self, k: int) -> Path:
+        return self.directory / shard_name(self.step, k, self.num_shards)
+
+    def read(self, specs: Iterable[VariableSpec], slot_specs: Iterable[VariableSpec] = ()
+             ) -> dict[str, np.ndarray]:
+        """Whole arrays for ``specs`` (variables) and ``slot_specs``, reassembled from their
+        parts. Anything missing or of another shape or dtype is an error naming it."""
+        wanted = [(s, False) for s in specs] + [(s, True) for s in slot_specs]
+        out: dict[str, np.ndarray] = {}
+        files: dict[int, h5py.File] = {}
+        try:
+            for spec, is_slot in wanted:
+                index = self.slots if is_slot else self.variables
+                entry = index.get(spec.name)
+                if entry is None:
+                    kind = "optimizer slot" if is_slot else "variable"
+                    raise CheckpointError(
+                        f"checkpoint {self.path}: has no {kind} '{spec.name}' (written for "
+                        f"another model or optimizer? start afresh with --no-restore or "
+                        f"another --ckpt-dir)")
+                if entry.shape != spec.shape or np.dtype(entry.dtype) != np.dtype(spec.dtype):
+                    raise CheckpointError(
+                        f"checkpoint {self.path}: variable '{spec.name}' is {entry.dtype}"
+                        f"{list(entry.shape)}, the model expects {spec.dtype}{list(spec.shape)}")
+                out[spec.name] = self._assemble(spec.name, is_slot, entry, files)
+        except CheckpointError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"checkpoint {self.path}: corrupt or unreadable ({e})") from None
+        finally:
+            for f in files.values():
+                f.close()
+        return out
+
+    def _assemble(self, name: str, is_slot: bool, entry: Entry, files: dict[int, h5py.File]
+                  ) -> np.ndarray:
+        array = np.empty(entry.shape, entry.dtype)
+        for part in entry.parts:
+            if part.shard not in files:
+                path = self.shard_path(part.shard)
+                if not path.is_file():
+                    raise CheckpointError(f"checkpoint {self.path}: shard {path.name} is missing")
+                files[part.shard] = h5py.File(path, "r")
+            ds = files[part.shard].get(h5_path(name, is_slot))
+            target = array if part.rows is None else array[slice(*part.rows)]
+            if not isinstance(ds, h5py.Dataset) or ds.shape != target.shape or \
+                    ds.dtype != array.dtype:
+                raise CheckpointError(f"checkpoint {self.path}: shard {part.shard} does not hold "
+                                      f"'{name}' as the manifest says")
+            if target.size and part.rows is None:
+                ds.read_direct(target)
+            elif target.size:
+                target[...] = ds[()]
+        return array
+
+    def read_all(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every variable and slot, whole."""
+        def specs(index: dict[str, Entry]) -> list[VariableSpec]:
+            return [VariableSpec(n, e.shape, e.dtype) for n, e in index.items()]
+        both = self.read(specs(self.variables), specs(self.slots))
+        return ({n: both[n] for n in self.variables}, {n: both[n] for n in self.slots})
+
+
+def resolve(path: str | Path) -> Checkpoint:
+    """A checkpoint from its manifest, or the latest committed one in a directory."""
     p = Path(path)
     if p.is_dir():
         latest = latest_checkpoint(p)
         if latest is None:
-            raise CheckpointError(f"{p}: no checkpoint (ckpt-<step>.h5) in this directory")
-        return latest
+            raise CheckpointError(f"{p}: no checkpoint (ckpt-<step>.json) in this directory")
+        return Checkpoint(latest)
     if not p.exists():
         raise CheckpointError(f"{p}: not found")
-    return p
+    if _SHARD.match(p.name):
+        raise CheckpointError(f"{p}: one shard of a checkpoint; give its manifest "
+                              f"({p.name.split('.')[0]}.json) or the directory")
+    return Checkpoint(p)
 
 
-def read_all(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray],
-                                        dict[str, np.ndarray]]:
-    """(attributes, variables, slots ``<variable>/<slot>``) of a checkpoint file, arrays only."""
-    variables: dict[str, np.ndarray] = {}
-    slots: dict[str, np.ndarray] = {}
-    try:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get("format") != FORMAT:
-                raise CheckpointError(f"checkpoint {path}: not an mpips checkpoint")
-            attrs = {k: (v.tolist() if isinstance(v, np.ndarray) else v)
-                     for k, v in f.attrs.items()}
-
-            def visit(group: str, out: dict[str, np.ndarray], name_of) -> None:
-                if group in f:
-                    f[group].visititems(lambda n, d: out.__setitem__(name_of(n), d[()])
-                                        if isinstance(d, h5py.Dataset) else None)
-
-            visit("variables", variables, lambda n: n)
-            visit("slots", slots, lambda n: "{1}/{0}".format(*n.split("/", 1)))
-    except CheckpointError:
-        raise
-    except (OSError, KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path}: corrupt or unreadable ({e})") from None
-    return attrs, variables, slots
-
-
-def export(path: str | Path, out: str | Path, with_slots: bool = False) -> Path:
+def export(ckpt: Checkpoint, out: str | Path, with_slots: bool = False) -> Path:
     """Write the full variables (and, optionally, slots) of a checkpoint to one plain HDF5
     file: one dataset per variable at its name, global_step as an attribute; atomically."""
-    attrs, variables, slots = read_all(path)
+    variables, slots = ckpt.read_all()
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
+
+    def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:
-            f.attrs["global_step"] = attrs["global_step"]
-            f.attrs["source"] = str(path)
+            f.attrs["global_step"] = ckpt.step
+            f.attrs["source"] = str(ckpt.path)
             for name, value in variables.items():
                 f.create_dataset(name, data=value)
             for name, value in (slots if with_slots else {}).items():
-                var, slot = name.rsplit("/", 1)
-                f.create_dataset(f"slots/{slot}/{var}", data=value)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+                f.create_dataset(h5_path(name, True), data=value)
+
+    return _atomic_write(out, write)

@@ -22,6 +22,19 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", nargs="?", help="job file (TOML); default: the built-in digits job")
     p.add_argument("--layout", metavar="FILE",
                    help="rank-layout file (TOML: ps = 2 or ps = [0, 4]) overriding the job's [layout]")
+    p.add_argument("--ps", type=_ps_spec, metavar="SPEC",
+                   help="override layout.ps: a count (2), ranks (0,4) or per_node (one PS on "
+                        "each node, its lowest rank)")
+
+
+def _ps_spec(text: str) -> int | list[int] | str:
+    if text == "per_node":
+        return text
+    try:
+        return [int(r) for r in text.split(",")] if "," in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count, ranks (0,4) or per_node") \
+            from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _job_args(lay)
     lay.add_argument("-n", "--ranks", type=int, default=None,
                      help="world size (default: the layout's world_size, else 8)")
+    lay.add_argument("--nodes", type=int, default=1,
+                     help="nodes the ranks fill in blocks, as srun places them (default 1)")
     lay.set_defaults(func=cmd_layout)
 
     c = sub.add_parser("ckpt", help="list, inspect or export checkpoints",
@@ -90,6 +105,8 @@ def _resolve_job(args: argparse.Namespace) -> Job:
         spec = read_layout_file(args.layout)
         job.layout = replace(job.layout, ps=spec.get("ps"), world_size=spec.get("world_size"))
         job.source = f"{job.source} with layout {args.layout}"
+    if getattr(args, "ps", None) is not None:
+        job.layout = replace(job.layout, ps=args.ps)
     for attr, section, key in (("steps", "train", "steps"), ("ckpt_dir", "checkpoint", "dir"),
                                ("log_every", "train", "log_every")):
         value = getattr(args, attr, None)
@@ -118,10 +135,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_layout(args: argparse.Namespace) -> int:
     from .data import open_dataset, resolve_path
     from .job import job_layout, job_placement
+    from .layout import block_nodes
     from .nn import build_model
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8
-    layout = job_layout(job, n)
+    layout = job_layout(job, n, block_nodes(n, args.nodes))
     info = open_dataset(resolve_path(job.data.path, job.data.builtin))
     model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes)
     placement = job_placement(job, model.variables(), layout.num_ps)
@@ -152,22 +170,33 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         if not found:
             print(f"{args.dir}: no checkpoints")
         for step, path in found:
-            print(f"{step:>10}  {path}  {path.stat().st_size / 1e6:.2f} MB")
+            ckpt = checkpoint.Checkpoint(path)
+            files = [path] + [ckpt.shard_path(k) for k in range(ckpt.num_shards)]
+            size = sum(f.stat().st_size for f in files if f.exists())
+            print(f"{step:>10}  {path}  {ckpt.num_shards} shard(s)  {size / 1e6:.2f} MB")
         return 0
-    path = checkpoint.resolve(args.path)
+    ckpt = checkpoint.resolve(args.path)
     if args.action == "export":
-        out = checkpoint.export(path, args.out, args.slots)
-        print(f"exported {path} -> {out}")
+        out = checkpoint.export(ckpt, args.out, args.slots)
+        print(f"exported {ckpt.path} -> {out}")
         return 0
-    attrs, variables, slots = checkpoint.read_all(path)
-    print(f"{path}: global_step {attrs.get('global_step')}, written by {attrs.get('job', '?')}")
-    if "clocks" in attrs:
-        print(f"data position (updates per worker task): {attrs['clocks']}")
-    print(f"{'variable':<28} {'shape':<12} {'dtype':<8} {'mean':>11} {'std':>11}")
+    variables, slots = ckpt.read_all()
+    meta = ckpt.meta
+    layout = meta.get("layout", {})
+    print(f"{ckpt.path}: global_step {ckpt.step}, written by {meta.get('job', '?')} "
+          f"(job sha256 {str(meta.get('job_sha256', '?'))[:12]})")
+    print(f"written on {layout.get('world_size', '?')} ranks ({layout.get('ps', '?')} ps, "
+          f"{layout.get('workers', '?')} workers, {layout.get('mode', '?')}) "
+          f"into {ckpt.num_shards} shard(s)")
+    if ckpt.clocks is not None:
+        print(f"data position (updates per worker task): {ckpt.clocks}")
+    print(f"{'variable':<28} {'shape':<12} {'dtype':<8} {'mean':>11} {'std':>11}  shards")
     for name, a in list(variables.items()) + list(slots.items()):
+        entry = ckpt.variables.get(name) or ckpt.slots[name]
+        where = ",".join(str(p.shard) for p in entry.parts)
         shape = "x".join(map(str, a.shape)) or "scalar"
         print(f"{name:<28} {shape:<12} {str(a.dtype):<8} {float(np.mean(a)):>11.4g} "
-              f"{float(np.std(a)):>11.4g}")
+              f"{float(np.std(a)):>11.4g}  {where}")
     return 0
 
 

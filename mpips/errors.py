@@ -29,3 +29,9 @@ class AgreedError(MpipsError):
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Stalled(MpipsError):
+    """A task stopped making progress in the middle of a run (hung, not dead)."""
+
+    exit_code = 1

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from . import checkpoint
 from .log import log
 
 if TYPE_CHECKING:
@@ -83,13 +82,12 @@ class ProgressBar(Hook):
 
 
 class CheckpointSaver(Hook):
-    """Chief: write a checkpoint every N global steps and/or seconds, and once at the end."""
+    """Chief: commit a checkpoint every N global steps and/or seconds, and once at the end
+    (where and how many to keep: the job's [checkpoint] section)."""
 
-    def __init__(self, directory: str, every_steps: int, every_secs: float, max_to_keep: int):
-        self.directory = directory
+    def __init__(self, every_steps: int, every_secs: float):
         self.every_steps = every_steps
         self.every_secs = every_secs
-        self.max_to_keep = max_to_keep
         self.last_step = 0
         self.last_time = 0.0
 
@@ -110,9 +108,7 @@ class CheckpointSaver(Hook):
 
     def save(self, run: Run) -> Path:
         """Variables, optimizer slots, global_step and each worker's clock (data position)."""
-        step, values, slots, clocks = run.state()
-        path = checkpoint.save(self.directory, step, values, self.max_to_keep,
-                               {"job": run.job.source, "clocks": clocks}, slots)
+        step, path = run.save()
         self.last_step, self.last_time = step, time.monotonic()
         log(run.role, f"saved checkpoint {path} (global_step {step})")
         return path

@@ -77,7 +77,7 @@ class CheckpointConfig:
 
 @dataclass
 class LayoutConfig:
-    ps: int | list[int] | None = None        # PS count or explicit ranks (default: world // 4)
+    ps: int | list[int] | str | None = None  # count, ranks or "per_node" (default: world // 4)
     world_size: int | None = None            # if set, the job refuses another world size
     placement: str = "round_robin"           # or "greedy" (fewest bytes first)
 
@@ -205,6 +205,9 @@ def validate(job: Job) -> Job:
     if bool(job.data.path) == bool(job.data.builtin):
         raise ConfigError("data: give exactly one of data.path (an HDF5 file) "
                           "or data.builtin (\"digits\")")
+    if isinstance(job.layout.ps, str) and job.layout.ps != "per_node":
+        raise ConfigError(f"layout.ps: {job.layout.ps!r} is not a count, a list of ranks or "
+                          f"\"per_node\"")
     if job.train.steps == 0 and job.train.epochs == 0:
         raise ConfigError("train: give train.steps or train.epochs (or both) so the run can end")
     return job
@@ -238,10 +241,12 @@ def load_job(path: str | Path | None = None) -> Job:
     return parse_job(text, str(path))
 
 
-def job_layout(job: Job, world_size: int) -> Layout:
-    """The job's rank layout on ``world_size`` ranks (ConfigError if it does not fit)."""
+def job_layout(job: Job, world_size: int, nodes: list[int] | None = None) -> Layout:
+    """The job's rank layout on ``world_size`` ranks placed on ``nodes`` (each rank's node,
+    named by its lowest rank; None: one node). ConfigError if it does not fit."""
     return make_layout(world_size, job.layout.ps, job.layout.world_size,
-                       source=f"{job.source}: [layout]", sync=job.train.mode == "sync")
+                       source=f"{job.source}: [layout]", sync=job.train.mode == "sync",
+                       nodes=nodes)
 
 
 def job_placement(job: Job, specs: list[VariableSpec], num_ps: int) -> Placement:

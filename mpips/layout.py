@@ -65,12 +65,25 @@ def default_num_ps(world_size: int) -> int:
     return max(1, world_size // 4)
 
 
-def make_layout(world_size: int, ps: int | list[int] | None = None,
-                expected_world_size: int | None = None, source: str = "layout",
-                sync: bool = False) -> Layout:
-    """Validate a PS spec (count, explicit rank list, or None for the default) for a world size.
+PER_NODE = "per_node"
 
-    ``sync``: synchronous replicas need no PS, so ``ps = 0`` is allowed and is the default.
+
+def block_nodes(world_size: int, num_nodes: int) -> list[int]:
+    """Each rank's node (its lowest rank) when ranks fill nodes in blocks, as srun and
+    mpiexec place them by default."""
+    per = -(-world_size // max(1, num_nodes))
+    return [r // per * per for r in range(world_size)]
+
+
+def make_layout(world_size: int, ps: int | list[int] | str | None = None,
+                expected_world_size: int | None = None, source: str = "layout",
+                sync: bool = False, nodes: list[int] | None = None) -> Layout:
+    """Validate a PS spec (count, explicit rank list, ``"per_node"`` or None for the default)
+    for a world size.
+
+    ``nodes``: each rank's node, named by its lowest rank (``"per_node"`` puts one PS on
+    each node: that lowest rank); None means one node. ``sync``: synchronous replicas need
+    no PS, so ``ps = 0`` is allowed and is the default.
     """
     if expected_world_size is not None and expected_world_size != world_size:
         raise ConfigError(f"{source}: world_size = {expected_world_size}, but the job runs "
@@ -83,8 +96,14 @@ def make_layout(world_size: int, ps: int | list[int] | None = None,
         ps = 0 if sync else default_num_ps(world_size)
     if sync and (ps == 0 or ps == []):
         return Layout(world_size, ())
+    if ps == PER_NODE:
+        ps = sorted(set(nodes or [0] * world_size))
+        if len(ps) >= world_size:
+            raise ConfigError(f"{source}: ps = \"per_node\" leaves no worker: every one of "
+                              f"the {len(ps)} nodes runs a single rank")
     if isinstance(ps, bool) or not isinstance(ps, (int, list)):
-        raise ConfigError(f"{source}: ps must be a count or a list of ranks, got {ps!r}")
+        raise ConfigError(f"{source}: ps must be a count, a list of ranks or \"per_node\", "
+                          f"got {ps!r}")
     if isinstance(ps, int):
         if not 1 <= ps < world_size:
             raise ConfigError(f"{source}: ps = {ps} needs 1 <= ps < world size {world_size} "

@@ -31,6 +31,7 @@ class Placed:
     spec: VariableSpec
     ps_task: int
     offset: int
+    rows: tuple[int, int, int] | None = None  # a partition: range(*rows) of the full variable
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.spec.shape)) or "scalar"

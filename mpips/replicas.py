@@ -10,6 +10,7 @@ run ahead. PS ranks, if the layout has any, hold nothing in this mode and sleep.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from .nn import MLP
 from .optim import Optimizer, clip_by_global_norm, learning_rate
 from .store import Cluster, allgather_json, sleepy_barrier
 from .sync import GradientBuckets, agree_max, broadcast, check_replicas, replica_hash
-from .training import Run, State, TrainResult, build_hooks, report, say_preempted
+from .training import Run, TrainResult, build_hooks, report, save_whole, say_preempted
 
 
 def run_replicas(job: Job, cluster: Cluster, model: MLP, optimizer: Optimizer,
@@ -84,11 +85,11 @@ def _replica(job: Job, cluster: Cluster, model: MLP, optimizer: Optimizer,
               f"{tc.batch_size} an epoch, {len(buckets.buckets)} allreduce bucket(s)"
               + (f", resuming at batch {clock}" if clock else ""))
 
-    def state() -> State:
+    def save() -> tuple[int, Path]:
         flat = {f"{n}/{k}": a for n, s in slots.items() for k, a in s.items()}
-        return step, params, flat, [clock] * workers
+        return save_whole(job, cluster, step, params, flat, [clock] * workers)
 
-    run = Run(job, role, start_step, tc.steps, lambda: step, state, params)
+    run = Run(job, role, start_step, tc.steps, lambda: step, save, params)
     all_hooks = build_hooks(job, hooks)
     for h in all_hooks:
         h.begin(run)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from .errors import AgreedError
+from .errors import AgreedError, Stalled
 from .placement import VariableSpec
-from .store.cluster import allgather_json, wait
+from .store.cluster import STALL_TIMEOUT, allgather_json, wait
 
 
 @dataclass
@@ -84,18 +84,30 @@ class GradientBuckets:
         for index, b in enumerate(self.buckets):
             if self._pending.get(index):
                 raise RuntimeError(f"gradients {sorted(self._pending[index])} were never written")
-            while b.request is not None and not b.request.Test():
-                os.sched_yield()  # cores go to any runnable rank; a 20 us sleep doubled the time
+            if b.request is not None:
+                complete(self.comm, b.request, "the gradient allreduce")
             b.request = None
             b.buffer /= self.size
         self.reduce_seconds += time.perf_counter() - t0
         return self.grads
 
 
+def complete(comm: MPI.Comm, request: MPI.Request, what: str) -> None:
+    """Wait for a collective of every replica, yielding the core (a 20 us sleep instead
+    doubled the step time). A replica that never joins (hung, yet alive) ends the job after
+    MPIPS_STALL_TIMEOUT s; later ranks wait 2 s longer each, so one rank says it."""
+    deadline = time.monotonic() + STALL_TIMEOUT + 2.0 * min(comm.rank, 5)
+    while not request.Test():
+        os.sched_yield()
+        if time.monotonic() > deadline:
+            raise Stalled(f"{what} did not complete within {STALL_TIMEOUT:.0f} s: a replica "
+                          f"is hung? (MPIPS_STALL_TIMEOUT sets the limit); aborting the job")
+
+
 def agree_max(comm: MPI.Comm, value: int) -> int:
     """The largest ``value`` over all replicas (one 8-byte allreduce)."""
     buf = np.array([value], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, buf, MPI.MAX)
+    complete(comm, comm.Iallreduce(MPI.IN_PLACE, buf, MPI.MAX), "the step's agreement")
     return int(buf[0])
 
 

@@ -6,6 +6,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,9 @@ from .nn import MLP, build_model
 from .optim import Optimizer, build_optimizer, clip_by_global_norm, learning_rate
 from .placement import slot_placement
 from .store import Cluster, Counters, StoreClient, Windows, agreed, allgather_json, serve, sleepy_barrier
-from .store.cluster import POLL_SECONDS
+from .store.cluster import POLL_SECONDS, node_of_each_rank
 from .store.counters import NO_MORE_TICKETS
+from .watchdog import Watchdog
 
 
 @dataclass
@@ -45,19 +47,16 @@ class TrainResult:
     stopped_by: int = 0            # signal that stopped the run early (preemption), else 0
 
 
-State = tuple[int, dict[str, Any], dict[str, Any], list[int]]
-
-
 @dataclass
 class Run:
-    """What hooks can see and read, the same in async and sync mode."""
+    """What hooks can see and do, the same in async and sync mode."""
 
     job: Job
     role: Role
     start_step: int
     target_steps: int
     global_step: Callable[[], int]
-    state: Callable[[], State]   # (global_step, variables, slots, each worker's clock)
+    save: Callable[[], tuple[int, Path]]  # chief: commit a checkpoint -> (global_step, manifest)
     params: dict[str, Any] | None = None  # sync mode: this replica's variables
 
     @property
@@ -72,8 +71,30 @@ def build_hooks(job: Job, hooks: list[Hook]) -> list[Hook]:
         out.append(ProgressBar())
     if job.checkpoint.dir:
         c = job.checkpoint
-        out.append(CheckpointSaver(c.dir, c.every_steps, c.every_secs, c.max_to_keep))
+        out.append(CheckpointSaver(c.every_steps, c.every_secs))
     return out + hooks
+
+
+def manifest_meta(job: Job, cluster: Cluster, clocks: list[int]) -> dict[str, Any]:
+    """What a checkpoint manifest records besides the variables: the job, the layout and
+    the data position (updates, i.e. batches, each worker task has used)."""
+    layout = cluster.layout
+    return {"job": job.source, "job_sha256": checkpoint.job_digest(job),
+            "layout": {"world_size": cluster.comm.size, "ps": layout.num_ps,
+                       "workers": layout.num_workers, "mode": job.train.mode},
+            "clocks": clocks,
+            "data": {"path": job.data.path or f"builtin:{job.data.builtin}",
+                     "batch_size": job.train.batch_size, "seed": job.train.seed}}
+
+
+def save_whole(job: Job, cluster: Cluster, step: int, variables: dict[str, Any],
+               slots: dict[str, Any], clocks: list[int]) -> tuple[int, Path]:
+    """Chief, holding every variable: write one shard and commit it."""
+    c = job.checkpoint
+    checkpoint.write_shard(c.dir, step, 0, 1, variables, slots)
+    return step, checkpoint.commit(c.dir, step, 1, checkpoint.whole_index(variables),
+                                   checkpoint.whole_index(slots),
+                                   manifest_meta(job, cluster, clocks), c.max_to_keep)
 
 
 def say_preempted(role: Role, signum: int, step: int, job: Job) -> None:
@@ -104,7 +125,8 @@ def report(cluster: Cluster, model: MLP, params: dict[str, Any], prep: dict[str,
 def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None) -> TrainResult:
     """Run ``job`` on every rank of ``comm`` (collective): PS ranks serve, workers train."""
     comm = comm or MPI.COMM_WORLD
-    layout = agreed(comm, lambda: job_layout(job, comm.size))
+    nodes = node_of_each_rank(comm)
+    layout = agreed(comm, lambda: job_layout(job, comm.size, nodes))
     cluster = Cluster(comm, layout)
     set_role(cluster.role)
     preemption.install()
@@ -116,12 +138,27 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None) ->
 
 
 def _prepare(job: Job, cluster: Cluster, optimizer: Optimizer) -> dict[str, Any]:
-    """Everything that can fail on bad input, done before any window exists."""
+    """Everything that can fail on bad input, done before any window exists.
+
+    Restoring, each PS task reads the variables and slots it will hold (in parallel); in
+    sync mode the chief reads them all.
+    """
     info = open_dataset(resolve_path(job.data.path, job.data.builtin))
     prep: dict[str, Any] = {"info": info, "start_step": 0, "clocks": None}
-    if cluster.is_ps:
-        return prep
+    c = job.checkpoint
+    latest = checkpoint.latest_checkpoint(c.dir) if c.dir and c.restore else None
+    ckpt = checkpoint.Checkpoint(latest) if latest else None
+    if ckpt is not None:
+        prep.update(start_step=ckpt.step, restored=str(latest), clocks=ckpt.clocks)
     model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes)
+    specs = model.variables()
+    if cluster.is_ps:
+        if ckpt is not None and job.train.mode == "async":
+            placement = job_placement(job, specs, cluster.layout.num_ps)
+            mine = placement.on_ps(cluster.role.task)
+            slots = slot_placement(placement, optimizer.slots).on_ps(cluster.role.task)
+            prep["shard"] = ckpt.read([e.spec for e in mine], [e.spec for e in slots])
+        return prep
     task, workers = cluster.role.task, cluster.layout.num_workers
     rows = shard_rows(info.rows["train"], workers, task)
     if rows[1] <= rows[0]:
@@ -131,21 +168,17 @@ def _prepare(job: Job, cluster: Cluster, optimizer: Optimizer) -> dict[str, Any]
     prep["train"] = load_split(info, "train", rows)
     if cluster.is_chief:
         prep["test"] = load_split(info, "test")
-        latest = checkpoint.latest_checkpoint(job.checkpoint.dir) \
-            if job.checkpoint.dir and job.checkpoint.restore else None
-        specs = model.variables()
         slot_specs = [e.spec for e in slot_placement(job_placement(job, specs, 1),
                                                      optimizer.slots)]
-        if latest is not None:
-            step, values, clocks = checkpoint.restore(latest, specs, slot_specs)
-            prep.update(start_step=step, restored=str(latest), clocks=clocks,
-                        values={s.name: values[s.name] for s in specs},
-                        slots={s.name: values[s.name] for s in slot_specs})
-        else:
+        if ckpt is None:
             values = model.initial_values(job.model.init_seed)
             prep["values"] = values
             prep["slots"] = {f"{name}/{slot}": array for name, v in values.items()
                              for slot, array in optimizer.init_slots(v).items()}
+        elif job.train.mode == "sync":
+            values = ckpt.read(specs, slot_specs)
+            prep["values"] = {s.name: values[s.name] for s in specs}
+            prep["slots"] = {s.name: values[s.name] for s in slot_specs}
     return prep
 
 
@@ -165,8 +198,17 @@ def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:
     cluster.check_placement(placement)
     slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
     windows = Windows(cluster.comm, cluster.layout, placement, slots, optimizer.stateful)
+    if "shard" in prep:  # a PS task restoring: its part of the checkpoint into its memory
+        for held in windows.held(cluster.role.task):
+            for name, view in held.items():
+                view[...] = prep["shard"][name]
+        windows.params.Sync()
+    sleepy_barrier(cluster.comm)  # restored everywhere before the chief raises ready
     if cluster.is_ps:
-        serve(cluster, windows, optimizer)
+        def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
+            checkpoint.write_shard(job.checkpoint.dir, step, cluster.role.task,
+                                   cluster.layout.num_ps, variables, slots)
+        serve(cluster, windows, optimizer, write_shard if job.checkpoint.dir else None)
         result = TrainResult(cluster.role, 0, 0)
     else:
         result = _work(job, cluster, windows, model, optimizer, prep, hooks)
@@ -185,7 +227,8 @@ def _start(job: Job, cluster: Cluster, client: StoreClient, prep: dict[str, Any]
     workers = cluster.layout.num_workers
     if cluster.is_chief:
         clocks = prep["clocks"]
-        client.write(prep["values"], prep["slots"])
+        if "restored" not in prep:  # else the PS tasks have restored their shards
+            client.write(prep["values"], prep["slots"])
         counters.set_counters(prep["start_step"], clocks if clocks and len(clocks) == workers
                               else None)
         counters.raise_ready()
@@ -217,11 +260,17 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
 
     all_hooks = build_hooks(job, hooks)
 
-    def state() -> State:
-        values, slots = client.pull(), client.pull_slots()
-        return counters.global_step(), values, slots, [int(c) for c in counters.clocks()[0]]
+    def save() -> tuple[int, Path]:
+        """Every PS task writes its shard (in parallel), then the chief commits."""
+        step, clocks = counters.global_step(), [int(c) for c in counters.clocks()[0]]
+        num_ps = windows.placement.num_ps
+        counters.wait_shards(counters.request_checkpoint(step) * num_ps)
+        index = checkpoint.index_of(windows.placement, windows.slots)
+        return step, checkpoint.commit(job.checkpoint.dir, step, num_ps, *index,
+                                       manifest_meta(job, cluster, clocks),
+                                       job.checkpoint.max_to_keep)
 
-    run = Run(job, role, start_step, tc.steps, counters.global_step, state)
+    run = Run(job, role, start_step, tc.steps, counters.global_step, save)
     for h in all_hooks:
         h.begin(run)
 
@@ -230,6 +279,7 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
                                               for k, v in client.grads.items()}
     x_all, y_all = prep["train"]  # host memory; batches go to the device one at a time
     stats = Staleness()
+    watchdog = Watchdog(counters, cluster.layout, role.task)
     updates = examples = 0
     t0 = time.perf_counter()
     for epoch, x, y in batches(x_all, y_all, tc.batch_size, tc.seed, role.task, tc.epochs,
@@ -239,7 +289,7 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
             break
         if counters.claim_ticket() >= (tc.steps or NO_MORE_TICKETS):
             break
-        lead = _wait_for_slowest(counters, clock, tc.max_staleness)
+        lead = _wait_for_slowest(counters, clock, tc.max_staleness, watchdog)
         pulled_at = counters.global_step()
         params = client.pull()
         if not on_host:
@@ -268,8 +318,8 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
     seconds = time.perf_counter() - t0
     log(role, f"done: {updates} updates, {examples} examples in {seconds:.1f} s")
 
+    sleepy_barrier(cluster.workers, watchdog.check)  # every push has landed: global_step final
     gathered = allgather_json(cluster.workers, [examples, seconds, stats.summary()])
-    sleepy_barrier(cluster.workers)  # every push has landed: global_step is final
     for h in all_hooks:
         h.end(run)
     result = TrainResult(role, start_step, counters.global_step(), updates, examples, seconds,
@@ -286,11 +336,13 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
     return result
 
 
-def _wait_for_slowest(counters: Counters, clock: int, bound: int | None) -> int:
+def _wait_for_slowest(counters: Counters, clock: int, bound: int | None,
+                      watchdog: Watchdog) -> int:
     """This worker's lead over the slowest running worker, after waiting (sleeping) until
     it is at most ``bound`` (None: no bound, plain async; 0: lock-step)."""
     lead = counters.lead(clock)
     while bound is not None and lead > bound:
+        watchdog.check()
         time.sleep(POLL_SECONDS / 10)
         lead = counters.lead(clock)
     return lead

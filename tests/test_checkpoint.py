@@ -1,13 +1,13 @@
-import os
+import json
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 
 from mpips import checkpoint
+from mpips.checkpoint import Checkpoint, Entry, Part
 from mpips.errors import CheckpointError
-from mpips.placement import VariableSpec
+from mpips.placement import VariableSpec, round_robin, slot_placement
 
 SPECS = [VariableSpec("dense_0/kernel", (3, 2)), VariableSpec("dense_0/bias", (2,))]
 
@@ -17,55 +17,143 @@ def values(seed=0):
     return {s.name: rng.standard_normal(s.shape).astype(np.float32) for s in SPECS}
 
 
+def save(d, step, v, max_to_keep=3, slots=None, meta=None):
+    """What the chief does in sync mode: one shard holding everything, then the commit."""
+    slots = slots or {}
+    checkpoint.write_shard(d, step, 0, 1, v, slots)
+    return checkpoint.commit(d, step, 1, checkpoint.whole_index(v), checkpoint.whole_index(slots),
+                             meta or {}, max_to_keep)
+
+
 def test_round_trip_and_latest(tmp_path):
     v = values()
-    checkpoint.save(tmp_path, 7, v)
-    checkpoint.save(tmp_path, 12, values(1), meta={"clocks": [5, 7]})
-    assert checkpoint.latest_checkpoint(tmp_path).name == "ckpt-12.h5"
-    step, got, clocks = checkpoint.restore(tmp_path / "ckpt-7.h5", SPECS)
-    assert step == 7 and clocks is None
-    assert checkpoint.restore(tmp_path / "ckpt-12.h5", SPECS)[2] == [5, 7]
+    save(tmp_path, 7, v)
+    save(tmp_path, 12, values(1), meta={"clocks": [5, 7]})
+    assert checkpoint.latest_checkpoint(tmp_path).name == "ckpt-12.json"
+    ckpt = Checkpoint(tmp_path / "ckpt-7.json")
+    assert ckpt.step == 7 and ckpt.clocks is None
+    assert checkpoint.resolve(tmp_path).clocks == [5, 7]
+    got = ckpt.read(SPECS)
     for k in v:
         np.testing.assert_array_equal(got[k], v[k])
 
 
-def test_prune_keeps_newest_and_ignores_partial_files(tmp_path):
+def test_one_shard_per_ps_reassembles_by_name(tmp_path):
+    """Each PS writes what it holds; the manifest's index finds every variable and slot, and
+    a checkpoint written by 2 PS tasks loads whole (so onto any other number of them)."""
+    placement = round_robin(SPECS, 2)
+    slots = slot_placement(placement, ("m",))
+    v = values()
+    m = {f"{n}/m": a + 1 for n, a in v.items()}
+    for task in (1, 0):  # any order: they run in parallel
+        checkpoint.write_shard(tmp_path, 4, task, 2,
+                               {e.spec.name: v[e.spec.name] for e in placement.on_ps(task)},
+                               {e.spec.name: m[e.spec.name] for e in slots.on_ps(task)})
+    checkpoint.commit(tmp_path, 4, 2, *checkpoint.index_of(placement, slots), {}, 3)
+    ckpt = checkpoint.resolve(tmp_path)
+    assert ckpt.num_shards == 2 and ckpt.variables["dense_0/bias"].parts == (Part(1),)
+    got_v, got_m = ckpt.read_all()
+    assert got_v.keys() == v.keys() and got_m.keys() == m.keys()
+    for k in v:
+        np.testing.assert_array_equal(got_v[k], v[k])
+        np.testing.assert_array_equal(got_m[f"{k}/m"], m[f"{k}/m"])
+
+
+def test_row_partitions_are_reassembled(tmp_path):
+    """A variable split by rows over shards ("mod" rule here) comes back whole."""
+    table = np.arange(7 * 3, dtype=np.float32).reshape(7, 3)
+    for k in range(2):
+        checkpoint.write_shard(tmp_path, 1, k, 2, {"emb": table[k::2]})
+    index = {"emb": Entry((7, 3), "float32", (Part(0, (0, 7, 2)), Part(1, (1, 7, 2))))}
+    checkpoint.commit(tmp_path, 1, 2, index, {}, {}, 3)
+    got = checkpoint.resolve(tmp_path).read([VariableSpec("emb", (7, 3))])["emb"]
+    np.testing.assert_array_equal(got, table)
+
+
+def test_commit_needs_every_shard_and_prunes_only_after(tmp_path):
     for s in (1, 2, 3, 4):
-        checkpoint.save(tmp_path, s, values(s), max_to_keep=2)
-    dead, alive = tmp_path / ".ckpt-9.h5.tmp-999999999", tmp_path / f".ckpt-9.h5.tmp-{os.getpid()}"
-    dead.write_bytes(b"half written")
-    alive.write_bytes(b"being written")
+        save(tmp_path, s, values(s), max_to_keep=2)
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [3, 4]
-    assert checkpoint.latest_checkpoint(tmp_path).name == "ckpt-4.h5"
-    checkpoint.save(tmp_path, 5, values(5), max_to_keep=2)
-    assert not dead.exists() and alive.exists()  # only a dead writer's file is removed
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.h5")) == \
+        ["ckpt-3.shard-0-of-1.h5", "ckpt-4.shard-0-of-1.h5"]
+    # a crashed write: one of two shards and a temporary, never committed
+    checkpoint.write_shard(tmp_path, 5, 0, 2, values(5))
+    (tmp_path / ".ckpt-5.shard-1-of-2.h5.tmp-node7-4242").write_bytes(b"half written")
+    with pytest.raises(CheckpointError, match="shard 1 of 2 for global_step 5 is missing"):
+        checkpoint.commit(tmp_path, 5, 2, checkpoint.whole_index(values()), {}, {}, 2)
+    assert checkpoint.latest_checkpoint(tmp_path).name == "ckpt-4.json"  # still the last commit
+    save(tmp_path, 6, values(6), max_to_keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["ckpt-4.json", "ckpt-4.shard-0-of-1.h5", "ckpt-6.json", "ckpt-6.shard-0-of-1.h5"]
 
 
 def test_failed_write_keeps_previous(tmp_path):
-    checkpoint.save(tmp_path, 1, values())
+    save(tmp_path, 1, values())
     with pytest.raises(TypeError):
-        checkpoint.save(tmp_path, 2, {"dense_0/kernel": object()})
-    assert [p.name for p in Path(tmp_path).iterdir()] == ["ckpt-1.h5"]
-    assert checkpoint.restore(tmp_path / "ckpt-1.h5", SPECS)[0] == 1
+        checkpoint.write_shard(tmp_path, 2, 0, 1, {"dense_0/kernel": object()})
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["ckpt-1.json",
+                                                                "ckpt-1.shard-0-of-1.h5"]
+    assert checkpoint.resolve(tmp_path).step == 1
 
 
 def test_mismatch_names_the_variable(tmp_path):
-    checkpoint.save(tmp_path, 1, values())
+    save(tmp_path, 1, values())
+    ckpt = checkpoint.resolve(tmp_path)
     wrong = [VariableSpec("dense_0/kernel", (3, 4)), SPECS[1]]
     with pytest.raises(CheckpointError, match=r"'dense_0/kernel' is float32\[3, 2\], the model "
                                               r"expects float32\[3, 4\]"):
-        checkpoint.restore(tmp_path / "ckpt-1.h5", wrong)
+        ckpt.read(wrong)
     with pytest.raises(CheckpointError, match="has no variable 'extra'"):
-        checkpoint.restore(tmp_path / "ckpt-1.h5", SPECS + [VariableSpec("extra", (1,))])
+        ckpt.read(SPECS + [VariableSpec("extra", (1,))])
+    with pytest.raises(CheckpointError, match="has no optimizer slot 'dense_0/bias/m'"):
+        ckpt.read(SPECS, [VariableSpec("dense_0/bias/m", (2,))])
+
+
+def edit_manifest(path, **changes):
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"shards": 0}, "shards must be a positive integer"),
+    ({"global_step": 2}, "global_step does not match the file name"),
+    ({"variables": {"w": {"shape": [2], "dtype": "object", "parts": [{"shard": 0}]}}},
+     "is not a number type"),
+    ({"variables": {"w": {"shape": [2], "dtype": "float32", "parts": [{"shard": 3}]}}},
+     "names no shard"),
+    ({"variables": {"w": {"shape": [4], "dtype": "float32",
+                          "parts": [{"shard": 0, "rows": [0, 4, 2]}]}}}, "do not cover it"),
+    ({"variables": {"w": {"shape": [-1], "dtype": "float32", "parts": [{"shard": 0}]}}},
+     "non-negative integers"),
+    ({"clocks": "../../etc/passwd"}, "clocks must be a list"),
+])
+def test_bad_manifests_are_clear_errors(tmp_path, change, message):
+    path = save(tmp_path, 1, values())
+    edit_manifest(path, **change)
+    with pytest.raises(CheckpointError, match=message):
+        Checkpoint(path)
 
 
 def test_corrupt_and_foreign_files(tmp_path):
-    path = checkpoint.save(tmp_path, 1, values())
-    raw = path.read_bytes()
-    path.write_bytes(raw[: len(raw) // 2])
+    path = save(tmp_path, 1, values())
+    shard = tmp_path / "ckpt-1.shard-0-of-1.h5"
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[: len(raw) // 2])
     with pytest.raises(CheckpointError, match="corrupt or unreadable"):
-        checkpoint.restore(path, SPECS)
-    with h5py.File(tmp_path / "other.h5", "w") as f:
-        f["x"] = 1
+        Checkpoint(path).read(SPECS)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="shard ckpt-1.shard-0-of-1.h5 is missing"):
+        Checkpoint(path).read(SPECS)
+    path.write_text(path.read_text()[:40])
+    with pytest.raises(CheckpointError, match="corrupt or unreadable"):
+        Checkpoint(path)
+    (tmp_path / "ckpt-3.json").write_text('{"format": "something else"}')
     with pytest.raises(CheckpointError, match="not an mpips checkpoint"):
-        checkpoint.restore(tmp_path / "other.h5", SPECS)
+        Checkpoint(tmp_path / "ckpt-3.json")
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="not a checkpoint manifest"):
+        checkpoint.resolve(tmp_path / "other.json")
+    save(tmp_path, 4, values())
+    with pytest.raises(CheckpointError, match=r"one shard of a checkpoint; give its manifest"):
+        checkpoint.resolve(tmp_path / "ckpt-4.shard-0-of-1.h5")

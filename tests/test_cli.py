@@ -51,25 +51,29 @@ def test_ckpt_list_inspect_export(tmp_path):
 
     from mpips import checkpoint
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
-    for step in (5, 9):
-        checkpoint.save(tmp_path / "ck", step, {"dense_0/kernel": w * step},
-                        meta={"job": "j.toml", "clocks": [4, 5]},
-                        slots={"dense_0/kernel/m": w + 1})
+    for step in (5, 9):  # two shards, as two PS tasks write them
+        checkpoint.write_shard(tmp_path / "ck", step, 0, 2, {"dense_0/kernel": w * step})
+        checkpoint.write_shard(tmp_path / "ck", step, 1, 2, {}, {"dense_0/kernel/m": w + 1})
+        index = checkpoint.whole_index({"dense_0/kernel": w})
+        slots = {"dense_0/kernel/m": checkpoint.Entry((2, 3), "float32", (checkpoint.Part(1),))}
+        checkpoint.commit(tmp_path / "ck", step, 2, index, slots,
+                          {"job": "j.toml", "clocks": [4, 5]})
     r = run_py(["-m", "mpips", "ckpt", "list", "ck"], cwd=tmp_path)
     assert r.returncode == 0 and [line.split()[0] for line in r.stdout.splitlines()] == ["5", "9"]
+    assert "ck/ckpt-9.json  2 shard(s)" in r.stdout
     r = run_py(["-m", "mpips", "ckpt", "inspect", "ck"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "ck/ckpt-9.h5: global_step 9, written by j.toml" in r.stdout
+    assert "ck/ckpt-9.json: global_step 9, written by j.toml" in r.stdout
     assert "data position (updates per worker task): [4, 5]" in r.stdout
     rows = [line.split()[:3] for line in r.stdout.splitlines()]
     assert ["dense_0/kernel", "2x3", "float32"] in rows and ["dense_0/kernel/m", "2x3", "float32"] in rows
-    r = run_py(["-m", "mpips", "ckpt", "export", "ck/ckpt-5.h5", "out.h5", "--slots"], cwd=tmp_path)
+    r = run_py(["-m", "mpips", "ckpt", "export", "ck/ckpt-5.json", "out.h5", "--slots"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     with h5py.File(tmp_path / "out.h5") as f:
         assert f.attrs["global_step"] == 5
         np.testing.assert_array_equal(f["dense_0/kernel"][()], w * 5)
         np.testing.assert_array_equal(f["slots/m/dense_0/kernel"][()], w + 1)
     for args, message in ((["inspect", "missing"], "missing: not found"),
-                          (["inspect", "."], "no checkpoint (ckpt-<step>.h5) in this directory")):
+                          (["inspect", "."], "no checkpoint (ckpt-<step>.json) in this directory")):
         r = run_py(["-m", "mpips", "ckpt", *args], cwd=tmp_path)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

@@ -32,7 +32,7 @@ MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
     (MINIMAL + "seed = 1.5\n", r"train.seed: expected an integer"),
     (MINIMAL + "mode = 'semi'\n", r"train.mode: 'semi' is not one of 'async'"),
     (MINIMAL + "[model]\nhidden = [64, 'x']\n", r"model.hidden: expected a list of integers"),
-    (MINIMAL + "[layout]\nps = 'two'\n", r"layout.ps: expected an integer or a list of integers"),
+    (MINIMAL + "[layout]\nps = 'two'\n", r"layout.ps: 'two' is not a count, a list of ranks or \"per_node\""),
     (MINIMAL + "[checkpoint]\nevery_secs = true\n", r"checkpoint.every_secs: expected a number"),
     ('[train]\nsteps = 10\n', r"give exactly one of data.path"),
     ('[data]\nbuiltin = "digits"\n', r"give train.steps or train.epochs"),

@@ -29,7 +29,8 @@ def test_explicit_ranks_and_roles():
     (3, 3, None, "needs 1 <= ps < world size 3"),
     (3, 0, None, "needs 1 <= ps < world size 3"),
     (3, [], None, "names no PS rank"),
-    (3, True, None, "must be a count or a list"),
+    (3, True, None, "must be a count, a list of ranks or"),
+    (1, "per_node", None, "at least 2 ranks"),
     (3, ["0"], None, "must be integers"),
     (3, None, 8, "world_size = 8, but the job runs on 3 ranks"),
     (1, None, None, "needs at least 2 ranks"),
@@ -51,3 +52,14 @@ def test_layout_file(tmp_path):
         read_layout_file(f)
     with pytest.raises(ConfigError, match="not found"):
         read_layout_file(tmp_path / "missing.toml")
+
+
+def test_one_ps_per_node():
+    from mpips.layout import block_nodes
+    assert block_nodes(8, 2) == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert make_layout(8, "per_node", nodes=block_nodes(8, 2)).ps_ranks == (0, 4)
+    # uneven nodes, as a heterogeneous allocation gives them
+    assert make_layout(6, "per_node", nodes=[0, 0, 0, 3, 3, 5]).ps_ranks == (0, 3, 5)
+    assert make_layout(3, "per_node").ps_ranks == (0,)  # one node
+    with pytest.raises(ConfigError, match="leaves no worker"):
+        make_layout(2, "per_node", nodes=[0, 1])

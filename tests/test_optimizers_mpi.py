@@ -2,11 +2,11 @@
 checkpoints keep slots; bounded staleness holds (plain pytest; each case launches mpiexec)."""
 import re
 
-import h5py
 import numpy as np
 import pytest
 from conftest import run_mpi
 
+from mpips.checkpoint import Checkpoint
 from mpips.data import batches, load_split, open_dataset, resolve_path
 from mpips.job import parse_job
 from mpips.nn import MLP
@@ -69,15 +69,9 @@ def reference(job, steps):
 
 
 def read_ckpt(path):
-    with h5py.File(path) as f:
-        variables = {}
-        f["variables"].visititems(lambda n, d: variables.update({n: d[()]})
-                                  if isinstance(d, h5py.Dataset) else None)
-        slots = {}
-        if "slots" in f:
-            f["slots"].visititems(lambda n, d: slots.update({n: d[()]})
-                                  if isinstance(d, h5py.Dataset) else None)
-        return variables, slots, list(f.attrs["clocks"])
+    """(variables, slots ``<variable>/<slot>``, clocks) of a committed checkpoint."""
+    ckpt = Checkpoint(path)
+    return (*ckpt.read_all(), ckpt.clocks)
 
 
 @pytest.mark.parametrize("kind", list(CASES))
@@ -85,7 +79,7 @@ def test_one_async_worker_equals_single_process_reference(tmp_path, kind):
     job = write_job(tmp_path, kind, 50)
     r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-50.h5")
+    variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-50.json")
     want, want_slots = reference(job, 50)
     assert clocks == [50]
     for name, value in want.items():
@@ -93,7 +87,7 @@ def test_one_async_worker_equals_single_process_reference(tmp_path, kind):
     assert len(slots) == sum(len(s) for s in want_slots.values())
     for name, per_slot in want_slots.items():
         for slot, value in per_slot.items():
-            np.testing.assert_allclose(slots[f"{slot}/{name}"], value, rtol=1e-5, atol=1e-6,
+            np.testing.assert_allclose(slots[f"{name}/{slot}"], value, rtol=1e-5, atol=1e-6,
                                        err_msg=f"{name}/{slot}")
 
 
@@ -107,8 +101,8 @@ def test_checkpoint_round_trip_keeps_slots_and_data_position(tmp_path, kind):
     r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "restored global_step 10" in r.stdout and "resuming at batch 10" in r.stdout
-    a = read_ckpt(tmp_path / "runs/straight/ckpt-20.h5")
-    b = read_ckpt(tmp_path / "runs/resumed/ckpt-20.h5")
+    a = read_ckpt(tmp_path / "runs/straight/ckpt-20.json")
+    b = read_ckpt(tmp_path / "runs/resumed/ckpt-20.json")
     for got, want in zip(b[:2], a[:2]):
         assert got.keys() == want.keys() and got
         for name in want:
@@ -121,7 +115,7 @@ def test_restoring_into_another_optimizer_names_the_missing_slot(tmp_path):
     write_job(tmp_path, "adam", 10)
     r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
     assert r.returncode == 2
-    assert "has no variable 'dense_0/kernel/m'" in r.stderr and "--no-restore" in r.stderr
+    assert "has no optimizer slot 'dense_0/kernel/m'" in r.stderr and "--no-restore" in r.stderr
 
 
 LEAD = re.compile(r"staleness of /job:worker/task:(\d+): \d+ updates; lead over slowest worker "

@@ -31,9 +31,9 @@ def slurm():
         pytest.skip("no Slurm controller (start ../shared/tools/local-slurm.sh)")
 
 
-def sbatch(tmp_path, *args, **env):
-    r = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}",
-                        str(ROOT / "slurm/train.sbatch"), *args], capture_output=True,
+def sbatch(tmp_path, *args, script="train.sbatch", options=(), **env):
+    r = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", *options,
+                        str(ROOT / "slurm" / script), *args], capture_output=True,
                        text=True, env=clean_env(**env), timeout=30)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().split(";")[0]
@@ -61,16 +61,38 @@ def output(tmp_path, job):
     return path.read_text() if path.exists() else ""
 
 
+def wait_end(job, timeout=180):
+    return wait_for(lambda: job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                                                           "TIMEOUT") and
+                    job_field(job, "JobState"), timeout, f"job {job} to end")
+
+
 def test_training_job_completes_with_a_checkpoint(slurm, tmp_path):
     job = sbatch(tmp_path, "--steps", "300")
-    state = wait_for(lambda: job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED",
-                                                            "TIMEOUT") and
-                     job_field(job, "JobState"), 180, f"job {job} to end")
+    state = wait_end(job)
     assert state == "COMPLETED", output(tmp_path, job)
     assert job_field(job, "ExitCode") == "0:0"
     text = output(tmp_path, job)
     assert "final: global_step 300 test_accuracy" in text, text
-    assert (tmp_path / "runs/default/ckpt-300.h5").exists()
+    assert (tmp_path / "runs/default/ckpt-300.json").exists()
+    assert "ckpt-300.shard-1-of-2.h5" in os.listdir(tmp_path / "runs/default")  # 2 PS tasks
+
+
+def test_multinode_script_puts_one_ps_on_each_node(slurm, tmp_path):
+    """The several-node script, on the one node this cluster has: one PS (rank 0), the other
+    ranks workers; its layout flag can be overridden after the job file."""
+    job = sbatch(tmp_path, "--steps", "200", script="train-multinode.sbatch",
+                 options=("--nodes=1", "--ntasks-per-node=3"))
+    assert wait_end(job) == "COMPLETED", output(tmp_path, job)
+    text = output(tmp_path, job)
+    assert "[/job:ps/task:0] rank 0," in text and "[/job:worker/task:1] rank 2," in text, text
+    assert "final: global_step 200" in text and "on 2 workers" in text, text
+    job = sbatch(tmp_path, "--steps", "250", "--ps", "2", script="train-multinode.sbatch",
+                 options=("--nodes=1", "--ntasks-per-node=3"))
+    assert wait_end(job) == "COMPLETED", output(tmp_path, job)
+    text = output(tmp_path, job)
+    assert "[/job:ps/task:1] rank 1," in text and "on 1 workers" in text, text
+    assert "restored global_step 200" in text, text
 
 
 def test_usr1_checkpoints_exits_3_and_requeue_resumes(slurm, tmp_path):
@@ -83,7 +105,7 @@ def test_usr1_checkpoints_exits_3_and_requeue_resumes(slurm, tmp_path):
                                            r"global_step (\d+)", output(tmp_path, job)),
                          60, "the preemption checkpoint")
         step = int(first.group(1))
-        assert (tmp_path / f"runs/default/ckpt-{step}.h5").exists()
+        assert (tmp_path / f"runs/default/ckpt-{step}.json").exists()
         wait_for(lambda: job_field(job, "Restarts") == "1", 60, "the requeue")
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=20)
         resumed = wait_for(lambda: re.search(r"restored global_step (\d+)",

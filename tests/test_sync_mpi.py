@@ -79,14 +79,14 @@ def test_w_replicas_equal_one_process_with_w_times_the_batch(tmp_path, kind, wor
     assert len({crc for _, _, crc in done}) == 1, "replicas are bitwise identical"
     steps = [int(s) for s in re.findall(r"\] step (\d+) loss", r.stdout)]
     assert steps == list(range(1, 21)), "each step said once (by the chief)"
-    variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-20.h5")
+    variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-20.json")
     assert clocks == [20] * workers
     want, want_slots = one_process(job, workers, 20)
     for name, value in want.items():
         np.testing.assert_allclose(variables[name], value, rtol=2e-4, atol=2e-6, err_msg=name)
     for name, per in want_slots.items():
         for slot, value in per.items():
-            np.testing.assert_allclose(slots[f"{slot}/{name}"], value, rtol=2e-4, atol=2e-6)
+            np.testing.assert_allclose(slots[f"{name}/{slot}"], value, rtol=2e-4, atol=2e-6)
 
 
 PERTURB = """

@@ -5,6 +5,8 @@ import time
 import pytest
 from conftest import ROOT, run_mpi, run_py
 
+from mpips import checkpoint
+
 pytestmark = pytest.mark.launcher
 
 STEP = re.compile(r"^\[/job:worker/task:(\d+)\] step (\d+) ", re.M)
@@ -25,7 +27,7 @@ def test_async_digits_converges_with_unique_steps(tmp_path):
     assert sorted(steps) == list(range(1, 601)), "every global step printed exactly once"
     assert {t for t, _ in STEP.findall(r.stdout)} == {"0", "1"}
     assert "[/job:worker/task:1] shard rows [719, 1437) of 1437" in r.stdout
-    assert (tmp_path / "runs/default/ckpt-600.h5").exists()
+    assert (tmp_path / "runs/default/ckpt-600.json").exists()
 
 
 def test_resume_continues_the_step_on_another_layout(tmp_path):
@@ -36,7 +38,7 @@ def test_resume_continues_the_step_on_another_layout(tmp_path):
     assert FINAL.search(first.stdout).group(1) == "150"
     second = train(tmp_path, 3, "--steps", "300", "--log-every", "1")
     assert second.returncode == 0, second.stderr
-    assert "restored global_step 150 from runs/default/ckpt-150.h5" in second.stdout
+    assert "restored global_step 150 from runs/default/ckpt-150.json" in second.stdout
     steps = sorted(int(s) for _, s in STEP.findall(second.stdout))
     assert steps == list(range(151, 301))
     assert FINAL.search(second.stdout).group(1) == "300"
@@ -80,11 +82,17 @@ def test_bad_job_and_missing_data(tmp_path):
 
 def test_corrupt_checkpoint_is_a_clear_error_and_left_alone(tmp_path):
     d = tmp_path / "runs/default"
-    d.mkdir(parents=True)
-    (d / "ckpt-50.h5").write_bytes(b"\x89HDF\r\n\x1a\n truncated")
+    assert train(tmp_path, 3, "--steps", "50", timeout=60).returncode == 0
+    shard = d / "ckpt-50.shard-0-of-1.h5"
+    shard.write_bytes(shard.read_bytes()[:3000])  # truncated
     r = train(tmp_path, 3, "--steps", "60", timeout=30)
-    assert_clean_error(r, "checkpoint runs/default/ckpt-50.h5: corrupt or unreadable")
-    assert (d / "ckpt-50.h5").read_bytes().endswith(b"truncated")
+    assert_clean_error(r, "checkpoint runs/default/ckpt-50.json: corrupt or unreadable")
+    assert len(shard.read_bytes()) == 3000 and checkpoint.latest_checkpoint(d).name == "ckpt-50.json"
+    manifest = d / "ckpt-50.json"
+    manifest.write_text(manifest.read_text()[:100])  # truncated
+    r = train(tmp_path, 3, "--steps", "60", timeout=30)
+    assert_clean_error(r, "checkpoint runs/default/ckpt-50.json: corrupt or unreadable")
+    assert len(manifest.read_text()) == 100
 
 
 def test_single_process_says_how_to_launch(tmp_path):
@@ -206,7 +214,7 @@ def test_preemption_signal_checkpoints_and_resume_continues(tmp_path, victim, si
                   job.text())
     assert m, job.text()
     step = int(m.group(1))
-    assert (tmp_path / f"runs/default/ckpt-{step}.h5").exists()
+    assert (tmp_path / f"runs/default/ckpt-{step}.json").exists()
     again = train(tmp_path, 3, "--steps", str(step + 50))
     assert again.returncode == 0, again.stderr
     assert f"restored global_step {step}" in again.stdout
@@ -221,7 +229,7 @@ def test_preemption_in_sync_mode(tmp_path):
     job = Job(tmp_path, 3, "sync.toml")
     assert job.signal("/job:worker/task:2", signal.SIGUSR1) == 3
     m = re.search(r"stopped early by SIGUSR1: checkpoint at global_step (\d+)", job.text())
-    assert m and (tmp_path / f"runs/sync/ckpt-{m.group(1)}.h5").exists(), job.text()
+    assert m and (tmp_path / f"runs/sync/ckpt-{m.group(1)}.json").exists(), job.text()
 
 
 STUCK = """
@@ -245,3 +253,35 @@ def test_a_rank_that_never_starts_ends_the_job(tmp_path, rank, message):
     r = run_mpi(4, ["stuck.py"], cwd=tmp_path, timeout=60, MPIPS_START_TIMEOUT="2")
     assert r.returncode != 0 and message in r.stderr, r.stderr
     assert time.monotonic() - t0 < 15
+
+
+HANG = """
+import time, mpips
+class Hang(mpips.Hook):
+    def after_step(self, run, info):
+        if run.role.task == {task} and info.local_updates == 5:
+            time.sleep(1000)  # alive but hung mid-run: MPI cannot tell
+with mpips.abort_on_error():
+    job = mpips.load_job(None)
+    job.train.progress, job.checkpoint.dir = False, ""
+    job.optimizer.kind = "{kind}"
+    job.train.max_staleness = {bound}
+    job.train.mode = "{mode}"
+    mpips.train(job, hooks=[Hang()])
+"""
+
+
+@pytest.mark.parametrize("task,kind,bound,mode,said", [
+    (1, "sgd", None, "async", "/job:worker/task:1 (rank 2) made no update for 3 s"),
+    (0, "adam", 2, "async", "/job:worker/task:0 (rank 1) made no update for 3 s"),
+    (2, "sgd", None, "sync", "the step's agreement did not complete within 3 s"),
+])
+def test_a_worker_hung_mid_run_ends_the_job(tmp_path, task, kind, bound, mode, said):
+    """The others finish (or wait for the slowest, bounded staleness, or for the replica
+    in the next collective) and notice it: said once, exit 1."""
+    (tmp_path / "hang.py").write_text(HANG.format(task=task, kind=kind, bound=bound, mode=mode))
+    t0 = time.monotonic()
+    r = run_mpi(4, ["hang.py"], cwd=tmp_path, timeout=60, MPIPS_STALL_TIMEOUT="3")
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count(said) == 1, r.stderr
+    assert time.monotonic() - t0 < 20

@@ -12,25 +12,12 @@ from itertools import groupby
 import numpy as np
 from mpi4py import MPI
 
-from ..placement import Placement
+from ..errors import Stalled
+from .cluster import STALL_TIMEOUT
 from .counters import Counters
-from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows
+from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows, views
 
 ACK_POLL_SECONDS = 5e-5
-
-
-def views(placement: Placement, bufs: list[np.ndarray], base: list[int] | None = None,
-          only_ps: int | None = None) -> dict[str, np.ndarray]:
-    """Typed views of each placed variable (of PS ``only_ps``, if given) into per-PS byte
-    buffers, each offset by ``base[p]``."""
-    out = {}
-    for e in placement:
-        if only_ps is not None and e.ps_task != only_ps:
-            continue
-        start = e.offset - (base[e.ps_task] if base else 0)
-        raw = bufs[e.ps_task][start:start + e.spec.nbytes]
-        out[e.spec.name] = raw.view(e.spec.dtype).reshape(e.spec.shape)
-    return out
 
 
 class StoreClient:
@@ -129,7 +116,14 @@ class StoreClient:
         mail, flag = self.windows.mail, MAIL_WORDS * self.task + MAIL_FLAG
         pending = [rank for _, rank, _ in self._targets]
         out, dummy = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        deadline = time.monotonic() + STALL_TIMEOUT + 2.0 * min(self.task, 5)  # see watchdog
         while pending:
+            if time.monotonic() > deadline:
+                names = ", ".join(f"/job:ps/task:{self.ps_ranks.index(r)} (rank {r})"
+                                  for r in pending)
+                raise Stalled(f"{names} did not apply this worker's update within "
+                              f"{STALL_TIMEOUT:.0f} s: hung? (MPIPS_STALL_TIMEOUT sets the "
+                              f"limit); aborting the job")
             for rank in list(pending):
                 mail.Fetch_and_op(dummy, out, rank, flag, MPI.NO_OP)
                 mail.Flush(rank)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +25,8 @@ T = TypeVar("T")
 # every start-up step must be reached by every rank within this many seconds, else the job
 # ends naming the ranks that never arrived (a stuck rank must not hang the others forever)
 START_TIMEOUT = float(os.environ.get("MPIPS_START_TIMEOUT", "300"))
+# a task that makes no progress for this many seconds mid-run, while others wait, is hung
+STALL_TIMEOUT = float(os.environ.get("MPIPS_STALL_TIMEOUT", "600"))
 _ARRIVAL_TAG = 7001
 _arrivals = 0
 
@@ -37,12 +40,15 @@ class StartTimeout(MpipsError):
 
 
 def wait(request: MPI.Request, poll: float = POLL_SECONDS, timeout: float | None = None,
-         what: str = "") -> None:
-    """Complete a request without burning a core (StartTimeout after ``timeout`` seconds)."""
+         what: str = "", meanwhile: Callable[[], None] | None = None) -> None:
+    """Complete a request without burning a core (StartTimeout after ``timeout`` seconds),
+    calling ``meanwhile`` between polls (a watchdog may raise from it)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while not request.Test():
         if deadline is not None and time.monotonic() > deadline:
             raise StartTimeout(f"waited {timeout:.0f} s for every rank to reach {what}")
+        if meanwhile is not None:
+            meanwhile()
         time.sleep(poll)
 
 
@@ -69,9 +75,9 @@ def check_arrival(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> 
         time.sleep(POLL_SECONDS)
 
 
-def sleepy_barrier(comm: MPI.Comm) -> None:
-    """A barrier whose waiting ranks sleep between polls."""
-    wait(comm.Ibarrier())
+def sleepy_barrier(comm: MPI.Comm, meanwhile: Callable[[], None] | None = None) -> None:
+    """A barrier whose waiting ranks sleep between polls (calling ``meanwhile``)."""
+    wait(comm.Ibarrier(), meanwhile=meanwhile)
 
 
 def allgather_json(comm: MPI.Comm, obj: Any, timeout: float | None = None,
@@ -112,6 +118,16 @@ def agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
             raise AgreedError(messages[0], code)
         raise AgreedError("\n".join(f"rank {r}: {m}" for r, (m, _) in bad), code)
     return result  # type: ignore[return-value]
+
+
+def node_of_each_rank(comm: MPI.Comm) -> list[int]:
+    """Each rank's node (host), named by the lowest rank on it. The first start-up step, so
+    a rank that never gets here is named, not waited for."""
+    check_arrival(comm, "start-up")
+    hosts = allgather_json(comm, socket.gethostname(), timeout=START_TIMEOUT + 5,
+                           what="start-up")
+    first: dict[str, int] = {}
+    return [first.setdefault(host, rank) for rank, host in enumerate(hosts)]
 
 
 class Cluster:

@@ -1,5 +1,6 @@
 """The control counters on ps task 0, moved with MPI atomics (``Fetch_and_op``):
-global_step, step tickets, the chief's ready flag and one clock per worker."""
+global_step, step tickets, the chief's ready flag, the stop signal, checkpoint requests and
+one clock per worker."""
 from __future__ import annotations
 
 import time
@@ -8,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .cluster import POLL_SECONDS
-from .window import CLOCKS, GLOBAL_STEP, READY, STOP, TICKETS, Windows
+from .window import CKPT_DONE, CKPT_SEQ, CKPT_STEP, CLOCKS, GLOBAL_STEP, READY, STOP, TICKETS, Windows
 
 _ONE = np.ones(1, dtype=np.int64)
 NO_MORE_TICKETS = 1 << 62  # every later claim is past any step target
@@ -55,6 +56,25 @@ class Counters:
     def stop_signal(self) -> int:
         """The signal that stopped the job early (0: none)."""
         return self._op(STOP, _ONE, MPI.NO_OP)
+
+    def request_checkpoint(self, step: int) -> int:
+        """Chief: ask every PS to write its shard of checkpoint ``step``; returns the
+        request's number (the PS tasks have all written it when shards_written() reaches
+        number x num_ps)."""
+        self._op(CKPT_STEP, np.array([step], dtype=np.int64), MPI.REPLACE)
+        return self._op(CKPT_SEQ, None, MPI.SUM) + 1
+
+    def checkpoint_request(self) -> tuple[int, int]:
+        """PS: (number, global_step) of the latest checkpoint request (0, 0: none yet)."""
+        return self._op(CKPT_SEQ, _ONE, MPI.NO_OP), self._op(CKPT_STEP, _ONE, MPI.NO_OP)
+
+    def shard_written(self) -> None:
+        self._op(CKPT_DONE, None, MPI.SUM)
+
+    def wait_shards(self, count: int) -> None:
+        """Chief: sleep until ``count`` shards have been written in this run."""
+        while self._op(CKPT_DONE, _ONE, MPI.NO_OP) < count:
+            time.sleep(POLL_SECONDS)
 
     def raise_ready(self) -> None:
         self._op(READY, _ONE, MPI.REPLACE)

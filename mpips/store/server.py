@@ -6,47 +6,78 @@ itself: it watches its mailbox, applies each posted gradient to its own variable
 (in place, in window memory), and clears the flag. Busy, it polls every 50-200 us; idle for
 0.1 s, it backs off to 1 ms sleeps; it never blocks the workers' windows (MPI progress
 happens in the poll).
+
+Either way the PS also answers the chief's checkpoint requests (it writes the shard it
+holds, in parallel with the other PS tasks) and forwards a preemption signal it receives.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import preemption
 from ..optim import Optimizer
-from .client import views
 from .cluster import POLL_SECONDS, Cluster
 from .counters import Counters
-from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows
+from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows, views
 
 BUSY_POLL_SECONDS = 5e-5   # right after an update
 WARM_POLL_SECONDS = 2e-4   # busy within the last WARM_SECONDS: the next push is coming soon
 WARM_SECONDS = 0.1
+REQUEST_POLL_SECONDS = 5e-3  # how often a busy PS looks for a checkpoint request
+
+WriteShard = Callable[[int, dict[str, np.ndarray], dict[str, np.ndarray]], None]
 
 
-def serve(cluster: Cluster, windows: Windows, optimizer: Optimizer | None = None) -> int:
-    """Serve this PS task until all ranks reach the end-of-run barrier; returns updates applied."""
+def serve(cluster: Cluster, windows: Windows, optimizer: Optimizer | None = None,
+          write_shard: WriteShard | None = None) -> int:
+    """Serve this PS task until all ranks reach the end-of-run barrier; returns updates applied.
+
+    ``write_shard(step, variables, slots)`` writes this PS's checkpoint shard when the chief
+    asks for one.
+    """
     done = cluster.comm.Ibarrier()
+    chores = _Chores(Counters(windows), windows, cluster.role.task, write_shard)
     if optimizer is None or not optimizer.stateful:
-        counters = Counters(windows)
         while not done.Test():
-            _forward_stop(counters)
+            chores.run()
             time.sleep(POLL_SECONDS)
         return 0
-    return _apply_loop(cluster, windows, optimizer, done)
+    return _apply_loop(cluster, windows, optimizer, done, chores)
 
 
-def _forward_stop(counters: Counters) -> None:
-    """A signal on a PS rank stops the job like one on a worker."""
-    signum = preemption.requested()
-    if signum and not counters.stop_signal():
-        counters.request_stop(signum)
+class _Chores:
+    """What a PS does between updates: forward a signal it received to the whole job
+    (a signal on a PS stops the job like one on a worker), and write checkpoint shards."""
+
+    def __init__(self, counters: Counters, windows: Windows, task: int,
+                 write_shard: WriteShard | None):
+        self.counters, self.windows, self.task = counters, windows, task
+        self.write_shard = write_shard
+        self.served = 0          # checkpoint requests answered
+        self.next_look = 0.0
+
+    def run(self) -> None:
+        signum = preemption.requested()
+        if signum and not self.counters.stop_signal():
+            self.counters.request_stop(signum)
+        now = time.monotonic()
+        if self.write_shard is None or now < self.next_look:
+            return
+        self.next_look = now + REQUEST_POLL_SECONDS
+        number, step = self.counters.checkpoint_request()
+        if number > self.served:
+            self.windows.params.Sync()  # see every Put and Accumulate that has landed
+            self.write_shard(step, *self.windows.held(self.task))
+            self.served = number
+            self.counters.shard_written()
 
 
 def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
-                done: MPI.Request) -> int:
+                done: MPI.Request, chores: _Chores) -> int:
     task, me = cluster.role.task, cluster.rank
     counters = Counters(windows)
     while not counters.is_ready():  # t continues from the restored global_step
@@ -56,9 +87,7 @@ def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
     t = counters.global_step()
 
     memory = windows.local(windows.params)
-    bufs = [memory] * windows.placement.num_ps
-    variables = views(windows.placement, bufs, only_ps=task)
-    slot_views = views(windows.slots, bufs, only_ps=task) if windows.slots else {}
+    variables, slot_views = windows.held(task)
     slots = {name: {s: slot_views[f"{name}/{s}"] for s in optimizer.slots} for name in variables}
     width = windows.placement.ps_bytes(task)
     inboxes = []
@@ -73,7 +102,7 @@ def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
     lr_word = np.zeros(1, np.int64)
     sleep, last_busy = BUSY_POLL_SECONDS, 0.0
     while not done.Test():
-        _forward_stop(counters)
+        chores.run()
         busy = False
         for k, inbox in enumerate(inboxes):
             base = MAIL_WORDS * k

@@ -18,9 +18,23 @@ from ..placement import Placement
 from .cluster import sleepy_barrier
 
 # control window on ps task 0: int64 counters, then a clock and a done flag per worker
-GLOBAL_STEP, TICKETS, READY, STOP, CLOCKS = 0, 1, 2, 3, 4
+GLOBAL_STEP, TICKETS, READY, STOP, CKPT_SEQ, CKPT_STEP, CKPT_DONE, CLOCKS = range(8)
 # mailbox window on every PS: per worker, [flag, learning rate (float64 bits)]
 MAIL_FLAG, MAIL_LR, MAIL_WORDS = 0, 1, 2
+
+
+def views(placement: Placement, bufs: list[np.ndarray], base: list[int] | None = None,
+          only_ps: int | None = None) -> dict[str, np.ndarray]:
+    """Typed views of each placed variable (of PS ``only_ps``, if given) into per-PS byte
+    buffers, each offset by ``base[p]``."""
+    out = {}
+    for e in placement:
+        if only_ps is not None and e.ps_task != only_ps:
+            continue
+        start = e.offset - (base[e.ps_task] if base else 0)
+        raw = bufs[e.ps_task][start:start + e.spec.nbytes]
+        out[e.spec.name] = raw.view(e.spec.dtype).reshape(e.spec.shape)
+    return out
 
 
 class Windows:
@@ -64,6 +78,12 @@ class Windows:
     def local(self, win: MPI.Win) -> np.ndarray:
         """This rank's own memory of ``win`` as bytes (empty where it holds none)."""
         return np.frombuffer(win.tomemory(), dtype=np.uint8)
+
+    def held(self, task: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """PS ``task`` (this rank): views of the variables and slots in its own memory."""
+        bufs = [self.local(self.params)] * self.placement.num_ps
+        variables = views(self.placement, bufs, only_ps=task)
+        return variables, views(self.slots, bufs, only_ps=task) if self.slots else {}
 
     def free(self) -> None:
         """Close the epochs and free the windows (collective). Safe to call twice."""
