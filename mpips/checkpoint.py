@@ -290,7 +290,8 @@ class Checkpoint:
 
     def _assemble(self, name: str, is_slot: bool, entry: Entry, files: dict[int, h5py.File]
                   ) -> np.ndarray:
-        array = np.empty(entry.shape, entry.dtype)
+        whole = len(entry.parts) == 1 and entry.parts[0].rows is None
+        array = None if whole else np.empty(entry.shape, entry.dtype)
         for part in entry.parts:
             if part.shard not in files:
                 path = self.shard_path(part.shard)
@@ -298,15 +299,15 @@ class Checkpoint:
                     raise CheckpointError(f"checkpoint {self.path}: shard {path.name} is missing")
                 files[part.shard] = h5py.File(path, "r")
             ds = files[part.shard].get(h5_path(name, is_slot))
-            target = array if part.rows is None else array[slice(*part.rows)]
-            if not isinstance(ds, h5py.Dataset) or ds.shape != target.shape or \
-                    ds.dtype != array.dtype:
+            shape = entry.shape if part.rows is None else \
+                (len(range(*part.rows)),) + entry.shape[1:]
+            if not isinstance(ds, h5py.Dataset) or ds.shape != shape or \
+                    ds.dtype != np.dtype(entry.dtype):
                 raise CheckpointError(f"checkpoint {self.path}: shard {part.shard} does not hold "
                                       f"'{name}' as the manifest says")
-            if target.size and part.rows is None:
-                ds.read_direct(target)
-            elif target.size:
-                target[...] = ds[()]
+            if array is None:
+                return ds[()]  # the common case: one whole array, read in one call
+            array[slice(*part.rows)] = ds[()]
         return array
 
     def read_all(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -108,7 +108,9 @@ class CheckpointSaver(Hook):
 
     def save(self, run: Run) -> Path:
         """Variables, optimizer slots, global_step and each worker's clock (data position)."""
+        t0 = time.perf_counter()
         step, path = run.save()
         self.last_step, self.last_time = step, time.monotonic()
-        log(run.role, f"saved checkpoint {path} (global_step {step})")
+        log(run.role, f"saved checkpoint {path} (global_step {step}, "
+                      f"{(time.perf_counter() - t0) * 1e3:.0f} ms)")
         return path
