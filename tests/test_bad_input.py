@@ -1,0 +1,111 @@
+"""The bad-input corpus, end to end under `mpiexec -n 3`: every case is one clear message,
+said once (not once per rank), exit code 2, no traceback, no hang, and no file changed."""
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import run_mpi
+
+pytestmark = pytest.mark.launcher
+
+GOOD_JOB = '[data]\npath = "d.h5"\n[train]\nsteps = 20\nprogress = false\n' \
+           '[checkpoint]\ndir = "runs/ck"\n'
+
+
+def write_data(path, **over):
+    rng = np.random.default_rng(0)
+    parts = {"train/x": rng.integers(0, 255, (60, 4), dtype=np.uint8),
+             "train/y": rng.integers(0, 3, 60),
+             "test/x": rng.integers(0, 255, (10, 4), dtype=np.uint8),
+             "test/y": rng.integers(0, 3, 10)}
+    parts.update(over)
+    with h5py.File(path, "w") as f:
+        for k, v in parts.items():
+            f[k] = v
+        f.attrs["num_classes"] = 3
+
+
+def snapshot(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A directory with good data and a committed checkpoint at global_step 20."""
+    d = tmp_path_factory.mktemp("trained")
+    write_data(d / "d.h5")
+    (d / "job.toml").write_text(GOOD_JOB)
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml"], cwd=d, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (d / "runs/ck/ckpt-20.json").exists()
+    return d
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    raw = path.read_bytes()
+    path.write_bytes(raw[:int(len(raw) * keep)])
+
+
+def edit_manifest(path: Path) -> None:
+    raw = json.loads(path.read_text())
+    raw["variables"]["dense_0/kernel"]["shape"] = [4, 5]
+    path.write_text(json.dumps(raw))
+
+
+# (what to break, extra args, the message): each case starts from a copy of `trained`
+CASES = {
+    "malformed TOML": (lambda d: (d / "job.toml").write_text("[train\nsteps = 5\n"), [],
+                       "job.toml: invalid TOML"),
+    "unknown key": (lambda d: (d / "job.toml").write_text(GOOD_JOB.replace("steps", "stepz")),
+                    [], "unknown key 'stepz' (did you mean 'steps'?)"),
+    "wrong type": (lambda d: (d / "job.toml").write_text(GOOD_JOB.replace("20", '"20"')), [],
+                   "train.steps: expected an integer, got '20'"),
+    "bad value": (lambda d: (d / "job.toml").write_text(GOOD_JOB + "[optimizer]\nkind = 'adamw'\n"),
+                  [], "optimizer.kind: 'adamw' is not one of"),
+    "layout does not fit": (lambda d: None, ["--ps", "3"], "needs 1 <= ps < world size 3"),
+    "layout for another world size": (
+        lambda d: (d / "l.toml").write_text("ps = 1\nworld_size = 8\n"), ["--layout", "l.toml"],
+        "world_size = 8, but the job runs on 3 ranks (mpirun -n 8?)"),
+    "layout file unknown key": (lambda d: (d / "l.toml").write_text("pss = 1\n"),
+                                ["--layout", "l.toml"], "unknown key 'pss' (did you mean 'ps'?)"),
+    "missing data": (lambda d: (d / "d.h5").unlink(), [], "data file d.h5: not found"),
+    "data of the wrong shape": (
+        lambda d: write_data(d / "d.h5", **{"train/x": np.zeros((60, 4, 2), np.uint8)}), [],
+        "'train/x' must be 2-D uint8 or float32"),
+    "data of the wrong dtype": (
+        lambda d: write_data(d / "d.h5", **{"train/y": np.zeros(60, np.float32)}), [],
+        "'train/y' must be 1-D integer labels"),
+    "truncated data": (lambda d: truncate(d / "d.h5", 0.3), [], "not a readable mpips HDF5"),
+    "labels out of range": (lambda d: write_data(d / "d.h5", **{"train/y": np.full(60, 7)}), [],
+                            "train/y has label 7 outside 0..2"),
+    "truncated checkpoint shard": (
+        lambda d: truncate(d / "runs/ck/ckpt-20.shard-0-of-1.h5"), [],
+        "checkpoint runs/ck/ckpt-20.json: corrupt or unreadable"),
+    "truncated manifest": (lambda d: truncate(d / "runs/ck/ckpt-20.json"), [],
+                           "checkpoint runs/ck/ckpt-20.json: corrupt or unreadable"),
+    "manifest that lies": (lambda d: edit_manifest(d / "runs/ck/ckpt-20.json"), [],
+                           "variable 'dense_0/kernel' is float32[4, 5], the model expects"),
+    "checkpoint of another model": (
+        lambda d: (d / "job.toml").write_text(GOOD_JOB + "[model]\nhidden = [32]\n"), [],
+        "variable 'dense_0/kernel' is float32[4, 64], the model expects float32[4, 32]"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_message_exit_2_and_changes_nothing(trained, tmp_path, case):
+    breaker, args, message = CASES[case]
+    d = tmp_path / "w"
+    shutil.copytree(trained, d)
+    breaker(d)
+    before = snapshot(d)
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--steps", "40", *args], cwd=d,
+                timeout=30)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.count(message) == 1, r.stderr  # said once, not once per rank
+    assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert snapshot(d) == before, "a file was changed"
