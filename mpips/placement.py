@@ -32,10 +32,18 @@ class Placed:
     ps_task: int
     offset: int
     rows: tuple[int, int, int] | None = None  # a partition: range(*rows) of the full variable
+    whole: VariableSpec | None = None          # the partitioned variable this is a part of
+
+    @property
+    def name(self) -> str:
+        """The variable's name (a partition's is its whole variable's)."""
+        return self.whole.name if self.whole else self.spec.name
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.spec.shape)) or "scalar"
-        return f"{self.spec.name} [{shape}] {self.spec.dtype} on /job:ps/task:{self.ps_task}"
+        part = f" rows {self.rows[0]}:{self.rows[1]}:{self.rows[2]} of {self.name}" \
+            if self.rows else ""
+        return f"{self.spec.name} [{shape}] {self.spec.dtype}{part} on /job:ps/task:{self.ps_task}"
 
 
 @dataclass(frozen=True)
@@ -56,11 +64,26 @@ class Placement:
         ends = [_align(e.offset + e.spec.nbytes) for e in self.on_ps(task)]
         return max(ends, default=0)
 
+    def dense_bytes(self, task: int) -> int:
+        """Bytes of PS ``task``'s whole (not partitioned) variables: they come first, and a
+        pull reads them in one Get; partitions are read row by row."""
+        ends = [_align(e.offset + e.spec.nbytes) for e in self.on_ps(task) if e.rows is None]
+        return max(ends, default=0)
+
+    @property
+    def dense(self) -> list[Placed]:
+        return [e for e in self.entries if e.rows is None]
+
+    def parts(self, table: str) -> list[Placed]:
+        """The partitions of ``table``, by PS task."""
+        return sorted((e for e in self.entries if e.whole and e.whole.name == table),
+                      key=lambda e: e.ps_task)
+
     def entry_digests(self) -> list[int]:
         """One 63-bit hash per variable of (name, shape, dtype, ps task, offset)."""
         out = []
         for e in self.entries:
-            key = f"{e.spec.name}|{e.spec.shape}|{e.spec.dtype}|{e.ps_task}|{e.offset}"
+            key = f"{e.spec.name}|{e.spec.shape}|{e.spec.dtype}|{e.ps_task}|{e.offset}|{e.rows}"
             out.append(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1)
         return out
 
@@ -107,16 +130,57 @@ def _check_names(specs: list[VariableSpec]) -> None:
         seen.add(s.name)
 
 
+PARTITIONS = ("mod", "div")
+
+
+def partition_rows(num_rows: int, num_ps: int, rule: str) -> list[tuple[int, int, int]]:
+    """The rows (start, stop, step) each PS task holds, as TensorFlow's embedding_lookup
+    partition strategies: "mod" (row r on task r % P) or "div" (contiguous blocks)."""
+    if rule == "mod":
+        return [(p, num_rows, num_ps) for p in range(num_ps)]
+    block = -(-num_rows // num_ps)
+    return [(min(p * block, num_rows), min((p + 1) * block, num_rows), 1)
+            for p in range(num_ps)]
+
+
+def owner_and_row(ids: np.ndarray, num_rows: int, num_ps: int, rule: str
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """For row ids of a partitioned table: the PS task holding each, and its row there."""
+    if rule == "mod":
+        return ids % num_ps, ids // num_ps
+    block = -(-num_rows // num_ps)
+    return ids // block, ids % block
+
+
+def place_tables(placement: Placement, tables: list[VariableSpec], rule: str) -> Placement:
+    """Tables (embeddings, wide weights) split by rows over every PS task, after the whole
+    variables, one part per task."""
+    _check_names([e.spec for e in placement] + tables)
+    num_ps = placement.num_ps
+    fill = [placement.ps_bytes(p) for p in range(num_ps)]
+    entries = list(placement.entries)
+    for table in tables:
+        for p, rows in enumerate(partition_rows(table.shape[0], num_ps, rule)):
+            shape = (len(range(*rows)),) + table.shape[1:]
+            spec = VariableSpec(f"{table.name}:part{p}", shape, table.dtype)
+            entries.append(Placed(spec, p, fill[p], rows, table))
+            fill[p] = _align(fill[p] + spec.nbytes)
+    return Placement(tuple(entries), num_ps)
+
+
 def slot_placement(placement: Placement, slots: tuple[str, ...]) -> Placement:
     """Optimizer slots (``<variable>/<slot>``) on their variable's PS, after all variables.
 
     Offsets start where the variables end, so a pull of the variables stays one contiguous Get.
+    A partition's slots are partitions of the whole variable's slots.
     """
     fill = [placement.ps_bytes(p) for p in range(placement.num_ps)]
     entries = []
     for e in placement:
         for slot in slots:
             spec = VariableSpec(f"{e.spec.name}/{slot}", e.spec.shape, e.spec.dtype)
-            entries.append(Placed(spec, e.ps_task, fill[e.ps_task]))
+            whole = VariableSpec(f"{e.whole.name}/{slot}", e.whole.shape, e.whole.dtype) \
+                if e.whole else None
+            entries.append(Placed(spec, e.ps_task, fill[e.ps_task], e.rows, whole))
             fill[e.ps_task] = _align(fill[e.ps_task] + spec.nbytes)
     return Placement(tuple(entries), placement.num_ps)

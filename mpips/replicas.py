@@ -128,5 +128,5 @@ def _replica(job: Job, cluster: Cluster, model: MLP, optimizer: Optimizer,
     if cluster.is_chief:
         if stopped:
             say_preempted(role, stopped, step, job)
-        report(cluster, model, params, prep, result, gathered)
+        report(cluster, model, params, prep["test"], result, gathered)
     return result

@@ -43,6 +43,7 @@ class TrainResult:
     total_examples: int = 0        # over all workers (chief only)
     test_accuracy: float | None = None
     test_loss: float | None = None
+    test_auc: float | None = None  # sparse CTR models
     staleness: list[dict[str, Any]] | None = None  # per worker task (chief: all workers)
     stopped_by: int = 0            # signal that stopped the run early (preemption), else 0
 
@@ -104,20 +105,23 @@ def say_preempted(role: Role, signum: int, step: int, job: Job) -> None:
               f"(exit code {preemption.EXIT_PREEMPTED})")
 
 
-def report(cluster: Cluster, model: MLP, params: dict[str, Any], prep: dict[str, Any],
+def report(cluster: Cluster, model: Any, params: dict[str, Any], test: tuple[Any, Any],
            result: TrainResult, gathered: list[Any]) -> None:
     """Chief: evaluate on the test split and print the final line."""
     role = cluster.role
     xp = model.xp
     if xp is not np:
         params = {k: to_device(xp, v) for k, v in params.items()}
-    x, y = (to_device(xp, a) for a in prep["test"])
-    result.test_loss, result.test_accuracy = model.evaluate(params, x, y)
+        test = tuple(to_device(xp, a) for a in test)
+    metrics = model.evaluate(params, *test)
+    result.test_loss, result.test_accuracy = metrics["loss"], metrics["accuracy"]
+    result.test_auc = metrics.get("auc")
     result.total_examples = sum(g[0] for g in gathered)
     wall = max(g[1] for g in gathered)
     rate = result.total_examples / wall if wall else 0.0
+    auc = f" test_auc {result.test_auc:.4f}" if result.test_auc is not None else ""
     log(role, f"final: global_step {result.global_step} test_accuracy "
-              f"{result.test_accuracy:.4f} test_loss {result.test_loss:.4f} "
+              f"{result.test_accuracy:.4f} test_loss {result.test_loss:.4f}{auc} "
               f"({result.total_examples} examples on {cluster.layout.num_workers} workers "
               f"in {wall:.1f} s, {rate:.0f} examples/s)")
 
@@ -140,8 +144,9 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None) ->
 def _prepare(job: Job, cluster: Cluster, optimizer: Optimizer) -> dict[str, Any]:
     """Everything that can fail on bad input, done before any window exists.
 
-    Restoring, each PS task reads the variables and slots it will hold (in parallel); in
-    sync mode the chief reads them all.
+    Restoring, each PS task reads the variables and slots it will hold (in parallel; table
+    partitions re-sliced from the whole tables); in sync mode the chief reads them all.
+    Starting afresh, each PS task initialises its table partitions and their slots.
     """
     info = open_dataset(resolve_path(job.data.path, job.data.builtin))
     prep: dict[str, Any] = {"info": info, "start_step": 0, "clocks": None}
@@ -150,14 +155,11 @@ def _prepare(job: Job, cluster: Cluster, optimizer: Optimizer) -> dict[str, Any]
     ckpt = checkpoint.Checkpoint(latest) if latest else None
     if ckpt is not None:
         prep.update(start_step=ckpt.step, restored=str(latest), clocks=ckpt.clocks)
-    model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes)
+    model = build_model(job.model, info)
     specs = model.variables()
     if cluster.is_ps:
-        if ckpt is not None and job.train.mode == "async":
-            placement = job_placement(job, specs, cluster.layout.num_ps)
-            mine = placement.on_ps(cluster.role.task)
-            slots = slot_placement(placement, optimizer.slots).on_ps(cluster.role.task)
-            prep["shard"] = ckpt.read([e.spec for e in mine], [e.spec for e in slots])
+        if job.train.mode == "async":
+            prep["local"] = _ps_fill(job, cluster, model, optimizer, ckpt)
         return prep
     task, workers = cluster.role.task, cluster.layout.num_workers
     rows = shard_rows(info.rows["train"], workers, task)
@@ -182,6 +184,27 @@ def _prepare(job: Job, cluster: Cluster, optimizer: Optimizer) -> dict[str, Any]
     return prep
 
 
+def _ps_fill(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
+             ckpt: checkpoint.Checkpoint | None) -> dict[str, np.ndarray]:
+    """What PS ``task`` writes into its own memory before training, by variable name:
+    restoring, all it holds; afresh, its table partitions and their slots."""
+    task = cluster.role.task
+    placement = job_placement(job, model.variables(), cluster.layout.num_ps, model.tables())
+    mine = placement.on_ps(task)
+    slots = slot_placement(placement, optimizer.slots).on_ps(task)
+    if ckpt is None:
+        out = {}
+        for e in mine:
+            if e.whole is not None:
+                out[e.name] = model.initial_rows(e.name, e.rows, job.model.init_seed)
+                for slot, value in optimizer.init_slots(out[e.name]).items():
+                    out[f"{e.name}/{slot}"] = value
+        return out
+    whole = ckpt.read([e.whole or e.spec for e in mine], [e.whole or e.spec for e in slots])
+    return {e.name: whole[e.name][slice(*e.rows)] if e.rows else whole[e.name]
+            for e in mine + slots}
+
+
 def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:
     optimizer = build_optimizer(job.optimizer)
     prep = agreed(cluster.comm, lambda: _prepare(job, cluster, optimizer))
@@ -190,20 +213,22 @@ def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:
         pin_blas_threads(cluster.local_size)
     xp = agreed(cluster.comm, lambda: np if cluster.is_ps
                 else get_xp(job.train.device, cluster.local_rank))
-    model = build_model(job.model.kind, job.model.hidden, info.num_inputs, info.num_classes, xp)
+    model = build_model(job.model, info, xp)
     if job.train.mode == "sync":
         from .replicas import run_replicas
         return run_replicas(job, cluster, model, optimizer, prep, hooks)
-    placement = job_placement(job, model.variables(), cluster.layout.num_ps)
+    placement = job_placement(job, model.variables(), cluster.layout.num_ps, model.tables())
     cluster.check_placement(placement)
     slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
-    windows = Windows(cluster.comm, cluster.layout, placement, slots, optimizer.stateful)
-    if "shard" in prep:  # a PS task restoring: its part of the checkpoint into its memory
+    windows = Windows(cluster.comm, cluster.layout, placement, slots, optimizer.stateful,
+                      row_capacity=job.train.batch_size * max(1, info.max_nnz))
+    if prep.get("local"):  # a PS task: restored state or fresh table partitions
         for held in windows.held(cluster.role.task):
             for name, view in held.items():
-                view[...] = prep["shard"][name]
+                if name in prep["local"]:
+                    view[...] = prep["local"][name]
         windows.params.Sync()
-    sleepy_barrier(cluster.comm)  # restored everywhere before the chief raises ready
+    sleepy_barrier(cluster.comm)  # filled everywhere before the chief raises ready
     if cluster.is_ps:
         def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
             checkpoint.write_shard(job.checkpoint.dir, step, cluster.role.task,
@@ -291,8 +316,11 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
             break
         lead = _wait_for_slowest(counters, clock, tc.max_staleness, watchdog)
         pulled_at = counters.global_step()
-        params = client.pull()
-        if not on_host:
+        x, ids = model.prepare(x)  # sparse models: the batch's unique ids (rows to pull)
+        params = client.pull(ids)
+        if on_host:
+            dev_grads = client.gradients()
+        else:
             params = {k: to_device(model.xp, v) for k, v in params.items()}
             x, y = to_device(model.xp, x), to_device(model.xp, y)
         loss = model.loss_and_grads(params, x, y, dev_grads)
@@ -332,7 +360,8 @@ def _work(job: Job, cluster: Cluster, windows: Windows, model: MLP, optimizer: O
         for task, s in enumerate(result.staleness):
             if s["updates"]:
                 log(role, f"staleness of /job:worker/task:{task}: {Staleness.describe(s)}")
-        report(cluster, model, client.pull(), prep, result, gathered)
+        x_test, ids = model.prepare(prep["test"][0])
+        report(cluster, model, client.pull(ids), (x_test, prep["test"][1]), result, gathered)
     return result
 
 

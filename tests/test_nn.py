@@ -17,9 +17,9 @@ def test_gradients_match_finite_differences():
         for idx in [(0,) * p.ndim, tuple(s - 1 for s in p.shape)]:
             old = p[idx]
             p[idx] = old + eps
-            up = model.evaluate(params, x, y)[0]
+            up = model.evaluate(params, x, y)["loss"]
             p[idx] = old - eps
-            down = model.evaluate(params, x, y)[0]
+            down = model.evaluate(params, x, y)["loss"]
             p[idx] = old
             assert abs((up - down) / (2 * eps) - grads[name][idx]) < 1e-6, name
 
@@ -36,4 +36,4 @@ def test_sgd_steps_reduce_loss():
         model.loss_and_grads(params, x, y, grads)
         for k in params:
             apply_sgd(params[k], grads[k], 0.5)
-    assert model.evaluate(params, x, y)[0] < first / 3
+    assert model.evaluate(params, x, y)["loss"] < first / 3

@@ -1,18 +1,22 @@
-"""Worker side of the store: pull (Get), push (Accumulate, or inbox + mailbox for stateful
-optimizers), and the optimizer slots for checkpoints.
+"""Worker side of the store: pull (Get) and push (Accumulate, or inbox + mailbox for stateful
+optimizers) of the whole variables, and of the rows a batch touches in partitioned tables.
 
-All variables of one PS are contiguous in its window, so a pull is one ``Get`` per PS and a
-push one ``Accumulate`` (or one ``Put``) per PS and dtype run, whatever the number of variables.
+All whole variables of one PS are contiguous in its window, so their pull is one ``Get`` per
+PS and their push one ``Accumulate`` (or one ``Put``) per PS and dtype run, whatever the
+number of variables. Table rows move with one ``Get`` / ``Accumulate`` per PS and table too:
+an indexed datatype names every row the batch needs from that PS's partition.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from itertools import groupby
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import Stalled
+from ..placement import Placed, owner_and_row
 from .cluster import STALL_TIMEOUT
 from .counters import Counters
 from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows, views
@@ -20,11 +24,41 @@ from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows, views
 ACK_POLL_SECONDS = 5e-5
 
 
-class StoreClient:
-    """Pull/push the whole model through host buffers laid out exactly like the PS windows.
+@dataclass
+class Table:
+    """A partitioned table as a worker sees it: its parts (one per PS task) and how ids map."""
 
-    ``params`` and ``grads`` map variable names to numpy views into those buffers: the model
-    reads parameters and writes gradients in place, so no copy is made on either path.
+    name: str
+    parts: list[Placed]
+    num_rows: int
+    width: int            # elements per row
+    dtype: np.dtype
+    rule: str             # "mod" or "div"
+
+    def route(self, ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(ps task, positions in ``ids``, row in that task's part) for every task touched."""
+        owner, row = owner_and_row(ids, self.num_rows, len(self.parts), self.rule)
+        out = []
+        for p in range(len(self.parts)):
+            at = np.flatnonzero(owner == p)
+            if at.size:
+                out.append((p, at, row[at]))
+        return out
+
+    def rows_type(self, rows: np.ndarray) -> MPI.Datatype:
+        """The target rows as one committed indexed datatype (caller frees it)."""
+        base = MPI.Datatype.fromcode(self.dtype.char)
+        t = base.Create_indexed_block(self.width, (rows * self.width).astype(np.int32))
+        return t.Commit()
+
+
+class StoreClient:
+    """Pull/push the model through host buffers laid out exactly like the PS windows.
+
+    ``params`` and ``grads`` map whole-variable names to numpy views into those buffers: the
+    model reads parameters and writes gradients in place, so no copy is made on either path.
+    Tables come per step: ``pull(ids)`` adds their rows for ``ids`` and ``gradients()`` the
+    matching gradient rows.
     """
 
     def __init__(self, windows: Windows, task: int, stateful: bool = False):
@@ -35,46 +69,76 @@ class StoreClient:
         self.counters = Counters(windows)
         self.ps_ranks = windows.layout.ps_ranks
         num_ps = placement.num_ps
-        self._param_bufs = [np.zeros(placement.ps_bytes(p), np.uint8) for p in range(num_ps)]
+        self._param_bufs = [np.zeros(placement.dense_bytes(p), np.uint8) for p in range(num_ps)]
         self._grad_bufs = [np.zeros_like(b) for b in self._param_bufs]
-        # (ps task, rank, variable buffer) of every PS holding variables: walked by every
-        # pull and push, so computed once
-        self._targets = [(p, self.ps_ranks[p], buf) for p, buf in enumerate(self._param_bufs)
-                         if buf.size]
-        self.params = views(placement, self._param_bufs)
-        self.grads = views(placement, self._grad_bufs)
-        self._slot_base = [placement.ps_bytes(p) for p in range(num_ps)]
-        self._slot_bufs = [np.zeros(windows.state_bytes(p) - self._slot_base[p], np.uint8)
-                           for p in range(num_ps)]
-        self.slots = views(windows.slots, self._slot_bufs, self._slot_base) \
-            if windows.slots else {}
+        # (ps task, rank, whole-variable buffer) of every PS: walked by every pull and push
+        self._targets = [(p, self.ps_ranks[p], buf) for p, buf in enumerate(self._param_bufs)]
+        self.params = views(placement.dense, self._param_bufs)
+        self.grads = views(placement.dense, self._grad_bufs)
         # contiguous same-dtype runs per PS: one typed Accumulate each
         self._runs: list[list[tuple[int, int, np.dtype]]] = []
         for p in range(num_ps):
             runs = []
-            for dtype, group in groupby(placement.on_ps(p), key=lambda e: e.spec.dtype):
+            dense = [e for e in placement.on_ps(p) if e.rows is None]
+            for dtype, group in groupby(dense, key=lambda e: e.spec.dtype):
                 group = list(group)
                 start = group[0].offset
                 end = group[-1].offset + group[-1].spec.nbytes
                 runs.append((start, end - start, np.dtype(dtype)))
             self._runs.append(runs)
+        self.tables: dict[str, Table] = {}
+        for e in placement:
+            if e.whole is not None and e.whole.name not in self.tables:
+                parts = placement.parts(e.whole.name)
+                rule = "mod" if len(parts) > 1 and parts[0].rows[2] > 1 else "div"
+                self.tables[e.whole.name] = Table(
+                    e.whole.name, parts, e.whole.shape[0], int(np.prod(e.whole.shape[1:])),
+                    np.dtype(e.whole.dtype), rule)
+        self._ids: np.ndarray | None = None
+        self._row_grads: dict[str, np.ndarray] = {}
 
     @property
     def nbytes(self) -> int:
-        """Bytes moved by one pull (and by one push)."""
+        """Bytes of whole variables moved by one pull (and by one push)."""
         return sum(b.size for b in self._param_bufs)
 
-    def pull(self) -> dict[str, np.ndarray]:
-        """Read every variable from its PS (one Get per PS), return the views."""
+    def pull(self, ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Read every whole variable (one Get per PS) and, given unique row ``ids``, those rows
+        of every table (one Get per PS and table); returns them by name."""
         win = self.windows.params
         for p, rank, buf in self._targets:
-            win.Get([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
-        for p, rank, buf in self._targets:
+            if buf.size:
+                win.Get([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
+        out = self.params
+        types = []
+        if ids is not None and self.tables:
+            out = dict(self.params)
+            self._ids = ids
+            for table in self.tables.values():
+                rows = np.empty((len(ids), table.width), table.dtype)
+                out[table.name] = rows
+                self._row_grads[table.name] = np.empty_like(rows)
+                for p, at, local in table.route(ids):
+                    part = table.parts[p]
+                    staged = np.empty((len(at), table.width), table.dtype)
+                    t = table.rows_type(local)
+                    win.Get([staged, MPI.Datatype.fromcode(table.dtype.char)], self.ps_ranks[p],
+                            [part.offset, 1, t])
+                    types.append((t, rows, at, staged))
+        for p, rank, _ in self._targets:
             win.Flush(rank)
-        return self.params
+        for t, rows, at, staged in types:
+            rows[at] = staged
+            t.Free()
+        return out
+
+    def gradients(self) -> dict[str, np.ndarray]:
+        """Where the model writes this step's gradients: every whole variable, and the rows of
+        every table for the ids of the last pull."""
+        return {**self.grads, **self._row_grads} if self._row_grads else self.grads
 
     def push(self, lr: float = 0.0) -> None:
-        """Send ``self.grads`` to the PS.
+        """Send ``gradients()`` to the PS.
 
         Plain SGD: the grads already hold deltas (``-lr * grad``); Accumulate adds them,
         atomically per element. Stateful optimizers: Put the gradient into this worker's
@@ -91,15 +155,44 @@ class StoreClient:
                 data = self._grad_bufs[p][start:start + nbytes].view(dtype)
                 mpi_type = MPI.Datatype.fromcode(dtype.char)  # predefined: fast path
                 win.Accumulate([data, mpi_type], rank, [start, data.size, mpi_type], MPI.SUM)
+        types = []
+        for table, grads in self._table_grads():
+            mpi_type = MPI.Datatype.fromcode(table.dtype.char)
+            for p, at, local in table.route(self._ids):
+                staged = np.ascontiguousarray(grads[at])
+                t = table.rows_type(local)
+                win.Accumulate([staged, mpi_type], self.ps_ranks[p],
+                               [table.parts[p].offset, 1, t], MPI.SUM)
+                types.append((t, staged))
         for p, rank, _ in self._targets:
             win.Flush(rank)
+        for t, _ in types:
+            t.Free()
+
+    def _table_grads(self) -> list[tuple[Table, np.ndarray]]:
+        if self._ids is None:
+            return []
+        return [(t, self._row_grads[name]) for name, t in self.tables.items()]
 
     def _post(self, lr: float) -> None:
         win, mail = self.windows.params, self.windows.mail
         for p, rank, _ in self._targets:
             buf = self._grad_bufs[p]
-            win.Put([buf, MPI.BYTE], rank, [self.windows.inbox_offset(p, self.task), buf.size,
-                                            MPI.BYTE])
+            if buf.size:
+                win.Put([buf, MPI.BYTE], rank, [self.windows.inbox_offset(p, self.task),
+                                                buf.size, MPI.BYTE])
+        staged = []
+        for p, boxes in self._row_boxes().items():
+            inbox = self.windows.inbox_offset(p, self.task)
+            for box, (n, rows, grads) in boxes:
+                count = np.array([len(rows)], np.int64)
+                staged += [count, rows, grads]
+                win.Put([count, MPI.BYTE], self.ps_ranks[p], [inbox + box.count, 8, MPI.BYTE])
+                if len(rows):
+                    win.Put([rows, MPI.BYTE], self.ps_ranks[p],
+                            [inbox + box.rows, rows.nbytes, MPI.BYTE])
+                    win.Put([grads, MPI.BYTE], self.ps_ranks[p],
+                            [inbox + box.grads, grads.nbytes, MPI.BYTE])
         for p, rank, _ in self._targets:
             win.Flush(rank)  # the gradient is in place before the flag goes up
         base = MAIL_WORDS * self.task
@@ -111,6 +204,24 @@ class StoreClient:
             mail.Fetch_and_op(one, old, rank, base + MAIL_FLAG, MPI.REPLACE)
         for p, rank, _ in self._targets:
             mail.Flush(rank)
+
+    def _row_boxes(self) -> dict[int, list]:
+        """Per PS task: (its row box, (count, local rows, gradient rows)) of every table."""
+        out: dict[int, list] = {p: [] for p in range(self.placement.num_ps)}
+        if not self.tables:
+            return out
+        boxes = {p: {b.part.name: b for b in self.windows.row_boxes(p)} for p in out}
+        for table, grads in self._table_grads():
+            routed = {p: (at, local) for p, at, local in table.route(self._ids)}
+            for p in out:
+                at, local = routed.get(p, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+                box = boxes[p][table.name]
+                if len(at) > box.capacity:
+                    raise ValueError(f"{len(at)} rows of {table.name} for one PS exceed the "
+                                     f"inbox's {box.capacity}")
+                rows = np.ascontiguousarray(local, np.int64)
+                out[p].append((box, (len(at), rows, np.ascontiguousarray(grads[at]))))
+        return out
 
     def _wait_applied(self) -> None:
         mail, flag = self.windows.mail, MAIL_WORDS * self.task + MAIL_FLAG
@@ -134,25 +245,30 @@ class StoreClient:
 
     def write(self, values: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
               ) -> None:
-        """Overwrite every variable (and slot) on the PS (chief initialisation / restore)."""
+        """Overwrite every whole variable and its slots on the PS (chief initialisation).
+        Table partitions and their slots are initialised by their PS tasks."""
         for name, view in self.params.items():
             view[...] = values[name]
-        for name, view in self.slots.items():
-            view[...] = (slots or {})[name]
         win = self.windows.params
+        staged = []  # alive until the Flush below
+        for e in self.windows.slots or ():
+            if e.rows is None:
+                staged.append(np.ascontiguousarray((slots or {})[e.spec.name], e.spec.dtype))
+                win.Put([staged[-1].view(np.uint8).ravel(), MPI.BYTE], self.ps_ranks[e.ps_task],
+                        [e.offset, e.spec.nbytes, MPI.BYTE])
         for p, rank, buf in self._targets:
-            win.Put([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
-            if self._slot_bufs[p].size:
-                sbuf = self._slot_bufs[p]
-                win.Put([sbuf, MPI.BYTE], rank, [self._slot_base[p], sbuf.size, MPI.BYTE])
+            if buf.size:
+                win.Put([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
             win.Flush(rank)
 
     def pull_slots(self) -> dict[str, np.ndarray]:
-        """Read every optimizer slot (for checkpoints)."""
-        win = self.windows.params
-        for p, rank, _ in self._targets:
-            sbuf = self._slot_bufs[p]
-            if sbuf.size:
-                win.Get([sbuf, MPI.BYTE], rank, [self._slot_base[p], sbuf.size, MPI.BYTE])
-                win.Flush(rank)
-        return self.slots
+        """Read the optimizer slots of every whole variable (``<variable>/<slot>``)."""
+        win, out = self.windows.params, {}
+        for e in self.windows.slots or ():
+            if e.rows is None:
+                out[e.spec.name] = np.empty(e.spec.shape, e.spec.dtype)
+                win.Get([out[e.spec.name].view(np.uint8).ravel(), MPI.BYTE],
+                        self.ps_ranks[e.ps_task], [e.offset, e.spec.nbytes, MPI.BYTE])
+        for _, rank, _ in self._targets:
+            win.Flush(rank)
+        return out

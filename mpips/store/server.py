@@ -76,6 +76,20 @@ class _Chores:
             self.counters.shard_written()
 
 
+def _apply_rows(optimizer: Optimizer, var: np.ndarray, slots: dict[str, np.ndarray],
+                rows: np.ndarray, grad: np.ndarray, lr: float, t: int) -> None:
+    """The rule on the touched rows of a table partition and of its slots only (sparse
+    update: untouched rows and their accumulators stay as they are)."""
+    if not rows.size:
+        return
+    v = var[rows]
+    s = {k: a[rows] for k, a in slots.items()}
+    optimizer.apply(v, grad[:rows.size], s, lr, t)
+    var[rows] = v
+    for k, a in slots.items():
+        a[rows] = s[k]
+
+
 def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
                 done: MPI.Request, chores: _Chores) -> int:
     task, me = cluster.role.task, cluster.rank
@@ -89,12 +103,14 @@ def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
     memory = windows.local(windows.params)
     variables, slot_views = windows.held(task)
     slots = {name: {s: slot_views[f"{name}/{s}"] for s in optimizer.slots} for name in variables}
-    width = windows.placement.ps_bytes(task)
+    dense = [e for e in windows.placement.on_ps(task) if e.rows is None]
+    boxes, size = windows.row_boxes(task), windows.inbox_bytes(task)
     inboxes = []
     for k in range(cluster.layout.num_workers):
         start = windows.inbox_offset(task, k)
-        inbox_bufs = [memory[start:start + width]] * windows.placement.num_ps
-        inboxes.append(views(windows.placement, inbox_bufs, only_ps=task))
+        inbox = memory[start:start + size]
+        inboxes.append((views(dense, [inbox] * windows.placement.num_ps),
+                        [(box.part.name, box.arrays(inbox)) for box in boxes]))
 
     mail, applied = windows.mail, 0
     flags = np.zeros(1, np.int64)
@@ -104,7 +120,7 @@ def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
     while not done.Test():
         chores.run()
         busy = False
-        for k, inbox in enumerate(inboxes):
+        for k, (grads, row_boxes) in enumerate(inboxes):
             base = MAIL_WORDS * k
             mail.Fetch_and_op(zero, flags, me, base + MAIL_FLAG, MPI.NO_OP)
             mail.Flush(me)
@@ -115,8 +131,11 @@ def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
             windows.params.Sync()  # see the worker's Put of the gradient
             t += 1
             lr = float(lr_word.view(np.float64)[0])
-            for name, var in variables.items():
-                optimizer.apply(var, inbox[name], slots[name], lr, t)
+            for name, grad in grads.items():
+                optimizer.apply(variables[name], grad, slots[name], lr, t)
+            for name, (count, rows, grad) in row_boxes:
+                _apply_rows(optimizer, variables[name], slots[name], rows[:int(count[0])],
+                            grad, lr, t)
             windows.params.Sync()
             mail.Fetch_and_op(zero, flags, me, base + MAIL_FLAG, MPI.REPLACE)
             mail.Flush(me)

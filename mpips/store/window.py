@@ -1,8 +1,11 @@
 """PS memory: one byte-addressed ``MPI.Win.Allocate`` window per PS rank, plus small int64
 windows for the mailboxes (one per PS) and the control counters (on ps task 0).
 
-A PS window holds ``[variables | optimizer slots | one gradient inbox per worker]``; the inboxes
-exist only for stateful optimizers, which the PS applies itself (plain SGD is Accumulated).
+A PS window holds ``[variables | table partitions | optimizer slots | one gradient inbox per
+worker]``; the inboxes exist only for stateful optimizers, which the PS applies itself (plain
+SGD is Accumulated). An inbox holds a gradient of every whole variable, then, per table
+partition, a row box: ``[row count | local row indices | gradient rows]`` for at most
+``row_capacity`` rows (the most unique ids one batch can touch).
 
 Every rank opens one ``Lock_all`` epoch per window for the whole run and completes each
 operation with ``Flush``: with MPICH a Lock/Unlock per operation waits for the (sleeping)
@@ -10,11 +13,13 @@ PS to make an MPI call, 300-500 us per op instead of ~2 us.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 from mpi4py import MPI
 
 from ..layout import Layout
-from ..placement import Placement
+from ..placement import Placed, Placement
 from .cluster import sleepy_barrier
 
 # control window on ps task 0: int64 counters, then a clock and a done flag per worker
@@ -23,28 +28,54 @@ GLOBAL_STEP, TICKETS, READY, STOP, CKPT_SEQ, CKPT_STEP, CKPT_DONE, CLOCKS = rang
 MAIL_FLAG, MAIL_LR, MAIL_WORDS = 0, 1, 2
 
 
-def views(placement: Placement, bufs: list[np.ndarray], base: list[int] | None = None,
-          only_ps: int | None = None) -> dict[str, np.ndarray]:
+def views(placement: Placement | Iterable[Placed], bufs: list[np.ndarray],
+          base: list[int] | None = None, only_ps: int | None = None, by_name: bool = False
+          ) -> dict[str, np.ndarray]:
     """Typed views of each placed variable (of PS ``only_ps``, if given) into per-PS byte
-    buffers, each offset by ``base[p]``."""
+    buffers, each offset by ``base[p]``; keyed by part name, or ``by_name`` by variable."""
     out = {}
     for e in placement:
         if only_ps is not None and e.ps_task != only_ps:
             continue
         start = e.offset - (base[e.ps_task] if base else 0)
         raw = bufs[e.ps_task][start:start + e.spec.nbytes]
-        out[e.spec.name] = raw.view(e.spec.dtype).reshape(e.spec.shape)
+        out[e.name if by_name else e.spec.name] = raw.view(e.spec.dtype).reshape(e.spec.shape)
     return out
+
+
+class RowBox:
+    """Where one table partition's gradient rows go in a worker's inbox (byte offsets from
+    the inbox start)."""
+
+    def __init__(self, part: Placed, start: int, capacity: int):
+        self.part, self.capacity = part, capacity
+        self.width = int(np.prod(part.spec.shape[1:]))
+        self.count = start                     # int64
+        self.rows = _align(start + 8)          # int64 x capacity
+        self.grads = _align(self.rows + 8 * capacity)
+        self.end = _align(self.grads + capacity * self.width * np.dtype(part.spec.dtype).itemsize)
+
+    def arrays(self, inbox: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(count, rows, grads) views into an inbox's bytes."""
+        n = inbox[self.count:self.count + 8].view(np.int64)
+        rows = inbox[self.rows:self.rows + 8 * self.capacity].view(np.int64)
+        grads = inbox[self.grads:self.end].view(self.part.spec.dtype)[:self.capacity * self.width]
+        return n, rows, grads.reshape(self.capacity, self.width)
+
+
+def _align(n: int) -> int:
+    return (n + 63) // 64 * 64
 
 
 class Windows:
     """The parameter, mailbox and control windows; created and freed collectively."""
 
     def __init__(self, comm: MPI.Comm, layout: Layout, placement: Placement,
-                 slots: Placement | None = None, inboxes: bool = False):
+                 slots: Placement | None = None, inboxes: bool = False, row_capacity: int = 0):
         self.layout = layout
         self.placement = placement
         self.slots = slots
+        self.row_capacity = row_capacity
         role = layout.role(comm.rank)
         workers = layout.num_workers
         is_ps = role.job == "ps"
@@ -71,19 +102,34 @@ class Windows:
         end = self.placement.ps_bytes(task)
         return max(end, self.slots.ps_bytes(task)) if self.slots else end
 
+    def row_boxes(self, task: int) -> list[RowBox]:
+        """The row boxes of PS ``task``'s table partitions in an inbox, after the whole
+        variables' gradients."""
+        boxes, start = [], self.placement.dense_bytes(task)
+        for e in self.placement.on_ps(task):
+            if e.rows is not None:
+                boxes.append(RowBox(e, start, max(1, min(e.spec.shape[0], self.row_capacity))))
+                start = boxes[-1].end
+        return boxes
+
+    def inbox_bytes(self, task: int) -> int:
+        boxes = self.row_boxes(task)
+        return boxes[-1].end if boxes else self.placement.dense_bytes(task)
+
     def inbox_offset(self, task: int, worker: int) -> int:
         """Byte offset of worker ``worker``'s gradient inbox in PS ``task``'s window."""
-        return self.state_bytes(task) + worker * self.placement.ps_bytes(task)
+        return self.state_bytes(task) + worker * self.inbox_bytes(task)
 
     def local(self, win: MPI.Win) -> np.ndarray:
         """This rank's own memory of ``win`` as bytes (empty where it holds none)."""
         return np.frombuffer(win.tomemory(), dtype=np.uint8)
 
     def held(self, task: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """PS ``task`` (this rank): views of the variables and slots in its own memory."""
+        """PS ``task`` (this rank): views of the variables and slots in its own memory, by
+        variable name (a partition by its whole variable's name)."""
         bufs = [self.local(self.params)] * self.placement.num_ps
-        variables = views(self.placement, bufs, only_ps=task)
-        return variables, views(self.slots, bufs, only_ps=task) if self.slots else {}
+        return views(self.placement, bufs, only_ps=task, by_name=True), \
+            views(self.slots, bufs, only_ps=task, by_name=True) if self.slots else {}
 
     def free(self) -> None:
         """Close the epochs and free the windows (collective). Safe to call twice."""
