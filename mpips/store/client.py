@@ -46,10 +46,22 @@ class Table:
         return out
 
     def rows_type(self, rows: np.ndarray) -> MPI.Datatype:
-        """The target rows as one committed indexed datatype (caller frees it)."""
+        """The target rows as one committed indexed datatype (caller frees it). A list, not
+        an array: mpi4py converts a list of 650 ints in 10 us, a numpy array in 45 us."""
         base = MPI.Datatype.fromcode(self.dtype.char)
-        t = base.Create_indexed_block(self.width, (rows * self.width).astype(np.int32))
-        return t.Commit()
+        return base.Create_indexed_block(self.width, (rows * self.width).tolist()).Commit()
+
+
+@dataclass
+class Routed:
+    """One table's rows of the current step on one PS task: positions in the step's ids,
+    rows in that task's part, and their datatype there (shared by the pull and the push)."""
+
+    table: Table
+    ps_task: int
+    at: np.ndarray
+    local: np.ndarray
+    mpi_type: MPI.Datatype
 
 
 class StoreClient:
@@ -96,6 +108,7 @@ class StoreClient:
                     np.dtype(e.whole.dtype), rule)
         self._ids: np.ndarray | None = None
         self._row_grads: dict[str, np.ndarray] = {}
+        self._routed: list[Routed] = []
 
     @property
     def nbytes(self) -> int:
@@ -110,27 +123,33 @@ class StoreClient:
             if buf.size:
                 win.Get([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
         out = self.params
-        types = []
+        fetched = []
         if ids is not None and self.tables:
             out = dict(self.params)
-            self._ids = ids
+            self._route(ids)
             for table in self.tables.values():
-                rows = np.empty((len(ids), table.width), table.dtype)
-                out[table.name] = rows
-                self._row_grads[table.name] = np.empty_like(rows)
-                for p, at, local in table.route(ids):
-                    part = table.parts[p]
-                    staged = np.empty((len(at), table.width), table.dtype)
-                    t = table.rows_type(local)
-                    win.Get([staged, MPI.Datatype.fromcode(table.dtype.char)], self.ps_ranks[p],
-                            [part.offset, 1, t])
-                    types.append((t, rows, at, staged))
+                out[table.name] = np.empty((len(ids), table.width), table.dtype)
+                self._row_grads[table.name] = np.empty_like(out[table.name])
+            for r in self._routed:
+                table = r.table
+                staged = np.empty((len(r.at), table.width), table.dtype)
+                win.Get([staged, MPI.Datatype.fromcode(table.dtype.char)],
+                        self.ps_ranks[r.ps_task], [table.parts[r.ps_task].offset, 1, r.mpi_type])
+                fetched.append((out[table.name], r.at, staged))
         for p, rank, _ in self._targets:
             win.Flush(rank)
-        for t, rows, at, staged in types:
+        for rows, at, staged in fetched:
             rows[at] = staged
-            t.Free()
         return out
+
+    def _route(self, ids: np.ndarray) -> None:
+        """Which rows of which PS the step's ids are, and their datatypes (made once a step)."""
+        for r in self._routed:
+            r.mpi_type.Free()
+        self._ids, self._routed, self._row_grads = ids, [], {}
+        for table in self.tables.values():
+            for p, at, local in table.route(ids):
+                self._routed.append(Routed(table, p, at, local, table.rows_type(local)))
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Where the model writes this step's gradients: every whole variable, and the rows of
@@ -155,24 +174,14 @@ class StoreClient:
                 data = self._grad_bufs[p][start:start + nbytes].view(dtype)
                 mpi_type = MPI.Datatype.fromcode(dtype.char)  # predefined: fast path
                 win.Accumulate([data, mpi_type], rank, [start, data.size, mpi_type], MPI.SUM)
-        types = []
-        for table, grads in self._table_grads():
-            mpi_type = MPI.Datatype.fromcode(table.dtype.char)
-            for p, at, local in table.route(self._ids):
-                staged = np.ascontiguousarray(grads[at])
-                t = table.rows_type(local)
-                win.Accumulate([staged, mpi_type], self.ps_ranks[p],
-                               [table.parts[p].offset, 1, t], MPI.SUM)
-                types.append((t, staged))
+        staged = []  # alive until the Flush
+        for r in self._routed:
+            staged.append(np.ascontiguousarray(self._row_grads[r.table.name][r.at]))
+            win.Accumulate([staged[-1], MPI.Datatype.fromcode(r.table.dtype.char)],
+                           self.ps_ranks[r.ps_task], [r.table.parts[r.ps_task].offset, 1,
+                                                      r.mpi_type], MPI.SUM)
         for p, rank, _ in self._targets:
             win.Flush(rank)
-        for t, _ in types:
-            t.Free()
-
-    def _table_grads(self) -> list[tuple[Table, np.ndarray]]:
-        if self._ids is None:
-            return []
-        return [(t, self._row_grads[name]) for name, t in self.tables.items()]
 
     def _post(self, lr: float) -> None:
         win, mail = self.windows.params, self.windows.mail
@@ -211,10 +220,12 @@ class StoreClient:
         if not self.tables:
             return out
         boxes = {p: {b.part.name: b for b in self.windows.row_boxes(p)} for p in out}
-        for table, grads in self._table_grads():
-            routed = {p: (at, local) for p, at, local in table.route(self._ids)}
+        routed = {(r.table.name, r.ps_task): (r.at, r.local) for r in self._routed}
+        none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        for table in self.tables.values():
+            grads = self._row_grads[table.name]
             for p in out:
-                at, local = routed.get(p, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+                at, local = routed.get((table.name, p), none)
                 box = boxes[p][table.name]
                 if len(at) > box.capacity:
                     raise ValueError(f"{len(at)} rows of {table.name} for one PS exceed the "

@@ -1,0 +1,89 @@
+"""examples/s of jobs/ctr.toml (FTRL logistic regression on the clothing reviews) with
+1 PS + 2 workers vs one process running the same model code and the same sparse FTRL update
+on the touched rows of in-memory tables (the limit one core reaches without MPI).
+
+Run:  python benchmarks/ctr_workload.py [--data data/clothing_reviews.h5] [--job jobs/ctr.toml]
+(makes the data with `python -m mpips data clothing-reviews` if it is missing)
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from common import mpips_rate
+from threadpoolctl import threadpool_limits
+
+from mpips.data import batches, load_split, open_dataset
+from mpips.job import load_job
+from mpips.nn import build_model
+from mpips.optim import build_optimizer, learning_rate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def one_process(job, data: str, epochs: int) -> float:
+    """Examples/s of the CTR loop in this process: prepare (unique ids), gather the rows,
+    forward/backward, FTRL on the touched rows and their slots, scatter back."""
+    info = open_dataset(data)
+    model = build_model(job.model, info)
+    opt = build_optimizer(job.optimizer)
+    params = model.initial_values(0)
+    tables = {t.name: model.initial_rows(t.name, (0, t.shape[0], 1), 0) for t in model.tables()}
+    slots = {k: opt.init_slots(v) for k, v in {**params, **tables}.items()}
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    x, y = load_split(info, "train")
+    examples, step = 0, 0
+    with threadpool_limits(limits=1):
+        t0 = time.perf_counter()
+        for _, bx, by in batches(x, y, job.train.batch_size, 0, 0, epochs):
+            local, ids = model.prepare(bx)
+            rows = {k: t[ids] for k, t in tables.items()}
+            row_grads = {k: np.empty_like(v) for k, v in rows.items()}
+            model.loss_and_grads({**params, **rows}, local, by, {**grads, **row_grads})
+            lr = learning_rate(job.optimizer, step)
+            step += 1
+            for k in params:
+                opt.apply(params[k], grads[k], slots[k], lr, step)
+            for k, t in tables.items():
+                s = {n: a[ids] for n, a in slots[k].items()}
+                opt.apply(rows[k], row_grads[k], s, lr, step)
+                t[ids] = rows[k]
+                for n, a in slots[k].items():
+                    a[ids] = s[n]
+            examples += len(by)
+        return examples / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "mpips-bench/clothing.h5"))
+    ap.add_argument("--job", default=str(ROOT / "jobs/ctr.toml"))
+    ap.add_argument("--ranks", type=int, default=3)
+    args = ap.parse_args()
+    if not Path(args.data).exists():
+        Path(args.data).parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "mpips", "data", "clothing-reviews", args.data],
+                       check=True)
+    job = load_job(args.job)
+    single = one_process(job, args.data, job.train.epochs)
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        text = Path(args.job).read_text().replace(job.data.path, args.data)
+        text = text.replace("log_every = 100", "log_every = 0")
+        (d / "job.toml").write_text(text.replace(f'dir = "{job.checkpoint.dir}"', 'dir = ""'))
+        rates = [mpips_rate(args.ranks, d / "job.toml", d) for _ in range(3)]
+    print(f"# ctr_workload | {job.name} ({job.model.kind}, {job.optimizer.kind}, batch "
+          f"{job.train.batch_size}, {job.train.epochs} epochs)")
+    print(f"one process (1 BLAS thread):       {single:>9.0f} examples/s")
+    print(f"mpips, {args.ranks} ranks (1 ps + {args.ranks - 1} workers): "
+          f"{np.median(rates):>9.0f} examples/s (median of 3: "
+          f"{', '.join(f'{r:.0f}' for r in rates)}) = {np.median(rates) / single:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
