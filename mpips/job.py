@@ -197,6 +197,9 @@ def validate(job: Job) -> Job:
             raise ConfigError(f"{key}: must be in [0, 1), got {value!r}")
     if job.train.mode == "sync" and job.train.device != "cpu":
         raise ConfigError('train.device: mode = "sync" runs on the CPU (numpy) for now')
+    if job.train.device != "cpu" and job.model.kind != "mlp":
+        raise ConfigError(f"train.device: CTR models (model.kind = {job.model.kind!r}) run on "
+                          f"the CPU (numpy and scipy.sparse)")
     if job.train.mode == "sync" and job.model.kind != "mlp":
         raise ConfigError(f"model.kind: {job.model.kind!r} keeps its tables on the PS tasks; "
                           f"it trains in mode = \"async\"")

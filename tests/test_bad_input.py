@@ -90,6 +90,13 @@ CASES = {
                            "checkpoint runs/ck/ckpt-20.json: corrupt or unreadable"),
     "manifest that lies": (lambda d: edit_manifest(d / "runs/ck/ckpt-20.json"), [],
                            "variable 'dense_0/kernel' is float32[4, 5], the model expects"),
+    "a CTR model on dense data": (
+        lambda d: (d / "job.toml").write_text(GOOD_JOB + "[model]\nkind = 'logreg'\n"), [],
+        "model.kind = 'logreg' needs sparse (CSR ids and values) data; d.h5 is dense"),
+    "a CTR model on the GPU": (
+        lambda d: (d / "job.toml").write_text(GOOD_JOB.replace("[train]", "[train]\ndevice = 'gpu'")
+                                              + "[model]\nkind = 'wide_deep'\n"), [],
+        "train.device: CTR models (model.kind = 'wide_deep') run on the CPU"),
     "checkpoint of another model": (
         lambda d: (d / "job.toml").write_text(GOOD_JOB + "[model]\nhidden = [32]\n"), [],
         "variable 'dense_0/kernel' is float32[4, 64], the model expects float32[4, 32]"),

@@ -66,7 +66,12 @@ def test_kill_9_at_random_moments_never_loses_the_last_checkpoint(tmp_path):
                                      "train", "job.toml"], cwd=tmp_path, stdout=out,
                                     stderr=subprocess.STDOUT,
                                     env=clean_env(MPIPS_CRASH_TEST=marker))
-            time.sleep(rng.uniform(1.0, 2.5))
+            # kill once training runs (a loaded machine may take seconds to start the
+            # ranks), at a random moment: mid-step, mid-write or mid-commit
+            deadline = time.monotonic() + 60
+            while "shard rows" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.2, 1.5))
             kill_job(marker)
             proc.wait(timeout=30)
         text = log.read_text()

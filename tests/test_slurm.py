@@ -46,6 +46,11 @@ def job_field(job, field):
     return m.group(1) if m else ""
 
 
+def node_state():
+    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    return r.stdout.strip()
+
+
 def wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -107,6 +112,12 @@ def test_usr1_checkpoints_exits_3_and_requeue_resumes(slurm, tmp_path):
         step = int(first.group(1))
         assert (tmp_path / f"runs/default/ckpt-{step}.json").exists()
         wait_for(lambda: job_field(job, "Restarts") == "1", 60, "the requeue")
+        wait_for(lambda: job_field(job, "JobState") == "PENDING", 60, "the requeued job to wait")
+        # starting it at once raced slurmd's cleanup of the first run ("Job credential
+        # revoked": the requeued job failed without running): wait until the node is idle,
+        # then past the second in which the old credential was revoked
+        wait_for(lambda: node_state() == "idle", 60, "the node to finish the first run")
+        time.sleep(5)
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=20)
         resumed = wait_for(lambda: re.search(r"restored global_step (\d+)",
                                              output(tmp_path, job)), 120, "the resumed run")
