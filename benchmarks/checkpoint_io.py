@@ -9,6 +9,9 @@ fsynced, renamed, directory fsynced) plus the manifest commit; restore reads the
 reassembles every array by name. The raw rows show h5py alone, without and with fsync.
 Target: mpips >= 0.7x raw. With several PS tasks the shards are written in parallel.
 
+Table partitions: a PS restoring its rows of a row-partitioned table reads only those rows
+(vs raw h5py reading the same rows from the shard, and vs reading the whole table first).
+
 The pause: a real 4-rank job (2 PS + 2 workers, reference model, Adam) checkpoints every 25
 steps; the chief's "saved checkpoint ... (N ms)" lines give how long each save held it
 (request, both PS writing their shards, the commit). Other workers keep training meanwhile.
@@ -106,11 +109,42 @@ def main() -> None:
         print(f"{label:<24}{mb:>8.1f}{mb / t_raw:>11.0f}{mb / t_rawf:>11.0f}{mb / t_save:>12.0f}"
               f"{t_rawf / t_save:>7.2f}{mb / t_read:>10.0f}{mb / t_restore:>15.0f}"
               f"{t_read / t_restore:>7.2f}")
+    partition_restore(args.reps)
     if not args.no_job:
         pauses = job_pauses()
         print(f"real job, 2 PS + 2 workers, Adam, 784-512-512-10: {len(pauses)} checkpoints, "
               f"chief paused median {np.median(pauses):.0f} ms (min {min(pauses):.0f}, "
               f"max {max(pauses):.0f}) per checkpoint")
+
+
+def partition_restore(reps: int, rows: int = 4_000_000, dim: int = 16) -> None:
+    """A PS restoring its part of a table written by 2 PS ("mod"): only its rows, read from
+    the shard that holds them. Limit: raw h5py reading the same rows from that shard."""
+    table = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+    entry = checkpoint.Entry((rows, dim), "float32",
+                             tuple(checkpoint.Part(k, (k, rows, 2)) for k in range(2)))
+    spec = VariableSpec("emb", (rows, dim))
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        for k in range(2):
+            checkpoint.write_shard(d, 1, k, 2, {"emb": table[k::2]})
+        checkpoint.commit(d, 1, 2, {"emb": entry}, {}, {}, 1)
+        ckpt = checkpoint.Checkpoint(d / "ckpt-1.json")
+        shard = d / checkpoint.shard_name(1, 1, 2)
+        del table
+        print(f"table {rows}x{dim} float32 ({rows * dim * 4 / 1e6:.0f} MB) written by 2 PS, "
+              f"restored by task 1 of n:")
+        for n, stride in ((2, 1), (4, 2)):  # task 1 of 4 holds rows 1::4 = shard 1's 0::2
+            def raw() -> np.ndarray:
+                with h5py.File(shard, "r") as f:
+                    return f[checkpoint.h5_path("emb", False)][::stride]
+            mb = raw().nbytes / 1e6
+            t_raw = median(raw, reps)
+            t_rows = median(lambda: ckpt.read([spec], rows={"emb": (1, rows, n)}), reps)
+            t_whole = median(lambda: ckpt.read([spec])["emb"][1::n].copy(), reps)
+            print(f"  n = {n}: {mb:.0f} MB partition: raw h5py {mb / t_raw:.0f} MB/s, mpips "
+                  f"{mb / t_rows:.0f} MB/s ({t_raw / t_rows:.2f}x); reading the whole table "
+                  f"and slicing {mb / t_whole:.0f} MB/s")
 
 
 JOB = """

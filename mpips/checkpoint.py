@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Iterable
@@ -220,11 +221,14 @@ def _parse_index(raw: Any, num_shards: int, what: str) -> dict[str, Entry]:
                 if len(rows) != 3 or rows[2] == 0 or not shape or rows[1] > shape[0]:
                     raise ValueError(f"{what} '{name}': rows {list(rows)} do not fit {list(shape)}")
             parts.append(Part(p["shard"], rows))
-        covered = sum(len(range(*p.rows)) if p.rows else (shape[0] if shape else 1)
-                      for p in parts)
-        if covered != (shape[0] if shape else 1) or \
-                (len(parts) > 1 and any(p.rows is None for p in parts)):
+        if len(parts) > 1 and any(p.rows is None for p in parts):
             raise ValueError(f"{what} '{name}': its parts do not cover it exactly once")
+        if parts[0].rows is not None:
+            times = np.zeros(shape[0], np.int64)  # each row in exactly one part
+            for p in parts:
+                times[slice(*p.rows)] += 1
+            if not np.all(times == 1):
+                raise ValueError(f"{what} '{name}': its parts do not cover it exactly once")
         out[name] = Entry(shape, e["dtype"], tuple(parts))
     return out
 
@@ -261,10 +265,13 @@ class Checkpoint:
     def shard_path(self, k: int) -> Path:
         return self.directory / shard_name(self.step, k, self.num_shards)
 
-    def read(self, specs: Iterable[VariableSpec], slot_specs: Iterable[VariableSpec] = ()
-             ) -> dict[str, np.ndarray]:
-        """Whole arrays for ``specs`` (variables) and ``slot_specs``, reassembled from their
-        parts. Anything missing or of another shape or dtype is an error naming it."""
+    def read(self, specs: Iterable[VariableSpec], slot_specs: Iterable[VariableSpec] = (),
+             rows: dict[str, Rows] | None = None) -> dict[str, np.ndarray]:
+        """Arrays for ``specs`` (variables) and ``slot_specs``, reassembled from their parts:
+        whole, or for a name in ``rows`` only ``range(*rows[name])`` of axis 0, read from the
+        shards that hold them (a PS restoring its partition never holds the whole table).
+        Anything missing or of another shape or dtype is an error naming it."""
+        rows = rows or {}
         wanted = [(s, False) for s in specs] + [(s, True) for s in slot_specs]
         out: dict[str, np.ndarray] = {}
         files: dict[int, h5py.File] = {}
@@ -282,7 +289,8 @@ class Checkpoint:
                     raise CheckpointError(
                         f"checkpoint {self.path}: variable '{spec.name}' is {entry.dtype}"
                         f"{list(entry.shape)}, the model expects {spec.dtype}{list(spec.shape)}")
-                out[spec.name] = self._assemble(spec.name, is_slot, entry, files)
+                out[spec.name] = self._assemble(spec.name, is_slot, entry, files,
+                                                rows.get(spec.name))
         except CheckpointError:
             raise
         except (OSError, KeyError, ValueError, TypeError) as e:
@@ -292,27 +300,36 @@ class Checkpoint:
                 f.close()
         return out
 
-    def _assemble(self, name: str, is_slot: bool, entry: Entry, files: dict[int, h5py.File]
-                  ) -> np.ndarray:
-        whole = len(entry.parts) == 1 and entry.parts[0].rows is None
-        array = None if whole else np.empty(entry.shape, entry.dtype)
+    def _assemble(self, name: str, is_slot: bool, entry: Entry, files: dict[int, h5py.File],
+                  want: Rows | None = None) -> np.ndarray:
+        full = (0, entry.shape[0] if entry.shape else 1, 1)
+        for part in entry.parts:  # the common cases: a whole array, or the same partition
+            if range(*(part.rows or full)) == range(*(want or full)):
+                return self._dataset(name, is_slot, entry, part, files)[()]
+        target = range(*(want or full))
+        array = np.empty((len(target),) + entry.shape[1:], entry.dtype)
         for part in entry.parts:
-            if part.shard not in files:
-                path = self.shard_path(part.shard)
-                if not path.is_file():
-                    raise CheckpointError(f"checkpoint {self.path}: shard {path.name} is missing")
-                files[part.shard] = h5py.File(path, "r")
-            ds = files[part.shard].get(h5_path(name, is_slot))
-            shape = entry.shape if part.rows is None else \
-                (len(range(*part.rows)),) + entry.shape[1:]
-            if not isinstance(ds, h5py.Dataset) or ds.shape != shape or \
-                    ds.dtype != np.dtype(entry.dtype):
-                raise CheckpointError(f"checkpoint {self.path}: shard {part.shard} does not hold "
-                                      f"'{name}' as the manifest says")
-            if array is None:
-                return ds[()]  # the common case: one whole array, read in one call
-            array[slice(*part.rows)] = ds[()]
+            both = _overlap(target, range(*(part.rows or full)))
+            if both is not None:  # one hyperslab on each side, read straight into place
+                self._dataset(name, is_slot, entry, part, files).read_direct(array, *both)
         return array
+
+    def _dataset(self, name: str, is_slot: bool, entry: Entry, part: Part,
+                 files: dict[int, h5py.File]) -> h5py.Dataset:
+        """The dataset of ``part``, checked against the manifest."""
+        if part.shard not in files:
+            path = self.shard_path(part.shard)
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint {self.path}: shard {path.name} is missing")
+            files[part.shard] = h5py.File(path, "r")
+        ds = files[part.shard].get(h5_path(name, is_slot))
+        shape = entry.shape if part.rows is None else \
+            (len(range(*part.rows)),) + entry.shape[1:]
+        if not isinstance(ds, h5py.Dataset) or ds.shape != shape or \
+                ds.dtype != np.dtype(entry.dtype):
+            raise CheckpointError(f"checkpoint {self.path}: shard {part.shard} does not hold "
+                                  f"'{name}' as the manifest says")
+        return ds
 
     def read_all(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Every variable and slot, whole."""
@@ -320,6 +337,30 @@ class Checkpoint:
             return [VariableSpec(n, e.shape, e.dtype) for n, e in index.items()]
         both = self.read(specs(self.variables), specs(self.slots))
         return ({n: both[n] for n in self.variables}, {n: both[n] for n in self.slots})
+
+
+def _overlap(want: range, held: range) -> tuple[slice, slice] | None:
+    """The rows in both ``want`` and ``held`` (a progression of step lcm of theirs), as
+    (their positions in ``held``, their positions in ``want``); None if they share none."""
+    low, high = max(want.start, held.start), min(want.stop, held.stop)
+    first = want.start + max(0, -(-(low - want.start) // want.step)) * want.step
+    for _ in range(held.step // math.gcd(want.step, held.step)):  # solve the congruence
+        if first >= high:
+            return None
+        if (first - held.start) % held.step == 0:
+            break
+        first += want.step
+    else:
+        return None
+    common = range(first, high, math.lcm(want.step, held.step))
+    if not common:
+        return None
+
+    def positions(r: range) -> slice:
+        step = common.step // r.step
+        start = (first - r.start) // r.step
+        return slice(start, start + (len(common) - 1) * step + 1, step)
+    return positions(held), positions(want)
 
 
 def resolve(path: str | Path) -> Checkpoint:

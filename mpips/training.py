@@ -200,9 +200,8 @@ def _ps_fill(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
                 for slot, value in optimizer.init_slots(out[e.name]).items():
                     out[f"{e.name}/{slot}"] = value
         return out
-    whole = ckpt.read([e.whole or e.spec for e in mine], [e.whole or e.spec for e in slots])
-    return {e.name: whole[e.name][slice(*e.rows)] if e.rows else whole[e.name]
-            for e in mine + slots}
+    return ckpt.read([e.whole or e.spec for e in mine], [e.whole or e.spec for e in slots],
+                     rows={e.name: e.rows for e in mine + slots if e.rows})
 
 
 def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:

@@ -3,6 +3,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mpips import checkpoint
 from mpips.checkpoint import Checkpoint, Entry, Part
@@ -70,6 +72,41 @@ def test_row_partitions_are_reassembled(tmp_path):
     np.testing.assert_array_equal(got, table)
 
 
+@pytest.mark.parametrize("stored", [2, 3])
+@pytest.mark.parametrize("rule", ["mod", "div"])
+def test_a_partition_reads_only_its_rows(tmp_path, stored, rule):
+    """A PS restoring its partition gets exactly those rows, from the shards that hold them,
+    whatever partition rule and PS count wrote the checkpoint (mod, 2 or 3 shards here)."""
+    table = np.arange(11 * 2, dtype=np.float32).reshape(11, 2)
+    for k in range(stored):
+        checkpoint.write_shard(tmp_path, 1, k, stored, {"emb": table[k::stored]})
+    index = {"emb": Entry((11, 2), "float32",
+                          tuple(Part(k, (k, 11, stored)) for k in range(stored)))}
+    checkpoint.commit(tmp_path, 1, stored, index, {}, {}, 3)
+    ckpt = checkpoint.resolve(tmp_path)
+    spec = VariableSpec("emb", (11, 2))
+    for n in (1, 2, 3, 4):
+        for k in range(n):
+            rows = (k, 11, n) if rule == "mod" else (k * 11 // n, (k + 1) * 11 // n, 1)
+            got = ckpt.read([spec], rows={"emb": rows})["emb"]
+            np.testing.assert_array_equal(got, table[slice(*rows)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.tuples(st.integers(0, 40), st.integers(0, 60), st.integers(1, 7)),
+       st.tuples(st.integers(0, 40), st.integers(0, 60), st.integers(1, 7)))
+def test_overlap_of_two_row_ranges(want, held):
+    """The rows two partitions share, as slices of each, equal the brute-force intersection."""
+    want, held = range(*want), range(*held)
+    both = sorted(set(want) & set(held))
+    got = checkpoint._overlap(want, held)
+    if not both:
+        assert got is None
+    else:
+        in_held, in_want = got
+        assert list(held[in_held]) == both and list(want[in_want]) == both
+
+
 def test_commit_needs_every_shard_and_prunes_only_after(tmp_path):
     for s in (1, 2, 3, 4):
         save(tmp_path, s, values(s), max_to_keep=2)
@@ -124,6 +161,12 @@ def edit_manifest(path, **changes):
      "names no shard"),
     ({"variables": {"w": {"shape": [4], "dtype": "float32",
                           "parts": [{"shard": 0, "rows": [0, 4, 2]}]}}}, "do not cover it"),
+    ({"shards": 2, "variables": {"w": {"shape": [4], "dtype": "float32",
+                                       "parts": [{"shard": 0, "rows": [0, 2, 1]},
+                                                 {"shard": 1, "rows": [0, 2, 1]}]}}},
+     "do not cover it"),
+    ({"variables": {"w": {"shape": [4], "dtype": "float32",
+                          "parts": [{"shard": 0, "rows": [0, 4, 0]}]}}}, "do not fit"),
     ({"variables": {"w": {"shape": [-1], "dtype": "float32", "parts": [{"shard": 0}]}}},
      "non-negative integers"),
     ({"clocks": "../../etc/passwd"}, "clocks must be a list"),
