@@ -52,7 +52,7 @@ def main() -> None:
     for label, specs in models.items():
         placement = round_robin(specs, 1)
         windows = Windows(comm, layout, placement)
-        client = StoreClient(windows, placement)
+        client = StoreClient(windows, cluster.role.task)
         n = placement.ps_bytes(0)
         raw = np.zeros(n // 4, np.float32)
         win, ps = windows.params, layout.ps_ranks[0]
