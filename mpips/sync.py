@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from .errors import AgreedError, Stalled
 from .placement import VariableSpec
-from .store.cluster import STALL_TIMEOUT, allgather_json, wait
+from .store.cluster import STALL_TIMEOUT, allgather_json, stall_limit, wait
 
 
 @dataclass
@@ -95,8 +95,8 @@ class GradientBuckets:
 def complete(comm: MPI.Comm, request: MPI.Request, what: str) -> None:
     """Wait for a collective of every replica, yielding the core (a 20 us sleep instead
     doubled the step time). A replica that never joins (hung, yet alive) ends the job after
-    MPIPS_STALL_TIMEOUT s; later ranks wait 2 s longer each, so one rank says it."""
-    deadline = time.monotonic() + STALL_TIMEOUT + 2.0 * min(comm.rank, 5)
+    MPIPS_STALL_TIMEOUT s (later ranks a little longer, so one rank says it)."""
+    deadline = time.monotonic() + stall_limit(comm.rank)
     while not request.Test():
         os.sched_yield()
         if time.monotonic() > deadline:

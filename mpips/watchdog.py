@@ -14,24 +14,17 @@ import time
 from .errors import Stalled
 from .layout import Layout
 from .store import Counters
-from .store.cluster import STALL_TIMEOUT
+from .store.cluster import STALL_TIMEOUT, stall_limit
 
 CHECK_SECONDS = 0.5
-
-
-def stagger(timeout: float, task: int) -> float:
-    """Worker ``task``'s limit: later tasks wait a little longer, so that the first waiter
-    alone reports a hang (its abort ends the job before the others look)."""
-    return timeout + 2.0 * min(task, 5)
 
 
 class Watchdog:
     """Tracks when each worker's clock last moved; ``check`` raises Stalled if one is stuck."""
 
-    def __init__(self, counters: Counters, layout: Layout, task: int,
-                 timeout: float = STALL_TIMEOUT):
+    def __init__(self, counters: Counters, layout: Layout, task: int):
         self.counters, self.layout = counters, layout
-        self.limit, self.timeout = timeout, stagger(timeout, task)
+        self.timeout = stall_limit(task)
         now = time.monotonic()
         self.last: list[int] | None = None
         self.moved = [now] * layout.num_workers
@@ -56,6 +49,6 @@ class Watchdog:
         if stuck:
             names = ", ".join(f"/job:worker/task:{t} (rank {self.layout.rank_of('worker', t)})"
                               for t in stuck)
-            raise Stalled(f"{names} made no update for {self.limit:.0f} s while the other "
+            raise Stalled(f"{names} made no update for {STALL_TIMEOUT:.0f} s while the other "
                           f"workers wait: hung? (MPIPS_STALL_TIMEOUT sets the limit); "
                           f"aborting the job")

@@ -39,6 +39,13 @@ class StartTimeout(MpipsError):
     """Some rank never reached a start-up step."""
 
 
+def stall_limit(index: int) -> float:
+    """Seconds waiter ``index`` (a task or rank) gives a hung peer: STALL_TIMEOUT, plus 2 s
+    per index up to 5, so that the first waiter alone reports the hang (its abort ends the
+    job before the others look)."""
+    return STALL_TIMEOUT + 2.0 * min(index, 5)
+
+
 def wait(request: MPI.Request, poll: float = POLL_SECONDS, timeout: float | None = None,
          what: str = "", meanwhile: Callable[[], None] | None = None) -> None:
     """Complete a request without burning a core (StartTimeout after ``timeout`` seconds),
