@@ -39,47 +39,53 @@ def main() -> None:
     worker = not cluster.is_ps
     batches = [batch_ids(s) for s in range(16)]
     unique = float(np.mean([len(b) for b in batches]))
-    results = {}
-    for rows in (10_000, 10_000_000):
+    sizes = (10_000, 10_000_000)
+    setups, results = {}, {}
+    for rows in sizes:  # both tables live at once: their reps interleave (see below)
         tables = [VariableSpec("deep/embedding", (rows, 8)), VariableSpec("wide/weights", (rows, 1))]
         placement = place_tables(round_robin([VariableSpec("wide/bias", (1,))], 2), tables, "mod")
         windows = Windows(comm, layout, placement)
-        client = StoreClient(windows, cluster.role.task)
-        row_bytes = sum(4 * t.shape[1] for t in tables)
-        raw = np.zeros(int(unique * row_bytes) // 4 // 2, np.float32)  # half per PS
-        win = windows.params
+        setups[rows] = (windows, StoreClient(windows, cluster.role.task))
+    row_bytes = 4 * (8 + 1)
+    raw = np.zeros(int(unique * row_bytes) // 4 // 2, np.float32)  # half per PS
 
-        def rows_step(i: int) -> None:
-            params = client.pull(batches[i % len(batches)])
-            for g in client.gradients().values():
-                g[...] = 0.0  # zero deltas: the tables stay as they are
-            del params
-            client.push()
+    def rows_step(client: StoreClient, i: int) -> None:
+        client.pull(batches[i % len(batches)])
+        for g in client.gradients().values():
+            g[...] = 0.0  # zero deltas: the tables stay as they are
+        client.push()
 
-        def raw_step(i: int) -> None:
-            for rank in layout.ps_ranks:
-                win.Get([raw, MPI.FLOAT], rank, [64, raw.size, MPI.FLOAT])
-            for rank in layout.ps_ranks:
-                win.Flush(rank)
-            for rank in layout.ps_ranks:
-                win.Accumulate([raw, MPI.FLOAT], rank, [64, raw.size, MPI.FLOAT], MPI.SUM)
-            for rank in layout.ps_ranks:
-                win.Flush(rank)
+    def raw_step(win: MPI.Win) -> None:
+        for rank in layout.ps_ranks:
+            win.Get([raw, MPI.FLOAT], rank, [64, raw.size, MPI.FLOAT])
+        for rank in layout.ps_ranks:
+            win.Flush(rank)
+        for rank in layout.ps_ranks:
+            win.Accumulate([raw, MPI.FLOAT], rank, [64, raw.size, MPI.FLOAT], MPI.SUM)
+        for rank in layout.ps_ranks:
+            win.Flush(rank)
 
-        samples = {"rows": [], "raw": []}
-        for _ in range(args.reps):
-            for name, fn in (("rows", rows_step), ("raw", raw_step)):
+    # reps alternate between the two sizes, so that a change in the machine's load (a
+    # shared 2-core VM) hits both alike instead of skewing their ratio
+    samples = {(rows, kind): [] for rows in sizes for kind in ("rows", "raw")}
+    for _ in range(args.reps):
+        for rows in sizes:
+            windows, client = setups[rows]
+            for kind in ("rows", "raw"):
                 sleepy_barrier(comm)
                 t0 = time.perf_counter()
-                if worker:
-                    for i in range(args.steps):
-                        fn(i)
-                samples[name].append((time.perf_counter() - t0) / args.steps)
-        sleepy_barrier(comm)
-        results[rows] = {k: comm.bcast(float(np.median(v)), root=layout.chief_rank)
-                         for k, v in samples.items()}
+                for i in range(args.steps if worker else 0):
+                    if kind == "rows":
+                        rows_step(client, i)
+                    else:
+                        raw_step(windows.params)
+                samples[rows, kind].append((time.perf_counter() - t0) / args.steps)
+    sleepy_barrier(comm)
+    for rows in sizes:
+        results[rows] = {kind: comm.bcast(float(np.median(samples[rows, kind])),
+                                          root=layout.chief_rank) for kind in ("rows", "raw")}
         results[rows]["bytes"] = 2 * unique * row_bytes + 2 * 64  # rows both ways, + bias
-        windows.free()
+        setups[rows][0].free()
     if comm.rank == 0:
         print(f"# sparse_rows | {MPI.Get_library_version().splitlines()[0]} | {comm.size} "
               f"ranks (2 ps, 1 worker) | {unique:.0f} unique ids per batch, embedding 8 + wide 1 "
