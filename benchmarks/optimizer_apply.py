@@ -23,7 +23,7 @@ from mpips.layout import make_layout
 from mpips.nn import MLP
 from mpips.optim import Optimizer
 from mpips.placement import round_robin, slot_placement
-from mpips.store import Cluster, StoreClient, Windows, serve, sleepy_barrier
+from mpips.store import Cluster, StoreClient, Windows, barrier, serve
 from mpips.store.client import views
 from mpips.store.window import TICKETS
 
@@ -70,13 +70,13 @@ def timed_pushes(cluster, push, active: bool, reps: int, iters: int) -> float:
     if active:
         push()
     for _ in range(reps):
-        sleepy_barrier(cluster.workers)
+        barrier(cluster.workers, "the benchmark")
         t0 = time.perf_counter()
         if active:
             for _ in range(iters):
                 push()
         samples.append((time.perf_counter() - t0) / iters)
-    sleepy_barrier(cluster.workers)
+    barrier(cluster.workers, "the benchmark")
     return float(np.median(samples)) if active else 0.0
 
 
@@ -98,7 +98,9 @@ def ps_applies(cluster, placement, opt, workers: int, reps: int, iters: int) -> 
             g[...] = gradient(rng, g.shape)
         active = cluster.role.task < workers
         seconds = timed_pushes(cluster, lambda: client.push(1e-3), active, reps, iters)
-        sleepy_barrier(comm)  # ends serve() on the PS
+        if cluster.is_chief:
+            client.counters.end_run()  # ends serve() on the PS
+    barrier(comm, "the benchmark")
     windows.free()
     return seconds
 
@@ -110,7 +112,7 @@ def worker_lock(cluster, placement, opt, workers: int, reps: int, iters: int) ->
     if not cluster.is_ps:
         if cluster.is_chief:
             write_start(StoreClient(windows, 0), opt, placement_specs(placement))
-        sleepy_barrier(cluster.workers)
+        barrier(cluster.workers, "the benchmark")
         win, ctl, ps = windows.params, windows.control, cluster.layout.ps_ranks[0]
         size = windows.state_bytes(0)
         buf = np.zeros(size, np.uint8)
@@ -139,7 +141,7 @@ def worker_lock(cluster, placement, opt, workers: int, reps: int, iters: int) ->
             ctl.Flush(ps)
 
         seconds = timed_pushes(cluster, push, cluster.role.task < workers, reps, iters)
-    sleepy_barrier(comm)
+    barrier(comm, "the benchmark")
     windows.free()
     return seconds
 
@@ -161,7 +163,7 @@ def main() -> None:
     for kind in KINDS:
         opt = Optimizer(kind, HYPER)
         lim = limit(opt, specs, args.reps, args.iters) if comm.rank == 0 else 0.0
-        sleepy_barrier(comm)  # the others sleep while rank 0 measures the limit alone
+        barrier(comm, "the benchmark")  # the others sleep while rank 0 measures the limit alone
         lim = comm.bcast(lim)
         for workers in (1, 2):
             t_ps = ps_applies(cluster, placement, opt, workers, args.reps, args.iters)

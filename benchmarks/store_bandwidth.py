@@ -18,7 +18,7 @@ from mpi4py import MPI
 from mpips.layout import make_layout
 from mpips.nn import MLP
 from mpips.placement import VariableSpec, round_robin
-from mpips.store import Cluster, StoreClient, Windows, sleepy_barrier
+from mpips.store import Cluster, StoreClient, Windows, barrier
 
 comm = MPI.COMM_WORLD
 
@@ -29,7 +29,7 @@ def timed(fn, active: bool, iters: int, reps: int) -> float:
         fn()  # warm-up: first touch of buffers and windows
     samples = []
     for _ in range(reps):
-        sleepy_barrier(comm)  # idle ranks must not spin on the cores the active ones use
+        barrier(comm, "the benchmark")  # idle ranks must not spin on the cores the active ones use
         t0 = time.perf_counter()
         if active:
             for _ in range(iters):
@@ -72,11 +72,11 @@ def main() -> None:
                                          ("push / Accumulate", raw_acc, client.push)):
                 t_raw = timed(fn_raw, active, iters, args.reps)
                 t_mp = timed(fn_mpips, active, iters, args.reps)
-                sleepy_barrier(comm)
+                barrier(comm, "the benchmark")
                 t_raw = comm.allreduce(t_raw if active else 0.0, MPI.MAX)
                 t_mp = comm.allreduce(t_mp if active else 0.0, MPI.MAX)
                 rows.append((label, op, k, n, k * n / t_raw / 1e9, k * n / t_mp / 1e9))
-        sleepy_barrier(comm)
+        barrier(comm, "the benchmark")
         windows.free()
     if comm.rank == 0:
         print(f"# store_bandwidth | {MPI.Get_library_version().splitlines()[0]} | "

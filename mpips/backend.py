@@ -1,4 +1,5 @@
-"""Array backend: numpy on the CPU, cupy on a GPU (one device per local rank); BLAS pinning."""
+"""Array backend: numpy on the CPU, cupy on a GPU (one device per worker on a node); BLAS
+pinning."""
 from __future__ import annotations
 
 import os
@@ -28,18 +29,27 @@ def pin_blas_threads(local_size: int) -> int:
     return threads
 
 
-def get_xp(device: str, local_rank: int = 0) -> ModuleType:
-    """numpy for "cpu"; cupy on GPU ``local_rank % device_count`` for "gpu"."""
+def get_xp(device: str, local_worker: int = 0) -> ModuleType:
+    """numpy for "cpu"; for "gpu", cupy on GPU ``local_worker % visible GPUs``.
+
+    ``local_worker`` is the worker's index among the workers on its node (PS ranks do not
+    count, so no GPU idles while two workers share one). GPUs are those CUDA_VISIBLE_DEVICES
+    leaves visible (Slurm's --gpus-per-task sets it per rank: each rank then sees its own).
+    """
     if device == "cpu":
         return np
     try:
         import cupy
     except ImportError:
         raise ConfigError('train.device = "gpu" needs cupy (pip install "mpips[gpu]")') from None
-    count = cupy.cuda.runtime.getDeviceCount()
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, a driver too old for this cupy, no device nodes
+        raise ConfigError(f'train.device = "gpu" but CUDA cannot be used here: '
+                          f'{type(e).__name__}: {e}') from None
     if count == 0:
         raise ConfigError('train.device = "gpu" but no CUDA device is visible')
-    cupy.cuda.Device(local_rank % count).use()
+    cupy.cuda.Device(local_worker % count).use()
     return cupy
 
 

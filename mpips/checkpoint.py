@@ -30,7 +30,10 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import CheckpointError, NonFinite
+from .files import atomic_write, temporary_name
+from .hdf5 import open_plain
+from .memory import ABSURD_BYTES, check_fits, human
 from .placement import Placement, VariableSpec
 
 FORMAT = "mpips-checkpoint-2"
@@ -38,6 +41,7 @@ _MANIFEST = re.compile(r"^ckpt-(\d+)\.json$")
 _SHARD = re.compile(r"^ckpt-(\d+)\.shard-(\d+)-of-(\d+)\.h5$")
 _TEMPORARY = re.compile(r"^\.ckpt-\d+\..*\.tmp-")
 _DTYPE_KINDS = "biufc"  # numbers only: an object dtype would mean pickled data
+MAX_SHARDS = 1 << 20    # one shard per PS task: more is a corrupt or hostile manifest
 
 Rows = tuple[int, int, int]  # range(start, stop, step) of axis 0
 
@@ -89,33 +93,43 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def check_finite(arrays: dict[str, np.ndarray], step: int) -> None:
+    """NonFinite naming the first array holding NaN or infinity: such values are never
+    checkpointed (one pass over memory, no temporary the size of an array)."""
+    for name, value in arrays.items():  # a float64 sum of float32 values cannot overflow
+        a = np.asarray(value)
+        if a.dtype.kind == "f" and not math.isfinite(float(a.sum(dtype=np.float64))):
+            raise NonFinite(f"'{name}' holds NaN or infinite values at global_step {step}: not "
+                            f"checkpointed, training stopped (the learning rate too high? "
+                            f"lower optimizer.learning_rate or set optimizer.clip_norm)")
 
 
-def _atomic_write(final: Path, write: Any) -> Path:
-    """``write(tmp_path)``, fsync it, rename it to ``final``; no trace left on failure."""
-    tmp = final.with_name(f".{final.name}.tmp-{os.uname().nodename}-{os.getpid()}")
+def check_writable(directory: str | Path) -> None:
+    """Create ``directory`` if needed and prove a file can be written, fsynced and removed
+    there: at start-up, by every rank that will write checkpoints, before any training."""
+    d = Path(directory)
+    probe = temporary_name(d / ".write-probe")
     try:
-        write(tmp)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return final
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"mpips")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir {d}: cannot write checkpoints there "
+                              f"({e.strerror or e}); choose another with --ckpt-dir") from None
 
 
 def write_shard(directory: str | Path, step: int, shard: int, num_shards: int,
                 variables: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
                 ) -> Path:
     """Write one shard atomically: ``variables`` (name -> array, or the part of it this
-    shard holds) and ``slots`` (``<variable>/<slot>`` -> array)."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    shard holds) and ``slots`` (``<variable>/<slot>`` -> array). NonFinite, and nothing
+    written, if any value is NaN or infinite."""
+    check_finite({**variables, **(slots or {})}, step)
 
     def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:
@@ -125,10 +139,8 @@ def write_shard(directory: str | Path, step: int, shard: int, num_shards: int,
             for is_slot, arrays in ((False, variables), (True, slots or {})):
                 for name, value in arrays.items():
                     f.create_dataset(h5_path(name, is_slot), data=value)
-            f.flush()
-            os.fsync(f.id.get_vfd_handle())
 
-    return _atomic_write(d / shard_name(step, shard, num_shards), write)
+    return atomic_write(Path(directory) / shard_name(step, shard, num_shards), write)
 
 
 def index_of(placement: Placement, slots: Placement | None = None
@@ -175,12 +187,9 @@ def commit(directory: str | Path, step: int, num_shards: int, variables: dict[st
                 "variables": encode(variables), "slots": encode(slots)}
 
     def write(tmp: Path) -> None:
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp.write_text(json.dumps(manifest, indent=1))
 
-    path = _atomic_write(d / manifest_name(step), write)
+    path = atomic_write(d / manifest_name(step), write)
     committed = list_checkpoints(d)
     for _, old in committed[:-max_to_keep]:
         old.unlink(missing_ok=True)  # uncommit first, then delete its shards below
@@ -190,6 +199,20 @@ def commit(directory: str | Path, step: int, num_shards: int, variables: dict[st
         if (m and int(m.group(1)) not in keep) or _TEMPORARY.match(p.name):
             p.unlink(missing_ok=True)
     return path
+
+
+def _covers_once(parts: list[Part], num_rows: int) -> bool:
+    """Whether the parts' row ranges cover ``range(num_rows)`` exactly once: their lengths
+    add up and no two overlap (arithmetic on the ranges, nothing allocated per row)."""
+    if len(parts) == 1 and parts[0].rows is None:
+        return True
+    if any(p.rows is None for p in parts):
+        return False
+    ranges = [range(*p.rows) for p in parts]
+    if sum(len(r) for r in ranges) != num_rows or any(r and (r[0] < 0 or r[-1] >= num_rows)
+                                                     for r in ranges):
+        return False
+    return all(_overlap(a, b) is None for i, a in enumerate(ranges) for b in ranges[i + 1:])
 
 
 def _ints(value: Any, what: str) -> list[int]:
@@ -210,6 +233,10 @@ def _parse_index(raw: Any, num_shards: int, what: str) -> dict[str, Entry]:
             raise ValueError(f"{what} '{name}': dtype {e['dtype']!r} is not a number type")
         if not isinstance(e["parts"], list) or not e["parts"]:
             raise ValueError(f"{what} '{name}': parts must be a non-empty list")
+        nbytes = math.prod(shape) * np.dtype(e["dtype"]).itemsize
+        if nbytes > ABSURD_BYTES:
+            raise ValueError(f"{what} '{name}' declares {human(nbytes)} ({e['dtype']}"
+                             f"{list(shape)}): absurd")
         parts = []
         for p in e["parts"]:
             if not isinstance(p, dict) or type(p.get("shard")) is not int or \
@@ -221,14 +248,8 @@ def _parse_index(raw: Any, num_shards: int, what: str) -> dict[str, Entry]:
                 if len(rows) != 3 or rows[2] == 0 or not shape or rows[1] > shape[0]:
                     raise ValueError(f"{what} '{name}': rows {list(rows)} do not fit {list(shape)}")
             parts.append(Part(p["shard"], rows))
-        if len(parts) > 1 and any(p.rows is None for p in parts):
+        if not _covers_once(parts, shape[0] if shape else 1):
             raise ValueError(f"{what} '{name}': its parts do not cover it exactly once")
-        if parts[0].rows is not None:
-            times = np.zeros(shape[0], np.int64)  # each row in exactly one part
-            for p in parts:
-                times[slice(*p.rows)] += 1
-            if not np.all(times == 1):
-                raise ValueError(f"{what} '{name}': its parts do not cover it exactly once")
         out[name] = Entry(shape, e["dtype"], tuple(parts))
     return out
 
@@ -243,6 +264,8 @@ class Checkpoint:
         if not m:
             raise CheckpointError(f"{path}: not a checkpoint manifest (ckpt-<step>.json)")
         try:
+            size = self.path.stat().st_size
+            check_fits(8 * size, f"checkpoint {path}: parsing its manifest", CheckpointError)
             raw = json.loads(self.path.read_text())
             if not isinstance(raw, dict) or raw.get("format") != FORMAT:
                 raise CheckpointError(f"checkpoint {path}: not an mpips checkpoint manifest")
@@ -250,8 +273,8 @@ class Checkpoint:
             self.num_shards = raw["shards"]
             if type(self.step) is not int or self.step != int(m.group(1)):
                 raise ValueError("global_step does not match the file name")
-            if type(self.num_shards) is not int or self.num_shards < 1:
-                raise ValueError("shards must be a positive integer")
+            if type(self.num_shards) is not int or not 1 <= self.num_shards <= MAX_SHARDS:
+                raise ValueError(f"shards must be an integer in 1..{MAX_SHARDS}")
             self.variables = _parse_index(raw["variables"], self.num_shards, "variables")
             self.slots = _parse_index(raw.get("slots", {}), self.num_shards, "slots")
             clocks = raw.get("clocks")
@@ -275,20 +298,11 @@ class Checkpoint:
         wanted = [(s, False) for s in specs] + [(s, True) for s in slot_specs]
         out: dict[str, np.ndarray] = {}
         files: dict[int, h5py.File] = {}
+        entries = [self._entry(spec, is_slot) for spec, is_slot in wanted]
+        need = sum(_nbytes(e, rows.get(spec.name)) for e, (spec, _) in zip(entries, wanted))
+        check_fits(need, f"reading checkpoint {self.path}", CheckpointError)
         try:
-            for spec, is_slot in wanted:
-                index = self.slots if is_slot else self.variables
-                entry = index.get(spec.name)
-                if entry is None:
-                    kind = "optimizer slot" if is_slot else "variable"
-                    raise CheckpointError(
-                        f"checkpoint {self.path}: has no {kind} '{spec.name}' (written for "
-                        f"another model or optimizer? start afresh with --no-restore or "
-                        f"another --ckpt-dir)")
-                if entry.shape != spec.shape or np.dtype(entry.dtype) != np.dtype(spec.dtype):
-                    raise CheckpointError(
-                        f"checkpoint {self.path}: variable '{spec.name}' is {entry.dtype}"
-                        f"{list(entry.shape)}, the model expects {spec.dtype}{list(spec.shape)}")
+            for entry, (spec, is_slot) in zip(entries, wanted):
                 out[spec.name] = self._assemble(spec.name, is_slot, entry, files,
                                                 rows.get(spec.name))
         except CheckpointError:
@@ -299,6 +313,20 @@ class Checkpoint:
             for f in files.values():
                 f.close()
         return out
+
+    def _entry(self, spec: VariableSpec, is_slot: bool) -> Entry:
+        """The index entry of ``spec``, checked against it."""
+        entry = (self.slots if is_slot else self.variables).get(spec.name)
+        if entry is None:
+            kind = "optimizer slot" if is_slot else "variable"
+            raise CheckpointError(
+                f"checkpoint {self.path}: has no {kind} '{spec.name}' (written for another "
+                f"model or optimizer? start afresh with --no-restore or another --ckpt-dir)")
+        if entry.shape != tuple(spec.shape) or np.dtype(entry.dtype) != np.dtype(spec.dtype):
+            raise CheckpointError(
+                f"checkpoint {self.path}: variable '{spec.name}' is {entry.dtype}"
+                f"{list(entry.shape)}, the model expects {spec.dtype}{list(spec.shape)}")
+        return entry
 
     def _assemble(self, name: str, is_slot: bool, entry: Entry, files: dict[int, h5py.File],
                   want: Rows | None = None) -> np.ndarray:
@@ -321,7 +349,8 @@ class Checkpoint:
             path = self.shard_path(part.shard)
             if not path.is_file():
                 raise CheckpointError(f"checkpoint {self.path}: shard {path.name} is missing")
-            files[part.shard] = h5py.File(path, "r")
+            files[part.shard] = open_plain(path, CheckpointError,
+                                           f"checkpoint {self.path}: shard {path.name}")
         ds = files[part.shard].get(h5_path(name, is_slot))
         shape = entry.shape if part.rows is None else \
             (len(range(*part.rows)),) + entry.shape[1:]
@@ -337,6 +366,13 @@ class Checkpoint:
             return [VariableSpec(n, e.shape, e.dtype) for n, e in index.items()]
         both = self.read(specs(self.variables), specs(self.slots))
         return ({n: both[n] for n in self.variables}, {n: both[n] for n in self.slots})
+
+
+def _nbytes(entry: Entry, rows: Rows | None = None) -> int:
+    """Bytes of an entry, or of ``rows`` of it."""
+    count = math.prod(entry.shape[1:]) * (len(range(*rows)) if rows else entry.shape[0]) \
+        if entry.shape else 1
+    return count * np.dtype(entry.dtype).itemsize
 
 
 def _overlap(want: range, held: range) -> tuple[slice, slice] | None:
@@ -394,4 +430,4 @@ def export(ckpt: Checkpoint, out: str | Path, with_slots: bool = False) -> Path:
             for name, value in (slots if with_slots else {}).items():
                 f.create_dataset(h5_path(name, True), data=value)
 
-    return _atomic_write(out, write)
+    return atomic_write(out, write)

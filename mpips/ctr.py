@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
+from scipy.special import expit
 
 from .metrics import auc
 from .placement import VariableSpec
@@ -33,9 +34,10 @@ def init_rows(seed: int, rows: tuple[int, int, int], width: int, scale: float) -
 
 
 def _sigmoid_loss(z: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-    """Mean binary cross-entropy of logits ``z`` and the probabilities (stable for any z)."""
+    """Mean binary cross-entropy of logits ``z`` and the probabilities: stable, and without
+    overflow warnings, for any finite z (exp is only taken of -|z|)."""
     loss = float(np.mean(np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z)))))
-    return loss, 1 / (1 + np.exp(-z))
+    return loss, expit(z)
 
 
 class WideDeep:

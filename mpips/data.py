@@ -18,8 +18,12 @@ import numpy as np
 
 from . import sparse
 from .errors import DataError
+from .files import atomic_write
+from .hdf5 import open_plain
+from .memory import check_fits
 
 SPLITS = ("train", "test")
+MAX_CLASSES = 1 << 24  # more output units than this is a corrupt or hostile attribute
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ def open_dataset(path: str) -> DatasetInfo:
     if not os.path.exists(path):
         raise DataError(f"data file {path}: not found (make one with `python -m mpips data ...`)")
     try:
-        with h5py.File(path, "r") as f:
+        with open_plain(path, DataError, f"data file {path}") as f:
             if sparse.is_sparse_file(f):
                 rows, num_features, max_nnz = sparse.check_csr(f, path)
                 if rows["train"] == 0:
@@ -73,9 +77,13 @@ def open_dataset(path: str) -> DatasetInfo:
             if len(dims) != 1:
                 raise DataError(f"data file {path}: train and test have different widths {dims}")
             num_classes = int(f.attrs.get("num_classes", 0))
-            if num_classes < 2:
-                raise DataError(f"data file {path}: attribute num_classes must be >= 2")
+            if not 2 <= num_classes <= MAX_CLASSES:
+                raise DataError(f"data file {path}: attribute num_classes must be in "
+                                f"2..{MAX_CLASSES}, got {num_classes}")
             x_scale = float(f.attrs.get("x_scale", 1.0))
+            if not 0 < x_scale < float("inf"):
+                raise DataError(f"data file {path}: attribute x_scale must be a positive "
+                                f"number, got {x_scale}")
     except DataError:
         raise
     except (OSError, KeyError, ValueError, TypeError) as e:
@@ -99,8 +107,10 @@ def load_split(info: DatasetInfo, split: str, rows: tuple[int, int] | None = Non
     start, stop = rows or (0, info.rows[split])
     if info.sparse:
         return sparse.load_csr(info.path, split, (start, stop), info.num_inputs)
+    check_fits((stop - start) * (info.num_inputs * 5 + 8),  # as stored (<= 4 B) and float32
+               f"data file {info.path}: {split} rows [{start}, {stop})", DataError)
     try:
-        with h5py.File(info.path, "r") as f:
+        with open_plain(info.path, DataError, f"data file {info.path}") as f:
             x = f[f"{split}/x"][start:stop].astype(np.float32)
             y = f[f"{split}/y"][start:stop].astype(np.int64)
     except (OSError, KeyError, ValueError) as e:
@@ -142,22 +152,17 @@ def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, task: int,
 def write_dataset(path: str | Path, train: tuple[np.ndarray, np.ndarray],
                   test: tuple[np.ndarray, np.ndarray], num_classes: int,
                   x_scale: float = 1.0, name: str = "") -> None:
-    """Write a dataset file atomically (a temporary file renamed into place)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    """Write a dataset file durably and atomically (temporary file, fsync, rename)."""
+    def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:
             for split, (x, y) in zip(SPLITS, (train, test)):
                 f.create_dataset(f"{split}/x", data=x, compression="gzip", compression_opts=4,
-                                 chunks=(min(len(x), 1024), x.shape[1]))
+                                 chunks=(max(1, min(len(x), 1024)), x.shape[1]))
                 f.create_dataset(f"{split}/y", data=y.astype(np.int64))
             f.attrs["num_classes"] = num_classes
             f.attrs["x_scale"] = x_scale
             f.attrs["name"] = name
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, write)
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -198,22 +203,16 @@ def convert_fashion_mnist(out: str | Path, src: str | Path = FASHION_MNIST_DIR) 
 
 
 def convert_digits(out: str | Path) -> None:
-    """scikit-learn's 1797 8x8 digits -> HDF5 (1437 train / 360 test, uint8, scale 1/16)."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise DataError("the digits converter needs scikit-learn (pip install scikit-learn)") from None
-    d = load_digits()
-    x, y = d.data.astype(np.uint8), d.target.astype(np.int64)
-    order = np.random.default_rng(0).permutation(len(y))
-    x, y = x[order], y[order]
-    n_test = 360
-    write_dataset(out, (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test]), 10, 1 / 16, "digits")
+    """The 1797 8x8 digits that ship inside mpips (scikit-learn's set: 1437 train / 360 test,
+    uint8, scale 1/16), copied to ``out`` as a dataset file of its own."""
+    src = Path(resolve_path("", "digits"))
+    atomic_write(out, lambda tmp: tmp.write_bytes(src.read_bytes()))
 
 
 def make_synthetic(out: str | Path, rows: int = 60000, test_rows: int = 10000,
                    inputs: int = 784, classes: int = 10) -> None:
-    """REFERENCE.md's workload: X ~ N(0,1) (seed 0), labels argmax(X @ W), W ~ N(0,1) (seed 1)."""
+    """The reference workload of the benchmarks: X ~ N(0,1) (numpy seed 0), labels
+    argmax(X @ W) with W ~ N(0,1) (seed 1), 784 inputs and 10 classes by default."""
     x = np.random.default_rng(0).standard_normal((rows + test_rows, inputs), dtype=np.float32)
     w = np.random.default_rng(1).standard_normal((inputs, classes), dtype=np.float32)
     y = (x @ w).argmax(axis=1)

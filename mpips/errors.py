@@ -1,4 +1,9 @@
-"""User-facing errors: one readable message and exit code 2, never a traceback storm."""
+"""User-facing errors: one readable message and a documented exit code, never a traceback storm.
+
+Exit codes: 2 bad input (job, layout, data, checkpoint), 1 a failure during the run (a hung or
+dead task, a loss that is not finite, replicas that diverged), 3 stopped early by a signal
+(see preemption.py).
+"""
 from __future__ import annotations
 
 
@@ -20,18 +25,49 @@ class DataError(MpipsError):
 
 
 class CheckpointError(MpipsError):
-    """Missing, corrupt or incompatible checkpoint."""
+    """Missing, corrupt or incompatible checkpoint, or a checkpoint directory that cannot be
+    written."""
 
 
 class AgreedError(MpipsError):
-    """An error every rank knows about (raised collectively), so each rank can exit cleanly."""
+    """An error every rank knows about (raised collectively), so each rank can exit cleanly:
+    rank 0 says it once."""
 
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
 
 
+class AlreadyReported(MpipsError):
+    """Another rank has already reported this failure (or is reporting it): abort quietly, a
+    little later than that rank, so the failure is said once."""
+
+    exit_code = 1
+
+
 class Stalled(MpipsError):
     """A task stopped making progress in the middle of a run (hung, not dead)."""
+
+    exit_code = 1
+
+
+class StartTimeout(Stalled):
+    """Some rank never reached a start-up step (or the end of the run)."""
+
+
+class NonFinite(MpipsError):
+    """A loss or a variable became NaN or infinite (TensorFlow's NanTensorHook): training
+    stops, and no checkpoint holding such values is committed."""
+
+    exit_code = 1
+
+
+class PlacementMismatch(AgreedError):
+    """Ranks computed different placement tables (e.g. variables created in another order)."""
+
+
+class ReplicasDiverged(MpipsError):
+    """Sync replicas are no longer bitwise identical (the chief says it; the other replicas
+    know it too and end quietly)."""
 
     exit_code = 1

@@ -2,7 +2,8 @@
 
 Errors every rank knows about (bad job or layout, agreed collectively) are printed once by
 rank 0 and every rank exits 2. Anything else on one rank prints there and aborts the world,
-the way ``python -m mpi4py`` does, so no other rank waits forever in a collective.
+the way ``python -m mpi4py`` does, so no other rank waits forever in a collective; a rank
+whose failure another rank reports (AlreadyReported) aborts quietly, a little later.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .errors import AgreedError, MpipsError
+from .errors import AgreedError, AlreadyReported, MpipsError
 
 _role: str | None = None
 
@@ -42,6 +43,9 @@ def abort_on_error() -> Iterator[None]:
         if _world().rank == 0:
             print(f"mpips: error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except AlreadyReported as e:
+        time.sleep(QUIET_GRACE_SECONDS)  # let the reporting rank's abort (and message) come first
+        _abort(e.exit_code)
     except MpipsError as e:
         print(f"mpips: error on {where()}: {e}", file=sys.stderr, flush=True)
         _abort(e.exit_code)
@@ -56,6 +60,7 @@ def abort_on_error() -> Iterator[None]:
 
 
 ABORT_GRACE_SECONDS = 0.5
+QUIET_GRACE_SECONDS = 4 * ABORT_GRACE_SECONDS  # a quiet rank aborts later than the speaker
 
 
 def _abort(code: int) -> None:

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from .log import log
 
 if TYPE_CHECKING:
-    from .training import Run
+    from .training import PendingSave, Run
 
 
 @dataclass(frozen=True)
@@ -83,13 +83,21 @@ class ProgressBar(Hook):
 
 class CheckpointSaver(Hook):
     """Chief: commit a checkpoint every N global steps and/or seconds, and once at the end
-    (where and how many to keep: the job's [checkpoint] section)."""
+    (where and how many to keep: the job's [checkpoint] section).
+
+    In async mode a periodic checkpoint does not stop the chief: it asks the PS tasks for
+    their shards and goes on training; a later step commits the manifest once every shard is
+    written. The checkpoint at the end of the run is waited for.
+    """
 
     def __init__(self, every_steps: int, every_secs: float):
         self.every_steps = every_steps
         self.every_secs = every_secs
         self.last_step = 0
         self.last_time = 0.0
+        self.pending: PendingSave | None = None
+        self.started = 0.0   # when the pending save was asked for
+        self.paused = 0.0    # the chief's own time in it so far
 
     def begin(self, run: Run) -> None:
         self.last_step, self.last_time = run.start_step, time.monotonic()
@@ -97,20 +105,47 @@ class CheckpointSaver(Hook):
     def after_step(self, run: Run, info: StepInfo) -> None:
         if not run.is_chief:
             return
+        if self.pending is not None:
+            self._finish(run, block=False)
+            return
         due_steps = self.every_steps and info.step >= self.last_step + self.every_steps
         due_secs = self.every_secs and time.monotonic() - self.last_time >= self.every_secs
         if due_steps or due_secs:
-            self.save(run)
+            self._start(run)
 
     def end(self, run: Run) -> None:
-        if run.is_chief and run.global_step() != self.last_step:
+        if not run.is_chief:
+            return
+        if self.pending is not None:
+            self._finish(run, block=True)
+        if run.global_step() != self.last_step:
             self.save(run)
 
     def save(self, run: Run) -> Path:
-        """Variables, optimizer slots, global_step and each worker's clock (data position)."""
+        """Variables, optimizer slots, global_step and each worker's clock (data position),
+        committed before this returns."""
+        self._start(run)
+        path = self._finish(run, block=True)
+        assert path is not None
+        return path
+
+    def _start(self, run: Run) -> None:
         t0 = time.perf_counter()
-        step, path = run.save()
-        self.last_step, self.last_time = step, time.monotonic()
-        log(run.role, f"saved checkpoint {path} (global_step {step}, "
-                      f"{(time.perf_counter() - t0) * 1e3:.0f} ms)")
+        self.pending = run.start_save()
+        self.started, self.paused = t0, time.perf_counter() - t0
+        self.last_step, self.last_time = self.pending.step, time.monotonic()
+
+    def _finish(self, run: Run, block: bool) -> Path | None:
+        """Commit the pending save if its shards are written (``block``: wait for them)."""
+        assert self.pending is not None
+        t0 = time.perf_counter()
+        path = self.pending.commit(block)
+        self.paused += time.perf_counter() - t0
+        if path is None:
+            return None
+        run.save_seconds += self.paused
+        took = time.perf_counter() - self.started
+        log(run.role, f"saved checkpoint {path} (global_step {self.pending.step}, {took * 1e3:.0f} "
+                      f"ms; the chief paused {self.paused * 1e3:.0f} ms)")
+        self.pending = None
         return path

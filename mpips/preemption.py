@@ -1,5 +1,6 @@
-"""Preemption: SIGTERM or SIGUSR1 on any rank asks the whole job to stop at the next step,
-write a checkpoint and exit with EXIT_PREEMPTED (rerunning the same command resumes).
+"""Preemption: SIGTERM, SIGUSR1 or SIGINT (Ctrl-C: mpirun forwards it to every rank) on any
+rank asks the whole job to stop at the next step, write a checkpoint and exit with
+EXIT_PREEMPTED (rerunning the same command resumes).
 
 The handler only records the signal; the training loops poll ``requested()`` at step
 boundaries and spread the request to every rank (store counters in async mode, one small
@@ -10,7 +11,7 @@ from __future__ import annotations
 import signal
 
 EXIT_PREEMPTED = 3
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _received: int = 0
 
 
@@ -21,7 +22,7 @@ def _handler(signum: int, frame: object) -> None:
 
 
 def install() -> None:
-    """Catch SIGTERM/SIGUSR1 from now on (call from the main thread)."""
+    """Catch SIGTERM, SIGUSR1 and SIGINT from now on (call from the main thread)."""
     global _received
     _received = 0
     for sig in SIGNALS:

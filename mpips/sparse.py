@@ -13,7 +13,6 @@ generator with Zipf-distributed ids over millions of rows, for scale tests.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import zlib
 from collections.abc import Iterable
@@ -24,6 +23,9 @@ import numpy as np
 import scipy.sparse as sp
 
 from .errors import DataError
+from .files import atomic_write
+from .hdf5 import open_plain
+from .memory import ABSURD_BYTES, check_fits
 
 FORMAT = "mpips-csr-1"
 KEYS = {"label": "iu", "indptr": "iu", "ids": "iu", "values": "f"}
@@ -37,8 +39,13 @@ def is_sparse_file(f: h5py.File) -> bool:
 
 
 def check_csr(f: h5py.File, path: str) -> tuple[dict[str, int], int, int]:
-    """(rows per split, num_features, max_nnz) of an open sparse file; DataError if malformed."""
-    rows = {}
+    """(rows per split, num_features, max_nnz) of an open sparse file; DataError if malformed.
+
+    The declared sizes are checked against each other before anything is allocated: array
+    lengths, ``indptr`` (starts at 0, never decreases, ends at the number of ids) and
+    ``max_nnz`` (exactly the longest row, found by reading ``indptr`` in chunks).
+    """
+    rows, longest = {}, 0
     for split in ("train", "test"):
         for key, kinds in KEYS.items():
             ds = f.get(f"{split}/{key}")
@@ -51,23 +58,50 @@ def check_csr(f: h5py.File, path: str) -> tuple[dict[str, int], int, int]:
                 (n and (indptr[0] != 0 or indptr[-1] != nnz)):
             raise DataError(f"data file {path}: '{split}' rows, indptr, ids and values do not "
                             f"agree ({n} labels, {indptr.shape[0]} row pointers, {nnz} ids)")
+        longest = max(longest, _longest_row(indptr, f"data file {path}: {split}/indptr"))
         rows[split] = int(n)
     num_features = int(f.attrs.get("num_features", 0))
-    if num_features < 1:
-        raise DataError(f"data file {path}: attribute num_features must be >= 1")
-    return rows, num_features, int(f.attrs.get("max_nnz", 0))
+    if not 1 <= num_features <= ABSURD_BYTES // 4:
+        raise DataError(f"data file {path}: attribute num_features must be a positive id "
+                        f"count, got {num_features}")
+    max_nnz = int(f.attrs.get("max_nnz", -1))
+    if max_nnz != longest:
+        raise DataError(f"data file {path}: attribute max_nnz = {max_nnz}, but the longest "
+                        f"row has {longest} features (it sizes the PS inboxes)")
+    return rows, num_features, max_nnz
+
+
+CHUNK_ROWS = 1 << 20
+
+
+def _longest_row(indptr: h5py.Dataset, what: str) -> int:
+    """The most entries in one row; DataError if ``indptr`` ever decreases. Read in chunks
+    of CHUNK_ROWS, so the check needs little memory whatever the file's size."""
+    longest, previous = 0, None
+    for start in range(0, indptr.shape[0], CHUNK_ROWS):
+        chunk = indptr[start:start + CHUNK_ROWS + 1].astype(np.int64)
+        steps = np.diff(chunk)
+        if (steps.size and steps.min() < 0) or (previous is not None and chunk[0] < previous):
+            raise DataError(f"{what} decreases (rows would have negative lengths)")
+        longest = max(longest, int(steps.max(initial=0)))
+        previous = int(chunk[-1])
+    return longest
 
 
 def load_csr(path: str, split: str, rows: tuple[int, int], num_features: int) -> Split:
     """Rows ``[start, stop)`` of a split as a CSR matrix (num_features columns) and labels."""
     start, stop = rows
     try:
-        with h5py.File(path, "r") as f:
+        with open_plain(path, DataError, f"data file {path}") as f:
             indptr = f[f"{split}/indptr"][start:stop + 1].astype(np.int64)
             lo, hi = int(indptr[0]), int(indptr[-1])
+            check_fits((hi - lo) * 16 + (stop - start) * 16,
+                       f"data file {path}: {split} rows [{start}, {stop})", DataError)
             ids = f[f"{split}/ids"][lo:hi].astype(np.int64)
             values = f[f"{split}/values"][lo:hi].astype(np.float32)
             labels = f[f"{split}/label"][start:stop].astype(np.float32)
+    except DataError:
+        raise
     except (OSError, KeyError, ValueError) as e:
         raise DataError(f"data file {path}: cannot read {split} rows [{start}, {stop}) ({e})") \
             from None
@@ -86,11 +120,8 @@ def load_csr(path: str, split: str, rows: tuple[int, int], num_features: int) ->
 
 def write_csr(path: str | Path, train: Split, test: Split, num_features: int,
               name: str = "") -> None:
-    """Write a sparse dataset file atomically (a temporary file renamed into place)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    """Write a sparse dataset file durably and atomically (temporary file, fsync, rename)."""
+    def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:
             f.attrs.update(format=FORMAT, num_features=num_features, num_classes=2, name=name)
             max_nnz = 0
@@ -103,9 +134,7 @@ def write_csr(path: str | Path, train: Split, test: Split, num_features: int,
                 f[f"{split}/values"] = x.data.astype(np.float32)
                 max_nnz = max(max_nnz, int(np.diff(x.indptr).max(initial=0)))
             f.attrs["max_nnz"] = max_nnz
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, write)
 
 
 def _split(x: sp.csr_matrix, y: np.ndarray, test_fraction: float, seed: int = 0

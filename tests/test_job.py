@@ -3,16 +3,24 @@ from pathlib import Path
 import pytest
 
 from mpips.errors import ConfigError
-from mpips.job import load_job, parse_job
+from mpips.job import job_layout, load_job, parse_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_builtin_default_job_is_jobs_default():
+def test_the_builtin_default_job_is_what_the_readme_promises():
+    """`mpirun -n 8 python -m mpips train`: digits shipped in the package, 600 async global
+    steps, 2 PS + 6 workers on 8 ranks, checkpoints in runs/default; and jobs/default.toml,
+    the copy users read, is the packaged file itself (a link), so the two cannot drift."""
     job = load_job(None)
-    assert job.data.builtin == "digits" and job.train.mode == "async"
-    assert (ROOT / "jobs/default.toml").read_text() == \
-        (ROOT / "mpips/builtin/default.toml").read_text()
+    assert (job.data.builtin, job.data.path, job.train.mode, job.train.steps) == \
+        ("digits", "", "async", 600)
+    assert job.checkpoint.dir == "runs/default" and job.checkpoint.restore
+    layout = job_layout(job, 8)
+    assert (layout.num_ps, layout.num_workers, layout.chief_rank) == (2, 6, 2)
+    assert (ROOT / "jobs/default.toml").resolve() == (ROOT / "mpips/builtin/default.toml").resolve()
+    readme = (ROOT / "README.md").read_text()
+    assert "600 asynchronous global steps" in readme and "runs/default/" in readme
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "jobs").glob("*.toml")), ids=lambda p: p.name)

@@ -1,11 +1,25 @@
-"""Runs the in-process multi-rank tests (test_store_mpi.py) under mpiexec -n 3."""
+"""Runs the in-process multi-rank tests (test_store_mpi.py) under mpiexec -n 3, and checks
+from each rank's JUnit XML report that every collected test ran and passed there."""
+import xml.etree.ElementTree as ET
+
 import pytest
-from conftest import ROOT, run_mpi
+from conftest import ROOT, run_mpi, run_py
+
+SUITE = "tests/test_store_mpi.py"
 
 
 @pytest.mark.launcher
-def test_store_contracts_under_mpiexec():
-    r = run_mpi(3, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_store_mpi.py"],
-                cwd=ROOT, timeout=180, MPIPS_TEST_TIMEOUT="60")
+def test_store_contracts_under_mpiexec(tmp_path):
+    collected = run_py(["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", SUITE],
+                       cwd=ROOT)
+    ids = [line for line in collected.stdout.splitlines() if line.startswith(SUITE + "::")]
+    assert len(ids) >= 9, collected.stdout
+    report = tmp_path / "junit.xml"
+    r = run_mpi(3, ["-m", "pytest", "-q", "-p", "no:cacheprovider", SUITE,
+                    f"--junitxml={report}"], cwd=ROOT, timeout=240, MPIPS_TEST_TIMEOUT="60")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "9 passed" in r.stdout, r.stdout[-2000:]
+    for rank in range(3):  # conftest gives each rank its own report
+        suite = ET.parse(f"{report}.rank{rank}").getroot().find("testsuite")
+        counts = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
+        assert counts == {"tests": len(ids), "failures": 0, "errors": 0, "skipped": 0}, \
+            (rank, counts)

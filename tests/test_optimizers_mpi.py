@@ -124,8 +124,16 @@ SLOW = """
 import time, mpips
 class Slow(mpips.Hook):
     def after_step(self, run, info):
-        if run.role.task == 2:
-            time.sleep(0.004)
+        if run.role.task != 2:
+            return
+        if run.job.train.max_staleness is None and info.local_updates == 3:
+            # unbounded: wait until the others have made 40 more updates (an event, not a
+            # time), so they run well ahead however loaded the machine is
+            deadline = time.monotonic() + 60
+            while run.global_step() < info.step + 40 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            time.sleep(0.004)  # bounded: a slow worker the others must wait for
 with mpips.abort_on_error():
     job = mpips.load_job("job.toml")
     mpips.train(job, hooks=[Slow()])

@@ -2,8 +2,8 @@
 checkpoint; `scancel --signal=USR1` makes it checkpoint and exit 3; with MPIPS_REQUEUE=1 the
 job is requeued and resumes with the global step continuing.
 
-.ci/run starts the cluster (../shared/tools/local-slurm.sh) and exports SLURM_CONF; elsewhere
-these tests skip unless a Slurm controller answers (under CI they fail instead)."""
+.ci/run starts the cluster (slurm/one-node-slurm.sh up) and exports SLURM_CONF; elsewhere
+these tests skip unless a Slurm controller answers (under CI=true they fail instead)."""
 import os
 import re
 import shutil
@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, under_ci
 
 pytestmark = pytest.mark.launcher
 
@@ -26,9 +26,10 @@ def slurm_up() -> bool:
 @pytest.fixture(scope="module")
 def slurm():
     if not slurm_up():
-        if os.environ.get("CI"):
-            pytest.fail("no Slurm controller: .ci/run must start ../shared/tools/local-slurm.sh")
-        pytest.skip("no Slurm controller (start ../shared/tools/local-slurm.sh)")
+        if under_ci():
+            pytest.fail("no Slurm controller: .ci/run must start slurm/one-node-slurm.sh up")
+        pytest.skip("no Slurm controller (start one: slurm/one-node-slurm.sh up, then export "
+                    "SLURM_CONF)")
 
 
 def sbatch(tmp_path, *args, script="train.sbatch", options=(), **env):

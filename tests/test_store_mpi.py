@@ -34,18 +34,22 @@ class Store:
         self.client = StoreClient(self.windows, self.cluster.role.task, stateful)
         self.counters = self.client.counters
 
-    def close(self, served=False):
-        """End of run. ``served``: the PS ranks' serve() already took the end barrier."""
-        from mpips.store import sleepy_barrier
-        if not (served and self.cluster.is_ps):
-            sleepy_barrier(self.comm)
+    def close(self):
+        """End of run: the workers finish, the chief ends the run (a serving PS stops), then
+        every rank frees the windows."""
+        from mpips.store import barrier
+        if not self.cluster.is_ps:
+            barrier(self.cluster.workers, "the test")
+            if self.cluster.is_chief:
+                self.counters.end_run()
+        barrier(self.comm, "the test")
         self.windows.free()
         self.cluster.free()
 
 
 def test_pushes_of_ones_sum_exactly():
     s = Store()
-    from mpips.store import sleepy_barrier
+    from mpips.store import barrier
     pushes = 200
     init = {spec.name: np.full(spec.shape, 0.5, spec.dtype) for spec in SPECS}
     if s.cluster.is_chief:
@@ -57,7 +61,7 @@ def test_pushes_of_ones_sum_exactly():
             g[...] = 1
         for _ in range(pushes):
             s.client.push()
-        sleepy_barrier(s.cluster.workers)
+        barrier(s.cluster.workers, "the test")
         got = s.client.pull()
         workers = s.cluster.layout.num_workers
         for name, value in got.items():
@@ -97,8 +101,8 @@ def test_tickets_stop_exactly_at_target():
             s.counters.advance_step()
             made += 1
         assert sum(allgather_json(s.cluster.workers, made)) == target - start
-        from mpips.store import sleepy_barrier
-        sleepy_barrier(s.cluster.workers)
+        from mpips.store import barrier
+        barrier(s.cluster.workers, "the test")
         assert s.counters.global_step() == target
     s.close()
 
@@ -123,7 +127,8 @@ def test_workers_wait_for_the_ready_flag():
 def test_placement_mismatch_names_the_first_differing_variable():
     from mpi4py import MPI
 
-    from mpips.store import Cluster, PlacementMismatch
+    from mpips.errors import PlacementMismatch
+    from mpips.store import Cluster
     comm = MPI.COMM_WORLD
     cluster = Cluster(comm, make_layout(comm.size))
     specs = list(SPECS)
@@ -196,18 +201,18 @@ def test_adagrad_on_the_ps_loses_no_update():
                 mine[name] += g.astype(np.float64) ** 2
             s.client.push(lr=0.01)
         totals = allgather_json(s.cluster.workers, {k: v.tolist() for k, v in mine.items()})
-        from mpips.store import sleepy_barrier
-        sleepy_barrier(s.cluster.workers)
+        from mpips.store import barrier
+        barrier(s.cluster.workers, "the test")
         got = s.client.pull_slots()
         for sp in specs:
             want = 0.1 + sum(np.asarray(t[sp.name]) for t in totals)
             tol = 1e-6 if sp.dtype == "float64" else 2e-4
             np.testing.assert_allclose(got[f"{sp.name}/accumulator"], want, rtol=tol)
-    s.close(served=True)
+    s.close()
 
 
 def test_sum_of_pushed_sgd_deltas_equals_the_change():
-    from mpips.store import allgather_json, sleepy_barrier
+    from mpips.store import allgather_json, barrier
     s = Store()
     pushes = 50
     if s.cluster.is_chief:
@@ -223,7 +228,7 @@ def test_sum_of_pushed_sgd_deltas_equals_the_change():
                 mine[name] += g
             s.client.push()
         totals = allgather_json(s.cluster.workers, {k: v.tolist() for k, v in mine.items()})
-        sleepy_barrier(s.cluster.workers)
+        barrier(s.cluster.workers, "the test")
         got = s.client.pull()
         for sp in SPECS:
             want = 1.0 + sum(np.asarray(t[sp.name]) for t in totals)

@@ -3,13 +3,16 @@ import re
 import time
 
 import pytest
-from conftest import ROOT, run_mpi, run_py
+from conftest import ROOT, run_mpi, run_py, under_ci
 
 from mpips import checkpoint
 
 pytestmark = pytest.mark.launcher
 
 STEP = re.compile(r"^\[/job:worker/task:(\d+)\] step (\d+) ", re.M)
+# "the job ends promptly": well before any default deadline (300 s, 600 s), with room for a
+# slow start of 3-4 ranks on a loaded 2-core machine
+PROMPT = 60
 FINAL = re.compile(r"final: global_step (\d+) test_accuracy ([0-9.]+)")
 
 
@@ -65,18 +68,18 @@ def assert_clean_error(r, message, code=2):
 def test_bad_layout_fails_fast_on_every_rank(tmp_path, layout, message):
     (tmp_path / "layout.toml").write_text(layout)
     t0 = time.monotonic()
-    r = train(tmp_path, 3, "--layout", "layout.toml", timeout=30)
+    r = train(tmp_path, 3, "--layout", "layout.toml", timeout=120)
     assert_clean_error(r, message)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < PROMPT
 
 
 def test_bad_job_and_missing_data(tmp_path):
     (tmp_path / "job.toml").write_text('[data]\npath = "nope.h5"\n[train]\nsteps = 5\nbach_size = 3\n')
-    assert_clean_error(train(tmp_path, 3, "job.toml", timeout=30),
+    assert_clean_error(train(tmp_path, 3, "job.toml", timeout=90),
                        "unknown key 'bach_size' (did you mean 'batch_size'?)")
     (tmp_path / "job.toml").write_text('[data]\npath = "nope.h5"\n[train]\nsteps = 5\n')
-    assert_clean_error(train(tmp_path, 3, "job.toml", timeout=30), "data file nope.h5: not found")
-    assert_clean_error(train(tmp_path, 3, "missing.toml", timeout=30),
+    assert_clean_error(train(tmp_path, 3, "job.toml", timeout=90), "data file nope.h5: not found")
+    assert_clean_error(train(tmp_path, 3, "missing.toml", timeout=90),
                        "job file missing.toml: not found")
 
 
@@ -85,12 +88,12 @@ def test_corrupt_checkpoint_is_a_clear_error_and_left_alone(tmp_path):
     assert train(tmp_path, 3, "--steps", "50", timeout=60).returncode == 0
     shard = d / "ckpt-50.shard-0-of-1.h5"
     shard.write_bytes(shard.read_bytes()[:3000])  # truncated
-    r = train(tmp_path, 3, "--steps", "60", timeout=30)
+    r = train(tmp_path, 3, "--steps", "60", timeout=90)
     assert_clean_error(r, "checkpoint runs/default/ckpt-50.json: corrupt or unreadable")
     assert len(shard.read_bytes()) == 3000 and checkpoint.latest_checkpoint(d).name == "ckpt-50.json"
     manifest = d / "ckpt-50.json"
     manifest.write_text(manifest.read_text()[:100])  # truncated
-    r = train(tmp_path, 3, "--steps", "60", timeout=30)
+    r = train(tmp_path, 3, "--steps", "60", timeout=90)
     assert_clean_error(r, "checkpoint runs/default/ckpt-50.json: corrupt or unreadable")
     assert len(manifest.read_text()) == 100
 
@@ -116,11 +119,11 @@ with mpips.abort_on_error():
 def test_exception_on_one_worker_ends_the_job(tmp_path):
     (tmp_path / "boom.py").write_text(BOOM)
     t0 = time.monotonic()
-    r = run_mpi(4, ["boom.py"], cwd=tmp_path, timeout=60)
+    r = run_mpi(4, ["boom.py"], cwd=tmp_path, timeout=120)
     elapsed = time.monotonic() - t0
     assert r.returncode != 0
     assert "rank 2 (/job:worker/task:1) failed with RuntimeError: injected failure" in r.stderr
-    assert elapsed < 20, elapsed
+    assert elapsed < PROMPT, elapsed
 
 
 FASHION = "/usr/share/datasets/fashion-mnist"
@@ -130,7 +133,7 @@ FASHION = "/usr/share/datasets/fashion-mnist"
 def test_fashion_mnist_job_reaches_085(tmp_path, job):
     import os
     if not os.path.isdir(FASHION):
-        if os.environ.get("CI"):
+        if under_ci():
             pytest.fail(f"{FASHION} missing: .ci/run must apt-get install dataset-fashion-mnist")
         pytest.skip("apt-get install dataset-fashion-mnist")
     r = run_py(["-m", "mpips", "data", "fashion-mnist", "data/fashion_mnist.h5"], cwd=tmp_path,
@@ -171,17 +174,20 @@ class Job:
              "--no-progress", "--log-every", "0", *args],
             cwd=tmp_path, env=clean_env(), stdout=self._out, stderr=subprocess.STDOUT)
         self.pids = {}
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90
         while len(self.pids) < ranks and time.monotonic() < deadline:
             time.sleep(0.2)
             self.pids = {f"/job:{j}/task:{t}": int(p) for j, t, p in PID.findall(self.text())}
         assert len(self.pids) == ranks, self.text()
-        time.sleep(1.0)  # training is under way
+        deadline = time.monotonic() + 90  # training is under way: a periodic checkpoint
+        while "saved checkpoint" not in self.text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "saved checkpoint" in self.text(), self.text()
 
     def text(self):
         return self.log.read_text()
 
-    def signal(self, task, sig, within=10):
+    def signal(self, task, sig, within=PROMPT):
         import os
         t0 = time.monotonic()
         os.kill(self.pids[task], sig)
@@ -225,7 +231,7 @@ def test_preemption_in_sync_mode(tmp_path):
     import signal
     (tmp_path / "sync.toml").write_text(
         '[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 1000000000\n'
-        '[checkpoint]\ndir = "runs/sync"\n')
+        '[checkpoint]\ndir = "runs/sync"\nevery_steps = 100\n')
     job = Job(tmp_path, 3, "sync.toml")
     assert job.signal("/job:worker/task:2", signal.SIGUSR1) == 3
     m = re.search(r"stopped early by SIGUSR1: checkpoint at global_step (\d+)", job.text())
@@ -245,14 +251,15 @@ with mpips.abort_on_error():
 
 @pytest.mark.parametrize("rank,message", [
     (2, "error on rank 0: rank(s) 2 did not reach start-up within 2 s"),
-    (0, "waited 7 s for every rank to reach start-up"),  # rank 0 itself stuck: others give up
+    # rank 0 itself stuck: rank 1 gives up, naming it (the others would later)
+    (0, "error on rank 1: rank 0 did not confirm within 7 s that every rank reached start-up"),
 ])
 def test_a_rank_that_never_starts_ends_the_job(tmp_path, rank, message):
     (tmp_path / "stuck.py").write_text(STUCK.format(rank=rank))
     t0 = time.monotonic()
-    r = run_mpi(4, ["stuck.py"], cwd=tmp_path, timeout=60, MPIPS_START_TIMEOUT="2")
-    assert r.returncode != 0 and message in r.stderr, r.stderr
-    assert time.monotonic() - t0 < 15
+    r = run_mpi(4, ["stuck.py"], cwd=tmp_path, timeout=120, MPIPS_START_TIMEOUT="2")
+    assert r.returncode != 0 and r.stderr.count(message) == 1, r.stderr
+    assert time.monotonic() - t0 < PROMPT
 
 
 HANG = """
@@ -274,14 +281,14 @@ with mpips.abort_on_error():
 @pytest.mark.parametrize("task,kind,bound,mode,said", [
     (1, "sgd", None, "async", "/job:worker/task:1 (rank 2) made no update for 3 s"),
     (0, "adam", 2, "async", "/job:worker/task:0 (rank 1) made no update for 3 s"),
-    (2, "sgd", None, "sync", "the step's agreement did not complete within 3 s"),
+    (2, "sgd", None, "sync", "the gradient allreduce did not complete within 3 s"),
 ])
 def test_a_worker_hung_mid_run_ends_the_job(tmp_path, task, kind, bound, mode, said):
     """The others finish (or wait for the slowest, bounded staleness, or for the replica
     in the next collective) and notice it: said once, exit 1."""
     (tmp_path / "hang.py").write_text(HANG.format(task=task, kind=kind, bound=bound, mode=mode))
     t0 = time.monotonic()
-    r = run_mpi(4, ["hang.py"], cwd=tmp_path, timeout=60, MPIPS_STALL_TIMEOUT="3")
+    r = run_mpi(4, ["hang.py"], cwd=tmp_path, timeout=120, MPIPS_STALL_TIMEOUT="3")
     assert r.returncode == 1, r.stderr
     assert r.stderr.count(said) == 1, r.stderr
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < PROMPT

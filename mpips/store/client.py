@@ -8,21 +8,22 @@ an indexed datatype names every row the batch needs from that PS's partition.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import groupby
+from typing import NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import Stalled
 from ..placement import Placed, owner_and_row
+from ..waits import poll
 from .cluster import STALL_TIMEOUT, stall_limit
 from .counters import Counters
 from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows, views
 
-ACK_POLL_SECONDS = 5e-5
+ACK_FAST_SECONDS = 0.02  # how long a worker checks every 50 us that the PS applied its update
 
 
 @dataclass
@@ -121,6 +122,12 @@ class StoreClient:
     def nbytes(self) -> int:
         """Bytes of whole variables moved by one pull (and by one push)."""
         return sum(b.size for b in self._param_bufs)
+
+    @property
+    def pulled_bytes(self) -> int:
+        """Bytes the last pull moved: the whole variables, plus the table rows as the MPI
+        datatypes of that step describe them (a push of SGD deltas moves as many)."""
+        return self.nbytes + sum(r.mpi_type.Get_size() for r in self._routed)
 
     def pull(self, ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Read every whole variable (one Get per PS) and, given unique row ``ids``, those rows
@@ -240,24 +247,27 @@ class StoreClient:
         return out
 
     def _wait_applied(self) -> None:
+        """Until every PS has applied this worker's update (its mail flag is clear again);
+        Stalled naming the PS tasks that did not within the stall limit."""
         mail, flag = self.windows.mail, MAIL_WORDS * self.task + MAIL_FLAG
         pending = [rank for _, rank, _ in self._targets]
         out, dummy = np.zeros(1, np.int64), np.zeros(1, np.int64)
-        deadline = time.monotonic() + stall_limit(self.task)
-        while pending:
-            if time.monotonic() > deadline:
-                names = ", ".join(f"/job:ps/task:{self.ps_ranks.index(r)} (rank {r})"
-                                  for r in pending)
-                raise Stalled(f"{names} did not apply this worker's update within "
-                              f"{STALL_TIMEOUT:.0f} s: hung? (MPIPS_STALL_TIMEOUT sets the "
-                              f"limit); aborting the job")
+
+        def applied() -> bool:
             for rank in list(pending):
                 mail.Fetch_and_op(dummy, out, rank, flag, MPI.NO_OP)
                 mail.Flush(rank)
                 if out[0] == 0:
                     pending.remove(rank)
-            if pending:
-                time.sleep(ACK_POLL_SECONDS)  # let the PS have the core
+            return not pending
+
+        def late(waited: float) -> NoReturn:
+            names = ", ".join(f"/job:ps/task:{self.ps_ranks.index(r)} (rank {r})" for r in pending)
+            raise Stalled(f"{names} did not apply this worker's update within "
+                          f"{STALL_TIMEOUT:.0f} s: hung? (MPIPS_STALL_TIMEOUT sets the "
+                          f"limit); aborting the job")
+        # 50 us sleeps while an apply usually completes (the PS needs the core), then longer
+        poll(applied, stall_limit(self.task), late, fast=ACK_FAST_SECONDS)
 
     def write(self, values: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
               ) -> None:

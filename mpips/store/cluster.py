@@ -8,19 +8,19 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import AgreedError, MpipsError
+from ..errors import AgreedError, MpipsError, PlacementMismatch, StartTimeout
 from ..layout import Layout, Role
 from ..placement import Placement
+from ..waits import MAX_SLEEP, poll
 
-POLL_SECONDS = 1e-3
+POLL_SECONDS = MAX_SLEEP
 T = TypeVar("T")
 # every start-up step must be reached by every rank within this many seconds, else the job
 # ends naming the ranks that never arrived (a stuck rank must not hang the others forever)
@@ -28,15 +28,7 @@ START_TIMEOUT = float(os.environ.get("MPIPS_START_TIMEOUT", "300"))
 # a task that makes no progress for this many seconds mid-run, while others wait, is hung
 STALL_TIMEOUT = float(os.environ.get("MPIPS_STALL_TIMEOUT", "600"))
 _ARRIVAL_TAG = 7001
-_arrivals = 0
-
-
-class PlacementMismatch(AgreedError):
-    """Ranks computed different placement tables (e.g. variables created in another order)."""
-
-
-class StartTimeout(MpipsError):
-    """Some rank never reached a start-up step."""
+_TOKEN = np.zeros(1, np.uint8)  # what an arrival sends (alive until the send completes)
 
 
 def stall_limit(index: int) -> float:
@@ -46,57 +38,73 @@ def stall_limit(index: int) -> float:
     return STALL_TIMEOUT + 2.0 * min(index, 5)
 
 
-def wait(request: MPI.Request, poll: float = POLL_SECONDS, timeout: float | None = None,
-         what: str = "", meanwhile: Callable[[], None] | None = None) -> None:
-    """Complete a request without burning a core (StartTimeout after ``timeout`` seconds),
-    calling ``meanwhile`` between polls (a watchdog may raise from it)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not request.Test():
-        if deadline is not None and time.monotonic() > deadline:
-            raise StartTimeout(f"waited {timeout:.0f} s for every rank to reach {what}")
-        if meanwhile is not None:
-            meanwhile()
-        time.sleep(poll)
+def wait(request: MPI.Request, what: str, timeout: float,
+         meanwhile: Callable[[], None] | None = None, spin: float = 0.0) -> None:
+    """Complete a request without burning a core; past ``timeout`` s raise StartTimeout
+    naming ``what`` (``math.inf`` only with a ``meanwhile`` watchdog that raises)."""
+    def late(waited: float) -> NoReturn:
+        raise StartTimeout(f"waited {waited:.0f} s for {what} (a rank stuck or gone? "
+                           f"MPIPS_START_TIMEOUT / MPIPS_STALL_TIMEOUT set the limits)")
+    poll(request.Test, timeout, late, meanwhile, spin)
+
+
+def start_limit(index: int) -> float:
+    """START_TIMEOUT for waiter ``index``, staggered like stall_limit (one waiter says it)."""
+    return START_TIMEOUT + 2.0 * min(index, 5)
 
 
 def check_arrival(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> None:
-    """Every rank reports to rank 0; if some never does within ``timeout``, rank 0 names them
-    (StartTimeout, which aborts the job). Other ranks give up a little later, in case rank 0
-    is the one missing."""
-    global _arrivals
-    _arrivals += 1
-    tag = _ARRIVAL_TAG + _arrivals % 1000
-    token = np.zeros(1, np.uint8)
+    """A barrier that names the ranks that do not arrive. Every rank reports to rank 0; if
+    some never do within ``timeout``, rank 0 names them (StartTimeout, which aborts the job).
+    Once all have, rank 0 tells every rank to go on; a rank that hears nothing within
+    ``timeout`` + 5 s gives up, naming rank 0 (it may be the one missing).
+
+    Called before every blocking start-up collective (communicator split, window creation),
+    which cannot be polled or abandoned: after it, every rank is known to be there."""
     if comm.rank != 0:
-        comm.Isend(token, dest=0, tag=tag).Free()
+        comm.Isend(_TOKEN, dest=0, tag=_ARRIVAL_TAG).Free()
+        go = np.zeros(1, np.uint8)
+
+        def silent(waited: float) -> NoReturn:
+            raise StartTimeout(f"rank 0 did not confirm within {waited:.0f} s that every rank "
+                               f"reached {what} (rank 0, or a rank it waits for, is stuck or "
+                               f"gone; MPIPS_START_TIMEOUT sets the limit)")
+        # later ranks wait longer, so that one of them (rank 1) says it
+        poll(comm.Irecv(go, source=0, tag=_ARRIVAL_TAG + 1).Test,
+             timeout + 5 + 2.0 * min(comm.rank - 1, 5), silent)
         return
     buffers = [np.zeros(1, np.uint8) for _ in range(comm.size)]
-    pending = {r: comm.Irecv(buffers[r], source=r, tag=tag) for r in range(1, comm.size)}
-    deadline = time.monotonic() + timeout
-    while pending:
-        pending = {r: q for r, q in pending.items() if not q.Test()}
-        if pending and time.monotonic() > deadline:
-            raise StartTimeout(f"rank(s) {', '.join(map(str, sorted(pending)))} did not reach "
-                               f"{what} within {timeout:.0f} s (stuck or never started; "
-                               f"MPIPS_START_TIMEOUT sets the limit)")
-        time.sleep(POLL_SECONDS)
+    pending = {r: comm.Irecv(buffers[r], source=r, tag=_ARRIVAL_TAG) for r in range(1, comm.size)}
+
+    def arrived() -> bool:
+        for r in [r for r, q in pending.items() if q.Test()]:
+            del pending[r]
+        return not pending
+
+    def late(waited: float) -> NoReturn:
+        raise StartTimeout(f"rank(s) {', '.join(map(str, sorted(pending)))} did not reach "
+                           f"{what} within {timeout:.0f} s (stuck or never started; "
+                           f"MPIPS_START_TIMEOUT sets the limit)")
+    poll(arrived, timeout, late)
+    for r in range(1, comm.size):
+        comm.Isend(_TOKEN, dest=r, tag=_ARRIVAL_TAG + 1).Free()
 
 
-def sleepy_barrier(comm: MPI.Comm, meanwhile: Callable[[], None] | None = None) -> None:
-    """A barrier whose waiting ranks sleep between polls (calling ``meanwhile``)."""
-    wait(comm.Ibarrier(), meanwhile=meanwhile)
+def barrier(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> None:
+    """A barrier whose waiting ranks sleep, naming the ranks that do not arrive within
+    ``timeout`` s (see check_arrival)."""
+    check_arrival(comm, what, timeout)
 
 
-def allgather_json(comm: MPI.Comm, obj: Any, timeout: float | None = None,
-                   what: str = "") -> list[Any]:
+def allgather_json(comm: MPI.Comm, obj: Any, what: str = "an exchange between ranks",
+                   timeout: float = START_TIMEOUT) -> list[Any]:
     """Allgather JSON-able values (no pickle): bytes via Iallgatherv, waited on with sleeps."""
     data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
     counts = np.zeros(comm.size, dtype=np.int64)
-    wait(comm.Iallgather(np.array([data.size], dtype=np.int64), counts), timeout=timeout,
-         what=what)
+    wait(comm.Iallgather(np.array([data.size], dtype=np.int64), counts), what, timeout)
     out = np.empty(int(counts.sum()), dtype=np.uint8)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    wait(comm.Iallgatherv(data, [out, counts, displs, MPI.BYTE]), timeout=timeout, what=what)
+    wait(comm.Iallgatherv(data, [out, counts, displs, MPI.BYTE]), what, timeout)
     return [json.loads(out[d:d + c].tobytes()) for d, c in zip(displs, counts)]
 
 
@@ -116,7 +124,7 @@ def agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
         error = ["unexpected error during start-up:\n" +
                  "".join(traceback.format_exception(e)).rstrip(), 1]
     check_arrival(comm, "start-up")
-    errors = allgather_json(comm, error, timeout=START_TIMEOUT + 5, what="start-up")
+    errors = allgather_json(comm, error, "every rank to reach start-up", START_TIMEOUT + 5)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         code = max(c for _, (_, c) in bad)
@@ -131,8 +139,8 @@ def node_of_each_rank(comm: MPI.Comm) -> list[int]:
     """Each rank's node (host), named by the lowest rank on it. The first start-up step, so
     a rank that never gets here is named, not waited for."""
     check_arrival(comm, "start-up")
-    hosts = allgather_json(comm, socket.gethostname(), timeout=START_TIMEOUT + 5,
-                           what="start-up")
+    hosts = allgather_json(comm, socket.gethostname(), "every rank to reach start-up",
+                           START_TIMEOUT + 5)
     first: dict[str, int] = {}
     return [first.setdefault(host, rank) for rank, host in enumerate(hosts)]
 
@@ -148,15 +156,27 @@ class Cluster:
         self.is_ps = self.role.job == "ps"
         self.is_chief = self.role.is_chief
         # workers' communicator: worker task order; PS ranks get their own (unused) one
+        check_arrival(comm, "the communicator split")
         self.workers = comm.Split(0 if self.is_ps else 1, self.role.task)
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.rank, node.size
+        ranks = np.zeros(node.size, np.int64)
+        wait(node.Iallgather(np.array([self.rank], np.int64), ranks), "the node's ranks",
+             START_TIMEOUT)
+        self.node_ranks: tuple[int, ...] = tuple(int(r) for r in ranks)  # world ranks here
         node.Free()
+
+    @property
+    def local_worker_index(self) -> int:
+        """This worker's index among the workers on its node (PS ranks not counted): which
+        GPU of the node it uses."""
+        here = [r for r in self.node_ranks if r in set(self.layout.worker_ranks)]
+        return here.index(self.rank)
 
     def check_placement(self, placement: Placement) -> None:
         """Stop on every rank, naming the first differing variable, if placements disagree."""
         mine = placement.entry_digests()
-        everyone = allgather_json(self.comm, mine)
+        everyone = allgather_json(self.comm, mine, "the placement check")
         if all(d == mine for d in everyone):
             return
         n = max(len(d) for d in everyone)
@@ -164,7 +184,7 @@ class Cluster:
                      if len({tuple(d[i:i + 1]) for d in everyone}) > 1)
         described = allgather_json(
             self.comm, placement.entries[index].describe() if index < len(placement.entries)
-            else "<no variable>")
+            else "<no variable>", "the placement check")
         lines = [f"  rank {r} ({self.layout.role(r)}): {d}" for r, d in enumerate(described)]
         raise PlacementMismatch(
             f"placement differs across ranks at variable #{index} (were variables created in "

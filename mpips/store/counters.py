@@ -1,15 +1,23 @@
 """The control counters on ps task 0, moved with MPI atomics (``Fetch_and_op``):
 global_step, step tickets, the chief's ready flag, the stop signal, checkpoint requests and
-one clock per worker."""
+the shard each PS task wrote for them, the end of the run, the first failure, and one clock
+per worker.
+
+Every wait on them has a deadline and names the task that did not arrive (waits.poll).
+"""
 from __future__ import annotations
 
-import time
+import math
+from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
-from .cluster import POLL_SECONDS
-from .window import CKPT_DONE, CKPT_SEQ, CKPT_STEP, CLOCKS, GLOBAL_STEP, READY, STOP, TICKETS, Windows
+from ..errors import Stalled, StartTimeout
+from ..waits import poll
+from .cluster import STALL_TIMEOUT, START_TIMEOUT
+from .window import CKPT_SEQ, CKPT_STEP, ENDED, FAILED, GLOBAL_STEP, READY, SHARDS, STOP, TICKETS, Windows
 
 _ONE = np.ones(1, dtype=np.int64)
 NO_MORE_TICKETS = 1 << 62  # every later claim is past any step target
@@ -21,13 +29,28 @@ class Counters:
     def __init__(self, windows: Windows):
         self.win = windows.control
         self.target = windows.control_rank
+        self.layout = windows.layout
         self.num_workers = windows.layout.num_workers
+        self.num_ps = windows.layout.num_ps
+        self.clocks_at = windows.clocks_at
 
     def _op(self, index: int, value: np.ndarray | None, op: MPI.Op) -> int:
         result = np.zeros(1, dtype=np.int64)
         self.win.Fetch_and_op(_ONE if value is None else value, result, self.target, index, op)
         self.win.Flush(self.target)
         return int(result[0])
+
+    def _read(self, index: int, count: int) -> np.ndarray:
+        """``count`` consecutive counters, read atomically (Get_accumulate NO_OP) in one call."""
+        out = np.zeros(count, dtype=np.int64)
+        self.win.Get_accumulate([out, MPI.LONG], [out, MPI.LONG], self.target,
+                                [index, count, MPI.LONG], MPI.NO_OP)
+        self.win.Flush(self.target)
+        return out
+
+    def _set(self, index: int, value: int) -> int:
+        """Set a counter; returns its old value."""
+        return self._op(index, np.array([value], dtype=np.int64), MPI.REPLACE)
 
     def claim_ticket(self) -> int:
         """Reserve the right to make one update; tickets >= the step target mean stop."""
@@ -42,67 +65,92 @@ class Counters:
 
     def set_counters(self, step: int, clocks: list[int] | None = None) -> None:
         """Chief, before raising ready: start global_step (and tickets, clocks) at ``step``."""
-        value = np.array([step], dtype=np.int64)
-        self._op(GLOBAL_STEP, value, MPI.REPLACE)
-        self._op(TICKETS, value, MPI.REPLACE)
+        self._set(GLOBAL_STEP, step)
+        self._set(TICKETS, step)
         for task, clock in enumerate(clocks or []):
             self.publish_clock(task, clock)
 
     def request_stop(self, signum: int) -> None:
         """Stop the whole job at the next step boundary of every worker (preemption)."""
-        self._op(STOP, np.array([signum], dtype=np.int64), MPI.REPLACE)
-        self._op(TICKETS, np.array([NO_MORE_TICKETS], dtype=np.int64), MPI.REPLACE)
+        self._set(STOP, signum)
+        self._set(TICKETS, NO_MORE_TICKETS)
 
     def stop_signal(self) -> int:
         """The signal that stopped the job early (0: none)."""
         return self._op(STOP, _ONE, MPI.NO_OP)
 
+    def claim_failure(self) -> bool:
+        """True for the first rank to report a failure (the others stay quiet, so it is
+        said once)."""
+        return self._set(FAILED, 1) == 0
+
+    # -- checkpoints: the chief asks, every PS task writes its shard and says so -------------
+
     def request_checkpoint(self, step: int) -> int:
         """Chief: ask every PS to write its shard of checkpoint ``step``; returns the
-        request's number (the PS tasks have all written it when shards_written() reaches
-        number x num_ps)."""
-        self._op(CKPT_STEP, np.array([step], dtype=np.int64), MPI.REPLACE)
+        request's number (see wait_shards)."""
+        self._set(CKPT_STEP, step)
         return self._op(CKPT_SEQ, None, MPI.SUM) + 1
 
     def checkpoint_request(self) -> tuple[int, int]:
         """PS: (number, global_step) of the latest checkpoint request (0, 0: none yet)."""
         return self._op(CKPT_SEQ, _ONE, MPI.NO_OP), self._op(CKPT_STEP, _ONE, MPI.NO_OP)
 
-    def shard_written(self) -> None:
-        self._op(CKPT_DONE, None, MPI.SUM)
+    def shard_written(self, ps_task: int, number: int) -> None:
+        """PS ``ps_task`` has written its shard for request ``number``."""
+        self._set(SHARDS + ps_task, number)
 
-    def wait_shards(self, count: int) -> None:
-        """Chief: sleep until ``count`` shards have been written in this run."""
-        while self._op(CKPT_DONE, _ONE, MPI.NO_OP) < count:
-            time.sleep(POLL_SECONDS)
+    def shards_missing(self, number: int) -> list[int]:
+        """The PS tasks that have not yet written their shard for request ``number``."""
+        written = self._read(SHARDS, self.num_ps)
+        return [p for p in range(self.num_ps) if written[p] < number]
+
+    def wait_shards(self, number: int, step: int, timeout: float = STALL_TIMEOUT) -> None:
+        """Chief: sleep until every PS task has written its shard for request ``number``;
+        Stalled naming the ones that did not within ``timeout`` s."""
+        def late(waited: float) -> NoReturn:
+            raise Stalled(f"{self._names('ps', self.shards_missing(number))} did not write its "
+                          f"shard of the checkpoint at global_step {step} in time: hung? "
+                          f"(MPIPS_STALL_TIMEOUT sets the limit); aborting the job")
+        poll(lambda: not self.shards_missing(number), timeout, late)
+
+    # -- start and end of the run ------------------------------------------------------------
 
     def raise_ready(self) -> None:
-        self._op(READY, _ONE, MPI.REPLACE)
+        self._set(READY, 1)
 
     def is_ready(self) -> bool:
         return self._op(READY, _ONE, MPI.NO_OP) != 0
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait (sleeping) until the chief has initialised or restored the variables."""
-        start = time.monotonic()
-        while not self.is_ready():
-            if timeout is not None and time.monotonic() - start > timeout:
-                raise TimeoutError(f"chief did not raise the ready flag within {timeout:.0f} s")
-            time.sleep(POLL_SECONDS)
+    def wait_ready(self, timeout: float = START_TIMEOUT,
+                   meanwhile: Callable[[], None] | None = None) -> None:
+        """Wait (sleeping) until the chief has initialised or restored the variables;
+        StartTimeout naming the chief after ``timeout`` s (stagger it by the waiter: see
+        start_limit)."""
+        def late(waited: float) -> NoReturn:
+            raise StartTimeout(f"{self._names('worker', [0])} (the chief) did not raise the "
+                               f"ready flag within {waited:.0f} s: stuck initialising? "
+                               f"(MPIPS_START_TIMEOUT sets the limit)")
+        poll(self.is_ready, timeout, late, meanwhile)
+
+    def end_run(self) -> None:
+        """Chief, after its last checkpoint and evaluation: the PS tasks may stop serving."""
+        self._set(ENDED, 1)
+
+    def run_ended(self) -> bool:
+        return self._op(ENDED, _ONE, MPI.NO_OP) != 0
+
+    # -- clocks: each worker's update count (data position, staleness, watchdog) ------------
 
     def publish_clock(self, task: int, clock: int, done: bool = False) -> None:
         """Worker ``task`` has pushed ``clock`` updates; ``done``: it will push no more."""
-        self._op(CLOCKS + task, np.array([clock], dtype=np.int64), MPI.REPLACE)
+        self._set(self.clocks_at + task, clock)
         if done:
-            self._op(CLOCKS + self.num_workers + task, _ONE, MPI.REPLACE)
+            self._set(self.clocks_at + self.num_workers + task, 1)
 
     def clocks(self) -> tuple[np.ndarray, np.ndarray]:
-        """(clock, done) of every worker, read atomically (Get_accumulate NO_OP) in one call."""
-        n = 2 * self.num_workers
-        out = np.zeros(n, dtype=np.int64)
-        self.win.Get_accumulate([out, MPI.LONG], [out, MPI.LONG], self.target,
-                                [CLOCKS, n, MPI.LONG], MPI.NO_OP)
-        self.win.Flush(self.target)
+        """(clock, done) of every worker, read atomically in one call."""
+        out = self._read(self.clocks_at, 2 * self.num_workers)
         return out[:self.num_workers], out[self.num_workers:].astype(bool)
 
     def lead(self, clock: int) -> int:
@@ -110,3 +158,26 @@ class Counters:
         clocks, done = self.clocks()
         running = clocks[~done]
         return clock - int(running.min()) if running.size else 0
+
+    def wait_for_slowest(self, clock: int, bound: int | None, watchdog: Callable[[], None]
+                         ) -> int:
+        """This worker's lead over the slowest running worker, after waiting (sleeping) until
+        it is at most ``bound`` (None: no bound, plain async; 0: lock-step). The wait is
+        policed by ``watchdog``, which raises if the slowest worker is hung."""
+        lead = [self.lead(clock)]
+        if bound is None or lead[0] <= bound:
+            return lead[0]
+
+        def caught_up() -> bool:
+            lead[0] = self.lead(clock)
+            return lead[0] <= bound
+        poll(caught_up, math.inf, _unreachable, watchdog, fast=0.02)
+        return lead[0]
+
+    def _names(self, job: str, tasks: list[int]) -> str:
+        return ", ".join(f"/job:{job}/task:{t} (rank {self.layout.rank_of(job, t)})"
+                         for t in tasks)
+
+
+def _unreachable(waited: float) -> NoReturn:
+    raise AssertionError("an unbounded wait timed out")

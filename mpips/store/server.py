@@ -1,17 +1,21 @@
 """PS side of the store.
 
 Plain SGD needs no PS code: Accumulate is atomic per element, so the PS only keeps its window
-alive, asleep, until every worker is done. For stateful optimizers the PS applies the rule
+alive, asleep, until the chief ends the run. For stateful optimizers the PS applies the rule
 itself: it watches its mailbox, applies each posted gradient to its own variables and slots
 (in place, in window memory), and clears the flag. Busy, it polls every 50-200 us; idle for
 0.1 s, it backs off to 1 ms sleeps; it never blocks the workers' windows (MPI progress
 happens in the poll).
 
 Either way the PS also answers the chief's checkpoint requests (it writes the shard it
-holds, in parallel with the other PS tasks) and forwards a preemption signal it receives.
+holds, in parallel with the other PS tasks), forwards a preemption signal it receives, and
+watches the workers' clocks: a worker hung mid-run, or a chief that never ends the run, ends
+the job with a message naming it (the PS waits for the whole run, so its wait is policed by
+this watchdog rather than a fixed deadline).
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -19,61 +23,83 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import preemption
+from ..errors import AlreadyReported, NonFinite
 from ..optim import Optimizer
-from .cluster import POLL_SECONDS, Cluster
-from .counters import Counters
+from ..waits import poll
+from .cluster import POLL_SECONDS, Cluster, start_limit
+from .counters import Counters, _unreachable
+from .watchdog import Watchdog
 from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows, views
 
 BUSY_POLL_SECONDS = 5e-5   # right after an update
 WARM_POLL_SECONDS = 2e-4   # busy within the last WARM_SECONDS: the next push is coming soon
 WARM_SECONDS = 0.1
-REQUEST_POLL_SECONDS = 5e-3  # how often a busy PS looks for a checkpoint request
+CHORE_SECONDS = 5e-3       # how often a PS looks for a checkpoint request or the end of the run
 
 WriteShard = Callable[[int, dict[str, np.ndarray], dict[str, np.ndarray]], None]
 
 
 def serve(cluster: Cluster, windows: Windows, optimizer: Optimizer | None = None,
           write_shard: WriteShard | None = None) -> int:
-    """Serve this PS task until all ranks reach the end-of-run barrier; returns updates applied.
+    """Serve this PS task from the chief's ready flag until the chief ends the run
+    (Counters.end_run); returns the updates applied.
 
     ``write_shard(step, variables, slots)`` writes this PS's checkpoint shard when the chief
     asks for one.
     """
-    done = cluster.comm.Ibarrier()
-    chores = _Chores(Counters(windows), windows, cluster.role.task, write_shard)
+    counters = Counters(windows)
+    task = cluster.role.task
+    watchdog = Watchdog(counters, cluster.layout, cluster.layout.num_workers + task,
+                        chief_ends=True)
+    counters.wait_ready(start_limit(cluster.layout.num_workers + task),
+                        lambda: _forward_signal(counters))
+    chores = _Chores(counters, windows, task, write_shard, watchdog)
     if optimizer is None or not optimizer.stateful:
-        while not done.Test():
-            chores.run()
-            time.sleep(POLL_SECONDS)
+        poll(chores.run, math.inf, _unreachable)  # policed by the watchdog in chores.run
         return 0
-    return _apply_loop(cluster, windows, optimizer, done, chores)
+    return _apply_loop(cluster, windows, optimizer, chores)
+
+
+def _forward_signal(counters: Counters) -> None:
+    """A signal on a PS stops the job like one on a worker."""
+    signum = preemption.requested()
+    if signum and not counters.stop_signal():
+        counters.request_stop(signum)
 
 
 class _Chores:
-    """What a PS does between updates: forward a signal it received to the whole job
-    (a signal on a PS stops the job like one on a worker), and write checkpoint shards."""
+    """What a PS does between updates: forward a signal it received to the whole job, write
+    checkpoint shards, watch the workers, and notice the end of the run."""
 
     def __init__(self, counters: Counters, windows: Windows, task: int,
-                 write_shard: WriteShard | None):
+                 write_shard: WriteShard | None, watchdog: Watchdog):
         self.counters, self.windows, self.task = counters, windows, task
         self.write_shard = write_shard
+        self.watchdog = watchdog
         self.served = 0          # checkpoint requests answered
         self.next_look = 0.0
 
-    def run(self) -> None:
-        signum = preemption.requested()
-        if signum and not self.counters.stop_signal():
-            self.counters.request_stop(signum)
+    def run(self) -> bool:
+        """Do what is due; True once the chief has ended the run."""
+        _forward_signal(self.counters)
         now = time.monotonic()
-        if self.write_shard is None or now < self.next_look:
-            return
-        self.next_look = now + REQUEST_POLL_SECONDS
-        number, step = self.counters.checkpoint_request()
-        if number > self.served:
-            self.windows.params.Sync()  # see every Put and Accumulate that has landed
-            self.write_shard(step, *self.windows.held(self.task))
-            self.served = number
-            self.counters.shard_written()
+        if now < self.next_look:
+            return False
+        self.next_look = now + CHORE_SECONDS
+        if self.write_shard is not None:
+            number, step = self.counters.checkpoint_request()
+            if number > self.served:
+                self.windows.params.Sync()  # see every Put and Accumulate that has landed
+                try:
+                    self.write_shard(step, *self.windows.held(self.task))
+                except NonFinite as e:  # said once, even if several PS tasks find it
+                    raise e if self.counters.claim_failure() else AlreadyReported(str(e))
+                self.served = number
+                self.counters.shard_written(self.task, number)
+        if self.counters.run_ended():
+            return True
+        self.watchdog.check()
+        return False
 
 
 def _apply_rows(optimizer: Optimizer, var: np.ndarray, slots: dict[str, np.ndarray],
@@ -91,14 +117,9 @@ def _apply_rows(optimizer: Optimizer, var: np.ndarray, slots: dict[str, np.ndarr
 
 
 def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
-                done: MPI.Request, chores: _Chores) -> int:
+                chores: _Chores) -> int:
     task, me = cluster.role.task, cluster.rank
-    counters = Counters(windows)
-    while not counters.is_ready():  # t continues from the restored global_step
-        if done.Test():
-            return 0
-        time.sleep(POLL_SECONDS)
-    t = counters.global_step()
+    t = chores.counters.global_step()  # t continues from the restored global_step
 
     memory = windows.local(windows.params)
     variables, slot_views = windows.held(task)
@@ -117,8 +138,7 @@ def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
     zero = np.zeros(1, np.int64)
     lr_word = np.zeros(1, np.int64)
     sleep, last_busy = BUSY_POLL_SECONDS, 0.0
-    while not done.Test():
-        chores.run()
+    while not chores.run():
         busy = False
         for k, (grads, row_boxes) in enumerate(inboxes):
             base = MAIL_WORDS * k

@@ -20,10 +20,11 @@ from mpi4py import MPI
 
 from ..layout import Layout
 from ..placement import Placed, Placement
-from .cluster import sleepy_barrier
+from .cluster import barrier, check_arrival
 
-# control window on ps task 0: int64 counters, then a clock and a done flag per worker
-GLOBAL_STEP, TICKETS, READY, STOP, CKPT_SEQ, CKPT_STEP, CKPT_DONE, CLOCKS = range(8)
+# control window on ps task 0: int64 counters, then per PS task the number of the last
+# checkpoint request it wrote its shard for, then a clock and a done flag per worker
+GLOBAL_STEP, TICKETS, READY, STOP, CKPT_SEQ, CKPT_STEP, ENDED, FAILED, SHARDS = range(9)
 # mailbox window on every PS: per worker, [flag, learning rate (float64 bits)]
 MAIL_FLAG, MAIL_LR, MAIL_WORDS = 0, 1, 2
 
@@ -67,35 +68,15 @@ def _align(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
-class Windows:
-    """The parameter, mailbox and control windows; created and freed collectively."""
+class WindowPlan:
+    """What the windows hold and where, from the placement alone (no MPI): sizes and offsets
+    every rank computes identically, and what each rank will allocate."""
 
-    def __init__(self, comm: MPI.Comm, layout: Layout, placement: Placement,
-                 slots: Placement | None = None, inboxes: bool = False, row_capacity: int = 0):
-        self.layout = layout
+    def __init__(self, placement: Placement, slots: Placement | None = None,
+                 row_capacity: int = 0):
         self.placement = placement
         self.slots = slots
         self.row_capacity = row_capacity
-        role = layout.role(comm.rank)
-        workers = layout.num_workers
-        is_ps = role.job == "ps"
-        size = self.inbox_offset(role.task, workers) if is_ps and inboxes else \
-            self.state_bytes(role.task) if is_ps else 0
-        self.params = MPI.Win.Allocate(size, disp_unit=1, comm=comm)
-        mail = MAIL_WORDS * workers * 8 if is_ps and inboxes else 0
-        self.mail = MPI.Win.Allocate(mail, disp_unit=8, comm=comm)
-        control = (CLOCKS + 2 * workers) * 8 if comm.rank == layout.ps_ranks[0] else 0
-        self.control = MPI.Win.Allocate(control, disp_unit=8, comm=comm)
-        self.control_rank = layout.ps_ranks[0]
-        for win in self._wins:
-            np.frombuffer(win.tomemory(), dtype=np.uint8)[:] = 0
-            win.Lock_all(MPI.MODE_NOCHECK)
-        self._open = True
-        sleepy_barrier(comm)  # nobody reads a counter before its owner has zeroed it
-
-    @property
-    def _wins(self) -> tuple[MPI.Win, ...]:
-        return self.params, self.mail, self.control
 
     def state_bytes(self, task: int) -> int:
         """Bytes of variables plus slots on PS ``task``."""
@@ -119,6 +100,48 @@ class Windows:
     def inbox_offset(self, task: int, worker: int) -> int:
         """Byte offset of worker ``worker``'s gradient inbox in PS ``task``'s window."""
         return self.state_bytes(task) + worker * self.inbox_bytes(task)
+
+    def window_bytes(self, task: int, workers: int, inboxes: bool) -> int:
+        """The parameter window of PS ``task``: its state, then (``inboxes``) one inbox per
+        worker."""
+        return self.inbox_offset(task, workers) if inboxes else self.state_bytes(task)
+
+    def rank_bytes(self, layout: Layout, inboxes: bool) -> list[int]:
+        """What each rank allocates for the store: a PS its window, a worker its pull and
+        push buffers (two copies of every whole variable)."""
+        dense = sum(self.placement.dense_bytes(p) for p in range(self.placement.num_ps))
+        return [self.window_bytes(role.task, layout.num_workers, inboxes) if role.job == "ps"
+                else 2 * dense for role in map(layout.role, range(layout.world_size))]
+
+
+class Windows(WindowPlan):
+    """The parameter, mailbox and control windows; created and freed collectively."""
+
+    def __init__(self, comm: MPI.Comm, layout: Layout, placement: Placement,
+                 slots: Placement | None = None, inboxes: bool = False, row_capacity: int = 0):
+        super().__init__(placement, slots, row_capacity)
+        self.layout = layout
+        role = layout.role(comm.rank)
+        workers = layout.num_workers
+        is_ps = role.job == "ps"
+        size = self.window_bytes(role.task, workers, inboxes) if is_ps else 0
+        check_arrival(comm, "window creation")  # Allocate is a blocking collective
+        self.params = MPI.Win.Allocate(size, disp_unit=1, comm=comm)
+        mail = MAIL_WORDS * workers * 8 if is_ps and inboxes else 0
+        self.mail = MPI.Win.Allocate(mail, disp_unit=8, comm=comm)
+        self.clocks_at = SHARDS + layout.num_ps  # index of worker 0's clock
+        control = (self.clocks_at + 2 * workers) * 8 if comm.rank == layout.ps_ranks[0] else 0
+        self.control = MPI.Win.Allocate(control, disp_unit=8, comm=comm)
+        self.control_rank = layout.ps_ranks[0]
+        for win in self._wins:
+            np.frombuffer(win.tomemory(), dtype=np.uint8)[:] = 0
+            win.Lock_all(MPI.MODE_NOCHECK)
+        self._open = True
+        barrier(comm, "window creation")  # nobody reads a counter before its owner zeroed it
+
+    @property
+    def _wins(self) -> tuple[MPI.Win, ...]:
+        return self.params, self.mail, self.control
 
     def local(self, win: MPI.Win) -> np.ndarray:
         """This rank's own memory of ``win`` as bytes (empty where it holds none)."""

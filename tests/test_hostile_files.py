@@ -1,0 +1,228 @@
+"""Hostile and corrupt files, in one process: HDF5 links and external storage are refused,
+declared sizes are checked against each other and against memory before any allocation,
+and no checkpoint ever holds NaN or infinity."""
+import json
+import warnings
+
+import h5py
+import numpy as np
+import pytest
+from conftest import run_py
+
+from mpips import checkpoint, data, sparse
+from mpips.checkpoint import Entry, Part
+from mpips.errors import CheckpointError, DataError, NonFinite
+from mpips.memory import ABSURD_BYTES, available_bytes
+from mpips.placement import VariableSpec
+
+SECRET = b"the user's private file: \x00\x01\x02\x03" * 4
+
+
+def secret_file(tmp_path):
+    """A file outside the checkpoint directory that a crafted file tries to read."""
+    path = tmp_path / "outside" / "secret.bin"
+    path.parent.mkdir()
+    path.write_bytes(SECRET)
+    with h5py.File(tmp_path / "outside" / "secret.h5", "w") as f:
+        f["x"] = np.frombuffer(SECRET[:32], np.float32).reshape(2, 4)
+    return path
+
+
+def hostile(kind, f, name, tmp_path):
+    """Put ``name`` into open file ``f`` as a link or dataset of ``kind`` pointing outside."""
+    secret = secret_file(tmp_path)
+    if kind == "external link":
+        f[name] = h5py.ExternalLink(str(secret.with_suffix(".h5")), "/x")
+    elif kind == "external storage":
+        f.create_dataset(name, (2, 4), "float32", external=[(str(secret), 0, 32)])
+    elif kind == "soft link":
+        f["hidden/x"] = np.zeros((2, 4), np.float32)
+        f[name] = h5py.SoftLink("/hidden/x")
+    elif kind == "virtual dataset":
+        layout = h5py.VirtualLayout((2, 4), "float32")
+        layout[:] = h5py.VirtualSource(str(secret.with_suffix(".h5")), "x", shape=(2, 4))
+        f.create_virtual_dataset(name, layout)
+
+
+KINDS = ["external link", "external storage", "soft link", "virtual dataset"]
+MESSAGE = {"external link": "is an external link", "soft link": "is a soft link",
+           "external storage": "keeps its data in an external file",
+           "virtual dataset": "is a virtual dataset"}
+
+
+def crafted_checkpoint(tmp_path, kind):
+    """A committed checkpoint whose shard holds variable 'w' as ``kind``."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    with h5py.File(d / checkpoint.shard_name(3, 0, 1), "w") as f:
+        f.attrs["format"] = checkpoint.FORMAT
+        hostile(kind, f, "variables/w", tmp_path)
+    checkpoint.commit(d, 3, 1, {"w": Entry((2, 4), "float32", (Part(0),))}, {}, {})
+    return d
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_checkpoint_that_points_outside_is_refused(tmp_path, kind):
+    d = crafted_checkpoint(tmp_path, kind)
+    ckpt = checkpoint.resolve(d)
+    with pytest.raises(CheckpointError, match=MESSAGE[kind]):
+        ckpt.read([VariableSpec("w", (2, 4))])
+    for cmd in (["export", str(d), str(tmp_path / "out.h5")], ["inspect", str(d)]):
+        r = run_py(["-m", "mpips", "ckpt", *cmd], cwd=tmp_path)
+        assert r.returncode == 2 and MESSAGE[kind] in r.stderr, (r.returncode, r.stderr)
+        assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr
+    assert not (tmp_path / "out.h5").exists()
+
+
+def dense_file(path, **over):
+    rng = np.random.default_rng(0)
+    parts = {"train/x": rng.integers(0, 255, (20, 4), dtype=np.uint8),
+             "train/y": rng.integers(0, 3, 20),
+             "test/x": rng.integers(0, 255, (5, 4), dtype=np.uint8),
+             "test/y": rng.integers(0, 3, 5)}
+    parts.update(over)
+    with h5py.File(path, "w") as f:
+        for k, v in parts.items():
+            f[k] = v
+        f.attrs["num_classes"] = 3
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_data_file_that_points_outside_is_refused(tmp_path, kind):
+    path = tmp_path / "d.h5"
+    dense_file(path)
+    with h5py.File(path, "a") as f:
+        del f["test/x"]
+        hostile(kind, f, "test/x", tmp_path)
+    with pytest.raises(DataError, match=MESSAGE[kind]):
+        data.open_dataset(str(path))
+
+
+def manifest_declaring(tmp_path, shape, parts=None):
+    d = tmp_path / "ck"
+    checkpoint.write_shard(d, 5, 0, 1, {"w": np.zeros((2, 4), np.float32)})
+    checkpoint.commit(d, 5, 1, {"w": Entry((2, 4), "float32", (Part(0),))}, {}, {})
+    raw = json.loads((d / "ckpt-5.json").read_text())
+    raw["variables"]["w"]["shape"] = shape
+    if parts is not None:
+        raw["variables"]["w"]["parts"] = parts
+    (d / "ckpt-5.json").write_text(json.dumps(raw))
+    return d
+
+
+def test_a_manifest_declaring_70_tib_is_refused_before_allocation(tmp_path):
+    d = manifest_declaring(tmp_path, [70 << 40 >> 2])  # 70 TiB of float32
+    ckpt = checkpoint.resolve(d)  # parsing allocates nothing per row
+    with pytest.raises(CheckpointError, match=r"needs 70\.0 TiB, more than the .* available"):
+        ckpt.read_all()
+    r = run_py(["-m", "mpips", "ckpt", "export", "ck", "out.h5"], cwd=tmp_path)
+    assert r.returncode == 2 and "needs 70.0 TiB" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_partitions_of_a_huge_table_are_checked_without_allocating(tmp_path):
+    """Coverage of 10^13 rows in two parts is arithmetic (the old check allocated a counter
+    per row: a MemoryError); a gap or an overlap is still found."""
+    rows = 10 ** 13
+    d = manifest_declaring(tmp_path, [rows, 1], [{"shard": 0, "rows": [0, rows, 2]},
+                                                 {"shard": 0, "rows": [1, rows, 2]}])
+    assert checkpoint.resolve(d).variables["w"].shape == (rows, 1)
+    for parts in ([[0, rows, 2], [2, rows, 2]], [[0, rows, 2], [0, rows, 2]],
+                  [[0, rows // 2, 1], [rows // 2 + 1, rows, 1]]):
+        d = manifest_declaring(tmp_path / str(len(list(tmp_path.iterdir()))), [rows, 1],
+                               [{"shard": 0, "rows": p} for p in parts])
+        with pytest.raises(CheckpointError, match="do not cover it exactly once"):
+            checkpoint.resolve(d)
+
+
+def test_an_absurd_declaration_is_refused_when_parsed(tmp_path):
+    d = manifest_declaring(tmp_path, [ABSURD_BYTES, 8])
+    with pytest.raises(CheckpointError, match="absurd"):
+        checkpoint.resolve(d)
+
+
+def test_sizes_of_data_attributes_are_checked(tmp_path):
+    with h5py.File(dense_file(tmp_path / "c.h5"), "a") as f:
+        f.attrs["num_classes"] = 1 << 40
+    with pytest.raises(DataError, match="num_classes must be in 2..16777216"):
+        data.open_dataset(str(tmp_path / "c.h5"))
+    with h5py.File(dense_file(tmp_path / "s.h5"), "a") as f:
+        f.attrs["x_scale"] = float("nan")
+    with pytest.raises(DataError, match="x_scale must be a positive number"):
+        data.open_dataset(str(tmp_path / "s.h5"))
+
+
+def csr_file(tmp_path, **attrs):
+    rng = np.random.default_rng(0)
+    import scipy.sparse as sp
+    x = sp.random(30, 50, density=0.1, format="csr", random_state=1, dtype=np.float32)
+    y = rng.integers(0, 2, 30)
+    path = tmp_path / "csr.h5"
+    sparse.write_csr(path, (x[:20], y[:20]), (x[20:], y[20:]), 50)
+    with h5py.File(path, "a") as f:
+        f.attrs.update(attrs)
+    return str(path)
+
+
+def test_max_nnz_is_checked_against_indptr_at_open(tmp_path):
+    path = csr_file(tmp_path)
+    info = data.open_dataset(path)
+    with h5py.File(path, "a") as f:
+        f.attrs["max_nnz"] = info.max_nnz - 1  # a lie that would overflow the PS inboxes
+    with pytest.raises(DataError, match=f"max_nnz = {info.max_nnz - 1}, but the longest row "
+                                        f"has {info.max_nnz}"):
+        data.open_dataset(path)
+    with h5py.File(path, "a") as f:
+        f.attrs["max_nnz"] = 10 ** 12  # absurd: it sizes every inbox
+    with pytest.raises(DataError, match="max_nnz = 1000000000000"):
+        data.open_dataset(path)
+
+
+def test_indptr_that_decreases_is_found_at_open(tmp_path, monkeypatch):
+    monkeypatch.setattr(sparse, "CHUNK_ROWS", 4)  # the check reads indptr in chunks
+    path = csr_file(tmp_path)
+    with h5py.File(path, "a") as f:
+        indptr = f["train/indptr"][()]
+        indptr[9] = indptr[10] + 1
+        f["train/indptr"][...] = indptr
+    with pytest.raises(DataError, match="indptr decreases"):
+        data.open_dataset(path)
+
+
+def test_a_shard_read_that_does_not_fit_in_memory_is_refused(tmp_path, monkeypatch):
+    path = dense_file(tmp_path / "d.h5")
+    info = data.open_dataset(path)
+    monkeypatch.setattr("mpips.memory.available_bytes", lambda: 100)
+    with pytest.raises(DataError, match="needs .* more than the 100 B of memory available"):
+        data.load_split(info, "train")
+
+
+def test_available_memory_is_plausible():
+    assert 1 << 20 < available_bytes() < ABSURD_BYTES
+
+
+def test_no_checkpoint_holds_non_finite_values(tmp_path):
+    good = {"w": np.ones(3, np.float32)}
+    checkpoint.write_shard(tmp_path, 1, 0, 1, good)
+    for bad in (np.nan, np.inf, -np.inf):
+        w = np.ones(1000, np.float32)
+        w[777] = bad
+        with pytest.raises(NonFinite, match="'w' holds NaN or infinite values at global_step 2"):
+            checkpoint.write_shard(tmp_path, 2, 0, 1, {"w": w})
+        with pytest.raises(NonFinite, match="'w/m' holds NaN or infinite values"):
+            checkpoint.write_shard(tmp_path, 2, 0, 1, good, {"w/m": w})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1.shard-0-of-1.h5"]
+    big = np.full(1000, 3e38, np.float32)  # finite, though a float32 sum would overflow
+    checkpoint.write_shard(tmp_path, 3, 0, 1, {"w": big})
+
+
+def test_ctr_loss_has_no_overflow_warning_for_any_logit():
+    from mpips.ctr import _sigmoid_loss
+    z = np.array([-1000.0, -50.0, 0.0, 50.0, 1000.0], np.float32)
+    y = np.array([1, 0, 1, 1, 0], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, p = _sigmoid_loss(z, y)
+    np.testing.assert_allclose(p, [0.0, 0.0, 0.5, 1.0, 1.0], atol=1e-20)
+    assert np.isfinite(loss) and loss == pytest.approx((1000 + 0 + np.log(2) + 0 + 1000) / 5,
+                                                       rel=1e-5)

@@ -1,0 +1,315 @@
+"""How runs end when something goes wrong, end to end under mpiexec (plain pytest only):
+every wait has a deadline that names the task that did not arrive, idle waits sleep, every
+rank honours preemption (SIGINT too), a loss that is not finite stops the job, and a
+checkpoint directory that cannot be used is found before training."""
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import clean_env, mpiexec_path, run_mpi
+
+from mpips import checkpoint
+
+pytestmark = pytest.mark.launcher
+
+# "the job ends promptly" means well before any default deadline (300 s and 600 s), with
+# room for a slow start of 3-4 ranks on a loaded 2-core machine
+PROMPT = 60
+
+
+def ended_once(r, said, code):
+    """The job exited with ``code`` and ``said`` appears exactly once, with one error line."""
+    assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    assert r.stderr.count(said) == 1, r.stderr[-3000:]
+    assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+PATCHED = """
+import sys, time
+from mpi4py import MPI
+import mpips
+{patch}
+with mpips.abort_on_error():
+    job = mpips.load_job(None)
+    job.train.progress, job.train.log_every = False, 0
+    job.train.steps, job.checkpoint.every_steps = {steps}, {every}
+    mpips.train(job)
+"""
+
+
+def run_patched(tmp_path, ranks, patch, steps=300, every=50, **env):
+    (tmp_path / "job.py").write_text(PATCHED.format(patch=patch, steps=steps, every=every))
+    t0 = time.monotonic()
+    r = run_mpi(ranks, ["job.py"], cwd=tmp_path, timeout=120, **env)
+    return r, time.monotonic() - t0
+
+
+def test_a_ps_hung_in_a_shard_write_is_named(tmp_path):
+    """The chief's wait for checkpoint shards has a deadline and names the PS task; the
+    other worker's watchdog does not blame the chief instead."""
+    patch = """
+import mpips.checkpoint as ck
+real = ck.write_shard
+def write_shard(d, step, shard, num_shards, *a, **k):
+    if step > 0 and MPI.COMM_WORLD.rank == 0:
+        time.sleep(1000)  # a PS hung in its shard write (a hung file system)
+    return real(d, step, shard, num_shards, *a, **k)
+ck.write_shard = write_shard
+"""
+    r, took = run_patched(tmp_path, 3, patch, MPIPS_STALL_TIMEOUT="3")
+    ended_once(r, "/job:ps/task:0 (rank 0) did not write its shard of the checkpoint at "
+                  "global_step", 1)
+    assert took < PROMPT
+
+
+def test_a_chief_that_never_raises_ready_is_named(tmp_path):
+    patch = """
+from mpips.store.counters import Counters
+def raise_ready(self):
+    time.sleep(1000)  # the chief stuck while initialising
+Counters.raise_ready = raise_ready
+"""
+    r, took = run_patched(tmp_path, 4, patch, MPIPS_START_TIMEOUT="3")
+    ended_once(r, "/job:worker/task:0 (rank 1) (the chief) did not raise the ready flag within", 1)
+    assert took < PROMPT
+
+
+@pytest.mark.parametrize("rank,said", [
+    (2, "rank(s) 2 did not reach window creation within 3 s"),
+    (0, "rank 0 did not confirm within 8 s that every rank reached window creation"),
+])
+def test_a_rank_stuck_before_window_creation_is_named(tmp_path, rank, said):
+    """Window creation is a blocking collective: every rank checks in first, so a rank that
+    never gets there is named and nobody is left inside MPI_Win_allocate."""
+    patch = f"""
+from mpips.store import window
+real = window.Windows.__init__
+def init(self, comm, *a, **k):
+    if comm.rank == {rank}:
+        time.sleep(1000)
+    real(self, comm, *a, **k)
+window.Windows.__init__ = init
+"""
+    r, took = run_patched(tmp_path, 3, patch, MPIPS_START_TIMEOUT="3")
+    assert r.returncode != 0 and said in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert took < PROMPT
+
+
+SAMPLER = """
+import os, threading, time
+from mpi4py import MPI
+def sample(path):
+    while True:  # this process's CPU seconds and the wall clock, 5 times a second
+        with open(path, "a") as f:
+            f.write(f"{time.monotonic()} {time.process_time()}\\n")
+        time.sleep(0.2)
+threading.Thread(target=sample, args=(f"cpu-{MPI.COMM_WORLD.rank}.txt",), daemon=True).start()
+import mpips
+class Hang(mpips.Hook):
+    def after_step(self, run, info):
+        if run.role.task == 2 and info.local_updates == 5:
+            open("hang.txt", "w").write(str(time.monotonic()))
+            time.sleep(1000)
+with mpips.abort_on_error():
+    job = mpips.load_job(None)
+    job.train.progress, job.checkpoint.dir, job.train.mode = False, "", "sync"
+    mpips.train(job, hooks=[Hang()])
+"""
+
+
+def test_replicas_waiting_on_a_hung_peer_sleep(tmp_path):
+    """A replica waiting in a collective for a hung one must not burn a core for the whole
+    stall timeout: each waiting rank uses under 10% of a core while it waits."""
+    (tmp_path / "hang.py").write_text(SAMPLER)
+    r = run_mpi(4, ["hang.py"], cwd=tmp_path, timeout=120, MPIPS_STALL_TIMEOUT="6")
+    assert r.returncode == 1 and "did not complete within 6 s" in r.stderr, r.stderr[-3000:]
+    hung_at = float((tmp_path / "hang.txt").read_text())
+    for rank in (0, 1, 3):  # rank 2 is the hung replica (sync mode: no PS)
+        samples = [tuple(map(float, line.split()))
+                   for line in (tmp_path / f"cpu-{rank}.txt").read_text().splitlines()]
+        waiting = [(t, cpu) for t, cpu in samples if t > hung_at + 1.0]
+        assert len(waiting) >= 10, samples[-5:]
+        (t0, c0), (t1, c1) = waiting[0], waiting[-1]
+        share = (c1 - c0) / (t1 - t0)
+        assert share < 0.10, f"rank {rank} used {share:.0%} of a core while waiting"
+
+
+class Background:
+    """A training job run in the background, its output in a file."""
+
+    def __init__(self, tmp_path, ranks, *args):
+        self.log = tmp_path / "out.log"
+        self._out = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpips", "train",
+             "--no-progress", "--log-every", "0", *args],
+            cwd=tmp_path, env=clean_env(), stdout=self._out, stderr=subprocess.STDOUT)
+
+    def text(self):
+        return self.log.read_text()
+
+    def wait_for(self, pattern, timeout=90):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.text())
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.proc.kill()
+        pytest.fail(f"no {pattern!r} within {timeout} s:\n{self.text()[-3000:]}")
+
+    def pid_of(self, task):
+        return int(self.wait_for(rf"\[{re.escape(task)}\] rank \d+, pid (\d+) on ").group(1))
+
+    def end(self, timeout=PROMPT):
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self._out.close()
+
+
+SYNC_JOB = ('[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 1000000000\n'
+            '[checkpoint]\ndir = "runs/sync"\nevery_steps = 100\n')
+
+
+def test_a_signal_on_a_ps_rank_in_sync_mode_stops_the_job_with_exit_3(tmp_path):
+    """PS ranks in sync mode hold nothing, but a signal there stops the whole job like one on
+    a replica: a checkpoint, and exit code 3 from every rank."""
+    (tmp_path / "sync.toml").write_text(SYNC_JOB)
+    (tmp_path / "layout.toml").write_text("ps = 1\n")
+    job = Background(tmp_path, 3, "sync.toml", "--layout", "layout.toml")
+    ps = job.pid_of("/job:ps/task:0")
+    job.wait_for(r"saved checkpoint")  # training is under way
+    import os
+    os.kill(ps, signal.SIGTERM)
+    assert job.end() == 3, job.text()[-3000:]
+    m = re.search(r"stopped early by SIGTERM: checkpoint at global_step (\d+)", job.text())
+    assert m and (tmp_path / f"runs/sync/ckpt-{m.group(1)}.json").exists(), job.text()[-3000:]
+
+
+def test_ctrl_c_checkpoints_and_exits_3_like_sigterm(tmp_path):
+    """Ctrl-C reaches mpiexec, which forwards SIGINT to every rank: the same clean stop as
+    SIGTERM (a checkpoint, exit 3), and the rerun resumes from it."""
+    job = Background(tmp_path, 3, "--steps", str(10 ** 9))
+    job.wait_for(r"saved checkpoint")
+    job.proc.send_signal(signal.SIGINT)
+    assert job.end() == 3, job.text()[-3000:]
+    step = int(job.wait_for(r"stopped early by SIGINT: checkpoint at global_step (\d+)")
+               .group(1))
+    assert (tmp_path / f"runs/default/ckpt-{step}.json").exists()
+    again = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--steps", str(step + 20)],
+                    cwd=tmp_path)
+    assert again.returncode == 0 and f"restored global_step {step}" in again.stdout, again.stderr
+
+
+FIRST = """
+import os, signal, sys, mpips
+class Preempt(mpips.Hook):
+    def begin(self, run):
+        os.kill(os.getpid(), signal.SIGUSR1)  # every worker, before its first update
+with mpips.abort_on_error():
+    job = mpips.load_job(None)
+    job.train.progress = False
+    result = mpips.train(job, hooks=[Preempt()])
+sys.exit(3 if result.stopped_by else 0)
+"""
+
+
+def test_preempted_before_the_first_update_names_no_checkpoint(tmp_path):
+    (tmp_path / "first.py").write_text(FIRST)
+    r = run_mpi(3, ["first.py"], cwd=tmp_path, timeout=90)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "stopped early by SIGUSR1: no update was made, so there is no checkpoint" in r.stdout
+    assert "checkpoint at global_step" not in r.stdout
+    assert not checkpoint.list_checkpoints(tmp_path / "runs/default")
+
+
+DIVERGE = """
+[model]
+hidden = [64, 64]        # with lr 1e6 the loss is NaN within a few steps
+[data]
+builtin = "digits"
+[optimizer]
+learning_rate = 1e6
+[train]
+mode = "{mode}"
+steps = 100000
+batch_size = 16
+log_every = 0
+progress = false
+[checkpoint]
+dir = "runs/nan"
+every_steps = 3
+"""
+
+
+@pytest.mark.parametrize("mode,ranks", [("async", 4), ("sync", 3)])
+def test_a_loss_that_is_not_finite_stops_the_job(tmp_path, mode, ranks):
+    """TensorFlow's NanTensorHook: a learning rate of 1e6 makes the loss NaN or infinite; the
+    job stops at once with one message naming the worker and the global step (exit 1), and
+    no committed checkpoint holds a non-finite value."""
+    (tmp_path / "job.toml").write_text(DIVERGE.format(mode=mode))
+    r = run_mpi(ranks, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    said = re.search(r"the loss of /job:worker/task:\d+ is (nan|inf|-inf|not finite) at "
+                     r"global_step \d+: training stopped", r.stderr)
+    guard = re.search(r"'[\w/]+' holds NaN or infinite values at global_step \d+: not "
+                      r"checkpointed", r.stderr)
+    assert said or guard, r.stderr[-3000:]
+    for _, manifest in checkpoint.list_checkpoints(tmp_path / "runs/nan"):
+        variables, slots = checkpoint.Checkpoint(manifest).read_all()
+        for name, value in {**variables, **slots}.items():
+            assert np.isfinite(value).all(), f"{manifest.name}: {name} is not finite"
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_found_before_training(tmp_path):
+    (tmp_path / "afile").write_text("not a directory")
+    r = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--ckpt-dir", "afile/ck"],
+                cwd=tmp_path, timeout=60)
+    ended_once(r, "checkpoint.dir afile/ck: cannot write checkpoints there", 2)
+    assert "shard rows" not in r.stdout and "step" not in r.stdout  # nothing trained
+
+
+def test_a_fresh_start_never_mixes_with_another_run(tmp_path):
+    """--no-restore into a directory holding another run's checkpoints is refused (naming
+    the directory and its latest step, and how to go on), changing nothing."""
+    first = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--steps", "250"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    d = tmp_path / "runs/default"
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    r = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--steps", "100", "--no-restore"],
+                cwd=tmp_path, timeout=60)
+    ended_once(r, "checkpoint.dir runs/default already holds 2 checkpoint(s) of an earlier run, "
+                  "the latest at global_step 250", 2)
+    assert "--ckpt-dir" in r.stderr
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    fresh = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--steps", "100",
+                        "--no-restore", "--ckpt-dir", "runs/other"], cwd=tmp_path)
+    assert fresh.returncode == 0 and "final: global_step 100" in fresh.stdout, fresh.stderr
+
+
+def test_the_chief_keeps_training_while_the_ps_writes_a_checkpoint(tmp_path):
+    """A periodic checkpoint does not stop the chief (it commits when the shards are
+    written), and the chief's share of the updates is logged."""
+    r = run_mpi(8, ["-m", "mpips", "train", "--no-progress"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    share = re.search(r"\[/job:worker/task:0\] updates per worker task: ([\d ]+)", r.stdout)
+    assert share and sum(map(int, share.group(1).split())) == 600, r.stdout[-3000:]
+    pauses = re.findall(r"saved checkpoint runs/default/ckpt-\d+\.json \(global_step \d+, "
+                        r"\d+ ms; the chief paused (\d+) ms\)", r.stdout)
+    assert len(pauses) == 3, r.stdout[-3000:]
+    manifest = json.loads((tmp_path / "runs/default/ckpt-600.json").read_text())
+    assert sum(manifest["clocks"]) == 600
+    assert Path(tmp_path / "runs/default/ckpt-600.shard-1-of-2.h5").exists()
