@@ -125,16 +125,31 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run_mpi(n: int, args: list[str], cwd: Path, timeout: float = 90,
             **env: str) -> subprocess.CompletedProcess:
-    """``mpiexec -n N python ARGS`` with a hard timeout; output captured as text."""
+    """``mpiexec -n N python ARGS`` with a hard timeout; output captured as text. A job that
+    hangs is ended with its ranks (stop_launcher), and the test fails with its output."""
     cmd = [mpiexec_path(), "-n", str(n), sys.executable, *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=clean_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
-        return subprocess.run(cmd, cwd=cwd, env=clean_env(**env), capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
-        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_launcher(proc)
+        out, err = proc.communicate()
         pytest.fail(f"mpiexec -n {n} {' '.join(args)} hung for {timeout} s\n"
                     f"stdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def stop_launcher(proc: subprocess.Popen) -> None:
+    """End a background mpiexec and its ranks: SIGTERM (the launcher passes it on and cleans
+    up), then SIGKILL if it is still there after 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run_py(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import clean_env, mpiexec_path, run_mpi
+from conftest import clean_env, mpiexec_path, run_mpi, stop_launcher
 
 from mpips import checkpoint
 
@@ -164,7 +164,7 @@ class Background:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        self.proc.kill()
+        stop_launcher(self.proc)
         pytest.fail(f"no {pattern!r} within {timeout} s:\n{self.text()[-3000:]}")
 
     def pid_of(self, task):
@@ -174,8 +174,7 @@ class Background:
         try:
             return self.proc.wait(timeout=timeout)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+            stop_launcher(self.proc)
             self._out.close()
 
 
