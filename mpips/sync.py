@@ -97,7 +97,7 @@ class GradientBuckets:
 
 SPIN_SECONDS = 0.02  # yield the core this long before sleeping: a step's collective
                      # usually completes within it (a sleep right away doubled the step time)
-STOP_TAG = 7002      # a PS rank's preemption signal, sent to the chief
+STOP_TAG = 7100      # a PS rank's preemption signal, sent to the chief
 
 
 def complete(comm: MPI.Comm, request: MPI.Request, what: str) -> None:

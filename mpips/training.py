@@ -27,7 +27,7 @@ from .nn import MLP, build_model
 from .optim import Optimizer, build_optimizer, clip_by_global_norm, learning_rate
 from .placement import slot_placement
 from .store import Cluster, Counters, StoreClient, Windows, agreed, allgather_json, barrier, serve
-from .store.cluster import STALL_TIMEOUT, node_of_each_rank, start_limit, wait
+from .store.cluster import STALL_TIMEOUT, node_of_each_rank, stall_limit, start_limit, wait
 from .store.counters import NO_MORE_TICKETS
 from .store.watchdog import Watchdog
 from .store.window import WindowPlan
@@ -328,7 +328,8 @@ def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:
     else:
         result = _work(job, cluster, windows, model, optimizer, prep, hooks)
     # the chief has ended the run (its last checkpoint and evaluation are done)
-    barrier(cluster.comm, "the end of the run", STALL_TIMEOUT)
+    # a backstop only: a hung chief is named first by the PS tasks' watchdogs
+    barrier(cluster.comm, "the end of the run", stall_limit(cluster.comm.size) + 5)
     result.stopped_by = Counters(windows).stop_signal()
     windows.free()  # collective, so never in a finally: a failing rank must reach Abort
     return result

@@ -107,6 +107,45 @@ def test_overlap_of_two_row_ranges(want, held):
         assert list(held[in_held]) == both and list(want[in_want]) == both
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 30), st.lists(st.tuples(st.integers(0, 35), st.integers(0, 35)),
+                                    min_size=1, max_size=6), st.integers(1, 5))
+def test_covers_once_agrees_with_counting_rows(num_rows, bounds, step):
+    """Exact cover, decided by arithmetic, equals counting every row (for ranges of one step)."""
+    parts = [Part(k, (a, b, step)) for k, (a, b) in enumerate(bounds)]
+    counts = np.zeros(max(num_rows, 36) + 1, int)
+    for a, b in bounds:
+        np.add.at(counts, list(range(a, b, step)), 1)
+    brute = bool((counts[:num_rows] == 1).all() and counts[num_rows:].sum() == 0)
+    assert checkpoint._covers_once(parts, num_rows) == brute
+
+
+def test_crafted_manifest_parts_are_checked_quickly(tmp_path):
+    """Many parts, or a step of 2^40, are refused (or checked) at once, not pairwise."""
+    import time
+    stored = values(1)
+    save(tmp_path, 1, stored)
+    manifest = tmp_path / "ckpt-1.json"
+    raw = json.loads(manifest.read_text())
+    n = 1 << 15  # pairwise checks: 5e8 of them
+    raw["shards"] = n
+    raw["variables"] = {"t": {"shape": [n, 1], "dtype": "float32",
+                              "parts": [{"shard": k, "rows": [k, k + 1, 1]} for k in range(n)]}}
+    manifest.write_text(json.dumps(raw))
+    start = time.monotonic()
+    checkpoint.Checkpoint(manifest)  # a valid, if odd, cover: accepted
+    assert time.monotonic() - start < 5
+    raw["variables"]["t"]["parts"][0]["rows"] = [0, 1, 1 << 40]
+    manifest.write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="step"):
+        checkpoint.Checkpoint(manifest)
+    raw["variables"]["t"]["parts"][1]["shard"] = 0
+    raw["variables"]["t"]["parts"][0]["rows"] = [0, 1, 1]
+    manifest.write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="two of its parts"):
+        checkpoint.Checkpoint(manifest)
+
+
 def test_commit_needs_every_shard_and_prunes_only_after(tmp_path):
     for s in (1, 2, 3, 4):
         save(tmp_path, s, values(s), max_to_keep=2)

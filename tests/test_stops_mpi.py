@@ -234,6 +234,36 @@ def test_preempted_before_the_first_update_names_no_checkpoint(tmp_path):
     assert not checkpoint.list_checkpoints(tmp_path / "runs/default")
 
 
+EARLY_PS_SIGNAL = """
+import os, signal, sys, time
+from mpi4py import MPI
+import mpips
+from mpips.store.counters import Counters
+real_wait, real_set = Counters.wait_ready, Counters.set_counters
+def wait_ready(self, *a, **k):
+    if MPI.COMM_WORLD.rank == 0:  # the PS task: signalled while the chief initialises
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_wait(self, *a, **k)
+def set_counters(self, *a, **k):
+    time.sleep(3)  # a slow restore: the PS has asked to stop before the counters are set
+    return real_set(self, *a, **k)
+Counters.wait_ready, Counters.set_counters = wait_ready, set_counters
+with mpips.abort_on_error():
+    job = mpips.load_job(None)
+    job.train.progress, job.train.steps = False, 100000
+    result = mpips.train(job)
+sys.exit(3 if result.stopped_by else 0)
+"""
+
+
+def test_a_signal_on_a_ps_before_the_chief_is_ready_is_kept(tmp_path):
+    """The chief setting the counters must not wipe a stop a PS task asked for earlier."""
+    (tmp_path / "early.py").write_text(EARLY_PS_SIGNAL)
+    r = run_mpi(3, ["early.py"], cwd=tmp_path, timeout=90)
+    assert r.returncode == 3, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "stopped early by SIGTERM: no update was made" in r.stdout, r.stdout[-2000:]
+
+
 DIVERGE = """
 [model]
 hidden = [64, 64]        # with lr 1e6 the loss is NaN within a few steps

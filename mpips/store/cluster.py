@@ -27,15 +27,20 @@ T = TypeVar("T")
 START_TIMEOUT = float(os.environ.get("MPIPS_START_TIMEOUT", "300"))
 # a task that makes no progress for this many seconds mid-run, while others wait, is hung
 STALL_TIMEOUT = float(os.environ.get("MPIPS_STALL_TIMEOUT", "600"))
-_ARRIVAL_TAG = 7001
+_ARRIVAL_TAG = 7001  # and 7002 for rank 0's "go"; other point-to-point tags start at 7100
 _TOKEN = np.zeros(1, np.uint8)  # what an arrival sends (alive until the send completes)
 
 
+def stagger(index: int) -> float:
+    """Extra seconds waiter ``index`` (a task or rank) gives a late peer before it reports:
+    2 s per index up to 8, then 0.25 s per index, so that no two waiters report together
+    and the first one's abort ends the job before the next one looks."""
+    return 2.0 * min(index, 8) + 0.25 * max(0, index - 8)
+
+
 def stall_limit(index: int) -> float:
-    """Seconds waiter ``index`` (a task or rank) gives a hung peer: STALL_TIMEOUT, plus 2 s
-    per index up to 5, so that the first waiter alone reports the hang (its abort ends the
-    job before the others look)."""
-    return STALL_TIMEOUT + 2.0 * min(index, 5)
+    """Seconds waiter ``index`` gives a hung peer: STALL_TIMEOUT, staggered."""
+    return STALL_TIMEOUT + stagger(index)
 
 
 def wait(request: MPI.Request, what: str, timeout: float,
@@ -50,7 +55,7 @@ def wait(request: MPI.Request, what: str, timeout: float,
 
 def start_limit(index: int) -> float:
     """START_TIMEOUT for waiter ``index``, staggered like stall_limit (one waiter says it)."""
-    return START_TIMEOUT + 2.0 * min(index, 5)
+    return START_TIMEOUT + stagger(index)
 
 
 def check_arrival(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> None:
@@ -71,7 +76,7 @@ def check_arrival(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> 
                                f"gone; MPIPS_START_TIMEOUT sets the limit)")
         # later ranks wait longer, so that one of them (rank 1) says it
         poll(comm.Irecv(go, source=0, tag=_ARRIVAL_TAG + 1).Test,
-             timeout + 5 + 2.0 * min(comm.rank - 1, 5), silent)
+             timeout + 5 + stagger(comm.rank - 1), silent)
         return
     buffers = [np.zeros(1, np.uint8) for _ in range(comm.size)]
     pending = {r: comm.Irecv(buffers[r], source=r, tag=_ARRIVAL_TAG) for r in range(1, comm.size)}

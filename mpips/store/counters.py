@@ -64,9 +64,15 @@ class Counters:
         return self._op(GLOBAL_STEP, _ONE, MPI.NO_OP)
 
     def set_counters(self, step: int, clocks: list[int] | None = None) -> None:
-        """Chief, before raising ready: start global_step (and tickets, clocks) at ``step``."""
+        """Chief, before raising ready: start global_step (and tickets, clocks) at ``step``.
+
+        A stop requested before this (a signal on a PS task, which sets STOP, then TICKETS)
+        is kept: STOP is read after TICKETS is set, so one of the two writers leaves TICKETS
+        past every target."""
         self._set(GLOBAL_STEP, step)
         self._set(TICKETS, step)
+        if self.stop_signal():
+            self._set(TICKETS, NO_MORE_TICKETS)
         for task, clock in enumerate(clocks or []):
             self.publish_clock(task, clock)
 
