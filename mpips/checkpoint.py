@@ -96,9 +96,13 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 def check_finite(arrays: dict[str, np.ndarray], step: int) -> None:
     """NonFinite naming the first array holding NaN or infinity: such values are never
     checkpointed (one pass over memory, no temporary the size of an array)."""
-    for name, value in arrays.items():  # a float64 sum of float32 values cannot overflow
+    for name, value in arrays.items():
         a = np.asarray(value)
-        if a.dtype.kind == "f" and not math.isfinite(float(a.sum(dtype=np.float64))):
+        # a NaN or inf makes the sum non-finite; a non-finite sum of finite float64 values
+        # (an overflow) is told apart by the exact check, chunked to stay small
+        if a.dtype.kind == "f" and not math.isfinite(float(a.sum(dtype=np.float64))) and \
+                not all(np.isfinite(c).all() for c in np.array_split(a.reshape(-1),
+                                                                       max(1, a.size >> 20))):
             raise NonFinite(f"'{name}' holds NaN or infinite values at global_step {step}: not "
                             f"checkpointed, training stopped (the learning rate too high? "
                             f"lower optimizer.learning_rate or set optimizer.clip_norm)")

@@ -107,7 +107,8 @@ def load_split(info: DatasetInfo, split: str, rows: tuple[int, int] | None = Non
     start, stop = rows or (0, info.rows[split])
     if info.sparse:
         return sparse.load_csr(info.path, split, (start, stop), info.num_inputs)
-    check_fits((stop - start) * (info.num_inputs * 5 + 8),  # as stored (<= 4 B) and float32
+    # per input: as stored (<= 8 B) and as float32; per label: as stored and as int64
+    check_fits((stop - start) * (info.num_inputs * 12 + 16),
                f"data file {info.path}: {split} rows [{start}, {stop})", DataError)
     try:
         with open_plain(info.path, DataError, f"data file {info.path}") as f:

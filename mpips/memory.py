@@ -25,20 +25,35 @@ def _cgroup_room() -> int | None:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
             base = Path("/sys/fs/cgroup") / path.lstrip("/")
-            limit, usage = base / "memory.max", base / "memory.current"
+            limit, usage, cache = base / "memory.max", base / "memory.current", "inactive_file"
         elif "memory" in controllers.split(","):
             base = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
             limit, usage = base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"
+            cache = "total_inactive_file"
         else:
             continue
         try:
             text = limit.read_text().strip()
             if text == "max" or int(text) >= ABSURD_BYTES:
                 continue
-            return max(0, int(text) - int(usage.read_text()))
+            # the usage counts page cache, which the kernel reclaims before it OOM-kills
+            used = int(usage.read_text()) - _stat(base / "memory.stat", cache)
+            return max(0, int(text) - used)
         except (OSError, ValueError):
             continue
     return None
+
+
+def _stat(path: Path, key: str) -> int:
+    """One figure of a cgroup's memory.stat (0 if absent)."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def available_bytes() -> int:

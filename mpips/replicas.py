@@ -67,7 +67,7 @@ def run_replicas(job: Job, cluster: Cluster, model: MLP, optimizer: Optimizer,
                 forward_stop(comm, chief, preemption.requested())
                 forwarded[0] = True
         agreed_stop = idle_until_end(comm, preemption.requested(), forward)
-        result.stopped_by = agreed_stop or preemption.requested()
+        result.stopped_by = agreed_stop  # a signal too late to stop the run changes nothing
         return result
     result = _replica(job, cluster, model, optimizer, prep, hooks)
     # every rank, PS included, learns the signal that stopped the run: the same exit code

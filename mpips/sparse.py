@@ -64,7 +64,10 @@ def check_csr(f: h5py.File, path: str) -> tuple[dict[str, int], int, int]:
     if not 1 <= num_features <= ABSURD_BYTES // 4:
         raise DataError(f"data file {path}: attribute num_features must be a positive id "
                         f"count, got {num_features}")
-    max_nnz = int(f.attrs.get("max_nnz", -1))
+    if "max_nnz" not in f.attrs:
+        raise DataError(f"data file {path}: attribute max_nnz is missing (the longest row "
+                        f"has {longest} features; it sizes the PS inboxes)")
+    max_nnz = int(f.attrs["max_nnz"])
     if max_nnz != longest:
         raise DataError(f"data file {path}: attribute max_nnz = {max_nnz}, but the longest "
                         f"row has {longest} features (it sizes the PS inboxes)")
@@ -95,7 +98,9 @@ def load_csr(path: str, split: str, rows: tuple[int, int], num_features: int) ->
         with open_plain(path, DataError, f"data file {path}") as f:
             indptr = f[f"{split}/indptr"][start:stop + 1].astype(np.int64)
             lo, hi = int(indptr[0]), int(indptr[-1])
-            check_fits((hi - lo) * 16 + (stop - start) * 16,
+            # as stored (<= 8 B each) and converted: ids to int64, values and labels to
+            # float32, indptr to int64
+            check_fits((hi - lo) * 28 + (stop - start) * 28,
                        f"data file {path}: {split} rows [{start}, {stop})", DataError)
             ids = f[f"{split}/ids"][lo:hi].astype(np.int64)
             values = f[f"{split}/values"][lo:hi].astype(np.float32)

@@ -107,6 +107,7 @@ def manifest_declaring(tmp_path, shape, parts=None):
     raw["variables"]["w"]["shape"] = shape
     if parts is not None:
         raw["variables"]["w"]["parts"] = parts
+        raw["shards"] = len(parts)
     (d / "ckpt-5.json").write_text(json.dumps(raw))
     return d
 
@@ -125,12 +126,12 @@ def test_partitions_of_a_huge_table_are_checked_without_allocating(tmp_path):
     per row: a MemoryError); a gap or an overlap is still found."""
     rows = 10 ** 13
     d = manifest_declaring(tmp_path, [rows, 1], [{"shard": 0, "rows": [0, rows, 2]},
-                                                 {"shard": 0, "rows": [1, rows, 2]}])
+                                                 {"shard": 1, "rows": [1, rows, 2]}])
     assert checkpoint.resolve(d).variables["w"].shape == (rows, 1)
     for parts in ([[0, rows, 2], [2, rows, 2]], [[0, rows, 2], [0, rows, 2]],
                   [[0, rows // 2, 1], [rows // 2 + 1, rows, 1]]):
         d = manifest_declaring(tmp_path / str(len(list(tmp_path.iterdir()))), [rows, 1],
-                               [{"shard": 0, "rows": p} for p in parts])
+                               [{"shard": k, "rows": p} for k, p in enumerate(parts)])
         with pytest.raises(CheckpointError, match="do not cover it exactly once"):
             checkpoint.resolve(d)
 
@@ -176,6 +177,10 @@ def test_max_nnz_is_checked_against_indptr_at_open(tmp_path):
         f.attrs["max_nnz"] = 10 ** 12  # absurd: it sizes every inbox
     with pytest.raises(DataError, match="max_nnz = 1000000000000"):
         data.open_dataset(path)
+    with h5py.File(path, "a") as f:
+        del f.attrs["max_nnz"]
+    with pytest.raises(DataError, match="attribute max_nnz is missing"):
+        data.open_dataset(path)
 
 
 def test_indptr_that_decreases_is_found_at_open(tmp_path, monkeypatch):
@@ -214,6 +219,11 @@ def test_no_checkpoint_holds_non_finite_values(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1.shard-0-of-1.h5"]
     big = np.full(1000, 3e38, np.float32)  # finite, though a float32 sum would overflow
     checkpoint.write_shard(tmp_path, 3, 0, 1, {"w": big})
+    huge = np.full(1000, 1e308)  # finite float64 values whose float64 sum overflows
+    checkpoint.write_shard(tmp_path, 4, 0, 1, {"w": huge})
+    huge[5] = np.nan
+    with pytest.raises(NonFinite):
+        checkpoint.write_shard(tmp_path, 5, 0, 1, {"w": huge})
 
 
 def test_ctr_loss_has_no_overflow_warning_for_any_logit():
