@@ -98,9 +98,11 @@ def check_finite(arrays: dict[str, np.ndarray], step: int) -> None:
     checkpointed (one pass over memory, no temporary the size of an array)."""
     for name, value in arrays.items():
         a = np.asarray(value)
-        # a NaN or inf makes the sum non-finite; a non-finite sum of finite float64 values
-        # (an overflow) is told apart by the exact check, chunked to stay small
-        if a.dtype.kind == "f" and not math.isfinite(float(a.sum(dtype=np.float64))) and \
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = float(a.sum()) if a.dtype.kind == "f" else 0.0
+        # a NaN or inf makes the sum (in the array's own dtype: the fastest pass) non-finite;
+        # a sum that overflows on finite values is told apart by the exact check, chunked
+        if not math.isfinite(total) and \
                 not all(np.isfinite(c).all() for c in np.array_split(a.reshape(-1),
                                                                        max(1, a.size >> 20))):
             raise NonFinite(f"'{name}' holds NaN or infinite values at global_step {step}: not "
