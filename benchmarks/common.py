@@ -20,7 +20,7 @@ DEFAULT_DATA = str(Path(tempfile.gettempdir()) / "mpips-bench/synthetic.h5")
 
 
 def reference_data(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """REFERENCE.md's synthetic train split, made once (60000 x 784, N(0,1))."""
+    """The reference workload's synthetic train split, made once (60000 x 784, N(0,1))."""
     if not Path(path).exists():
         print(f"making {path} ...", flush=True)
         make_synthetic(path)

@@ -47,7 +47,7 @@ def start_values(opt: Optimizer, specs):
 
 def write_start(client: StoreClient, opt: Optimizer, specs) -> None:
     params, slots = start_values(opt, specs)
-    client.write(params, {f"{k}/{s}": v for k, d in slots.items() for s, v in d.items()})
+    client.initialise(params, {f"{k}/{s}": v for k, d in slots.items() for s, v in d.items()})
 
 
 def limit(opt: Optimizer, specs, reps: int, iters: int) -> float:
@@ -91,15 +91,15 @@ def ps_applies(cluster, placement, opt, workers: int, reps: int, iters: int) -> 
         client = StoreClient(windows, cluster.role.task, stateful)
         if cluster.is_chief:
             write_start(client, opt, placement_specs(placement))
-            client.counters.raise_ready()
-        client.counters.wait_ready()
+            client.control.raise_ready()
+        client.control.wait_ready()
         rng = np.random.default_rng(100 + cluster.role.task)  # not the start values' seed
         for g in client.grads.values():
             g[...] = gradient(rng, g.shape)
         active = cluster.role.task < workers
         seconds = timed_pushes(cluster, lambda: client.push(1e-3), active, reps, iters)
         if cluster.is_chief:
-            client.counters.end_run()  # ends serve() on the PS
+            client.control.end_run()  # ends serve() on the PS
     barrier(comm, "the benchmark")
     windows.free()
     return seconds

@@ -1,4 +1,5 @@
-"""Examples/s of REFERENCE.md's workload: mpips async (1 PS + 2 workers) vs one numpy process.
+"""Examples/s of the reference workload (MLP 784-512-512-10 on synthetic N(0,1) data):
+mpips async (1 PS + 2 workers) vs one numpy process.
 
 Run:  python benchmarks/reference_workload.py [--rounds 3] [--steps 1000]
 

@@ -20,10 +20,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpips.allreduce import GradientBuckets
 from mpips.job import TrainConfig
 from mpips.nn import MLP
 from mpips.store import barrier
-from mpips.sync import GradientBuckets
 
 comm = MPI.COMM_WORLD
 

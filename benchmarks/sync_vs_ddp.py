@@ -1,4 +1,4 @@
-"""Examples/s of REFERENCE.md's workload with 2 synchronous replicas: mpips sync vs torch DDP
+"""Examples/s of the reference workload with 2 synchronous replicas: mpips sync vs torch DDP
 (gloo), vs the 2-worker linear limit (2 x one numpy process), measured in the same run.
 
 Run:  python benchmarks/sync_vs_ddp.py [--rounds 3] [--steps 600]      (needs torch: the CPU

@@ -53,9 +53,67 @@ def get_xp(device: str, local_worker: int = 0) -> ModuleType:
     return cupy
 
 
-def to_device(xp: ModuleType, a: np.ndarray) -> Any:
-    return a if xp is np else xp.asarray(a)
+class Device:
+    """Where a worker computes: the array module (numpy, or cupy on a GPU) and the moves
+    between host memory (where the store's pull and push buffers live) and the device.
+
+    On the CPU every move is a no-op that hands back the same arrays, so the model reads
+    and writes the store's buffers in place. On a GPU, whole variables and gradients go
+    through device buffers kept from step to step (allocated once per name and shape), and
+    batches are copied as they come. The only place mpips tells numpy from cupy.
+    """
+
+    def __init__(self, xp: ModuleType = np):
+        self.xp = xp
+        self.on_host = xp is np
+        self._buffers: dict[str, Any] = {}
+
+    @classmethod
+    def select(cls, device: str, local_worker: int = 0) -> Device:
+        """The device of ``train.device`` for this worker (see get_xp)."""
+        return cls(get_xp(device, local_worker))
+
+    def to_device(self, a: Any) -> Any:
+        """An array (a batch, a test split) on the device: copied if it is not there."""
+        return a if self.on_host else self.xp.asarray(a)
+
+    def stage_in(self, host: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Host arrays (pulled variables) on the device, through the kept buffers."""
+        if self.on_host:
+            return host
+        out = {}
+        for name, a in host.items():
+            out[name] = self._buffer(f"in:{name}", a)
+            out[name].set(np.ascontiguousarray(a))
+        return out
+
+    def mirrors(self, host: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Device arrays shaped like ``host`` (kept buffers) for the model to write into:
+        on the CPU, ``host`` itself (gradients land in the push buffers directly)."""
+        if self.on_host:
+            return host
+        return {name: self._buffer(f"out:{name}", a) for name, a in host.items()}
+
+    def stage_out(self, device: dict[str, Any], host: dict[str, np.ndarray]) -> None:
+        """Copy ``device`` arrays into the host arrays of the same names (no-op on the CPU,
+        where they are the same arrays)."""
+        if self.on_host:
+            return
+        for name, a in device.items():
+            a.get(out=host[name])
+
+    def _buffer(self, key: str, like: np.ndarray) -> Any:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = self._buffers[key] = self.xp.empty(like.shape, like.dtype)
+        return buf
+
+
+def array_module(a: Any) -> ModuleType:
+    """numpy for a numpy array, else the array's own module (cupy)."""
+    return np if isinstance(a, np.ndarray) else __import__("cupy").get_array_module(a)
 
 
 def to_host(a: Any) -> np.ndarray:
+    """A device array's values in host memory (a numpy array as it is)."""
     return a if isinstance(a, np.ndarray) else a.get()

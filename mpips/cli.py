@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from fresh variables even if the checkpoint dir has a checkpoint")
     t.add_argument("--no-progress", action="store_true", help="no progress bar on the chief")
     t.add_argument("--log-every", type=int, help="override train.log_every")
+    t.add_argument("--result", metavar="FILE",
+                   help="write the run's result as JSON to FILE (the chief's view: global_step, "
+                        "test metrics, examples, each worker's updates and staleness, the "
+                        "signal that stopped it), for scripts and tests to read")
     t.set_defaults(func=cmd_train)
 
     lay = sub.add_parser("layout", help="print roles and placement for N ranks (no MPI launch)",
@@ -139,6 +144,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     with abort_on_error():
         job = agreed(MPI.COMM_WORLD, lambda: _resolve_job(args))
         result = train(job)
+        if args.result and result.role.is_chief:
+            from .files import atomic_write
+            text = json.dumps(result.to_json(), indent=1)
+            atomic_write(args.result, lambda tmp: tmp.write_text(text))
     return EXIT_PREEMPTED if result.stopped_by else 0
 
 

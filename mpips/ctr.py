@@ -13,6 +13,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.special import expit
 
+from .layers import DenseStack
 from .metrics import auc
 from .placement import VariableSpec
 
@@ -53,6 +54,7 @@ class WideDeep:
         self.hidden = hidden
         self.dim = embedding_dim
         self.sizes = [embedding_dim, *(hidden or []), 1] if hidden is not None else []
+        self.deep = DenseStack(self.sizes, "deep/dense_") if hidden is not None else None
 
     def tables(self) -> list[VariableSpec]:
         out = [VariableSpec(WIDE, (self.num_features, 1))]
@@ -61,19 +63,12 @@ class WideDeep:
         return out
 
     def variables(self) -> list[VariableSpec]:
-        out = [VariableSpec("wide/bias", (1,))]
-        for i, (a, b) in enumerate(zip(self.sizes[:-1], self.sizes[1:])):
-            out += [VariableSpec(f"deep/dense_{i}/kernel", (a, b)),
-                    VariableSpec(f"deep/dense_{i}/bias", (b,))]
-        return out
+        return [VariableSpec("wide/bias", (1,))] + (self.deep.variables() if self.deep else [])
 
     def initial_values(self, seed: int) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng(seed)
         out = {"wide/bias": np.zeros(1, np.float32)}
-        for i, (a, b) in enumerate(zip(self.sizes[:-1], self.sizes[1:])):
-            limit = np.sqrt(6.0 / a)
-            out[f"deep/dense_{i}/kernel"] = rng.uniform(-limit, limit, (a, b)).astype(np.float32)
-            out[f"deep/dense_{i}/bias"] = np.zeros(b, np.float32)
+        if self.deep:
+            out.update(self.deep.initial_values(np.random.default_rng(seed)))
         return out
 
     def initial_rows(self, table: str, rows: tuple[int, int, int], seed: int) -> np.ndarray:
@@ -91,15 +86,8 @@ class WideDeep:
     def _forward(self, params: dict[str, Any], x: sp.csr_matrix) -> tuple[np.ndarray, list]:
         z = np.asarray(x @ params[WIDE])[:, 0] + params["wide/bias"][0]
         acts: list[np.ndarray] = []
-        if self.hidden is not None:
-            h = np.asarray(x @ params[EMBEDDING])
-            acts.append(h)
-            layers = len(self.sizes) - 1
-            for i in range(layers):
-                h = h @ params[f"deep/dense_{i}/kernel"] + params[f"deep/dense_{i}/bias"]
-                if i < layers - 1:
-                    h = np.maximum(h, 0)
-                acts.append(h)
+        if self.deep:
+            h, acts = self.deep.forward(params, np.asarray(x @ params[EMBEDDING]))
             z = z + h[:, 0]
         return z, acts
 
@@ -113,14 +101,8 @@ class WideDeep:
         xt = x.T.tocsr()
         grads[WIDE][...] = np.asarray(xt @ d[:, None])
         grads["wide/bias"][...] = d.sum()
-        if self.hidden is not None:
-            dh = d[:, None]
-            for i in reversed(range(len(self.sizes) - 1)):
-                np.matmul(acts[i].T, dh, out=grads[f"deep/dense_{i}/kernel"])
-                dh.sum(axis=0, out=grads[f"deep/dense_{i}/bias"])
-                dh = dh @ params[f"deep/dense_{i}/kernel"].T
-                if i:
-                    dh = dh * (acts[i] > 0)
+        if self.deep:
+            dh = self.deep.backward(params, acts, d[:, None], grads, input_grad=True)
             grads[EMBEDDING][...] = np.asarray(xt @ dh)
         return loss
 

@@ -1,4 +1,4 @@
-"""HDF5 input: dataset files, per-worker shards, shuffled batches, and converters.
+"""HDF5 input: dataset files, per-worker parts of the rows, shuffled batches, and converters.
 
 A dataset file holds ``train/x, train/y, test/x, test/y`` (x: 2-D uint8 or float32, y: 1-D
 integer labels) and attributes ``num_classes`` and ``x_scale`` (x is multiplied by it on load).
@@ -93,9 +93,10 @@ def open_dataset(path: str) -> DatasetInfo:
     return DatasetInfo(path, dims.pop(), num_classes, rows, x_scale)
 
 
-def shard_rows(num_rows: int, num_shards: int, index: int) -> tuple[int, int]:
-    """Contiguous, disjoint, near-equal row range ``[start, stop)`` of shard ``index``."""
-    base, extra = divmod(num_rows, num_shards)
+def worker_rows(num_rows: int, num_parts: int, index: int) -> tuple[int, int]:
+    """Contiguous, disjoint, near-equal row range ``[start, stop)`` of part ``index`` (worker
+    ``index`` of ``num_parts``)."""
+    base, extra = divmod(num_rows, num_parts)
     start = index * base + min(index, extra)
     return start, start + base + (index < extra)
 
@@ -129,7 +130,7 @@ def load_split(info: DatasetInfo, split: str, rows: tuple[int, int] | None = Non
 def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, task: int,
             epochs: int = 0, start_batch: int = 0, per_epoch: int | None = None
             ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """(epoch, x, y) batches of one shard, reshuffled each epoch from (seed, task, epoch).
+    """(epoch, x, y) batches of one worker's part, reshuffled each epoch from (seed, task, epoch).
 
     ``epochs = 0`` repeats forever. A last short batch of an epoch is kept, unless
     ``per_epoch`` is given: then each epoch is exactly that many full batches (sync replicas

@@ -71,3 +71,7 @@ class ReplicasDiverged(MpipsError):
     know it too and end quietly)."""
 
     exit_code = 1
+
+
+class DeadlineMissed(RuntimeError):
+    """A wait's ``on_timeout`` returned instead of raising (a bug in mpips, not the job)."""

@@ -3,16 +3,46 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from .log import log
 
 if TYPE_CHECKING:
-    from .training import PendingSave, Run
+    from .job import Job
+    from .layout import Role
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint at ``step`` being written; ``commit(block)`` commits its manifest once
+    every shard is in place and returns it (None while shards are still being written, unless
+    ``block``: then it waits, with a deadline naming the PS task that does not write)."""
+
+    step: int
+    commit: Callable[[bool], Path | None]
+
+
+@dataclass
+class Run:
+    """What hooks can see and do, the same in async and sync mode."""
+
+    job: Job
+    role: Role
+    start_step: int
+    target_steps: int
+    global_step: Callable[[], int]
+    start_save: Callable[[], PendingSave]  # chief: begin a checkpoint (see CheckpointSaver)
+    params: dict[str, Any] | None = None  # sync mode: this replica's variables
+    save_seconds: float = 0.0             # chief: time spent writing checkpoints so far
+
+    @property
+    def is_chief(self) -> bool:
+        return self.role.is_chief
 
 
 @dataclass(frozen=True)
@@ -21,7 +51,7 @@ class StepInfo:
 
     step: int            # the global step this update produced (unique across workers)
     loss: float
-    epoch: int           # epoch of this worker's shard
+    epoch: int           # epoch of this worker's part of the data
     local_updates: int   # updates made by this worker in this run
     lead: int = 0        # updates this worker was ahead of the slowest one when it pulled
     delay: int = 0       # global steps other workers applied between its pull and its push
@@ -149,3 +179,14 @@ class CheckpointSaver(Hook):
                       f"ms; the chief paused {self.paused * 1e3:.0f} ms)")
         self.pending = None
         return path
+
+
+def standard_hooks(job: Job, extra: Iterable[Hook] = ()) -> list[Hook]:
+    """The hooks every job gets (step logging, the chief's progress bar, checkpoints),
+    then the caller's."""
+    out: list[Hook] = [StepLogger(job.train.log_every)]
+    if job.train.progress:
+        out.append(ProgressBar())
+    if job.checkpoint.dir:
+        out.append(CheckpointSaver(job.checkpoint.every_steps, job.checkpoint.every_secs))
+    return out + list(extra)

@@ -5,7 +5,6 @@ Unknown keys and wrong types are errors that name the key (and suggest the close
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import tomllib
 import types
 import typing
@@ -17,6 +16,7 @@ from typing import Any
 from .errors import ConfigError
 from .layout import Layout, make_layout
 from .placement import STRATEGIES, Placement, VariableSpec, place_tables
+from .schema import check_keys
 
 
 @dataclass
@@ -57,7 +57,7 @@ class OptimizerConfig:
 class TrainConfig:
     mode: str = "async"
     steps: int = 0             # stop when global_step reaches this (0: no step limit)
-    epochs: int = 0            # each worker makes this many passes over its shard (0: no limit)
+    epochs: int = 0            # each worker makes this many passes over its part of the data (0: no limit)
     batch_size: int = 32
     seed: int = 0
     log_every: int = 100       # per-worker log line every N of its own updates (0: off)
@@ -114,17 +114,6 @@ POSITIVE = ("train.batch_size", "model.embedding_dim", "optimizer.learning_rate"
             "train.bucket_bytes",
             "optimizer.epsilon", "optimizer.decay_rate", "optimizer.decay_steps")
 UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
-
-
-def check_keys(table: dict[str, Any], allowed: typing.Iterable[str], where: str) -> None:
-    """Reject keys not in ``allowed``, naming the key and the closest allowed one."""
-    allowed = list(allowed)
-    for key in table:
-        if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else \
-                f" (allowed: {', '.join(allowed)})"
-            raise ConfigError(f"{where}: unknown key '{key}'{hint}")
 
 
 def _type_name(t: Any) -> str:

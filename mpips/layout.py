@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .schema import check_keys
 
 PS, WORKER = "ps", "worker"
 
@@ -133,7 +134,6 @@ LAYOUT_KEYS = ("ps", "world_size")
 
 def read_layout_file(path: str | Path) -> dict[str, Any]:
     """Parse a rank-layout TOML file (``ps = 2`` or ``ps = [0, 4]``, optional ``world_size``)."""
-    from .job import check_keys  # one schema checker for every TOML file
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)

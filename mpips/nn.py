@@ -9,6 +9,7 @@ import numpy as np
 
 from .backend import to_host
 from .errors import ConfigError
+from .layers import DenseStack
 from .metrics import accuracy
 from .placement import VariableSpec
 
@@ -24,32 +25,17 @@ class MLP:
     def __init__(self, sizes: list[int], xp: ModuleType = np):
         self.sizes = list(sizes)
         self.xp = xp
-        self.num_layers = len(sizes) - 1
+        self.layers = DenseStack(self.sizes, "dense_", xp)
 
     def variables(self) -> list[VariableSpec]:
-        out = []
-        for i, (a, b) in enumerate(zip(self.sizes[:-1], self.sizes[1:])):
-            out.append(VariableSpec(f"dense_{i}/kernel", (a, b)))
-            out.append(VariableSpec(f"dense_{i}/bias", (b,)))
-        return out
+        return self.layers.variables()
 
     def initial_values(self, seed: int) -> dict[str, np.ndarray]:
         """He-uniform kernels, zero biases (numpy, on the host: the chief writes them to the PS)."""
-        rng = np.random.default_rng(seed)
-        out = {}
-        for i, (a, b) in enumerate(zip(self.sizes[:-1], self.sizes[1:])):
-            limit = np.sqrt(6.0 / a)
-            out[f"dense_{i}/kernel"] = rng.uniform(-limit, limit, (a, b)).astype(np.float32)
-            out[f"dense_{i}/bias"] = np.zeros(b, np.float32)
-        return out
+        return self.layers.initial_values(np.random.default_rng(seed))
 
     def logits(self, params: dict[str, Any], x: Any) -> Any:
-        h = x
-        for i in range(self.num_layers):
-            h = h @ params[f"dense_{i}/kernel"] + params[f"dense_{i}/bias"]
-            if i < self.num_layers - 1:
-                h = self.xp.maximum(h, 0)
-        return h
+        return self.layers.forward(params, x)[0]
 
     def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> dict[str, float]:
         """Mean cross-entropy ("loss") and "accuracy" of the model on ``x, y``."""
@@ -74,26 +60,11 @@ class MLP:
         caller can start reducing it while backward goes on.
         """
         xp = self.xp
-        acts = [x]
-        h = x
-        for i in range(self.num_layers):
-            h = h @ params[f"dense_{i}/kernel"] + params[f"dense_{i}/bias"]
-            if i < self.num_layers - 1:
-                h = xp.maximum(h, 0)
-            acts.append(h)
-        loss, probs = _cross_entropy(xp, h, y)
-        d = probs
+        z, acts = self.layers.forward(params, x)
+        loss, d = _cross_entropy(xp, z, y)
         d[xp.arange(len(y)), y] -= 1
         d /= len(y)
-        for i in reversed(range(self.num_layers)):
-            xp.matmul(acts[i].T, d, out=grads[f"dense_{i}/kernel"])
-            d.sum(axis=0, out=grads[f"dense_{i}/bias"])
-            if ready is not None:
-                ready(f"dense_{i}/bias")
-                ready(f"dense_{i}/kernel")
-            if i:
-                d = d @ params[f"dense_{i}/kernel"].T
-                d *= acts[i] > 0
+        self.layers.backward(params, acts, d, grads, ready)
         return float(loss)
 
 

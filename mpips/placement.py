@@ -61,13 +61,13 @@ class Placement:
 
     def ps_bytes(self, task: int) -> int:
         """Window size a PS task needs (aligned end of its last variable)."""
-        ends = [_align(e.offset + e.spec.nbytes) for e in self.on_ps(task)]
+        ends = [align(e.offset + e.spec.nbytes) for e in self.on_ps(task)]
         return max(ends, default=0)
 
     def dense_bytes(self, task: int) -> int:
         """Bytes of PS ``task``'s whole (not partitioned) variables: they come first, and a
         pull reads them in one Get; partitions are read row by row."""
-        ends = [_align(e.offset + e.spec.nbytes) for e in self.on_ps(task) if e.rows is None]
+        ends = [align(e.offset + e.spec.nbytes) for e in self.on_ps(task) if e.rows is None]
         return max(ends, default=0)
 
     @property
@@ -88,7 +88,8 @@ class Placement:
         return out
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` rounded up to ALIGN bytes: where the next variable (or inbox field) may start."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -97,7 +98,7 @@ def _pack(specs: Iterable[VariableSpec], tasks: Iterable[int], num_ps: int) -> P
     entries = []
     for spec, task in zip(specs, tasks):
         entries.append(Placed(spec, task, fill[task]))
-        fill[task] = _align(fill[task] + spec.nbytes)
+        fill[task] = align(fill[task] + spec.nbytes)
     return Placement(tuple(entries), num_ps)
 
 
@@ -164,7 +165,7 @@ def place_tables(placement: Placement, tables: list[VariableSpec], rule: str) ->
             shape = (len(range(*rows)),) + table.shape[1:]
             spec = VariableSpec(f"{table.name}:part{p}", shape, table.dtype)
             entries.append(Placed(spec, p, fill[p], rows, table))
-            fill[p] = _align(fill[p] + spec.nbytes)
+            fill[p] = align(fill[p] + spec.nbytes)
     return Placement(tuple(entries), num_ps)
 
 
@@ -182,5 +183,5 @@ def slot_placement(placement: Placement, slots: tuple[str, ...]) -> Placement:
             whole = VariableSpec(f"{e.whole.name}/{slot}", e.whole.shape, e.whole.dtype) \
                 if e.whole else None
             entries.append(Placed(spec, e.ps_task, fill[e.ps_task], e.rows, whole))
-            fill[e.ps_task] = _align(fill[e.ps_task] + spec.nbytes)
+            fill[e.ps_task] = align(fill[e.ps_task] + spec.nbytes)
     return Placement(tuple(entries), placement.num_ps)

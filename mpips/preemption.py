@@ -3,8 +3,8 @@ rank asks the whole job to stop at the next step, write a checkpoint and exit wi
 EXIT_PREEMPTED (rerunning the same command resumes).
 
 The handler only records the signal; the training loops poll ``requested()`` at step
-boundaries and spread the request to every rank (store counters in async mode, one small
-allreduce per step in sync mode). A second signal gets the default action (the job dies).
+boundaries and spread the request to every rank (the store's control counters in async
+mode, one small allreduce per step in sync mode). A second signal gets the default action (the job dies).
 """
 from __future__ import annotations
 

@@ -16,12 +16,10 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
+from .errors import DeadlineMissed
+
 MIN_SLEEP = 5e-5   # first sleep after the spin
 MAX_SLEEP = 1e-3   # idle ranks wake at most every millisecond (MPICH progresses only in calls)
-
-
-class DeadlineMissed(RuntimeError):
-    """``on_timeout`` returned instead of raising (a bug in the caller)."""
 
 
 def poll(done: Callable[[], bool], timeout: float, on_timeout: Callable[[float], NoReturn],

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,3 +159,62 @@ def run_py(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.Comple
     return subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(),
                           capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
+
+
+class BackgroundJob:
+    """``python -m mpips train`` run in the background under mpiexec, its output in a file:
+    wait for log lines, find a task's pid, signal it, and always stop the launcher."""
+
+    def __init__(self, tmp_path: Path, ranks: int, *args: str):
+        self.log = tmp_path / "out.log"
+        self._out = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpips", "train",
+             "--no-progress", "--log-every", "0", *args],
+            cwd=tmp_path, env=clean_env(), stdout=self._out, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match:
+        """The first match of ``pattern`` in the output; the test fails (and the job is
+        stopped) if none comes within ``timeout`` s or the job ends first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.text())
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        stop_launcher(self.proc)
+        pytest.fail(f"no {pattern!r} within {timeout} s:\n{self.text()[-3000:]}")
+
+    def pid_of(self, task: str) -> int:
+        return int(self.wait_for(rf"\[{re.escape(task)}\] rank \d+, pid (\d+) on ").group(1))
+
+    def end(self, timeout: float = 60) -> int:
+        """The launcher's exit code, once it ends (within ``timeout`` s)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            stop_launcher(self.proc)
+            self._out.close()
+
+
+def dense_data_file(path: Path, train: int = 60, test: int = 10, **over) -> str:
+    """A small valid dense data file (uint8 features, 3 classes); ``over`` replaces any of
+    its datasets by name (e.g. ``**{"train/y": ...}``) to make it broken."""
+    import h5py
+    import numpy as np
+    rng = np.random.default_rng(0)
+    parts = {"train/x": rng.integers(0, 255, (train, 4), dtype=np.uint8),
+             "train/y": rng.integers(0, 3, train),
+             "test/x": rng.integers(0, 255, (test, 4), dtype=np.uint8),
+             "test/y": rng.integers(0, 3, test)}
+    parts.update(over)
+    with h5py.File(path, "w") as f:
+        for k, v in parts.items():
+            f[k] = v
+        f.attrs["num_classes"] = 3
+    return str(path)

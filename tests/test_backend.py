@@ -69,3 +69,66 @@ def test_each_worker_of_a_node_gets_its_own_gpu(monkeypatch):
             assert get_xp("gpu", cluster.local_worker_index) is cupy
             got[rank] = used[0]
     assert got == {1: 0, 2: 1, 3: 0, 5: 0, 6: 1, 7: 0}
+
+
+class FakeArray:
+    """A device array of a stand-in array module: values kept in numpy, reachable only
+    through set() and get(), as with cupy."""
+
+    def __init__(self, shape, dtype):
+        self._data = np.empty(shape, dtype)
+        self.shape, self.dtype = self._data.shape, self._data.dtype
+
+    def set(self, host):
+        assert isinstance(host, np.ndarray) and host.shape == self.shape
+        self._data[...] = host
+
+    def get(self, out=None):
+        if out is None:
+            return self._data.copy()
+        out[...] = self._data
+        return out
+
+
+def fake_xp():
+    xp = types.ModuleType("fakexp")
+    xp.empty = lambda shape, dtype: FakeArray(shape, dtype)
+
+    def asarray(a):
+        out = FakeArray(a.shape, a.dtype)
+        out.set(np.asarray(a))
+        return out
+    xp.asarray = asarray
+    return xp
+
+
+def test_device_on_the_cpu_hands_back_the_same_arrays():
+    from mpips.backend import Device
+    device = Device()
+    host = {"w": np.ones(3, np.float32)}
+    assert device.stage_in(host) is host and device.mirrors(host) is host
+    x = np.zeros(2)
+    assert device.to_device(x) is x
+    device.stage_out(host, host)  # a no-op
+
+
+def test_device_stages_through_buffers_kept_from_step_to_step():
+    from mpips.backend import Device
+    device = Device(fake_xp())
+    host = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
+    first = device.stage_in(host)
+    assert all(isinstance(a, FakeArray) for a in first.values())
+    np.testing.assert_array_equal(first["w"].get(), host["w"])
+    host["w"] += 1
+    again = device.stage_in(host)
+    assert again["w"] is first["w"]  # the same device buffer, refilled
+    np.testing.assert_array_equal(again["w"].get(), host["w"])
+    rows = device.stage_in({"w": np.zeros((5, 3), np.float32)})  # another shape: a new one
+    assert rows["w"] is not first["w"] and rows["w"].shape == (5, 3)
+    grads = device.mirrors(host)
+    assert device.mirrors(host)["b"] is grads["b"] and grads["b"] is not again["b"]
+    grads["b"].set(np.full(3, 7, np.float32))
+    out = {"b": np.zeros(3, np.float32)}
+    device.stage_out({"b": grads["b"]}, out)
+    np.testing.assert_array_equal(out["b"], 7)
+    assert isinstance(device.to_device(np.zeros(4)), FakeArray)

@@ -8,7 +8,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import dense_data_file, run_mpi
 
 pytestmark = pytest.mark.launcher
 
@@ -17,16 +17,7 @@ GOOD_JOB = '[data]\npath = "d.h5"\n[train]\nsteps = 20\nprogress = false\n' \
 
 
 def write_data(path, **over):
-    rng = np.random.default_rng(0)
-    parts = {"train/x": rng.integers(0, 255, (60, 4), dtype=np.uint8),
-             "train/y": rng.integers(0, 3, 60),
-             "test/x": rng.integers(0, 255, (10, 4), dtype=np.uint8),
-             "test/y": rng.integers(0, 3, 10)}
-    parts.update(over)
-    with h5py.File(path, "w") as f:
-        for k, v in parts.items():
-            f[k] = v
-        f.attrs["num_classes"] = 3
+    return dense_data_file(path, **over)
 
 
 def snapshot(d: Path) -> dict[str, str]:

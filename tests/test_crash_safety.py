@@ -69,7 +69,7 @@ def test_kill_9_at_random_moments_never_loses_the_last_checkpoint(tmp_path):
             # kill once training runs (a loaded machine may take seconds to start the
             # ranks), at a random moment: mid-step, mid-write or mid-commit
             deadline = time.monotonic() + 60
-            while "shard rows" not in log.read_text() and time.monotonic() < deadline:
+            while "train rows [" not in log.read_text() and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.2, 1.5))
             kill_job(marker)

@@ -12,7 +12,7 @@ from mpips.errors import DataError
 
 def test_shards_are_disjoint_and_cover():
     for n, k in [(1437, 6), (10, 3), (7, 7), (100, 1)]:
-        ranges = [data.shard_rows(n, k, i) for i in range(k)]
+        ranges = [data.worker_rows(n, k, i) for i in range(k)]
         assert ranges[0][0] == 0 and ranges[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         assert max(b - a for a, b in ranges) - min(b - a for a, b in ranges) <= 1

@@ -2,9 +2,8 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpips.hooks import CheckpointSaver, StepInfo
+from mpips.hooks import CheckpointSaver, PendingSave, StepInfo
 from mpips.layout import Role
-from mpips.training import PendingSave
 
 
 @dataclass

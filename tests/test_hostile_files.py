@@ -7,7 +7,7 @@ import warnings
 import h5py
 import numpy as np
 import pytest
-from conftest import run_py
+from conftest import dense_data_file, run_py
 
 from mpips import checkpoint, data, sparse
 from mpips.checkpoint import Entry, Part
@@ -75,17 +75,7 @@ def test_a_checkpoint_that_points_outside_is_refused(tmp_path, kind):
 
 
 def dense_file(path, **over):
-    rng = np.random.default_rng(0)
-    parts = {"train/x": rng.integers(0, 255, (20, 4), dtype=np.uint8),
-             "train/y": rng.integers(0, 3, 20),
-             "test/x": rng.integers(0, 255, (5, 4), dtype=np.uint8),
-             "test/y": rng.integers(0, 3, 5)}
-    parts.update(over)
-    with h5py.File(path, "w") as f:
-        for k, v in parts.items():
-            f[k] = v
-        f.attrs["num_classes"] = 3
-    return str(path)
+    return dense_data_file(path, train=20, test=5, **over)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -5,14 +5,12 @@ checkpoint directory that cannot be used is found before training."""
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import clean_env, mpiexec_path, run_mpi, stop_launcher
+from conftest import BackgroundJob, run_mpi
 
 from mpips import checkpoint
 
@@ -70,10 +68,10 @@ ck.write_shard = write_shard
 
 def test_a_chief_that_never_raises_ready_is_named(tmp_path):
     patch = """
-from mpips.store.counters import Counters
+from mpips.store.control import RunControl
 def raise_ready(self):
     time.sleep(1000)  # the chief stuck while initialising
-Counters.raise_ready = raise_ready
+RunControl.raise_ready = raise_ready
 """
     r, took = run_patched(tmp_path, 4, patch, MPIPS_START_TIMEOUT="3")
     ended_once(r, "/job:worker/task:0 (rank 1) (the chief) did not raise the ready flag within", 1)
@@ -141,43 +139,6 @@ def test_replicas_waiting_on_a_hung_peer_sleep(tmp_path):
         assert share < 0.10, f"rank {rank} used {share:.0%} of a core while waiting"
 
 
-class Background:
-    """A training job run in the background, its output in a file."""
-
-    def __init__(self, tmp_path, ranks, *args):
-        self.log = tmp_path / "out.log"
-        self._out = open(self.log, "w")
-        self.proc = subprocess.Popen(
-            [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpips", "train",
-             "--no-progress", "--log-every", "0", *args],
-            cwd=tmp_path, env=clean_env(), stdout=self._out, stderr=subprocess.STDOUT)
-
-    def text(self):
-        return self.log.read_text()
-
-    def wait_for(self, pattern, timeout=90):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, self.text())
-            if m:
-                return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        stop_launcher(self.proc)
-        pytest.fail(f"no {pattern!r} within {timeout} s:\n{self.text()[-3000:]}")
-
-    def pid_of(self, task):
-        return int(self.wait_for(rf"\[{re.escape(task)}\] rank \d+, pid (\d+) on ").group(1))
-
-    def end(self, timeout=PROMPT):
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            stop_launcher(self.proc)
-            self._out.close()
-
-
 SYNC_JOB = ('[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 1000000000\n'
             '[checkpoint]\ndir = "runs/sync"\nevery_steps = 100\n')
 
@@ -187,7 +148,7 @@ def test_a_signal_on_a_ps_rank_in_sync_mode_stops_the_job_with_exit_3(tmp_path):
     a replica: a checkpoint, and exit code 3 from every rank."""
     (tmp_path / "sync.toml").write_text(SYNC_JOB)
     (tmp_path / "layout.toml").write_text("ps = 1\n")
-    job = Background(tmp_path, 3, "sync.toml", "--layout", "layout.toml")
+    job = BackgroundJob(tmp_path, 3, "sync.toml", "--layout", "layout.toml")
     ps = job.pid_of("/job:ps/task:0")
     job.wait_for(r"saved checkpoint")  # training is under way
     import os
@@ -200,7 +161,7 @@ def test_a_signal_on_a_ps_rank_in_sync_mode_stops_the_job_with_exit_3(tmp_path):
 def test_ctrl_c_checkpoints_and_exits_3_like_sigterm(tmp_path):
     """Ctrl-C reaches mpiexec, which forwards SIGINT to every rank: the same clean stop as
     SIGTERM (a checkpoint, exit 3), and the rerun resumes from it."""
-    job = Background(tmp_path, 3, "--steps", str(10 ** 9))
+    job = BackgroundJob(tmp_path, 3, "--steps", str(10 ** 9))
     job.wait_for(r"saved checkpoint")
     job.proc.send_signal(signal.SIGINT)
     assert job.end() == 3, job.text()[-3000:]
@@ -238,8 +199,8 @@ EARLY_PS_SIGNAL = """
 import os, signal, sys, time
 from mpi4py import MPI
 import mpips
-from mpips.store.counters import Counters
-real_wait, real_set = Counters.wait_ready, Counters.set_counters
+from mpips.store.control import RunControl
+real_wait, real_set = RunControl.wait_ready, RunControl.set_counters
 def wait_ready(self, *a, **k):
     if MPI.COMM_WORLD.rank == 0:  # the PS task: signalled while the chief initialises
         os.kill(os.getpid(), signal.SIGTERM)
@@ -247,7 +208,7 @@ def wait_ready(self, *a, **k):
 def set_counters(self, *a, **k):
     time.sleep(3)  # a slow restore: the PS has asked to stop before the counters are set
     return real_set(self, *a, **k)
-Counters.wait_ready, Counters.set_counters = wait_ready, set_counters
+RunControl.wait_ready, RunControl.set_counters = wait_ready, set_counters
 with mpips.abort_on_error():
     job = mpips.load_job(None)
     job.train.progress, job.train.steps = False, 100000
@@ -315,7 +276,7 @@ def test_a_checkpoint_dir_that_cannot_be_written_is_found_before_training(tmp_pa
     r = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--ckpt-dir", "afile/ck"],
                 cwd=tmp_path, timeout=60)
     ended_once(r, "checkpoint.dir afile/ck: cannot write checkpoints there", 2)
-    assert "shard rows" not in r.stdout and "step" not in r.stdout  # nothing trained
+    assert "train rows [" not in r.stdout and "step" not in r.stdout  # nothing trained
 
 
 def test_a_fresh_start_never_mixes_with_another_run(tmp_path):
@@ -361,10 +322,16 @@ ck.write_shard = write_shard
 
 
 def test_the_chiefs_share_of_updates_is_logged_and_checkpointed(tmp_path):
-    r = run_mpi(8, ["-m", "mpips", "train", "--no-progress"], cwd=tmp_path, timeout=120)
+    """``train --result FILE``: the run's result as JSON, read here instead of log lines."""
+    r = run_mpi(8, ["-m", "mpips", "train", "--no-progress", "--result", "result.json"],
+                cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
-    share = re.search(r"\[/job:worker/task:0\] updates per worker task: ([\d ]+)", r.stdout)
-    assert share and sum(map(int, share.group(1).split())) == 600, r.stdout[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["task"] == "/job:worker/task:0" and result["global_step"] == 600
+    assert result["stopped_by"] is None and result["test_accuracy"] > 0.5
+    counts = [s["updates"] for s in result["staleness"]]
+    assert len(counts) == 6 and sum(counts) == 600
+    assert f"updates per worker task: {' '.join(map(str, counts))}" in r.stdout
     manifest = json.loads((tmp_path / "runs/default/ckpt-600.json").read_text())
     assert sum(manifest["clocks"]) == 600
     assert Path(tmp_path / "runs/default/ckpt-600.shard-1-of-2.h5").exists()

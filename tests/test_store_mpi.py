@@ -1,7 +1,10 @@
-"""Store contracts across real ranks: run under `mpirun -n 3 python -m pytest` (1 PS + 2 workers).
+"""Store contracts across real ranks: run under `mpirun -n 3 python -m pytest` (1 PS + 2
+workers), and with MPIPS_TEST_PS=2 under `mpirun -n 4` (2 PS + 2 workers). Every expected
+value is computed from the layout, so the same tests check multi-PS routing.
 
-Under plain pytest these are run by test_mpi_suite.py in an mpiexec subprocess.
+Under plain pytest these are run by test_mpi_suite.py in an mpiexec subprocess, at both.
 """
+import os
 import time
 
 import numpy as np
@@ -13,6 +16,7 @@ from mpips.placement import VariableSpec, round_robin
 
 pytestmark = pytest.mark.mpi(ranks=3)
 
+PS = int(os.environ["MPIPS_TEST_PS"]) if os.environ.get("MPIPS_TEST_PS") else None
 SPECS = [VariableSpec("a", (1000,)), VariableSpec("b", (3, 7)), VariableSpec("c", (5,), "float64"),
          VariableSpec("d", (2,))]
 
@@ -26,13 +30,13 @@ class Store:
         from mpips.placement import slot_placement
         from mpips.store import Cluster, StoreClient, Windows
         self.comm = MPI.COMM_WORLD
-        self.cluster = Cluster(self.comm, make_layout(self.comm.size))
+        self.cluster = Cluster(self.comm, make_layout(self.comm.size, PS))
         self.placement = round_robin(specs, self.cluster.layout.num_ps)
         stateful = optimizer is not None and optimizer.stateful
         slots = slot_placement(self.placement, optimizer.slots) if stateful else None
         self.windows = Windows(self.comm, self.cluster.layout, self.placement, slots, stateful)
         self.client = StoreClient(self.windows, self.cluster.role.task, stateful)
-        self.counters = self.client.counters
+        self.control = self.client.control
 
     def close(self):
         """End of run: the workers finish, the chief ends the run (a serving PS stops), then
@@ -41,7 +45,7 @@ class Store:
         if not self.cluster.is_ps:
             barrier(self.cluster.workers, "the test")
             if self.cluster.is_chief:
-                self.counters.end_run()
+                self.control.end_run()
         barrier(self.comm, "the test")
         self.windows.free()
         self.cluster.free()
@@ -53,10 +57,10 @@ def test_pushes_of_ones_sum_exactly():
     pushes = 200
     init = {spec.name: np.full(spec.shape, 0.5, spec.dtype) for spec in SPECS}
     if s.cluster.is_chief:
-        s.client.write(init)
-        s.counters.raise_ready()
+        s.client.initialise(init)
+        s.control.raise_ready()
     if not s.cluster.is_ps:
-        s.counters.wait_ready(timeout=30)
+        s.control.wait_ready(timeout=30)
         for g in s.client.grads.values():
             g[...] = 1
         for _ in range(pushes):
@@ -74,16 +78,16 @@ def test_global_steps_are_unique_and_gapless():
     s = Store()
     per_worker = 300
     if s.cluster.is_chief:
-        s.counters.set_counters(0)
-        s.counters.raise_ready()
+        s.control.set_counters(0)
+        s.control.raise_ready()
     if not s.cluster.is_ps:
-        s.counters.wait_ready(timeout=30)
-        mine = [s.counters.advance_step() for _ in range(per_worker)]
+        s.control.wait_ready(timeout=30)
+        mine = [s.control.advance_step() for _ in range(per_worker)]
         assert mine == sorted(mine)  # each worker sees its own steps increase
         everyone = sum(allgather_json(s.cluster.workers, mine), [])
         total = per_worker * s.cluster.layout.num_workers
         assert sorted(everyone) == list(range(1, total + 1))
-        assert s.counters.global_step() == total
+        assert s.control.global_step() == total
     s.close()
 
 
@@ -92,18 +96,18 @@ def test_tickets_stop_exactly_at_target():
     s = Store()
     start, target = 40, 137
     if s.cluster.is_chief:
-        s.counters.set_counters(start)
-        s.counters.raise_ready()
+        s.control.set_counters(start)
+        s.control.raise_ready()
     if not s.cluster.is_ps:
-        s.counters.wait_ready(timeout=30)
+        s.control.wait_ready(timeout=30)
         made = 0
-        while s.counters.claim_ticket() < target:
-            s.counters.advance_step()
+        while s.control.claim_ticket() < target:
+            s.control.advance_step()
             made += 1
         assert sum(allgather_json(s.cluster.workers, made)) == target - start
         from mpips.store import barrier
         barrier(s.cluster.workers, "the test")
-        assert s.counters.global_step() == target
+        assert s.control.global_step() == target
     s.close()
 
 
@@ -113,11 +117,11 @@ def test_workers_wait_for_the_ready_flag():
             for spec in SPECS}
     if s.cluster.is_chief:
         time.sleep(0.5)  # a slow chief: the others must wait for the flag, not a fixed sleep
-        s.client.write(init)
-        s.counters.raise_ready()
+        s.client.initialise(init)
+        s.control.raise_ready()
     elif not s.cluster.is_ps:
         t0 = time.monotonic()
-        s.counters.wait_ready(timeout=30)
+        s.control.wait_ready(timeout=30)
         assert time.monotonic() - t0 > 0.3
         for name, value in s.client.pull().items():
             np.testing.assert_array_equal(value, init[name])
@@ -130,16 +134,17 @@ def test_placement_mismatch_names_the_first_differing_variable():
     from mpips.errors import PlacementMismatch
     from mpips.store import Cluster
     comm = MPI.COMM_WORLD
-    cluster = Cluster(comm, make_layout(comm.size))
+    cluster = Cluster(comm, make_layout(comm.size, PS))
     specs = list(SPECS)
     if comm.rank == comm.size - 1:  # "dict order" trap: one rank creates b before a
         specs[0], specs[1] = specs[1], specs[0]
     with pytest.raises(PlacementMismatch) as e:
         cluster.check_placement(round_robin(specs, cluster.layout.num_ps))
     text = str(e.value)
+    last = cluster.layout.role(comm.size - 1)
     assert "variable #0" in text
     assert "rank 0 (/job:ps/task:0): a [1000] float32" in text
-    assert f"rank {comm.size - 1} (/job:worker/task:{comm.size - 2}): b [3x7]" in text
+    assert f"rank {comm.size - 1} ({last}): b [3x7]" in text
     cluster.check_placement(round_robin(SPECS, cluster.layout.num_ps))  # agreeing ranks pass
     cluster.free()
 
@@ -189,10 +194,10 @@ def test_adagrad_on_the_ps_loses_no_update():
     else:
         if s.cluster.is_chief:
             init = {sp.name: np.zeros(sp.shape, sp.dtype) for sp in specs}
-            s.client.write(init, {f"{k}/accumulator": opt.init_slots(v)["accumulator"]
+            s.client.initialise(init, {f"{k}/accumulator": opt.init_slots(v)["accumulator"]
                                   for k, v in init.items()})
-            s.counters.raise_ready()
-        s.counters.wait_ready(timeout=30)
+            s.control.raise_ready()
+        s.control.wait_ready(timeout=30)
         rng = np.random.default_rng(s.cluster.role.task)
         mine = {sp.name: np.zeros(sp.shape) for sp in specs}
         for _ in range(pushes):
@@ -216,10 +221,10 @@ def test_sum_of_pushed_sgd_deltas_equals_the_change():
     s = Store()
     pushes = 50
     if s.cluster.is_chief:
-        s.client.write({sp.name: np.full(sp.shape, 1.0, sp.dtype) for sp in SPECS})
-        s.counters.raise_ready()
+        s.client.initialise({sp.name: np.full(sp.shape, 1.0, sp.dtype) for sp in SPECS})
+        s.control.raise_ready()
     if not s.cluster.is_ps:
-        s.counters.wait_ready(timeout=30)
+        s.control.wait_ready(timeout=30)
         rng = np.random.default_rng(10 + s.cluster.role.task)
         mine = {sp.name: np.zeros(sp.shape) for sp in SPECS}
         for _ in range(pushes):
@@ -234,3 +239,69 @@ def test_sum_of_pushed_sgd_deltas_equals_the_change():
             want = 1.0 + sum(np.asarray(t[sp.name]) for t in totals)
             np.testing.assert_array_equal(got[sp.name], want.astype(sp.dtype), err_msg=sp.name)
     s.close()
+
+
+def test_each_variable_lives_on_the_ps_task_its_placement_names():
+    """What the chief writes lands in the window of the PS task the placement names, at its
+    offset, and nowhere else."""
+    s = Store()
+    init = {spec.name: np.full(spec.shape, i + 1, spec.dtype) for i, spec in enumerate(SPECS)}
+    if s.cluster.is_chief:
+        s.client.initialise(init)
+        s.control.raise_ready()
+    from mpips.store import barrier
+    barrier(s.comm, "the test")
+    if s.cluster.is_ps:
+        task = s.cluster.role.task
+        held, _ = s.windows.held(task)
+        assert sorted(held) == sorted(e.name for e in s.placement.on_ps(task))
+        for name, view in held.items():
+            np.testing.assert_array_equal(view, init[name], err_msg=name)
+        assert len(held) < len(SPECS) or s.cluster.layout.num_ps == 1
+    s.close()
+
+
+@pytest.mark.parametrize("rule", ["mod", "div"])
+def test_table_rows_come_from_and_go_to_their_owners(rule):
+    """A table split by rows over every PS task: each PS fills its part with the global row
+    numbers; a pull of any ids returns those numbers, and a push of ones adds to exactly the
+    pushed rows, on whichever task holds them."""
+    from mpi4py import MPI
+
+    from mpips.placement import partition_rows, place_tables
+    from mpips.store import Cluster, StoreClient, Windows, barrier
+    comm = MPI.COMM_WORLD
+    cluster = Cluster(comm, make_layout(comm.size, PS))
+    rows = 1001
+    table = VariableSpec("t", (rows, 2))
+    placement = place_tables(round_robin([VariableSpec("bias", (1,))], cluster.layout.num_ps),
+                             [table], rule)
+    windows = Windows(comm, cluster.layout, placement)
+    if cluster.is_ps:
+        task = cluster.role.task
+        mine = np.arange(rows)[slice(*partition_rows(rows, cluster.layout.num_ps, rule)[task])]
+        windows.fill_own(task, {"t": np.repeat(mine[:, None], 2, 1).astype(np.float32)})
+    barrier(comm, "the test")
+    ids = np.unique(np.random.default_rng(cluster.rank).integers(0, rows, 300))
+    if not cluster.is_ps:
+        client = StoreClient(windows, cluster.role.task)
+        got = client.pull(ids)["t"]
+        np.testing.assert_array_equal(got[:, 0], ids)
+        barrier(cluster.workers, "the test")  # every worker has pulled before any pushes
+        for g in client.gradients().values():
+            g[...] = 1
+        client.push()
+    barrier(comm, "the test")
+    from mpips.store import allgather_json
+    pushed = allgather_json(comm, [] if cluster.is_ps else ids.tolist())
+    if cluster.is_ps:
+        task = cluster.role.task
+        start, stop, step = partition_rows(rows, cluster.layout.num_ps, rule)[task]
+        want = np.arange(start, stop, step).astype(np.float32)
+        for theirs in pushed:
+            hit = np.asarray([i for i in theirs if i in range(start, stop, step)], int)
+            np.add.at(want, (hit - start) // step, 1)
+        np.testing.assert_array_equal(windows.held(task)[0]["t"][:, 1], want)
+    barrier(comm, "the test")
+    windows.free()
+    cluster.free()

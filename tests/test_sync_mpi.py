@@ -8,7 +8,7 @@ import pytest
 from conftest import run_mpi
 from test_optimizers_mpi import read_ckpt
 
-from mpips.data import batches, load_split, open_dataset, resolve_path, shard_rows
+from mpips.data import batches, load_split, open_dataset, resolve_path, worker_rows
 from mpips.job import parse_job
 from mpips.nn import MLP
 from mpips.optim import build_optimizer, learning_rate
@@ -48,7 +48,7 @@ def one_process(job, workers, steps):
     """One process, batch W*b: the concatenation of what the W replicas see each step."""
     info = open_dataset(resolve_path("", "digits"))
     b = job.train.batch_size
-    shards = [shard_rows(info.rows["train"], workers, k) for k in range(workers)]
+    shards = [worker_rows(info.rows["train"], workers, k) for k in range(workers)]
     per_epoch = min((stop - start) // b for start, stop in shards)
     streams = [batches(*load_split(info, "train", rows), b, job.train.seed, k,
                        per_epoch=per_epoch) for k, rows in enumerate(shards)]

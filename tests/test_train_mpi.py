@@ -1,9 +1,10 @@
 """End-to-end runs of `python -m mpips train` under mpiexec (plain pytest only)."""
+import json
 import re
 import time
 
 import pytest
-from conftest import ROOT, run_mpi, run_py, stop_launcher, under_ci
+from conftest import ROOT, BackgroundJob, run_mpi, run_py, under_ci
 
 from mpips import checkpoint
 
@@ -13,23 +14,28 @@ STEP = re.compile(r"^\[/job:worker/task:(\d+)\] step (\d+) ", re.M)
 # "the job ends promptly": well before any default deadline (300 s, 600 s), with room for a
 # slow start of 3-4 ranks on a loaded 2-core machine
 PROMPT = 60
-FINAL = re.compile(r"final: global_step (\d+) test_accuracy ([0-9.]+)")
 
 
 def train(tmp_path, n, *args, timeout=90):
-    return run_mpi(n, ["-m", "mpips", "train", "--no-progress", *args], cwd=tmp_path,
-                   timeout=timeout)
+    """A run whose result (``train --result``) is read with ``result(tmp_path)``."""
+    (tmp_path / "result.json").unlink(missing_ok=True)
+    return run_mpi(n, ["-m", "mpips", "train", "--no-progress", "--result", "result.json",
+                       *args], cwd=tmp_path, timeout=timeout)
+
+
+def result(tmp_path):
+    return json.loads((tmp_path / "result.json").read_text())
 
 
 def test_async_digits_converges_with_unique_steps(tmp_path):
     r = train(tmp_path, 3, "--log-every", "1")
     assert r.returncode == 0, r.stderr
-    step, acc = FINAL.search(r.stdout).groups()
-    assert int(step) == 600 and float(acc) >= 0.90
+    res = result(tmp_path)
+    assert res["global_step"] == 600 and res["test_accuracy"] >= 0.90
     steps = [int(s) for _, s in STEP.findall(r.stdout)]
     assert sorted(steps) == list(range(1, 601)), "every global step printed exactly once"
     assert {t for t, _ in STEP.findall(r.stdout)} == {"0", "1"}
-    assert "[/job:worker/task:1] shard rows [719, 1437) of 1437" in r.stdout
+    assert "[/job:worker/task:1] train rows [719, 1437) of 1437" in r.stdout
     assert (tmp_path / "runs/default/ckpt-600.json").exists()
 
 
@@ -38,17 +44,17 @@ def test_resume_continues_the_step_on_another_layout(tmp_path):
     layout.write_text("ps = [0, 3]\n")
     first = train(tmp_path, 4, "--steps", "150", "--layout", str(layout), "--log-every", "1")
     assert first.returncode == 0, first.stderr
-    assert FINAL.search(first.stdout).group(1) == "150"
+    assert result(tmp_path)["global_step"] == 150
     second = train(tmp_path, 3, "--steps", "300", "--log-every", "1")
     assert second.returncode == 0, second.stderr
     assert "restored global_step 150 from runs/default/ckpt-150.json" in second.stdout
     steps = sorted(int(s) for _, s in STEP.findall(second.stdout))
     assert steps == list(range(151, 301))
-    assert FINAL.search(second.stdout).group(1) == "300"
+    assert result(tmp_path)["global_step"] == 300
     third = train(tmp_path, 3, "--steps", "300")
     assert "already reached train.steps = 300: nothing to train" in third.stdout
     fresh = train(tmp_path, 3, "--steps", "20", "--no-restore", "--ckpt-dir", "runs/fresh")
-    assert "restored" not in fresh.stdout and FINAL.search(fresh.stdout).group(1) == "20"
+    assert "restored" not in fresh.stdout and result(tmp_path)["global_step"] == 20
 
 
 def assert_clean_error(r, message, code=2):
@@ -141,7 +147,7 @@ def test_fashion_mnist_job_reaches_085(tmp_path, job):
     assert r.returncode == 0, r.stderr
     r = train(tmp_path, 8, str(ROOT / "jobs" / job), timeout=240)
     assert r.returncode == 0, r.stderr
-    assert float(FINAL.search(r.stdout).group(2)) >= 0.85, r.stdout[-3000:]
+    assert result(tmp_path)["test_accuracy"] >= 0.85, r.stdout[-3000:]
 
 
 def test_run_ends_when_every_worker_has_exhausted_its_epochs(tmp_path):
@@ -149,63 +155,37 @@ def test_run_ends_when_every_worker_has_exhausted_its_epochs(tmp_path):
         '[data]\nbuiltin = "digits"\n[train]\nepochs = 2\nbatch_size = 100\nlog_every = 1\n')
     r = train(tmp_path, 3, "job.toml")
     assert r.returncode == 0, r.stderr
-    # shards of 719 and 718 rows: 8 batches an epoch each (the last one short), 2 epochs
+    # parts of 719 and 718 rows: 8 batches an epoch each (the last one short), 2 epochs
     assert "[/job:worker/task:0] done: 16 updates, 1438 examples" in r.stdout
     assert "[/job:worker/task:1] done: 16 updates, 1436 examples" in r.stdout
-    assert FINAL.search(r.stdout).group(1) == "32"
+    res = result(tmp_path)
+    assert res["global_step"] == 32 and [s["updates"] for s in res["staleness"]] == [16, 16]
     assert sorted(int(s) for _, s in STEP.findall(r.stdout)) == list(range(1, 33))
 
 
-PID = re.compile(r"^\[/job:(ps|worker)/task:(\d+)\] rank \d+, pid (\d+) on ", re.M)
+def under_way(tmp_path, ranks, *args):
+    """A background job with a periodic checkpoint behind it: training is under way."""
+    job = BackgroundJob(tmp_path, ranks, *args)
+    job.wait_for("saved checkpoint")
+    return job
 
 
-class Job:
-    """A training job run in the background, its output in a file, its tasks' pids known."""
-
-    def __init__(self, tmp_path, ranks, *args):
-        import subprocess
-        import sys
-
-        from conftest import clean_env, mpiexec_path
-        self.log = tmp_path / "out.log"
-        self._out = open(self.log, "w")
-        self.proc = subprocess.Popen(
-            [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpips", "train",
-             "--no-progress", "--log-every", "0", *args],
-            cwd=tmp_path, env=clean_env(), stdout=self._out, stderr=subprocess.STDOUT)
-        self.pids = {}
-        deadline = time.monotonic() + 90
-        while len(self.pids) < ranks and time.monotonic() < deadline:
-            time.sleep(0.2)
-            self.pids = {f"/job:{j}/task:{t}": int(p) for j, t, p in PID.findall(self.text())}
-        deadline = time.monotonic() + 90  # training is under way: a periodic checkpoint
-        while "saved checkpoint" not in self.text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if len(self.pids) < ranks or "saved checkpoint" not in self.text():
-            stop_launcher(self.proc)  # no job left behind
-            pytest.fail(f"the job did not get under way:\n{self.text()[-3000:]}")
-
-    def text(self):
-        return self.log.read_text()
-
-    def signal(self, task, sig, within=PROMPT):
-        import os
-        t0 = time.monotonic()
-        os.kill(self.pids[task], sig)
-        try:
-            rc = self.proc.wait(timeout=within)
-        finally:
-            stop_launcher(self.proc)
-            self._out.close()
-        assert time.monotonic() - t0 < within
-        return rc
+def signal_and_wait(job, task, sig, within=PROMPT):
+    """Send ``sig`` to ``task``; the launcher's exit code, which must come within ``within`` s."""
+    import os
+    pid = job.pid_of(task)
+    t0 = time.monotonic()
+    os.kill(pid, sig)
+    rc = job.end(within)
+    assert time.monotonic() - t0 < within
+    return rc
 
 
 @pytest.mark.parametrize("victim", ["/job:worker/task:1", "/job:ps/task:0"])
 def test_kill_9_of_a_worker_or_ps_ends_the_job(tmp_path, victim):
     import signal
-    job = Job(tmp_path, 4, "--steps", str(10**9))
-    rc = job.signal(victim, signal.SIGKILL)
+    job = under_way(tmp_path, 4, "--steps", str(10**9))
+    rc = signal_and_wait(job, victim, signal.SIGKILL)
     assert rc != 0
     assert "signal 9" in job.text()  # said by the launcher; the start lines map pids to tasks
 
@@ -214,8 +194,8 @@ def test_kill_9_of_a_worker_or_ps_ends_the_job(tmp_path, victim):
                                         ("/job:ps/task:0", "SIGTERM")])
 def test_preemption_signal_checkpoints_and_resume_continues(tmp_path, victim, sig):
     import signal
-    job = Job(tmp_path, 4, "--steps", str(10**9))
-    assert job.signal(victim, getattr(signal, sig)) == 3
+    job = under_way(tmp_path, 4, "--steps", str(10**9))
+    assert signal_and_wait(job, victim, getattr(signal, sig)) == 3
     m = re.search(rf"stopped early by {sig}: checkpoint at global_step (\d+) in runs/default",
                   job.text())
     assert m, job.text()
@@ -232,8 +212,8 @@ def test_preemption_in_sync_mode(tmp_path):
     (tmp_path / "sync.toml").write_text(
         '[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 1000000000\n'
         '[checkpoint]\ndir = "runs/sync"\nevery_steps = 100\n')
-    job = Job(tmp_path, 3, "sync.toml")
-    assert job.signal("/job:worker/task:2", signal.SIGUSR1) == 3
+    job = under_way(tmp_path, 3, "sync.toml")
+    assert signal_and_wait(job, "/job:worker/task:2", signal.SIGUSR1) == 3
     m = re.search(r"stopped early by SIGUSR1: checkpoint at global_step (\d+)", job.text())
     assert m and (tmp_path / f"runs/sync/ckpt-{m.group(1)}.json").exists(), job.text()
 

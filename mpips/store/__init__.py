@@ -1,9 +1,25 @@
-"""The only package (with sync.py) that moves data over MPI: cluster collectives and PS windows."""
+"""PS memory and everything that moves data over MPI (with allreduce.py for sync mode):
+cluster collectives and arrival checks, the windows, pull/push/initialise, the control
+counters (RunControl), the mailbox protocol, PS serving and the hung-task watchdog. The rest of mpips uses
+what is exported here and touches no ``MPI.Win``."""
 from .client import StoreClient
-from .cluster import Cluster, agreed, allgather_json, barrier
-from .counters import Counters
+from .cluster import (
+    STALL_TIMEOUT,
+    START_TIMEOUT,
+    Cluster,
+    agreed,
+    allgather_json,
+    barrier,
+    node_of_each_rank,
+    stall_limit,
+    start_limit,
+    wait,
+)
+from .control import NO_MORE_TICKETS, RunControl
 from .server import serve
-from .window import Windows
+from .watchdog import Watchdog
+from .window import WindowPlan, Windows
 
-__all__ = ["Cluster", "Counters", "StoreClient", "Windows", "agreed", "allgather_json",
-           "barrier", "serve"]
+__all__ = ["NO_MORE_TICKETS", "STALL_TIMEOUT", "START_TIMEOUT", "Cluster", "RunControl",
+           "StoreClient", "Watchdog", "WindowPlan", "Windows", "agreed", "allgather_json",
+           "barrier", "node_of_each_rank", "serve", "stall_limit", "start_limit", "wait"]

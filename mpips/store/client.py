@@ -11,19 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import groupby
-from typing import NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import Stalled
 from ..placement import Placed, owner_and_row
-from ..waits import poll
-from .cluster import STALL_TIMEOUT, stall_limit
-from .counters import Counters
-from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows, views
-
-ACK_FAST_SECONDS = 0.02  # how long a worker checks every 50 us that the PS applied its update
+from .control import RunControl
+from .mailbox import RowPost, WorkerMail
+from .window import Windows, views
 
 
 @dataclass
@@ -84,7 +79,7 @@ class StoreClient:
         self.placement = placement = windows.placement
         self.task = task
         self.stateful = stateful
-        self.counters = Counters(windows)
+        self.control = RunControl(windows)
         self.ps_ranks = windows.layout.ps_ranks
         num_ps = placement.num_ps
         self._param_bufs = [np.zeros(placement.dense_bytes(p), np.uint8) for p in range(num_ps)]
@@ -112,8 +107,8 @@ class StoreClient:
                 self.tables[e.whole.name] = Table(
                     e.whole.name, parts, e.whole.shape[0], int(np.prod(e.whole.shape[1:])),
                     np.dtype(e.whole.dtype), rule)
-        # this worker's inbox on each PS, and the row box of each table there (stateful push)
-        self._inbox = [windows.inbox_offset(p, task) for p in range(num_ps)]
+        # the mailbox protocol (stateful push), and the row box of each table in each inbox
+        self.mail = WorkerMail(windows, task)
         self._boxes = {p: {b.part.name: b for b in windows.row_boxes(p)} for p in range(num_ps)}
         self._row_grads: dict[str, np.ndarray] = {}
         self._routed: list[Routed] = []
@@ -179,8 +174,8 @@ class StoreClient:
         it (so the next pull sees this update, and the inbox is free again).
         """
         if self.stateful:
-            self._post(lr)
-            self._wait_applied()
+            self.mail.post(self._grad_bufs, self._row_boxes(), lr)
+            self.mail.wait_applied()
             return
         win = self.windows.params
         for p, rank, _ in self._targets:
@@ -197,37 +192,7 @@ class StoreClient:
         for p, rank, _ in self._targets:
             win.Flush(rank)
 
-    def _post(self, lr: float) -> None:
-        win, mail = self.windows.params, self.windows.mail
-        for p, rank, _ in self._targets:
-            buf = self._grad_bufs[p]
-            if buf.size:
-                win.Put([buf, MPI.BYTE], rank, [self._inbox[p], buf.size, MPI.BYTE])
-        staged = []
-        for p, boxes in self._row_boxes().items():
-            inbox = self._inbox[p]
-            for box, (n, rows, grads) in boxes:
-                count = np.array([len(rows)], np.int64)
-                staged += [count, rows, grads]
-                win.Put([count, MPI.BYTE], self.ps_ranks[p], [inbox + box.count, 8, MPI.BYTE])
-                if len(rows):
-                    win.Put([rows, MPI.BYTE], self.ps_ranks[p],
-                            [inbox + box.rows, rows.nbytes, MPI.BYTE])
-                    win.Put([grads, MPI.BYTE], self.ps_ranks[p],
-                            [inbox + box.grads, grads.nbytes, MPI.BYTE])
-        for p, rank, _ in self._targets:
-            win.Flush(rank)  # the gradient is in place before the flag goes up
-        base = MAIL_WORDS * self.task
-        lr_word = np.array([lr], dtype=np.float64).view(np.int64)
-        one, old = np.ones(1, np.int64), np.zeros(1, np.int64)
-        for p, rank, _ in self._targets:
-            mail.Fetch_and_op(lr_word, old, rank, base + MAIL_LR, MPI.REPLACE)
-            mail.Flush(rank)
-            mail.Fetch_and_op(one, old, rank, base + MAIL_FLAG, MPI.REPLACE)
-        for p, rank, _ in self._targets:
-            mail.Flush(rank)
-
-    def _row_boxes(self) -> dict[int, list]:
+    def _row_boxes(self) -> dict[int, list[RowPost]]:
         """Per PS task: (its row box, (count, local rows, gradient rows)) of every table."""
         out: dict[int, list] = {p: [] for p in range(self.placement.num_ps)}
         if not self.tables:
@@ -246,30 +211,7 @@ class StoreClient:
                 out[p].append((box, (len(at), rows, np.ascontiguousarray(grads[at]))))
         return out
 
-    def _wait_applied(self) -> None:
-        """Until every PS has applied this worker's update (its mail flag is clear again);
-        Stalled naming the PS tasks that did not within the stall limit."""
-        mail, flag = self.windows.mail, MAIL_WORDS * self.task + MAIL_FLAG
-        pending = [rank for _, rank, _ in self._targets]
-        out, dummy = np.zeros(1, np.int64), np.zeros(1, np.int64)
-
-        def applied() -> bool:
-            for rank in list(pending):
-                mail.Fetch_and_op(dummy, out, rank, flag, MPI.NO_OP)
-                mail.Flush(rank)
-                if out[0] == 0:
-                    pending.remove(rank)
-            return not pending
-
-        def late(waited: float) -> NoReturn:
-            names = ", ".join(f"/job:ps/task:{self.ps_ranks.index(r)} (rank {r})" for r in pending)
-            raise Stalled(f"{names} did not apply this worker's update within "
-                          f"{STALL_TIMEOUT:.0f} s: hung? (MPIPS_STALL_TIMEOUT sets the "
-                          f"limit); aborting the job")
-        # 50 us sleeps while an apply usually completes (the PS needs the core), then longer
-        poll(applied, stall_limit(self.task), late, fast=ACK_FAST_SECONDS)
-
-    def write(self, values: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
+    def initialise(self, values: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
               ) -> None:
         """Overwrite every whole variable and its slots on the PS (chief initialisation).
         Table partitions and their slots are initialised by their PS tasks."""

@@ -18,18 +18,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
-from mpi4py import MPI
 
-from .. import preemption
 from ..errors import AlreadyReported, NonFinite
-from ..optim import Optimizer
 from ..waits import poll
 from .cluster import POLL_SECONDS, Cluster, start_limit
-from .counters import Counters, _unreachable
+from .control import RunControl, _unreachable
+from .mailbox import PsMail
 from .watchdog import Watchdog
-from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, Windows, views
+from .window import Windows, views
+
+if TYPE_CHECKING:  # the rule is the caller's; the store only calls its apply()
+    from ..optim import Optimizer
 
 BUSY_POLL_SECONDS = 5e-5   # right after an update
 WARM_POLL_SECONDS = 2e-4   # busy within the last WARM_SECONDS: the next push is coming soon
@@ -40,40 +42,44 @@ WriteShard = Callable[[int, dict[str, np.ndarray], dict[str, np.ndarray]], None]
 
 
 def serve(cluster: Cluster, windows: Windows, optimizer: Optimizer | None = None,
-          write_shard: WriteShard | None = None) -> int:
+          write_shard: WriteShard | None = None,
+          stop_requested: Callable[[], int] = lambda: 0) -> int:
     """Serve this PS task from the chief's ready flag until the chief ends the run
-    (Counters.end_run); returns the updates applied.
+    (RunControl.end_run); returns the updates applied.
 
     ``write_shard(step, variables, slots)`` writes this PS's checkpoint shard when the chief
-    asks for one.
+    asks for one; ``stop_requested()``, a signal number (0: none), is passed on to the whole
+    job as a stop at the next step (preemption).
     """
-    counters = Counters(windows)
+    control = RunControl(windows)
     task = cluster.role.task
-    watchdog = Watchdog(counters, cluster.layout, cluster.layout.num_workers + task,
+    watchdog = Watchdog(control, cluster.layout, cluster.layout.num_workers + task,
                         chief_ends=True)
-    counters.wait_ready(start_limit(cluster.layout.num_workers + task),
-                        lambda: _forward_signal(counters))
-    chores = _Chores(counters, windows, task, write_shard, watchdog)
+    control.wait_ready(start_limit(cluster.layout.num_workers + task),
+                        lambda: _forward_signal(control, stop_requested))
+    chores = _Chores(control, windows, task, write_shard, watchdog, stop_requested)
     if optimizer is None or not optimizer.stateful:
         poll(chores.run, math.inf, _unreachable)  # policed by the watchdog in chores.run
         return 0
     return _apply_loop(cluster, windows, optimizer, chores)
 
 
-def _forward_signal(counters: Counters) -> None:
+def _forward_signal(control: RunControl, stop_requested: Callable[[], int]) -> None:
     """A signal on a PS stops the job like one on a worker."""
-    signum = preemption.requested()
-    if signum and not counters.stop_signal():
-        counters.request_stop(signum)
+    signum = stop_requested()
+    if signum and not control.stop_signal():
+        control.request_stop(signum)
 
 
 class _Chores:
     """What a PS does between updates: forward a signal it received to the whole job, write
     checkpoint shards, watch the workers, and notice the end of the run."""
 
-    def __init__(self, counters: Counters, windows: Windows, task: int,
-                 write_shard: WriteShard | None, watchdog: Watchdog):
-        self.counters, self.windows, self.task = counters, windows, task
+    def __init__(self, control: RunControl, windows: Windows, task: int,
+                 write_shard: WriteShard | None, watchdog: Watchdog,
+                 stop_requested: Callable[[], int]):
+        self.control, self.windows, self.task = control, windows, task
+        self.stop_requested = stop_requested
         self.write_shard = write_shard
         self.watchdog = watchdog
         self.served = 0          # checkpoint requests answered
@@ -81,22 +87,22 @@ class _Chores:
 
     def run(self) -> bool:
         """Do what is due; True once the chief has ended the run."""
-        _forward_signal(self.counters)
+        _forward_signal(self.control, self.stop_requested)
         now = time.monotonic()
         if now < self.next_look:
             return False
         self.next_look = now + CHORE_SECONDS
         if self.write_shard is not None:
-            number, step = self.counters.checkpoint_request()
+            number, step = self.control.checkpoint_request()
             if number > self.served:
                 self.windows.params.Sync()  # see every Put and Accumulate that has landed
                 try:
                     self.write_shard(step, *self.windows.held(self.task))
                 except NonFinite as e:  # said once, even if several PS tasks find it
-                    raise e if self.counters.claim_failure() else AlreadyReported(str(e))
+                    raise e if self.control.claim_failure() else AlreadyReported(str(e))
                 self.served = number
-                self.counters.shard_written(self.task, number)
-        if self.counters.run_ended():
+                self.control.shard_written(self.task, number)
+        if self.control.run_ended():
             return True
         self.watchdog.check()
         return False
@@ -119,7 +125,7 @@ def _apply_rows(optimizer: Optimizer, var: np.ndarray, slots: dict[str, np.ndarr
 def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
                 chores: _Chores) -> int:
     task, me = cluster.role.task, cluster.rank
-    t = chores.counters.global_step()  # t continues from the restored global_step
+    t = chores.control.global_step()  # t continues from the restored global_step
 
     memory = windows.local(windows.params)
     variables, slot_views = windows.held(task)
@@ -133,32 +139,21 @@ def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
         inboxes.append((views(dense, [inbox] * windows.placement.num_ps),
                         [(box.part.name, box.arrays(inbox)) for box in boxes]))
 
-    mail, applied = windows.mail, 0
-    flags = np.zeros(1, np.int64)
-    zero = np.zeros(1, np.int64)
-    lr_word = np.zeros(1, np.int64)
+    mail, applied = PsMail(windows, me), 0
     sleep, last_busy = BUSY_POLL_SECONDS, 0.0
     while not chores.run():
         busy = False
         for k, (grads, row_boxes) in enumerate(inboxes):
-            base = MAIL_WORDS * k
-            mail.Fetch_and_op(zero, flags, me, base + MAIL_FLAG, MPI.NO_OP)
-            mail.Flush(me)
-            if flags[0] == 0:
+            lr = mail.take(k)
+            if lr is None:
                 continue
-            mail.Fetch_and_op(zero, lr_word, me, base + MAIL_LR, MPI.NO_OP)
-            mail.Flush(me)
-            windows.params.Sync()  # see the worker's Put of the gradient
             t += 1
-            lr = float(lr_word.view(np.float64)[0])
             for name, grad in grads.items():
                 optimizer.apply(variables[name], grad, slots[name], lr, t)
             for name, (count, rows, grad) in row_boxes:
                 _apply_rows(optimizer, variables[name], slots[name], rows[:int(count[0])],
                             grad, lr, t)
-            windows.params.Sync()
-            mail.Fetch_and_op(zero, flags, me, base + MAIL_FLAG, MPI.REPLACE)
-            mail.Flush(me)
+            mail.applied(k)
             applied += 1
             busy = True
         now = time.monotonic()

@@ -15,7 +15,7 @@ import time
 from ..errors import Stalled
 from ..layout import Layout
 from .cluster import STALL_TIMEOUT, stall_limit
-from .counters import Counters
+from .control import RunControl
 
 CHECK_SECONDS = 0.5
 
@@ -23,12 +23,12 @@ CHECK_SECONDS = 0.5
 class Watchdog:
     """Tracks when each worker's clock last moved; ``check`` raises Stalled if one is stuck."""
 
-    def __init__(self, counters: Counters, layout: Layout, index: int, chief_ends: bool = False):
+    def __init__(self, control: RunControl, layout: Layout, index: int, chief_ends: bool = False):
         """``index``: this waiter's place in line (worker task; PS tasks come after them), so
         that the first waiter alone reports a hang (see stall_limit). ``chief_ends``: also
-        report a chief that does not end the run (Counters.end_run) once every worker is done
+        report a chief that does not end the run (RunControl.end_run) once every worker is done
         (a PS task, which serves until then)."""
-        self.counters, self.layout = counters, layout
+        self.control, self.layout = control, layout
         self.timeout = stall_limit(index)
         self.chief_ends = chief_ends
         now = time.monotonic()
@@ -43,7 +43,7 @@ class Watchdog:
         if now < self.next_check:
             return
         self.next_check = now + CHECK_SECONDS
-        clocks, done = self.counters.clocks()
+        clocks, done = self.control.clocks()
         for task, clock in enumerate(clocks.tolist()):
             if self.last is None or clock != self.last[task] or done[task]:
                 self.moved[task] = now

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..layout import Layout
-from ..placement import Placed, Placement
+from ..placement import Placed, Placement, align
 from .cluster import barrier, check_arrival
 
 # control window on ps task 0: int64 counters, then per PS task the number of the last
@@ -52,9 +52,9 @@ class RowBox:
         self.part, self.capacity = part, capacity
         self.width = int(np.prod(part.spec.shape[1:]))
         self.count = start                     # int64
-        self.rows = _align(start + 8)          # int64 x capacity
-        self.grads = _align(self.rows + 8 * capacity)
-        self.end = _align(self.grads + capacity * self.width * np.dtype(part.spec.dtype).itemsize)
+        self.rows = align(start + 8)          # int64 x capacity
+        self.grads = align(self.rows + 8 * capacity)
+        self.end = align(self.grads + capacity * self.width * np.dtype(part.spec.dtype).itemsize)
 
     def arrays(self, inbox: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(count, rows, grads) views into an inbox's bytes."""
@@ -62,10 +62,6 @@ class RowBox:
         rows = inbox[self.rows:self.rows + 8 * self.capacity].view(np.int64)
         grads = inbox[self.grads:self.end].view(self.part.spec.dtype)[:self.capacity * self.width]
         return n, rows, grads.reshape(self.capacity, self.width)
-
-
-def _align(n: int) -> int:
-    return (n + 63) // 64 * 64
 
 
 class WindowPlan:
@@ -153,6 +149,15 @@ class Windows(WindowPlan):
         bufs = [self.local(self.params)] * self.placement.num_ps
         return views(self.placement, bufs, only_ps=task, by_name=True), \
             views(self.slots, bufs, only_ps=task, by_name=True) if self.slots else {}
+
+    def fill_own(self, task: int, values: dict[str, np.ndarray]) -> None:
+        """PS ``task`` (this rank): write ``values`` (by variable or slot name) into its own
+        memory before training, made visible to every later access."""
+        for held in self.held(task):
+            for name, view in held.items():
+                if name in values:
+                    view[...] = values[name]
+        self.params.Sync()
 
     def free(self) -> None:
         """Close the epochs and free the windows (collective). Safe to call twice."""

@@ -1,4 +1,4 @@
-"""The control counters on ps task 0, moved with MPI atomics (``Fetch_and_op``):
+"""The run's control counters on ps task 0, moved with MPI atomics (``Fetch_and_op``):
 global_step, step tickets, the chief's ready flag, the stop signal, checkpoint requests and
 the shard each PS task wrote for them, the end of the run, the first failure, and one clock
 per worker.
@@ -23,7 +23,7 @@ _ONE = np.ones(1, dtype=np.int64)
 NO_MORE_TICKETS = 1 << 62  # every later claim is past any step target
 
 
-class Counters:
+class RunControl:
     """Atomic access to the control window from any rank."""
 
     def __init__(self, windows: Windows):

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from .errors import AlreadyReported, ReplicasDiverged, Stalled
 from .placement import VariableSpec
-from .store.cluster import STALL_TIMEOUT, START_TIMEOUT, allgather_json, stall_limit, wait
+from .store import STALL_TIMEOUT, START_TIMEOUT, allgather_json, stall_limit, wait
 from .waits import poll
 
 

@@ -1,0 +1,262 @@
+"""Asynchronous training (``train.mode = "async"``): PS tasks serve the variables from their
+windows; each worker pulls, computes gradients on its own batch and pushes an update
+without waiting for the others (bounded by ``train.max_staleness``). The chief also
+initialises or restores the variables, commits checkpoints and evaluates at the end."""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import checkpoint, preemption
+from .backend import Device
+from .data import batches
+from .errors import AlreadyReported, NonFinite
+from .hooks import Hook, PendingSave, Run, StepInfo, standard_hooks
+from .job import Job, job_placement
+from .log import log
+from .optim import Optimizer, clip_by_global_norm, learning_rate
+from .placement import slot_placement
+from .run import (
+    TrainResult,
+    loss_not_finite,
+    manifest_meta,
+    report,
+    run_steps,
+    say_nothing_to_train,
+    say_preempted,
+)
+from .startup import Prepared
+from .store import (
+    NO_MORE_TICKETS,
+    STALL_TIMEOUT,
+    Cluster,
+    RunControl,
+    StoreClient,
+    Watchdog,
+    Windows,
+    allgather_json,
+    barrier,
+    serve,
+    stall_limit,
+    start_limit,
+    wait,
+)
+
+
+def train_async(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
+                prep: Prepared, hooks: list[Hook], device: Device) -> TrainResult:
+    """Every rank: create the windows, then PS tasks serve and workers train until the
+    chief ends the run."""
+    placement = job_placement(job, model.variables(), cluster.layout.num_ps, model.tables())
+    cluster.check_placement(placement)
+    slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
+    windows = Windows(cluster.comm, cluster.layout, placement, slots, optimizer.stateful,
+                      row_capacity=job.train.batch_size * max(1, prep.info.max_nnz))
+    if prep.local:  # a PS task: restored state or fresh table partitions
+        windows.fill_own(cluster.role.task, prep.local)
+    barrier(cluster.comm, "the start of training")  # filled before the chief raises ready
+    if cluster.is_ps:
+        def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
+            checkpoint.write_shard(job.checkpoint.dir, step, cluster.role.task,
+                                   cluster.layout.num_ps, variables, slots)
+        serve(cluster, windows, optimizer,
+              write_shard if job.checkpoint.dir else None, preemption.requested)
+        result = TrainResult(cluster.role, 0, 0)
+    else:
+        result = AsyncWorker(job, cluster, windows, model, optimizer, prep, device).train(hooks)
+    # the chief has ended the run (its last checkpoint and evaluation are done); a backstop
+    # only: a hung chief is named first by the PS tasks' watchdogs
+    barrier(cluster.comm, "the end of the run", stall_limit(cluster.comm.size) + 5)
+    result.stopped_by = RunControl(windows).stop_signal()
+    windows.free()  # collective, so never in a finally: a failing rank must reach Abort
+    return result
+
+
+class AsyncWorker:
+    """One worker task: pull, compute, push, once per batch (``step``)."""
+
+    def __init__(self, job: Job, cluster: Cluster, windows: Windows, model: Any,
+                 optimizer: Optimizer, prep: Prepared, device: Device):
+        self.job, self.cluster, self.windows, self.device = job, cluster, windows, device
+        self.model, self.optimizer, self.prep = model, optimizer, prep
+        self.role, self.tc, self.oc = cluster.role, job.train, job.optimizer
+        self.client = StoreClient(windows, self.role.task, optimizer.stateful)
+        self.control = self.client.control
+        self.stats = Staleness()
+        self.watchdog = Watchdog(self.control, cluster.layout, self.role.task)
+        self.clock = 0        # batches of this worker's part used (its data position)
+        self.updates = 0
+
+    def train(self, extra_hooks: list[Hook]) -> TrainResult:
+        role, control = self.role, self.control
+        run = Run(self.job, role, self.prep.start_step, self.tc.steps, control.global_step,
+                  self.start_save)
+        # hooks begin before the chief raises ready, so their set-up (the progress bar's)
+        # does not delay the chief's first update behind every other worker's
+        hooks = standard_hooks(self.job, extra_hooks)
+        for h in hooks:
+            h.begin(run)
+        start_step = self._start()
+        updates, examples, seconds = run_steps(self, run, hooks)
+        control.publish_clock(role.task, self.clock, done=True)
+        duty = f"; {run.save_seconds:.2f} s of it writing checkpoints, the chief's duty" \
+            if run.save_seconds else ""
+        log(role, f"done: {updates} updates, {examples} examples in {seconds:.1f} s{duty}")
+        # every push has landed, so global_step is final; a worker that never gets here is hung
+        wait(self.cluster.workers.Ibarrier(), "the other workers", math.inf, self.watchdog.check)
+        gathered = allgather_json(self.cluster.workers, [examples, seconds, self.stats.summary()],
+                                  "the workers' summaries")
+        for h in hooks:
+            h.end(run)
+        result = TrainResult(role, start_step, control.global_step(), updates, examples,
+                             seconds, staleness=[self.stats.summary()])
+        if self.cluster.is_chief:
+            self._conclude(result, gathered)
+        return result
+
+    def batches(self) -> Iterable[tuple[int, Any, Any]]:
+        assert self.prep.train is not None
+        x_all, y_all = self.prep.train  # host memory; batches go to the device one at a time
+        return batches(x_all, y_all, self.tc.batch_size, self.tc.seed, self.role.task,
+                       self.tc.epochs, start_batch=self.clock)
+
+    def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
+        """Take a ticket (or stop), pull, compute, push: one update of the global step."""
+        control, client, model = self.control, self.client, self.model
+        if preemption.requested():  # every worker stops at its next ticket
+            control.request_stop(preemption.requested())
+            return None
+        if control.claim_ticket() >= (self.tc.steps or NO_MORE_TICKETS):
+            return None
+        lead = control.wait_for_slowest(self.clock, self.tc.max_staleness, self.watchdog.check)
+        pulled_at = control.global_step()
+        x, ids = model.prepare(x)  # sparse models: the batch's unique ids (rows to pull)
+        device = self.device
+        params = device.stage_in(client.pull(ids))
+        x, y = device.to_device(x), device.to_device(y)
+        grads = device.mirrors(client.gradients())  # on the CPU: the push buffers themselves
+        loss = model.loss_and_grads(params, x, y, grads)
+        if not math.isfinite(loss):  # nothing of it is pushed; said once over all workers
+            message = loss_not_finite(self.role.task, loss, pulled_at)
+            raise NonFinite(message) if control.claim_failure() else AlreadyReported(message)
+        clip_by_global_norm(list(grads.values()), self.oc.clip_norm)
+        lr = learning_rate(self.oc, pulled_at)
+        if not self.optimizer.stateful:
+            for g in grads.values():
+                g *= -lr  # plain SGD: push the delta, Accumulate adds it on the PS
+        device.stage_out(grads, client.gradients())
+        client.push(lr)
+        step = control.advance_step()
+        self.clock, self.updates = self.clock + 1, self.updates + 1
+        control.publish_clock(self.role.task, self.clock)
+        self.stats.add(lead, step - 1 - pulled_at)
+        return StepInfo(step, loss, epoch, self.updates, lead, step - 1 - pulled_at)
+
+    def _start(self) -> int:
+        """Chief: write variables and slots, set the counters, raise ready. Others: wait for it.
+        Returns the start global_step; sets this worker's clock (its data position)."""
+        control, role, prep, tc = self.control, self.role, self.prep, self.tc
+        workers = self.cluster.layout.num_workers
+        if self.cluster.is_chief:
+            clocks = prep.clocks
+            if prep.restored is None:  # else the PS tasks have restored their shards
+                self.client.initialise(prep.values, prep.slots)
+            control.set_counters(prep.start_step, clocks if clocks and len(clocks) == workers
+                                  else None)
+            control.raise_ready()
+            if prep.restored is not None:
+                log(role, f"restored global_step {prep.start_step} from {prep.restored}")
+                if clocks and len(clocks) != workers:
+                    log(role, f"data position not restored: the checkpoint was written by "
+                              f"{len(clocks)} workers, this run has {workers} (parts start "
+                              f"afresh)")
+            if tc.steps and prep.start_step >= tc.steps:
+                say_nothing_to_train(role, prep.start_step, tc.steps)
+        else:
+            control.wait_ready(start_limit(role.task))
+        self.clock = int(control.clocks()[0][role.task])
+        start, stop = prep.rows
+        log(role, f"train rows [{start}, {stop}) of {prep.info.rows['train']}, "
+                  f"batch {tc.batch_size}, pulls {self.client.nbytes / 1e6:.2f} MB per step "
+                  f"from {self.windows.placement.num_ps} ps task(s)"
+                  + (f", resuming at batch {self.clock}" if self.clock else ""))
+        return control.global_step()
+
+    def start_save(self) -> PendingSave:
+        """Ask every PS task to write its shard (in parallel, while the chief trains on);
+        the chief commits the manifest when all are written."""
+        control, job = self.control, self.job
+        step, clocks = control.global_step(), [int(c) for c in control.clocks()[0]]
+        number, asked = control.request_checkpoint(step), time.monotonic()
+
+        def commit(block: bool) -> Path | None:
+            if block:
+                control.wait_shards(number, step, STALL_TIMEOUT - (time.monotonic() - asked))
+            elif control.shards_missing(number):
+                if time.monotonic() - asked > STALL_TIMEOUT:
+                    control.wait_shards(number, step, 0)  # raises, naming the PS tasks
+                return None
+            index = checkpoint.index_of(self.windows.placement, self.windows.slots)
+            return checkpoint.commit(job.checkpoint.dir, step, self.windows.placement.num_ps,
+                                     *index, manifest_meta(job, self.cluster, clocks),
+                                     job.checkpoint.max_to_keep)
+        return PendingSave(step, commit)
+
+    def _conclude(self, result: TrainResult, gathered: list[Any]) -> None:
+        """Chief: who made how many updates, staleness, evaluation; then end the run."""
+        role = self.role
+        stopped = self.control.stop_signal()
+        if stopped:
+            say_preempted(role, stopped, self.job)
+        result.staleness = [g[2] for g in gathered]
+        counts = [s["updates"] for s in result.staleness]
+        fewer = len(counts) > 1 and counts[0] < 0.8 * sum(counts[1:]) / (len(counts) - 1)
+        log(role, "updates per worker task: " + " ".join(map(str, counts))
+            + (" (the chief made fewer: it also evaluates, logs and commits checkpoints)"
+               if fewer else ""))
+        for task, s in enumerate(result.staleness):
+            if s["updates"]:
+                log(role, f"staleness of /job:worker/task:{task}: {Staleness.describe(s)}")
+        assert self.prep.test is not None
+        x_test, ids = self.model.prepare(self.prep.test[0])
+        report(self.cluster, self.model, self.device, self.client.pull(ids),
+               (x_test, self.prep.test[1]), result, gathered)
+        self.control.end_run()  # the PS tasks may stop serving
+
+
+class Staleness:
+    """Per-worker distribution of two staleness measures of its updates.
+
+    * lead: how many updates this worker was ahead of the slowest running worker when it
+      pulled (what ``train.max_staleness`` bounds: stale-synchronous-parallel clocks);
+    * delay: how many global steps other workers applied between its pull and its push.
+    """
+
+    def __init__(self) -> None:
+        self.leads: list[int] = []
+        self.delays: list[int] = []
+
+    def add(self, lead: int, delay: int) -> None:
+        self.leads.append(lead)
+        self.delays.append(delay)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"updates": len(self.leads)}
+        for name, values in (("lead", self.leads), ("delay", self.delays)):
+            if values:
+                a = np.asarray(values)
+                out[name] = {"mean": round(float(a.mean()), 3), "p50": int(np.percentile(a, 50)),
+                             "p90": int(np.percentile(a, 90)), "max": int(a.max())}
+        return out
+
+    @staticmethod
+    def describe(s: dict[str, Any]) -> str:
+        def one(d: dict[str, Any]) -> str:
+            return f"mean {d['mean']:.2f} p50 {d['p50']} p90 {d['p90']} max {d['max']}"
+        return (f"{s['updates']} updates; lead over slowest worker {one(s['lead'])}; "
+                f"delay in global steps {one(s['delay'])}")

@@ -1,0 +1,135 @@
+"""What both training modes share around their step: the loop, the run's result, the
+manifest's metadata, and the chief's last words (evaluation, preemption, divergence)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import checkpoint, preemption
+from .backend import Device
+from .hooks import Hook, PendingSave, Run, StepInfo
+from .job import Job
+from .layout import Role
+from .log import log
+from .store import Cluster
+
+
+@dataclass
+class TrainResult:
+    """What one rank saw. Evaluation fields are set on the chief only."""
+
+    role: Role
+    start_step: int
+    global_step: int
+    updates: int = 0               # updates this worker pushed
+    examples: int = 0              # examples this worker trained on
+    seconds: float = 0.0
+    total_examples: int = 0        # over all workers (chief only)
+    test_accuracy: float | None = None
+    test_loss: float | None = None
+    test_auc: float | None = None  # sparse CTR models
+    staleness: list[dict[str, Any]] | None = None  # per worker task (chief: all workers)
+    stopped_by: int = 0            # signal that stopped the run early (preemption), else 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as plain JSON values (``train --result FILE``)."""
+        out = {k: v for k, v in vars(self).items() if k != "role"}
+        out["task"] = f"/job:{self.role.job}/task:{self.role.task}"
+        out["stopped_by"] = preemption.name(self.stopped_by) if self.stopped_by else None
+        return out
+
+
+class Steps(Protocol):
+    """One training mode's worker: its batches, and one update per batch."""
+
+    def batches(self) -> Iterable[tuple[int, Any, Any]]: ...
+
+    def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
+        """Train on one batch; None: the run is over for this worker (no update made)."""
+
+
+def run_steps(steps: Steps, run: Run, hooks: Sequence[Hook]) -> tuple[int, int, float]:
+    """The training loop of every mode: a step per batch until the mode says stop, the
+    hooks after each. Returns (updates, examples, seconds)."""
+    updates = examples = 0
+    t0 = time.perf_counter()
+    for epoch, x, y in steps.batches():
+        info = steps.step(epoch, x, y)
+        if info is None:
+            break
+        updates, examples = updates + 1, examples + len(y)
+        for h in hooks:
+            h.after_step(run, info)
+    return updates, examples, time.perf_counter() - t0
+
+
+def manifest_meta(job: Job, cluster: Cluster, clocks: list[int]) -> dict[str, Any]:
+    """What a checkpoint manifest records besides the variables: the job, the layout and
+    the data position (updates, i.e. batches, each worker task has used)."""
+    layout = cluster.layout
+    return {"job": job.source, "job_sha256": checkpoint.job_digest(job),
+            "layout": {"world_size": cluster.comm.size, "ps": layout.num_ps,
+                       "workers": layout.num_workers, "mode": job.train.mode},
+            "clocks": clocks,
+            "data": {"path": job.data.path or f"builtin:{job.data.builtin}",
+                     "batch_size": job.train.batch_size, "seed": job.train.seed}}
+
+
+def save_whole(job: Job, cluster: Cluster, step: int, variables: dict[str, Any],
+               slots: dict[str, Any], clocks: list[int]) -> PendingSave:
+    """Chief, holding every variable: write one shard and commit it (done at once)."""
+    c = job.checkpoint
+    checkpoint.write_shard(c.dir, step, 0, 1, variables, slots)
+    path = checkpoint.commit(c.dir, step, 1, checkpoint.whole_index(variables),
+                             checkpoint.whole_index(slots),
+                             manifest_meta(job, cluster, clocks), c.max_to_keep)
+    return PendingSave(step, lambda block: path)
+
+
+def say_nothing_to_train(role: Role, step: int, target: int) -> None:
+    """Chief: the restored global_step already reached the target."""
+    log(role, f"global_step {step} already reached train.steps = {target}: nothing to "
+              f"train (raise train.steps or use another checkpoint dir)")
+
+
+def say_preempted(role: Role, signum: int, job: Job) -> None:
+    """The chief's last word on a run stopped by a signal: the checkpoint a rerun resumes
+    from (the one just written at the end of the run, if there was anything to save)."""
+    found = checkpoint.list_checkpoints(job.checkpoint.dir) if job.checkpoint.dir else []
+    if not job.checkpoint.dir:
+        saved = "no checkpoint.dir: not saved"
+    elif found:
+        saved = (f"checkpoint at global_step {found[-1][0]} in {job.checkpoint.dir}; rerun the "
+                 f"same command to resume")
+    else:
+        saved = "no update was made, so there is no checkpoint; rerun the same command to start"
+    log(role, f"stopped early by {preemption.name(signum)}: {saved} "
+              f"(exit code {preemption.EXIT_PREEMPTED})")
+
+
+def loss_not_finite(task: int, loss: float | str, step: int) -> str:
+    """The message for a loss that is NaN or infinite (training stops there, said once)."""
+    return (f"the loss of /job:worker/task:{task} is {loss} at global_step {step}: training "
+            f"stopped, and no checkpoint holds non-finite values (learning rate too high? "
+            f"lower optimizer.learning_rate, or set optimizer.clip_norm)")
+
+
+def report(cluster: Cluster, model: Any, device: Device, params: dict[str, Any],
+           test: tuple[Any, Any], result: TrainResult, gathered: list[Any]) -> None:
+    """Chief: evaluate on the test split and print the final line."""
+    role = cluster.role
+    params = device.stage_in(params)
+    test = (device.to_device(test[0]), device.to_device(test[1]))
+    metrics = model.evaluate(params, *test)
+    result.test_loss, result.test_accuracy = metrics["loss"], metrics["accuracy"]
+    result.test_auc = metrics.get("auc")
+    result.total_examples = sum(g[0] for g in gathered)
+    wall = max(g[1] for g in gathered)
+    rate = result.total_examples / wall if wall else 0.0
+    auc = f" test_auc {result.test_auc:.4f}" if result.test_auc is not None else ""
+    log(role, f"final: global_step {result.global_step} test_accuracy "
+              f"{result.test_accuracy:.4f} test_loss {result.test_loss:.4f}{auc} "
+              f"({result.total_examples} examples on {cluster.layout.num_workers} workers "
+              f"in {wall:.1f} s, {rate:.0f} examples/s)")

@@ -1,0 +1,141 @@
+"""Start-up: everything that can fail on bad input (the checkpoint directory, the data file,
+memory for the model, the checkpoint to restore), done on every rank before any window or
+buffer exists, so that a problem is one message and nothing has been trained or written."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import checkpoint
+from .data import DatasetInfo, load_split, open_dataset, resolve_path, worker_rows
+from .errors import CheckpointError, ConfigError, DataError
+from .job import Job, job_placement
+from .memory import check_fits
+from .nn import build_model
+from .optim import Optimizer
+from .placement import slot_placement
+from .store import Cluster, WindowPlan
+
+
+@dataclass
+class Prepared:
+    """Everything read or made at start-up, before any window exists (see prepare)."""
+
+    info: DatasetInfo
+    start_step: int = 0
+    restored: Path | None = None         # the manifest restored from, if any
+    clocks: list[int] | None = None      # restored data position (updates per worker)
+    rows: tuple[int, int] = (0, 0)       # worker: its part of the train rows
+    train: tuple[Any, Any] | None = None  # worker: its part (x, y)
+    test: tuple[Any, Any] | None = None   # chief: the test split
+    values: dict[str, np.ndarray] = field(default_factory=dict)  # chief: variables to write
+    slots: dict[str, np.ndarray] = field(default_factory=dict)   # chief: their slots
+    local: dict[str, np.ndarray] = field(default_factory=dict)   # PS: what it fills itself
+
+
+def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
+    """Found at start-up, not after training: a directory the writers cannot write, and a
+    fresh start (``--no-restore``) into a directory that holds another run's checkpoints
+    (the two runs would mix: pruning by step would keep the old run's later checkpoints, and
+    the next plain rerun would restore the old run)."""
+    c = job.checkpoint
+    if not c.dir:
+        return
+    if not c.restore:
+        found = checkpoint.list_checkpoints(c.dir)
+        if found:
+            raise CheckpointError(
+                f"checkpoint.dir {c.dir} already holds {len(found)} checkpoint(s) of an earlier "
+                f"run, the latest at global_step {found[-1][0]}; a fresh start there would mix "
+                f"the two runs. Resume it (drop --no-restore), delete {c.dir}, or start afresh "
+                f"in a new directory with --ckpt-dir DIR")
+    writes = cluster.is_chief or (cluster.is_ps and job.train.mode == "async")
+    if writes:
+        checkpoint.check_writable(c.dir)
+
+
+def _check_memory(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
+                  info: DatasetInfo) -> None:
+    """What the ranks on this node will allocate for the model (PS windows, worker buffers;
+    sync replicas: variables, slots and gradients) must fit in the memory available here.
+    Sizes come from the data file's attributes and the job: a corrupt or hostile file must
+    give one message, not an OOM kill."""
+    layout, here = cluster.layout, cluster.node_ranks
+    if job.train.mode == "sync":
+        nbytes = sum(s.nbytes for s in model.variables()) * (2 + len(optimizer.slots))
+        per_rank = [0 if layout.role(r).job == "ps" else nbytes for r in range(layout.world_size)]
+    else:
+        placement = job_placement(job, model.variables(), layout.num_ps, model.tables())
+        slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
+        plan = WindowPlan(placement, slots, job.train.batch_size * max(1, info.max_nnz))
+        per_rank = plan.rank_bytes(layout, optimizer.stateful)
+    largest = max(model.variables() + model.tables(), key=lambda s: s.nbytes)
+    check_fits(sum(per_rank[r] for r in here),
+               f"the model on this node ({len(here)} ranks; largest variable {largest.name} "
+               f"{largest.dtype}{list(largest.shape)}, from {info.path})", ConfigError)
+
+
+def prepare(job: Job, cluster: Cluster, optimizer: Optimizer) -> Prepared:
+    """Everything that can fail on bad input, done before any window exists.
+
+    Restoring, each PS task reads the variables and slots it will hold (in parallel; table
+    partitions re-sliced from the whole tables); in sync mode the chief reads them all.
+    Starting afresh, each PS task initialises its table partitions and their slots.
+    """
+    _check_checkpoint_dir(job, cluster)
+    info = open_dataset(resolve_path(job.data.path, job.data.builtin))
+    prep = Prepared(info)
+    c = job.checkpoint
+    latest = checkpoint.latest_checkpoint(c.dir) if c.dir and c.restore else None
+    ckpt = checkpoint.Checkpoint(latest) if latest else None
+    if ckpt is not None:
+        prep.start_step, prep.restored, prep.clocks = ckpt.step, latest, ckpt.clocks
+    model = build_model(job.model, info)
+    _check_memory(job, cluster, model, optimizer, info)
+    specs = model.variables()
+    if cluster.is_ps:
+        if job.train.mode == "async":
+            prep.local = _ps_fill(job, cluster, model, optimizer, ckpt)
+        return prep
+    task, workers = cluster.role.task, cluster.layout.num_workers
+    prep.rows = worker_rows(info.rows["train"], workers, task)
+    if prep.rows[1] <= prep.rows[0]:
+        raise DataError(f"{info.path}: {info.rows['train']} train rows cannot feed "
+                        f"{workers} workers")
+    prep.train = load_split(info, "train", prep.rows)
+    if cluster.is_chief:
+        prep.test = load_split(info, "test")
+        slot_specs = [e.spec for e in slot_placement(job_placement(job, specs, 1),
+                                                     optimizer.slots)]
+        if ckpt is None:
+            prep.values = model.initial_values(job.model.init_seed)
+            prep.slots = {f"{name}/{slot}": array for name, v in prep.values.items()
+                          for slot, array in optimizer.init_slots(v).items()}
+        elif job.train.mode == "sync":
+            values = ckpt.read(specs, slot_specs)
+            prep.values = {s.name: values[s.name] for s in specs}
+            prep.slots = {s.name: values[s.name] for s in slot_specs}
+    return prep
+
+
+def _ps_fill(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
+             ckpt: checkpoint.Checkpoint | None) -> dict[str, np.ndarray]:
+    """What PS ``task`` writes into its own memory before training, by variable name:
+    restoring, all it holds; afresh, its table partitions and their slots."""
+    task = cluster.role.task
+    placement = job_placement(job, model.variables(), cluster.layout.num_ps, model.tables())
+    mine = placement.on_ps(task)
+    slots = slot_placement(placement, optimizer.slots).on_ps(task)
+    if ckpt is None:
+        out = {}
+        for e in mine:
+            if e.whole is not None:
+                out[e.name] = model.initial_rows(e.name, e.rows, job.model.init_seed)
+                for slot, value in optimizer.init_slots(out[e.name]).items():
+                    out[f"{e.name}/{slot}"] = value
+        return out
+    return ckpt.read([e.whole or e.spec for e in mine], [e.whole or e.spec for e in slots],
+                     rows={e.name: e.rows for e in mine + slots if e.rows})

@@ -1,0 +1,203 @@
+"""Synchronous replicas (``train.mode = "sync"``).
+
+Every worker computes gradients on its own batch; the mean over all workers is taken with
+bucketed, non-blocking allreduce that overlaps backward (allreduce.py); every replica then
+applies the same update with the same optimizer code as the async path, so replicas stay
+bitwise identical (checked every ``train.check_every`` steps and at the end). global_step
+advances once per aggregated step, identically on every replica: no PS, no counter, no chief
+that can run ahead. PS ranks, if the layout has any, hold nothing in this mode and sleep
+(passing on a preemption signal they receive).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from . import preemption
+from .allreduce import (
+    GradientBuckets,
+    agree_max,
+    broadcast,
+    check_replicas,
+    forward_stop,
+    idle_until_end,
+    replica_hash,
+    stop_from_ps,
+)
+from .backend import Device
+from .data import batches, worker_rows
+from .errors import AgreedError, AlreadyReported, NonFinite
+from .hooks import Hook, PendingSave, Run, StepInfo, standard_hooks
+from .job import Job, job_placement
+from .log import log
+from .optim import Optimizer, clip_by_global_norm, learning_rate
+from .run import (
+    TrainResult,
+    loss_not_finite,
+    report,
+    run_steps,
+    save_whole,
+    say_nothing_to_train,
+    say_preempted,
+)
+from .startup import Prepared
+from .store import Cluster, allgather_json
+
+
+def train_sync(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
+               prep: Prepared, hooks: list[Hook], device: Device) -> TrainResult:
+    """Train ``job`` as synchronous replicas on the workers (collective over the world).
+
+    PS ranks, if the layout names any, hold nothing: they wait for the end of the run,
+    passing a preemption signal they receive to the chief. At the end every rank agrees on
+    the signal that stopped the run (if any), so every rank exits with the same code.
+    """
+    specs = model.variables()
+    cluster.check_placement(job_placement(job, specs, 1))  # same variables on every rank
+    comm, chief = cluster.comm, cluster.layout.chief_rank
+    if cluster.is_ps:
+        result = TrainResult(cluster.role, 0, 0)
+        forwarded = [False]
+
+        def forward() -> None:
+            if preemption.requested() and not forwarded[0]:
+                forward_stop(comm, chief, preemption.requested())
+                forwarded[0] = True
+        agreed_stop = idle_until_end(comm, preemption.requested(), forward)
+        result.stopped_by = agreed_stop  # a signal too late to stop the run changes nothing
+        return result
+    result = Replica(job, cluster, model, optimizer, prep, device).train(hooks)
+    # every rank, PS included, learns the signal that stopped the run: the same exit code
+    result.stopped_by = agree_max(comm, [result.stopped_by or preemption.requested()],
+                                  "the end of the run")[0]
+    return result
+
+
+def _batches_per_epoch(job: Job, rows: int, workers: int) -> int:
+    """Full batches every worker can make each epoch (the same count on all replicas)."""
+    b = job.train.batch_size
+    per = min((stop - start) // b for start, stop in
+              (worker_rows(rows, workers, k) for k in range(workers)))
+    if per == 0:
+        raise AgreedError(f"{rows} train rows give some of the {workers} workers less than "
+                          f"one batch of {b}: lower train.batch_size")
+    return per
+
+
+class Replica:
+    """One worker as a synchronous replica: compute, average, apply, once per batch."""
+
+    def __init__(self, job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
+                 prep: Prepared, device: Device):
+        self.job, self.cluster, self.model, self.optimizer, self.prep = \
+            job, cluster, model, optimizer, prep
+        self.device = device
+        self.role, self.tc, self.oc = cluster.role, job.train, job.optimizer
+        self.comm, self.workers = cluster.workers, cluster.layout.num_workers
+        self.listen_to_ps = cluster.is_chief and cluster.layout.num_ps > 0
+        specs = model.variables()
+        self.params = {s.name: np.zeros(s.shape, s.dtype) for s in specs}
+        self.slots = {s.name: {k: np.zeros(s.shape, s.dtype) for k in optimizer.slots}
+                      for s in specs}
+        self.arrays = list(self.params.values()) + \
+            [a for s in self.slots.values() for a in s.values()]
+        self.buckets = GradientBuckets(self.comm, specs, self.tc.bucket_bytes)
+        self.per_epoch = _batches_per_epoch(job, prep.info.rows["train"], self.workers)
+        self.step_count = self.clock = self.updates = 0
+        self.stopped = 0      # the signal every replica agreed to stop on (0: none)
+
+    def train(self, extra_hooks: list[Hook]) -> TrainResult:
+        role = self.role
+        start_step = self._start()
+        run = Run(self.job, role, start_step, self.tc.steps, lambda: self.step_count,
+                  self.save, self.params)
+        hooks = standard_hooks(self.job, extra_hooks)
+        for h in hooks:
+            h.begin(run)
+        updates, examples, seconds = run_steps(self, run, hooks)
+        check_replicas(self.comm, self.arrays, self.step_count)
+        log(role, f"done: {updates} updates, {examples} examples in {seconds:.1f} s; replica "
+                  f"crc32 {replica_hash(self.arrays):08x}; {self.buckets.reduce_seconds:.2f} s "
+                  f"waiting for allreduce after backward")
+        gathered = allgather_json(self.comm, [examples, seconds], "the replicas' summaries")
+        for h in hooks:
+            h.end(run)
+        result = TrainResult(role, start_step, self.step_count, updates, examples, seconds,
+                             stopped_by=self.stopped)
+        if self.cluster.is_chief:
+            if self.stopped:
+                say_preempted(role, self.stopped, self.job)
+            assert self.prep.test is not None
+            report(self.cluster, self.model, self.device, self.params, self.prep.test, result,
+                   gathered)
+        return result
+
+    def _start(self) -> int:
+        """The chief's initial or restored state, broadcast: every replica starts identical.
+        Returns the start global_step; sets the data position."""
+        prep, role = self.prep, self.role
+        header = np.zeros(2, np.int64)  # start step, data position (batches used per worker)
+        if self.cluster.is_chief:
+            for name in self.params:
+                self.params[name][...] = prep.values[name]
+                for k in self.optimizer.slots:
+                    self.slots[name][k][...] = prep.slots[f"{name}/{k}"]
+            clocks = prep.clocks
+            same = clocks and len(clocks) == self.workers and len(set(clocks)) == 1
+            header[:] = prep.start_step, clocks[0] if same else 0
+            if prep.restored is not None:
+                log(role, f"restored global_step {prep.start_step} from {prep.restored}")
+        broadcast(self.comm, [header, *self.arrays])
+        self.step_count, self.clock = int(header[0]), int(header[1])
+        if self.cluster.is_chief and self.tc.steps and self.step_count >= self.tc.steps:
+            say_nothing_to_train(role, self.step_count, self.tc.steps)
+        start, stop = prep.rows
+        log(role, f"sync replica: train rows [{start}, {stop}), {self.per_epoch} batches of "
+                  f"{self.tc.batch_size} an epoch, {len(self.buckets.buckets)} allreduce "
+                  f"bucket(s)" + (f", resuming at batch {self.clock}" if self.clock else ""))
+        return self.step_count
+
+    def save(self) -> PendingSave:
+        flat = {f"{n}/{k}": a for n, s in self.slots.items() for k, a in s.items()}
+        return save_whole(self.job, self.cluster, self.step_count, self.params, flat,
+                          [self.clock] * self.workers)
+
+    def batches(self) -> Iterable[tuple[int, Any, Any]]:
+        assert self.prep.train is not None
+        return batches(*self.prep.train, self.tc.batch_size, self.tc.seed, self.role.task,
+                       self.tc.epochs, start_batch=self.clock, per_epoch=self.per_epoch)
+
+    def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
+        """Gradients of this replica's batch, averaged over all; every replica applies the
+        same update (or all stop together: a signal, or a loss that is not finite)."""
+        step = self.step_count
+        if self.tc.steps and step >= self.tc.steps:
+            return None
+        buckets = self.buckets
+        buckets.start_step()
+        loss = self.model.loss_and_grads(self.params, x, y, buckets.grads, ready=buckets.ready)
+        mean = buckets.finish()
+        # one small allreduce a step: a signal on any replica (or forwarded by a PS rank),
+        # and the first replica whose loss is not finite, so all act on it together
+        signal = preemption.requested() or \
+            (stop_from_ps(self.cluster.comm) if self.listen_to_ps else 0)
+        stopped, bad = agree_max(self.comm, [signal, 0 if math.isfinite(loss)
+                                             else self.role.task + 1])
+        if bad:
+            message = loss_not_finite(bad - 1, loss if bad - 1 == self.role.task
+                                      else "not finite", step)
+            raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
+        if stopped:
+            self.stopped = stopped
+            return None  # this step's update is not applied: the checkpoint is exact at `step`
+        clip_by_global_norm(list(mean.values()), self.oc.clip_norm)
+        lr = learning_rate(self.oc, step)
+        for name, var in self.params.items():
+            self.optimizer.apply(var, mean[name], self.slots[name], lr, step + 1)
+        self.step_count, self.clock, self.updates = step + 1, self.clock + 1, self.updates + 1
+        if self.tc.check_every and self.step_count % self.tc.check_every == 0:
+            check_replicas(self.comm, self.arrays, self.step_count)
+        return StepInfo(self.step_count, loss, epoch, self.updates)
