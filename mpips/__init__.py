@@ -7,12 +7,13 @@ from typing import Any
 
 from .errors import MpipsError
 from .failure import abort_on_error
-from .hooks import Hook, StepInfo
+from .hooks import Hook, Run, StepInfo, StopAtLoss, StopAtStep
 from .job import Job, load_job, parse_job
+from .model import Model, Variable
 
 __version__ = "0.1.0"
-__all__ = ["Hook", "Job", "MpipsError", "StepInfo", "TrainResult", "abort_on_error",
-           "load_job", "parse_job", "train"]
+__all__ = ["Hook", "Job", "Model", "MpipsError", "Run", "StepInfo", "StopAtLoss", "StopAtStep",
+           "TrainResult", "Variable", "abort_on_error", "load_job", "parse_job", "train"]
 
 
 def __getattr__(name: str) -> Any:

@@ -82,11 +82,16 @@ class GradientBuckets:
                 b.request = None
 
     def finish(self) -> dict[str, np.ndarray]:
-        """Wait for every bucket, divide by the number of replicas; returns the mean gradients."""
+        """Wait for every bucket, divide by the number of replicas; returns the mean gradients.
+
+        Once the model's loss_and_grads has returned every gradient is final: buckets it did
+        not report ready (a model that does not call ``ready``) start their reduction here,
+        without the overlap with backward."""
         t0 = time.perf_counter()
         for index, b in enumerate(self.buckets):
             if self._pending.get(index):
-                raise RuntimeError(f"gradients {sorted(self._pending[index])} were never written")
+                self._pending[index].clear()
+                b.request = self.comm.Iallreduce(MPI.IN_PLACE, b.buffer, MPI.SUM)
             if b.request is not None:
                 complete(self.comm, b.request, "the gradient allreduce")
             b.request = None

@@ -95,7 +95,8 @@ class AsyncWorker:
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
         role, control = self.role, self.control
         run = Run(self.job, role, self.prep.start_step, self.tc.steps, control.global_step,
-                  self.start_save)
+                  self.start_save, lambda: {k: v.copy() for k, v in self.client.pull().items()},
+                  control.end_tickets)
         # hooks begin before the chief raises ready, so their set-up (the progress bar's)
         # does not delay the chief's first update behind every other worker's
         hooks = standard_hooks(self.job, extra_hooks)
@@ -185,7 +186,7 @@ class AsyncWorker:
                   f"batch {tc.batch_size}, pulls {self.client.nbytes / 1e6:.2f} MB per step "
                   f"from {self.windows.placement.num_ps} ps task(s)"
                   + (f", resuming at batch {self.clock}" if self.clock else ""))
-        return control.global_step()
+        return prep.start_step  # global_step itself may have moved on: others are pushing
 
     def start_save(self) -> PendingSave:
         """Ask every PS task to write its shard (in parallel, while the chief trains on);

@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--log-every", type=int, help="override train.log_every")
     t.add_argument("--result", metavar="FILE",
                    help="write the run's result as JSON to FILE (the chief's view: global_step, "
-                        "test metrics, examples, each worker's updates and staleness, the "
-                        "signal that stopped it), for scripts and tests to read")
+                        "test metrics, examples, each worker's updates and staleness in async "
+                        "mode, the signal that stopped it), for scripts and tests to read")
     t.set_defaults(func=cmd_train)
 
     lay = sub.add_parser("layout", help="print roles and placement for N ranks (no MPI launch)",
@@ -134,6 +134,19 @@ def _resolve_job(args: argparse.Namespace) -> Job:
     return validate(job)
 
 
+def _check_result_path(path: str | None) -> None:
+    """``--result FILE`` must be writable: found at start-up, not after the run."""
+    import os
+    from pathlib import Path
+
+    from .errors import ConfigError
+    if path:
+        folder = Path(path).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(f"--result {path}: cannot write there ({folder} is not a "
+                              f"writable directory)")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
@@ -142,7 +155,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .store import agreed
     from .training import train
     with abort_on_error():
-        job = agreed(MPI.COMM_WORLD, lambda: _resolve_job(args))
+        job = agreed(MPI.COMM_WORLD, lambda: _check_result_path(args.result) or _resolve_job(args))
         result = train(job)
         if args.result and result.role.is_chief:
             from .files import atomic_write

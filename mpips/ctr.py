@@ -15,6 +15,7 @@ from scipy.special import expit
 
 from .layers import DenseStack
 from .metrics import auc
+from .model import Model
 from .placement import VariableSpec
 
 WIDE, EMBEDDING = "wide/weights", "deep/embedding"
@@ -41,7 +42,7 @@ def _sigmoid_loss(z: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
     return loss, expit(z)
 
 
-class WideDeep:
+class WideDeep(Model):
     """logit = x . w + b (wide) + MLP(x E) (deep: each example's embedding rows summed,
     weighted by its feature values). ``hidden = None`` is plain logistic regression."""
 

@@ -37,12 +37,26 @@ class Run:
     target_steps: int
     global_step: Callable[[], int]
     start_save: Callable[[], PendingSave]  # chief: begin a checkpoint (see CheckpointSaver)
-    params: dict[str, Any] | None = None  # sync mode: this replica's variables
+    read_variables: Callable[[], dict[str, Any]] = dict  # see variables()
+    stop_run: Callable[[], None] = lambda: None           # see request_stop()
     save_seconds: float = 0.0             # chief: time spent writing checkpoints so far
+    stop_requested: bool = False          # a hook asked to stop (this worker saw it)
 
     @property
     def is_chief(self) -> bool:
         return self.role.is_chief
+
+    def variables(self) -> dict[str, Any]:
+        """The model's dense variables now, by name (numpy copies): pulled from the PS tasks
+        in async mode, this replica's own in sync mode. Costs a pull: call it when needed."""
+        return self.read_variables()
+
+    def request_stop(self) -> None:
+        """End the run early, as a normal end: every worker stops at its next step (async:
+        at its next ticket; sync: all replicas together), the final checkpoint and the
+        evaluation happen, the exit code is 0. Like TensorFlow's request_stop()."""
+        self.stop_requested = True
+        self.stop_run()
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,8 @@ class Hook:
     """Override any of these; they run on every worker unless the hook says otherwise."""
 
     def begin(self, run: Run) -> None: ...
+
+    def before_step(self, run: Run) -> None: ...
 
     def after_step(self, run: Run, info: StepInfo) -> None: ...
 
@@ -179,6 +195,35 @@ class CheckpointSaver(Hook):
                       f"ms; the chief paused {self.paused * 1e3:.0f} ms)")
         self.pending = None
         return path
+
+
+class StopAtStep(Hook):
+    """Stop the run once this worker has made an update at or past global step ``step``
+    (a train.steps that a script sets; every worker stops at its next step)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_step(self, run: Run, info: StepInfo) -> None:
+        if info.step >= self.step and not run.stop_requested:
+            run.request_stop()
+
+
+class StopAtLoss(Hook):
+    """Stop the run when a worker's batch loss falls to ``loss`` or below (averaged over the
+    last ``window`` updates of that worker, so one lucky batch does not end it)."""
+
+    def __init__(self, loss: float, window: int = 20):
+        self.loss, self.window = loss, window
+        self.recent: list[float] = []
+
+    def after_step(self, run: Run, info: StepInfo) -> None:
+        self.recent = (self.recent + [info.loss])[-self.window:]
+        if len(self.recent) == self.window and sum(self.recent) / self.window <= self.loss \
+                and not run.stop_requested:
+            log(run.role, f"mean loss of the last {self.window} updates "
+                          f"{sum(self.recent) / self.window:.4f} <= {self.loss}: stopping the run")
+            run.request_stop()
 
 
 def standard_hooks(job: Job, extra: Iterable[Hook] = ()) -> list[Hook]:

@@ -5,6 +5,7 @@ Unknown keys and wrong types are errors that name the key (and suggest the close
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import types
 import typing
@@ -21,7 +22,9 @@ from .schema import check_keys
 
 @dataclass
 class ModelConfig:
-    kind: str = "mlp"          # "mlp" (dense data), or "logreg" / "wide_deep" (sparse CTR data)
+    kind: str = "mlp"          # "mlp" (dense data), "logreg" / "wide_deep" (sparse CTR data),
+                               # or your own: "package.module:factory"
+    args: dict = field(default_factory=dict)  # your own model's arguments ([model.args])
     hidden: list[int] = field(default_factory=lambda: [64])
     init_seed: int = 0
     embedding_dim: int = 8     # wide_deep: width of each feature's embedding row
@@ -97,7 +100,6 @@ class Job:
 
 
 CHOICES = {
-    "model.kind": ("mlp", "logreg", "wide_deep"),
     "model.partition": ("mod", "div"),
     "optimizer.kind": ("sgd", "momentum", "adagrad", "adam", "ftrl"),
     "optimizer.schedule": ("constant", "exponential", "step"),
@@ -167,6 +169,11 @@ def _fill(cls: type, table: dict[str, Any], where: str) -> Any:
 
 def validate(job: Job) -> Job:
     """Check cross-field rules and value ranges (after overrides, too)."""
+    kind = job.model.kind
+    if kind not in ("mlp", "logreg", "wide_deep") and not re.fullmatch(
+            r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", kind):
+        raise ConfigError(f"model.kind: {kind!r} is not 'mlp', 'logreg', 'wide_deep' or "
+                          f"\"package.module:factory\" (a model of your own)")
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(job, section), name)
@@ -186,10 +193,10 @@ def validate(job: Job) -> Job:
             raise ConfigError(f"{key}: must be in [0, 1), got {value!r}")
     if job.train.mode == "sync" and job.train.device != "cpu":
         raise ConfigError('train.device: mode = "sync" runs on the CPU (numpy) for now')
-    if job.train.device != "cpu" and job.model.kind != "mlp":
+    if job.train.device != "cpu" and job.model.kind in ("logreg", "wide_deep"):
         raise ConfigError(f"train.device: CTR models (model.kind = {job.model.kind!r}) run on "
                           f"the CPU (numpy and scipy.sparse)")
-    if job.train.mode == "sync" and job.model.kind != "mlp":
+    if job.train.mode == "sync" and job.model.kind in ("logreg", "wide_deep"):
         raise ConfigError(f"model.kind: {job.model.kind!r} keeps its tables on the PS tasks; "
                           f"it trains in mode = \"async\"")
     if job.train.mode == "sync" and job.train.max_staleness is not None:

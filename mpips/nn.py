@@ -11,6 +11,14 @@ from .backend import to_host
 from .errors import ConfigError
 from .layers import DenseStack
 from .metrics import accuracy
+from .model import (
+    BUILT_IN,
+    Model,
+    build_from_factory,
+    check_model,
+    factory_name,
+    import_factory,
+)
 from .placement import VariableSpec
 
 if TYPE_CHECKING:
@@ -18,7 +26,7 @@ if TYPE_CHECKING:
     from .job import ModelConfig
 
 
-class MLP:
+class MLP(Model):
     """Dense layers ``sizes[0] -> ... -> sizes[-1]``; variables in creation order
     ``dense_0/kernel, dense_0/bias, dense_1/kernel, ...`` (the order placement uses)."""
 
@@ -78,8 +86,23 @@ def _cross_entropy(xp: ModuleType, z: Any, y: Any) -> tuple[Any, Any]:
     return loss, probs
 
 
-def build_model(config: ModelConfig, info: DatasetInfo, xp: ModuleType = np) -> Any:
-    """The job's model for its dataset: an MLP on dense data, a CTR model on sparse data."""
+def build_model(config: ModelConfig, info: DatasetInfo, xp: ModuleType = np,
+                job_file: str | None = None, factory: Any = None) -> Model:
+    """The job's model for its dataset: a built-in one (an MLP on dense data, a CTR model on
+    sparse data), the user's ``model.kind = "module:factory"`` (called with the dataset's
+    facts and ``[model.args]``), or ``factory`` from the Python API (a callable, or a model)."""
+    if factory is not None:
+        if isinstance(factory, Model):
+            factory.xp = xp
+            return check_model(factory, "the model passed to mpips.train")
+        return build_from_factory(factory, info, xp, config.args,
+                                  f"the model factory {factory_name(factory)}")
+    if config.kind not in BUILT_IN:
+        return build_from_factory(import_factory(config.kind, job_file), info, xp, config.args,
+                                  f"model.kind = {config.kind!r}")
+    if config.args:
+        raise ConfigError(f"model.args: only for a model of your own (model.kind = "
+                          f"\"module:factory\"); {config.kind!r} takes model.hidden etc.")
     if (config.kind == "mlp") == info.sparse:
         want = "dense (x, y)" if config.kind == "mlp" else "sparse (CSR ids and values)"
         raise ConfigError(f"model.kind = {config.kind!r} needs {want} data; {info.path} is "

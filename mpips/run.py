@@ -30,12 +30,18 @@ class TrainResult:
     test_accuracy: float | None = None
     test_loss: float | None = None
     test_auc: float | None = None  # sparse CTR models
+    test_metrics: dict[str, float] | None = None  # everything evaluate() returned (chief)
     staleness: list[dict[str, Any]] | None = None  # per worker task (chief: all workers)
     stopped_by: int = 0            # signal that stopped the run early (preemption), else 0
 
     def to_json(self) -> dict[str, Any]:
         """The result as plain JSON values (``train --result FILE``)."""
         out = {k: v for k, v in vars(self).items() if k != "role"}
+        for k, v in out.items():  # strict JSON: a NaN metric (one-class split) is null
+            if isinstance(v, float) and v != v:
+                out[k] = None
+        if self.test_metrics:
+            out["test_metrics"] = {k: (None if v != v else v) for k, v in self.test_metrics.items()}
         out["task"] = f"/job:{self.role.job}/task:{self.role.task}"
         out["stopped_by"] = preemption.name(self.stopped_by) if self.stopped_by else None
         return out
@@ -56,6 +62,8 @@ def run_steps(steps: Steps, run: Run, hooks: Sequence[Hook]) -> tuple[int, int, 
     updates = examples = 0
     t0 = time.perf_counter()
     for epoch, x, y in steps.batches():
+        for h in hooks:
+            h.before_step(run)
         info = steps.step(epoch, x, y)
         if info is None:
             break
@@ -70,6 +78,7 @@ def manifest_meta(job: Job, cluster: Cluster, clocks: list[int]) -> dict[str, An
     the data position (updates, i.e. batches, each worker task has used)."""
     layout = cluster.layout
     return {"job": job.source, "job_sha256": checkpoint.job_digest(job),
+            "model": job.model.kind,
             "layout": {"world_size": cluster.comm.size, "ps": layout.num_ps,
                        "workers": layout.num_workers, "mode": job.train.mode},
             "clocks": clocks,
@@ -122,14 +131,15 @@ def report(cluster: Cluster, model: Any, device: Device, params: dict[str, Any],
     role = cluster.role
     params = device.stage_in(params)
     test = (device.to_device(test[0]), device.to_device(test[1]))
-    metrics = model.evaluate(params, *test)
-    result.test_loss, result.test_accuracy = metrics["loss"], metrics["accuracy"]
+    metrics = {k: float(v) for k, v in model.evaluate(params, *test).items()}
+    result.test_metrics = metrics
+    result.test_loss, result.test_accuracy = metrics.get("loss"), metrics.get("accuracy")
     result.test_auc = metrics.get("auc")
     result.total_examples = sum(g[0] for g in gathered)
     wall = max(g[1] for g in gathered)
     rate = result.total_examples / wall if wall else 0.0
-    auc = f" test_auc {result.test_auc:.4f}" if result.test_auc is not None else ""
-    log(role, f"final: global_step {result.global_step} test_accuracy "
-              f"{result.test_accuracy:.4f} test_loss {result.test_loss:.4f}{auc} "
+    first = [k for k in ("accuracy", "loss", "auc") if k in metrics]
+    shown = " ".join(f"test_{k} {metrics[k]:.4f}" for k in first + sorted(set(metrics) - set(first)))
+    log(role, f"final: global_step {result.global_step} {shown} "
               f"({result.total_examples} examples on {cluster.layout.num_workers} workers "
               f"in {wall:.1f} s, {rate:.0f} examples/s)")

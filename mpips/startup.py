@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ class Prepared:
     """Everything read or made at start-up, before any window exists (see prepare)."""
 
     info: DatasetInfo
+    model: Any = None                    # the job's model (its xp: this rank's device)
     start_step: int = 0
     restored: Path | None = None         # the manifest restored from, if any
     clocks: list[int] | None = None      # restored data position (updates per worker)
@@ -78,12 +80,15 @@ def _check_memory(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
                f"{largest.dtype}{list(largest.shape)}, from {info.path})", ConfigError)
 
 
-def prepare(job: Job, cluster: Cluster, optimizer: Optimizer) -> Prepared:
+def prepare(job: Job, cluster: Cluster, optimizer: Optimizer, xp: ModuleType = np,
+            factory: Any = None) -> Prepared:
     """Everything that can fail on bad input, done before any window exists.
 
     Restoring, each PS task reads the variables and slots it will hold (in parallel; table
     partitions re-sliced from the whole tables); in sync mode the chief reads them all.
     Starting afresh, each PS task initialises its table partitions and their slots.
+    ``factory``: a model (or a callable making one) from the Python API, instead of
+    model.kind.
     """
     _check_checkpoint_dir(job, cluster)
     info = open_dataset(resolve_path(job.data.path, job.data.builtin))
@@ -93,7 +98,10 @@ def prepare(job: Job, cluster: Cluster, optimizer: Optimizer) -> Prepared:
     ckpt = checkpoint.Checkpoint(latest) if latest else None
     if ckpt is not None:
         prep.start_step, prep.restored, prep.clocks = ckpt.step, latest, ckpt.clocks
-    model = build_model(job.model, info)
+    model = prep.model = build_model(job.model, info, xp, job.source, factory)
+    if job.train.mode == "sync" and model.tables():
+        raise ConfigError(f"{type(model).__name__} keeps row-partitioned tables on the PS "
+                          f"tasks: it trains in mode = \"async\" (with mpirun -n 2 or more)")
     _check_memory(job, cluster, model, optimizer, info)
     specs = model.variables()
     if cluster.is_ps:

@@ -108,12 +108,14 @@ class Replica:
         self.per_epoch = _batches_per_epoch(job, prep.info.rows["train"], self.workers)
         self.step_count = self.clock = self.updates = 0
         self.stopped = 0      # the signal every replica agreed to stop on (0: none)
+        self.stop_asked = 0   # a hook on this replica asked to stop the run
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
         role = self.role
         start_step = self._start()
         run = Run(self.job, role, start_step, self.tc.steps, lambda: self.step_count,
-                  self.save, self.params)
+                  self.save, lambda: {k: v.copy() for k, v in self.params.items()},
+                  self._hook_stop)
         hooks = standard_hooks(self.job, extra_hooks)
         for h in hooks:
             h.begin(run)
@@ -160,6 +162,9 @@ class Replica:
                   f"bucket(s)" + (f", resuming at batch {self.clock}" if self.clock else ""))
         return self.step_count
 
+    def _hook_stop(self) -> None:
+        self.stop_asked = 1  # said at the next step's agreement: all replicas stop together
+
     def save(self) -> PendingSave:
         flat = {f"{n}/{k}": a for n, s in self.slots.items() for k, a in s.items()}
         return save_whole(self.job, self.cluster, self.step_count, self.params, flat,
@@ -181,16 +186,17 @@ class Replica:
         loss = self.model.loss_and_grads(self.params, x, y, buckets.grads, ready=buckets.ready)
         mean = buckets.finish()
         # one small allreduce a step: a signal on any replica (or forwarded by a PS rank),
-        # and the first replica whose loss is not finite, so all act on it together
+        # the first replica whose loss is not finite, and a hook's request to stop, so all
+        # act on it together
         signal = preemption.requested() or \
             (stop_from_ps(self.cluster.comm) if self.listen_to_ps else 0)
-        stopped, bad = agree_max(self.comm, [signal, 0 if math.isfinite(loss)
-                                             else self.role.task + 1])
+        stopped, bad, asked = agree_max(self.comm, [signal, 0 if math.isfinite(loss)
+                                                    else self.role.task + 1, self.stop_asked])
         if bad:
             message = loss_not_finite(bad - 1, loss if bad - 1 == self.role.task
                                       else "not finite", step)
             raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
-        if stopped:
+        if stopped or asked:
             self.stopped = stopped
             return None  # this step's update is not applied: the checkpoint is exact at `step`
         clip_by_global_norm(list(mean.values()), self.oc.clip_norm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -16,7 +17,7 @@ from .failure import set_role
 from .hooks import Hook
 from .job import Job, job_layout
 from .log import log
-from .nn import build_model
+from .model import Model, factory_name
 from .optim import build_optimizer
 from .run import TrainResult
 from .startup import prepare
@@ -26,9 +27,23 @@ from .sync_training import train_sync
 __all__ = ["TrainResult", "train"]
 
 
-def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None) -> TrainResult:
-    """Run ``job`` on every rank of ``comm`` (collective): PS ranks serve, workers train."""
+def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None,
+          model: Any = None) -> TrainResult:
+    """Run ``job`` on every rank of ``comm`` (collective): PS ranks serve, workers train.
+
+    ``model``: a model of your own (an ``mpips.Model``, or a callable ``factory(data,
+    **job.model.args)`` returning one) instead of the job's ``model.kind``. On one process
+    (no mpirun) the job trains as a single synchronous replica, to debug a model locally.
+    """
     comm = comm or MPI.COMM_WORLD
+    if model is not None:
+        job.model.kind = factory_name(model if callable(model) and not isinstance(model, Model)
+                                      else type(model))
+    if comm.size == 1 and job.train.mode != "sync":
+        job.train.mode, job.train.max_staleness = "sync", None
+        say_single = True
+    else:
+        say_single = False
     nodes = node_of_each_rank(comm)
     layout = agreed(comm, lambda: job_layout(job, comm.size, nodes))
     cluster = Cluster(comm, layout)
@@ -36,21 +51,23 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None) ->
     preemption.install()
     # if a process is killed, the launcher speaks only of pids: this line maps pids to tasks
     log(cluster.role, f"rank {cluster.rank}, pid {os.getpid()} on {socket.gethostname()}")
+    if say_single:
+        log(cluster.role, "one process (no mpirun): training as a single synchronous replica, "
+                          "to try a model out; run under mpirun -n N for ps/worker training")
     # numpy's overflow warnings, one storm per rank, give way to the check that stops the
     # job at the first loss that is not finite (naming the worker and the global step)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        result = _train(job, cluster, list(hooks))
+        result = _train(job, cluster, list(hooks), model)
     cluster.free()  # collective: only on success (an error aborts the world instead)
     return result
 
 
-def _train(job: Job, cluster: Cluster, hooks: list[Hook]) -> TrainResult:
+def _train(job: Job, cluster: Cluster, hooks: list[Hook], factory: Any) -> TrainResult:
     optimizer = build_optimizer(job.optimizer)
-    prep = agreed(cluster.comm, lambda: prepare(job, cluster, optimizer))
-    if not cluster.is_ps:
-        pin_blas_threads(cluster.local_size)
     device = agreed(cluster.comm, lambda: Device() if cluster.is_ps
                     else Device.select(job.train.device, cluster.local_worker_index))
-    model = build_model(job.model, prep.info, device.xp)
+    prep = agreed(cluster.comm, lambda: prepare(job, cluster, optimizer, device.xp, factory))
+    if not cluster.is_ps:
+        pin_blas_threads(cluster.local_size)
     mode = train_sync if job.train.mode == "sync" else train_async
-    return mode(job, cluster, model, optimizer, prep, hooks, device)
+    return mode(job, cluster, prep.model, optimizer, prep, hooks, device)

@@ -195,7 +195,7 @@ def test_adagrad_on_the_ps_loses_no_update():
         if s.cluster.is_chief:
             init = {sp.name: np.zeros(sp.shape, sp.dtype) for sp in specs}
             s.client.initialise(init, {f"{k}/accumulator": opt.init_slots(v)["accumulator"]
-                                  for k, v in init.items()})
+                                       for k, v in init.items()})
             s.control.raise_ready()
         s.control.wait_ready(timeout=30)
         rng = np.random.default_rng(s.cluster.role.task)
@@ -253,6 +253,7 @@ def test_each_variable_lives_on_the_ps_task_its_placement_names():
     barrier(s.comm, "the test")
     if s.cluster.is_ps:
         task = s.cluster.role.task
+        s.windows.params.Sync()  # see the chief's Puts in this rank's own memory
         held, _ = s.windows.held(task)
         assert sorted(held) == sorted(e.name for e in s.placement.on_ps(task))
         for name, view in held.items():

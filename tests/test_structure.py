@@ -7,8 +7,9 @@ from pathlib import Path
 import mpips
 
 ROOT = Path(mpips.__file__).parent
-WINDOW_CALLS = {"Win", "Put", "Get_accumulate", "Accumulate", "Fetch_and_op", "Lock_all",
-                "Unlock_all", "Flush", "Sync", "Compare_and_swap"}
+WINDOW_CALLS = {"Win", "Put", "Get", "Rput", "Rget", "Raccumulate", "Get_accumulate",
+                "Accumulate", "Fetch_and_op", "Lock_all", "Unlock_all", "Flush", "Sync",
+                "Compare_and_swap"}
 
 
 def modules() -> dict[str, ast.Module]:

@@ -211,8 +211,8 @@ class StoreClient:
                 out[p].append((box, (len(at), rows, np.ascontiguousarray(grads[at]))))
         return out
 
-    def initialise(self, values: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
-              ) -> None:
+    def initialise(self, values: dict[str, np.ndarray],
+                   slots: dict[str, np.ndarray] | None = None) -> None:
         """Overwrite every whole variable and its slots on the PS (chief initialisation).
         Table partitions and their slots are initialised by their PS tasks."""
         for name, view in self.params.items():

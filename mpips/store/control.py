@@ -81,6 +81,11 @@ class RunControl:
         self._set(STOP, signum)
         self._set(TICKETS, NO_MORE_TICKETS)
 
+    def end_tickets(self) -> None:
+        """End the run early as a normal end (a hook's request): every later claim is past
+        the target, so every worker stops at its next ticket; no signal is recorded."""
+        self._set(TICKETS, NO_MORE_TICKETS)
+
     def stop_signal(self) -> int:
         """The signal that stopped the job early (0: none)."""
         return self._op(STOP, _ONE, MPI.NO_OP)

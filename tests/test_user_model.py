@@ -1,0 +1,208 @@
+"""A model of your own: the public interface, naming it from a job file or passing it to
+mpips.train, the errors a bad factory gives, and hooks that stop the run and read variables."""
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT, run_mpi, run_py
+
+import mpips
+from mpips.errors import ConfigError
+from mpips.model import build_from_factory, check_model, import_factory
+
+
+class Info:
+    num_inputs, num_classes = 4, 3
+
+
+def test_a_factory_that_is_not_a_model_is_one_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "bad_models.py").write_text(
+        "import mpips\n"
+        "def plain(data): return object()\n"
+        "def boom(data, width=1): raise ValueError(f'width {width} is too small')\n"
+        "class Half(mpips.Model):\n"
+        "    def variables(self): return [mpips.Variable('w', (2,))]\n"
+        "def half(data): return Half()\n"
+        "class Twice(Half):\n"
+        "    def variables(self): return [mpips.Variable('w', (2,)), mpips.Variable('w', (3,))]\n"
+        "    initial_values = loss_and_grads = evaluate = lambda *a: None\n"
+        "def twice(data): return Twice()\n"
+        "not_callable = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    cases = {"bad_models:plain": "returned object, not a model: subclass mpips.Model",
+             "bad_models:boom": "raised ValueError: width 5 is too small",
+             "bad_models:half": "Half does not implement initial_values, loss_and_grads, evaluate",
+             "bad_models:twice": "two variables share a name",
+             "bad_models:missing": "bad_models has no missing",
+             "bad_models:not_callable": "not_callable is not callable",
+             "no_such_module:build": "cannot import no_such_module (ModuleNotFoundError"}
+    for kind, said in cases.items():
+        with pytest.raises(ConfigError, match=f"model.kind = '{kind}'.*{said}".replace("(", r"\(")):
+            build_from_factory(import_factory(kind), Info(), np, {"width": 5} if "boom" in kind
+                               else {}, f"model.kind = {kind!r}")
+    sys.modules.pop("bad_models", None)
+
+
+def test_the_readme_example_is_the_shipped_file():
+    import re
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Your own model"):readme.index("## Python API")]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert code in (ROOT / "jobs/my_model.py").read_text()
+
+
+def test_the_built_in_models_are_models():
+    from mpips.ctr import WideDeep
+    from mpips.nn import MLP
+    check_model(MLP([4, 8, 3]), "mlp")
+    check_model(WideDeep(100, [8]), "wide_deep")
+
+
+def test_the_job_file_names_a_model_of_your_own():
+    data = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
+    job = mpips.parse_job(data + '[model]\nkind = "pkg.mod:make"\n[model.args]\nwidth = 3\n')
+    assert job.model.kind == "pkg.mod:make" and job.model.args == {"width": 3}
+    with pytest.raises(ConfigError, match="model.kind: 'pkg.mod' is not"):
+        mpips.parse_job(data + '[model]\nkind = "pkg.mod"\n')
+    with pytest.raises(ConfigError, match="model.args: only for a model of your own"):
+        from mpips.data import open_dataset, resolve_path
+        from mpips.nn import build_model
+        job = mpips.parse_job(data + '[model]\nkind = "mlp"\n[model.args]\nwidth = 3\n')
+        build_model(job.model, open_dataset(resolve_path("", "digits")))
+
+
+def user_job(tmp_path, mode="async", extra=""):
+    shutil.copy(ROOT / "jobs/my_model.py", tmp_path / "my_model.py")
+    text = (ROOT / "jobs/my_model.toml").read_text().replace("[train]\n",
+                                                             f'[train]\nmode = "{mode}"\n{extra}')
+    (tmp_path / "job.toml").write_text(text)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_user_model_from_a_job_file_trains(tmp_path, mode):
+    user_job(tmp_path, mode)
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
+                cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["global_step"] == 600 and result["test_accuracy"] >= 0.9, result
+    manifest = json.loads((tmp_path / "runs/my_model/ckpt-600.json").read_text())
+    assert manifest["model"] == "my_model:build"
+
+
+@pytest.mark.launcher
+def test_one_process_without_mpirun_trains_as_one_replica(tmp_path):
+    user_job(tmp_path)
+    r = run_py(["-m", "mpips", "train", "job.toml", "--no-progress", "--steps", "200",
+                "--result", "r.json"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "one process (no mpirun): training as a single synchronous replica" in r.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["global_step"] == 200
+
+
+@pytest.mark.launcher
+def test_a_factory_that_raises_is_said_once_on_every_rank(tmp_path):
+    user_job(tmp_path)
+    (tmp_path / "my_model.py").write_text("def build(data, l2=0.0):\n"
+                                          "    raise RuntimeError('no GPU kernel for this')\n")
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path,
+                timeout=90)
+    assert r.returncode == 2, r.stderr[-3000:]
+    said = "model.kind = 'my_model:build' raised RuntimeError: no GPU kernel for this"
+    assert r.stderr.count(said) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+DISORDER = """
+import sys
+from mpi4py import MPI
+import mpips
+sys.path.insert(0, ".")
+import my_model
+
+class Disordered(my_model.Softmax):
+    def variables(self):  # "dict order" trap: the last rank creates b before w
+        v = super().variables()
+        return v[::-1] if MPI.COMM_WORLD.rank == MPI.COMM_WORLD.size - 1 else v
+
+with mpips.abort_on_error():
+    job = mpips.load_job("job.toml")
+    job.train.progress = False
+    mpips.train(job, model=lambda data, l2: Disordered(data.num_inputs, data.num_classes, l2))
+"""
+
+
+@pytest.mark.launcher
+def test_variables_created_in_another_order_on_one_rank_are_caught(tmp_path):
+    user_job(tmp_path)
+    (tmp_path / "disorder.py").write_text(DISORDER)
+    r = run_mpi(3, ["disorder.py"], cwd=tmp_path, timeout=90)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "variable #0" in r.stderr and "rank 2 (/job:worker/task:1): b [10] float32" in \
+        r.stderr, r.stderr[-3000:]
+
+
+HOOKED = """
+import json, sys
+sys.path.insert(0, ".")
+import numpy as np
+import mpips, my_model
+
+class Probe(mpips.Hook):
+    def __init__(self):
+        self.before = self.after = 0
+    def before_step(self, run):
+        self.before += 1
+    def after_step(self, run, info):
+        self.after += 1
+        if info.local_updates == 20:
+            v = run.variables()
+            assert set(v) == {{"w", "b"}} and isinstance(v["w"], np.ndarray), v.keys()
+            assert np.isfinite(v["w"]).all() and v["w"].std() > 0
+    def end(self, run):
+        print(f"probe {{run.role}}: before {{self.before}} after {{self.after}}", flush=True)
+
+with mpips.abort_on_error():
+    job = mpips.load_job("job.toml")
+    job.train.progress, job.train.steps, job.train.mode = False, 100000, "{mode}"
+    result = mpips.train(job, model=my_model.build, hooks=[Probe(), mpips.StopAtStep(100)])
+    if result.role.is_chief:
+        json.dump({{"global_step": result.global_step, "stopped_by": result.stopped_by,
+                   "acc": result.test_accuracy}}, open("r.json", "w"))
+"""
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_hook_stops_the_run_and_reads_the_variables(tmp_path, mode):
+    """StopAtStep(100) ends a 100000-step run as a normal end (exit 0, final checkpoint,
+    evaluation); before_step runs before every step; run.variables() pulls the model."""
+    user_job(tmp_path)
+    (tmp_path / "hooked.py").write_text(HOOKED.format(mode=mode))
+    r = run_mpi(3, ["hooked.py"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    workers = 3 if mode == "sync" else 2  # sync needs no PS: every rank is a replica
+    if mode == "sync":
+        assert result["global_step"] == 100
+    else:  # each worker stops at its next ticket: at most one more update each
+        assert 100 <= result["global_step"] <= 100 + workers
+    assert result["stopped_by"] == 0 and result["acc"] > 0.5
+    assert (tmp_path / f"runs/my_model/ckpt-{result['global_step']}.json").exists()
+    probes = [ln for ln in r.stdout.splitlines() if ln.startswith("probe /job:worker")]
+    assert len(probes) == workers, r.stdout[-2000:]
+    for line in probes:
+        before, after = int(line.split()[3]), int(line.split()[5])
+        assert before in (after, after + 1), line  # the step that saw the stop makes none
+
+
+@pytest.mark.launcher
+def test_a_result_file_that_cannot_be_written_is_found_before_training(tmp_path):
+    r = run_py(["-m", "mpips", "train", "--no-progress", "--result", "no/such/dir/r.json"],
+               cwd=tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--result no/such/dir/r.json: cannot write there" in r.stderr
+    assert "step" not in r.stdout and not (tmp_path / "runs").exists()
