@@ -61,6 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "mode, the signal that stopped it), for scripts and tests to read")
     t.set_defaults(func=cmd_train)
 
+    ev = sub.add_parser("eval", help="evaluate a checkpoint on the job's test split (one "
+                                     "process, no MPI)",
+                        description="Evaluate the latest checkpoint of the job's checkpoint.dir "
+                                    "(or --ckpt PATH) on its test split, in one process.")
+    _job_args(ev)
+    ev.add_argument("--ckpt", metavar="PATH", help="a manifest (ckpt-S.json) or a directory")
+    ev.set_defaults(func=cmd_eval)
+
+    pr = sub.add_parser("predict", help="write a checkpoint's predictions for an array file",
+                        description="Predict with the latest checkpoint (or --ckpt PATH) of the "
+                                    "job's model: --input a .npy, .npz (array 'x') or HDF5 "
+                                    "(dataset 'x') file of rows, --output a .npy file.")
+    _job_args(pr)
+    pr.add_argument("--ckpt", metavar="PATH", help="a manifest (ckpt-S.json) or a directory")
+    pr.add_argument("--input", required=True, metavar="FILE")
+    pr.add_argument("--output", required=True, metavar="FILE")
+    pr.set_defaults(func=cmd_predict)
+
     lay = sub.add_parser("layout", help="print roles and placement for N ranks (no MPI launch)",
                          description="Print which rank plays which task and where each "
                                      "variable lives, without launching MPI.")
@@ -162,6 +180,24 @@ def cmd_train(args: argparse.Namespace) -> int:
             text = json.dumps(result.to_json(), indent=1)
             atomic_write(args.result, lambda tmp: tmp.write_text(text))
     return EXIT_PREEMPTED if result.stopped_by else 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluation import evaluate
+    job = _resolve_job(args)
+    metrics, step, path = evaluate(job, args.ckpt)
+    shown = " ".join(f"test_{k} {v:.4f}" for k, v in metrics.items())
+    print(f"{path} (global_step {step}, model {job.model.kind}): {shown}")
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from .evaluation import predict
+    job = _resolve_job(args)
+    rows, step = predict(job, args.input, args.output, args.ckpt)
+    print(f"wrote {args.output}: predictions for {rows} rows (checkpoint at global_step "
+          f"{step}, model {job.model.kind})")
+    return 0
 
 
 def cmd_layout(args: argparse.Namespace) -> int:

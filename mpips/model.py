@@ -58,6 +58,11 @@ class Model:
         ``"auc"`` are reported when present."""
         raise NotImplementedError
 
+    def predict(self, params: dict[str, Any], x: Any) -> Any:
+        """Optional: the model's outputs for ``x`` (``python -m mpips predict``), e.g. class
+        probabilities."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement predict()")
+
     def tables(self) -> list[VariableSpec]:
         """Row-partitioned tables (sparse models): none by default."""
         return []

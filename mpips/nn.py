@@ -45,6 +45,12 @@ class MLP(Model):
     def logits(self, params: dict[str, Any], x: Any) -> Any:
         return self.layers.forward(params, x)[0]
 
+    def predict(self, params: dict[str, Any], x: Any) -> Any:
+        """Class probabilities (softmax of the logits), one row per example."""
+        z = self.logits(params, x)
+        e = self.xp.exp(z - z.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+
     def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> dict[str, float]:
         """Mean cross-entropy ("loss") and "accuracy" of the model on ``x, y``."""
         z = self.logits(params, x)

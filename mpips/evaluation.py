@@ -1,0 +1,117 @@
+"""Evaluate or predict from a checkpoint in one process, without MPI: the job's model (built
+in, or your own) with the variables a checkpoint holds, on the job's test split or on an
+array file."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from . import checkpoint
+from .data import load_split, open_dataset, resolve_path
+from .errors import CheckpointError, ConfigError, DataError
+from .hdf5 import open_plain
+from .job import Job
+from .memory import check_fits
+from .model import Model
+from .nn import build_model
+
+INPUT_SUFFIXES = (".npy", ".npz", ".h5", ".hdf5")
+
+
+def restore_model(job: Job, ckpt_path: str | None = None, factory: Any = None
+                  ) -> tuple[Model, dict[str, np.ndarray], checkpoint.Checkpoint]:
+    """The job's model, every variable and table of the checkpoint (``ckpt_path``: a manifest
+    or a directory; default the job's checkpoint.dir), and the checkpoint. The manifest must
+    name the same model as the job (a checkpoint of another model is one clear error)."""
+    where = ckpt_path or job.checkpoint.dir
+    if not where:
+        raise ConfigError("no checkpoint: the job has no checkpoint.dir; give --ckpt PATH")
+    ckpt = checkpoint.resolve(where)
+    info = open_dataset(resolve_path(job.data.path, job.data.builtin))
+    model = build_model(job.model, info, np, job.source, factory)
+    wrote = ckpt.meta.get("model")
+    if wrote is not None and wrote != job.model.kind:
+        raise CheckpointError(f"checkpoint {ckpt.path} was written by model {wrote!r}, but the "
+                              f"job's model.kind is {job.model.kind!r}")
+    params = ckpt.read(model.variables() + model.tables())
+    return model, params, ckpt
+
+
+def _params_for(model: Model, params: dict[str, np.ndarray], x: Any) -> tuple[Any, dict]:
+    """The batch as the model wants it, and the parameters for it (sparse models: the
+    table rows of its ids, as a worker pulls them)."""
+    x, ids = model.prepare(x)
+    if ids is None:
+        return x, params
+    tables = {t.name for t in model.tables()}
+    return x, {k: (v[ids] if k in tables else v) for k, v in params.items()}
+
+
+def evaluate(job: Job, ckpt_path: str | None = None) -> tuple[dict[str, float], int, Path]:
+    """Metrics of the checkpoint on the job's test split: (metrics, global_step, manifest)."""
+    model, params, ckpt = restore_model(job, ckpt_path)
+    info = open_dataset(resolve_path(job.data.path, job.data.builtin))
+    x, y = load_split(info, "test")
+    x, params = _params_for(model, params, x)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        metrics = {k: float(v) for k, v in model.evaluate(params, x, y).items()}
+    return metrics, ckpt.step, ckpt.path
+
+
+def load_inputs(path: str) -> np.ndarray:
+    """The array to predict on: a .npy file, the array ``x`` (or the only one) of a .npz file,
+    or the dataset ``x`` of an HDF5 file; numbers only, no pickle."""
+    p = Path(path)
+    if p.suffix not in INPUT_SUFFIXES:
+        raise DataError(f"--input {path}: give a {', '.join(INPUT_SUFFIXES)} file")
+    if not p.is_file():
+        raise DataError(f"--input {path}: not found")
+    try:
+        if p.suffix == ".npy":
+            x = np.load(p, mmap_mode="r", allow_pickle=False)
+        elif p.suffix == ".npz":
+            with np.load(p, allow_pickle=False) as z:
+                names = list(z.files)
+                if "x" not in names and len(names) != 1:
+                    raise DataError(f"--input {path}: holds {names}; name the inputs 'x'")
+                x = z["x" if "x" in names else names[0]]
+        else:
+            with open_plain(p, DataError, f"--input {path}") as f:
+                ds = f.get("x")
+                if not isinstance(ds, h5py.Dataset):
+                    raise DataError(f"--input {path}: no dataset 'x'")
+                check_fits(ds.size * ds.dtype.itemsize * 2, f"--input {path}", DataError)
+                x = ds[()]
+    except DataError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
+        raise DataError(f"--input {path}: unreadable ({e})") from None
+    if x.dtype.kind not in "biuf":
+        raise DataError(f"--input {path}: holds {x.dtype} values, not numbers")
+    return np.asarray(x, np.float32)
+
+
+def predict(job: Job, inputs: str, output: str, ckpt_path: str | None = None) -> tuple[int, int]:
+    """Write the model's predictions for the inputs to ``output`` (.npy); returns (rows,
+    global_step of the checkpoint)."""
+    from .files import atomic_write
+    model, params, ckpt = restore_model(job, ckpt_path)
+    if not Path(output).suffix == ".npy":
+        raise ConfigError(f"--output {output}: predictions are written as a .npy file")
+    if type(model).predict is Model.predict:
+        raise ConfigError(f"{type(model).__name__} does not implement predict(params, x)")
+    info = open_dataset(resolve_path(job.data.path, job.data.builtin))
+    x = load_inputs(inputs)
+    if info.sparse:
+        raise ConfigError("predict takes dense inputs; sparse (CTR) models: use eval")
+    if x.ndim != 2 or x.shape[1] != info.num_inputs:
+        raise DataError(f"--input {inputs}: shape {list(x.shape)}, the model takes rows of "
+                        f"{info.num_inputs} inputs")
+    x = x * np.float32(info.x_scale) if info.x_scale != 1.0 else x
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        out = np.asarray(model.predict(params, x))
+    atomic_write(output, lambda tmp: np.save(open(tmp, "wb"), out, allow_pickle=False))
+    return len(x), ckpt.step
