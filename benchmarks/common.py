@@ -28,9 +28,14 @@ def reference_data(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def one_numpy_process(x: np.ndarray, y: np.ndarray, steps: int) -> float:
-    """Examples/s of the reference MLP with SGD in this process, 1 BLAS thread, after 20
-    warm-up steps: the same numpy model code mpips runs, without any MPI."""
-    model = MLP([784, 512, 512, 10])
+    """Examples/s of the reference MLP with SGD in this process (see one_process_rate)."""
+    return one_process_rate(MLP([784, 512, 512, 10]), x, y, steps, 128, 0.05)
+
+
+def one_process_rate(model, x: np.ndarray, y: np.ndarray, steps: int, batch: int,
+                     lr: float) -> float:
+    """Examples/s of ``model`` with SGD in this process, 1 BLAS thread, after 20 warm-up
+    steps: the same numpy model code mpips runs, without any MPI."""
     params = model.initial_values(0)
     grads = {k: np.empty_like(v) for k, v in params.items()}
     rng = np.random.default_rng(0)
@@ -38,11 +43,11 @@ def one_numpy_process(x: np.ndarray, y: np.ndarray, steps: int) -> float:
         for i in range(20 + steps):
             if i == 20:
                 t0 = time.perf_counter()
-            idx = rng.integers(0, len(y), 128)
+            idx = rng.integers(0, len(y), batch)
             model.loss_and_grads(params, x[idx], y[idx], grads)
             for k in params:
-                apply_sgd(params[k], grads[k], 0.05)
-    return steps * 128 / (time.perf_counter() - t0)
+                apply_sgd(params[k], grads[k], lr)
+    return steps * batch / (time.perf_counter() - t0)
 
 
 def mpips_rate(ranks: int, job: Path, workdir: Path) -> float:

@@ -5,6 +5,7 @@ A thin public face: load a job, train it (collectively, under mpirun), hook into
 """
 from typing import Any
 
+from . import layers
 from .errors import MpipsError
 from .failure import abort_on_error
 from .hooks import Hook, Run, StepInfo, StopAtLoss, StopAtStep
@@ -13,7 +14,8 @@ from .model import Model, Variable
 
 __version__ = "0.1.0"
 __all__ = ["Hook", "Job", "Model", "MpipsError", "Run", "StepInfo", "StopAtLoss", "StopAtStep",
-           "TrainResult", "Variable", "abort_on_error", "load_job", "parse_job", "train"]
+           "TrainResult", "Variable", "abort_on_error", "layers", "load_job", "parse_job",
+           "train"]
 
 
 def __getattr__(name: str) -> Any:

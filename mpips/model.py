@@ -37,6 +37,7 @@ class Model:
     are ``xp`` arrays; ``initial_values`` returns numpy arrays (the chief writes them)."""
 
     xp: ModuleType = np
+    worker: int = 0  # this worker's task index, set by mpips (e.g. to seed dropout per worker)
 
     def variables(self) -> list[VariableSpec]:
         """*Required.* Every dense variable, in the same order on every rank (mpips checks)."""

@@ -99,6 +99,7 @@ def prepare(job: Job, cluster: Cluster, optimizer: Optimizer, xp: ModuleType = n
     if ckpt is not None:
         prep.start_step, prep.restored, prep.clocks = ckpt.step, latest, ckpt.clocks
     model = prep.model = build_model(job.model, info, xp, job.source, factory)
+    model.worker = cluster.role.task if not cluster.is_ps else 0
     if job.train.mode == "sync" and model.tables():
         raise ConfigError(f"{type(model).__name__} keeps row-partitioned tables on the PS "
                           f"tasks: it trains in mode = \"async\" (with mpirun -n 2 or more)")

@@ -135,8 +135,11 @@ def test_exception_on_one_worker_ends_the_job(tmp_path):
 FASHION = "/usr/share/datasets/fashion-mnist"
 
 
-@pytest.mark.parametrize("job", ["fashion_mnist.toml", "fashion_mnist_sync.toml"])
-def test_fashion_mnist_job_reaches_085(tmp_path, job):
+@pytest.mark.parametrize("job,target", [("fashion_mnist.toml", 0.85),
+                                        ("fashion_mnist_sync.toml", 0.85),
+                                        ("cnn_fashion_mnist.toml", 0.89)])
+def test_fashion_mnist_job_reaches_its_target(tmp_path, job, target):
+    """The shipped jobs, as a user runs them (the CNN is a model of your own: jobs/cnn.py)."""
     import os
     if not os.path.isdir(FASHION):
         if under_ci():
@@ -145,9 +148,9 @@ def test_fashion_mnist_job_reaches_085(tmp_path, job):
     r = run_py(["-m", "mpips", "data", "fashion-mnist", "data/fashion_mnist.h5"], cwd=tmp_path,
                timeout=120)
     assert r.returncode == 0, r.stderr
-    r = train(tmp_path, 8, str(ROOT / "jobs" / job), timeout=240)
+    r = train(tmp_path, 8, str(ROOT / "jobs" / job), timeout=600)
     assert r.returncode == 0, r.stderr
-    assert result(tmp_path)["test_accuracy"] >= 0.85, r.stdout[-3000:]
+    assert result(tmp_path)["test_accuracy"] >= target, r.stdout[-3000:]
 
 
 def test_run_ends_when_every_worker_has_exhausted_its_epochs(tmp_path):

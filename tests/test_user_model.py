@@ -206,3 +206,19 @@ def test_a_result_file_that_cannot_be_written_is_found_before_training(tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--result no/such/dir/r.json: cannot write there" in r.stderr
     assert "step" not in r.stdout and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_shipped_cnn_trains_in_both_modes(tmp_path, mode):
+    """jobs/cnn.py (the layer library) on the 8x8 digits, briefly: async and sync."""
+    shutil.copy(ROOT / "jobs/cnn.py", tmp_path)
+    (tmp_path / "job.toml").write_text(
+        f'[model]\nkind = "cnn:build"\n[model.args]\nhidden = 32\n[data]\nbuiltin = "digits"\n'
+        f'[optimizer]\nlearning_rate = 0.1\n[train]\nmode = "{mode}"\nsteps = 300\n'
+        f'batch_size = 32\nlog_every = 0\n')
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
+                cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["global_step"] == 300 and result["test_accuracy"] >= 0.85, result
