@@ -23,6 +23,7 @@ from .optim import Optimizer, clip_by_global_norm, learning_rate
 from .placement import slot_placement
 from .run import (
     TrainResult,
+    evaluate_on,
     loss_not_finite,
     manifest_meta,
     report,
@@ -96,7 +97,7 @@ class AsyncWorker:
         role, control = self.role, self.control
         run = Run(self.job, role, self.prep.start_step, self.tc.steps, control.global_step,
                   self.start_save, lambda: {k: v.copy() for k, v in self.client.pull().items()},
-                  control.end_tickets)
+                  control.end_tickets, self._validate if self.prep.val is not None else None)
         # hooks begin before the chief raises ready, so their set-up (the progress bar's)
         # does not delay the chief's first update behind every other worker's
         hooks = standard_hooks(self.job, extra_hooks)
@@ -115,10 +116,17 @@ class AsyncWorker:
         for h in hooks:
             h.end(run)
         result = TrainResult(role, start_step, control.global_step(), updates, examples,
-                             seconds, staleness=[self.stats.summary()])
+                             seconds, staleness=[self.stats.summary()],
+                             validation=run.validation or None)
         if self.cluster.is_chief:
             self._conclude(result, gathered)
         return result
+
+    def _validate(self) -> dict[str, float]:
+        """Chief: the model now on the validation split (the others train on meanwhile)."""
+        assert self.prep.val is not None
+        x, ids = self.model.prepare(self.prep.val[0])
+        return evaluate_on(self.model, self.device, self.client.pull(ids), (x, self.prep.val[1]))
 
     def batches(self) -> Iterable[tuple[int, Any, Any]]:
         assert self.prep.train is not None

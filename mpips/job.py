@@ -69,6 +69,7 @@ class TrainConfig:
     max_staleness: int | None = None  # bounded staleness: lead over the slowest worker (0: lock-step)
     bucket_bytes: int = 1 << 20  # sync: gradients fused into allreduce buckets of about this size
     check_every: int = 100     # sync: verify replicas are bitwise identical every N steps (0: off)
+    eval_every: int = 0        # the chief evaluates on the validation split every N global steps
 
 
 @dataclass
@@ -111,7 +112,8 @@ CHOICES = {
 NON_NEGATIVE = ("train.steps", "train.epochs", "train.log_every", "checkpoint.every_steps",
                 "checkpoint.every_secs", "model.init_seed", "train.seed", "optimizer.momentum",
                 "optimizer.initial_accumulator_value", "optimizer.l1", "optimizer.l2",
-                "optimizer.warmup_steps", "optimizer.clip_norm", "train.check_every")
+                "optimizer.warmup_steps", "optimizer.clip_norm", "train.check_every",
+                "train.eval_every")
 POSITIVE = ("train.batch_size", "model.embedding_dim", "optimizer.learning_rate", "checkpoint.max_to_keep",
             "train.bucket_bytes",
             "optimizer.epsilon", "optimizer.decay_rate", "optimizer.decay_steps")

@@ -32,6 +32,7 @@ class TrainResult:
     test_auc: float | None = None  # sparse CTR models
     test_metrics: dict[str, float] | None = None  # everything evaluate() returned (chief)
     staleness: list[dict[str, Any]] | None = None  # per worker task (chief: all workers)
+    validation: list[dict[str, Any]] | None = None  # chief, train.eval_every: each evaluation
     stopped_by: int = 0            # signal that stopped the run early (preemption), else 0
 
     def to_json(self) -> dict[str, Any]:
@@ -125,21 +126,31 @@ def loss_not_finite(task: int, loss: float | str, step: int) -> str:
             f"lower optimizer.learning_rate, or set optimizer.clip_norm)")
 
 
+def evaluate_on(model: Any, device: Device, params: dict[str, Any], split: tuple[Any, Any]
+                ) -> dict[str, float]:
+    """The model's metrics on a split (already prepared), on this worker's device."""
+    params = device.stage_in(params)
+    x, y = device.to_device(split[0]), device.to_device(split[1])
+    return {k: float(v) for k, v in model.evaluate(params, x, y).items()}
+
+
+def show(metrics: dict[str, float], prefix: str) -> str:
+    """``accuracy``, ``loss``, ``auc`` first, then the rest, as ``<prefix><name> <value>``."""
+    first = [k for k in ("accuracy", "loss", "auc") if k in metrics]
+    return " ".join(f"{prefix}{k} {metrics[k]:.4f}" for k in first + sorted(set(metrics) - set(first)))
+
+
 def report(cluster: Cluster, model: Any, device: Device, params: dict[str, Any],
            test: tuple[Any, Any], result: TrainResult, gathered: list[Any]) -> None:
     """Chief: evaluate on the test split and print the final line."""
     role = cluster.role
-    params = device.stage_in(params)
-    test = (device.to_device(test[0]), device.to_device(test[1]))
-    metrics = {k: float(v) for k, v in model.evaluate(params, *test).items()}
+    metrics = evaluate_on(model, device, params, test)
     result.test_metrics = metrics
     result.test_loss, result.test_accuracy = metrics.get("loss"), metrics.get("accuracy")
     result.test_auc = metrics.get("auc")
     result.total_examples = sum(g[0] for g in gathered)
     wall = max(g[1] for g in gathered)
     rate = result.total_examples / wall if wall else 0.0
-    first = [k for k in ("accuracy", "loss", "auc") if k in metrics]
-    shown = " ".join(f"test_{k} {metrics[k]:.4f}" for k in first + sorted(set(metrics) - set(first)))
-    log(role, f"final: global_step {result.global_step} {shown} "
+    log(role, f"final: global_step {result.global_step} {show(metrics, 'test_')} "
               f"({result.total_examples} examples on {cluster.layout.num_workers} workers "
               f"in {wall:.1f} s, {rate:.0f} examples/s)")

@@ -33,6 +33,8 @@ class Prepared:
     rows: tuple[int, int] = (0, 0)       # worker: its part of the train rows
     train: tuple[Any, Any] | None = None  # worker: its part (x, y)
     test: tuple[Any, Any] | None = None   # chief: the test split
+    val: tuple[Any, Any] | None = None    # chief, with train.eval_every: the validation split
+    val_split: str = ""                   # its name: "val" if the file has one, else "test"
     values: dict[str, np.ndarray] = field(default_factory=dict)  # chief: variables to write
     slots: dict[str, np.ndarray] = field(default_factory=dict)   # chief: their slots
     local: dict[str, np.ndarray] = field(default_factory=dict)   # PS: what it fills itself
@@ -117,6 +119,9 @@ def prepare(job: Job, cluster: Cluster, optimizer: Optimizer, xp: ModuleType = n
     prep.train = load_split(info, "train", prep.rows)
     if cluster.is_chief:
         prep.test = load_split(info, "test")
+        if job.train.eval_every:
+            prep.val_split = "val" if "val" in info.rows else "test"
+            prep.val = load_split(info, "val") if prep.val_split == "val" else prep.test
         slot_specs = [e.spec for e in slot_placement(job_placement(job, specs, 1),
                                                      optimizer.slots)]
         if ckpt is None:

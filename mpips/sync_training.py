@@ -36,6 +36,7 @@ from .log import log
 from .optim import Optimizer, clip_by_global_norm, learning_rate
 from .run import (
     TrainResult,
+    evaluate_on,
     loss_not_finite,
     report,
     run_steps,
@@ -115,7 +116,7 @@ class Replica:
         start_step = self._start()
         run = Run(self.job, role, start_step, self.tc.steps, lambda: self.step_count,
                   self.save, lambda: {k: v.copy() for k, v in self.params.items()},
-                  self._hook_stop)
+                  self._hook_stop, self._validate if self.prep.val is not None else None)
         hooks = standard_hooks(self.job, extra_hooks)
         for h in hooks:
             h.begin(run)
@@ -128,7 +129,7 @@ class Replica:
         for h in hooks:
             h.end(run)
         result = TrainResult(role, start_step, self.step_count, updates, examples, seconds,
-                             stopped_by=self.stopped)
+                             stopped_by=self.stopped, validation=run.validation or None)
         if self.cluster.is_chief:
             if self.stopped:
                 say_preempted(role, self.stopped, self.job)
@@ -161,6 +162,10 @@ class Replica:
                   f"{self.tc.batch_size} an epoch, {len(self.buckets.buckets)} allreduce "
                   f"bucket(s)" + (f", resuming at batch {self.clock}" if self.clock else ""))
         return self.step_count
+
+    def _validate(self) -> dict[str, float]:
+        assert self.prep.val is not None
+        return evaluate_on(self.model, self.device, self.params, self.prep.val)
 
     def _hook_stop(self) -> None:
         self.stop_asked = 1  # said at the next step's agreement: all replicas stop together

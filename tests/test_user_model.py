@@ -222,3 +222,60 @@ def test_the_shipped_cnn_trains_in_both_modes(tmp_path, mode):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["global_step"] == 300 and result["test_accuracy"] >= 0.85, result
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_validation_every_n_steps_by_the_chief(tmp_path, mode):
+    """train.eval_every: the chief evaluates on the file's val split (here: the digits' test
+    images with shuffled labels, so its accuracy is near chance while the test split's is
+    high), at steps 100, 200, 300, and the result lists each evaluation."""
+    import h5py
+
+    from mpips.data import resolve_path
+    shutil.copy(resolve_path("", "digits"), tmp_path / "d.h5")
+    with h5py.File(tmp_path / "d.h5", "a") as f:
+        f["val/x"] = f["test/x"][()]
+        f["val/y"] = np.random.default_rng(0).permutation(f["test/y"][()])
+    (tmp_path / "job.toml").write_text(
+        f'[data]\npath = "d.h5"\n[train]\nmode = "{mode}"\nsteps = 300\neval_every = 100\n'
+        f'log_every = 0\n')
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
+                cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    steps = [v["global_step"] for v in result["validation"]]
+    if mode == "sync":
+        assert steps == [100, 200, 300]
+    else:  # at the chief's first update at or past each multiple of 100
+        assert len(steps) >= 2 and [s // 100 for s in steps] == list(range(1, len(steps) + 1))
+    assert all(v["accuracy"] < 0.4 for v in result["validation"]), result["validation"]
+    assert result["test_accuracy"] > 0.8
+    assert r.stdout.count("validation at global_step") == len(steps)
+
+
+@pytest.mark.launcher
+def test_your_own_arrays_become_a_data_file_and_train(tmp_path):
+    """`python -m mpips data arrays`: .npz arrays (x of any row shape, integer y) to an
+    mpips data file with a validation split; a job trains on it in one process."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(600, 2, 5)).astype(np.float64)
+    y = (x.reshape(600, -1) @ rng.normal(size=10) > 0).astype(np.int64)
+    np.savez(tmp_path / "train.npz", x=x[:500], y=y[:500])
+    np.savez(tmp_path / "val.npz", x=x[500:], y=y[500:])
+    r = run_py(["-m", "mpips", "data", "arrays", "mine.h5", "--src", "train.npz",
+                "--val-src", "val.npz"], cwd=tmp_path, timeout=60)
+    assert r.returncode == 0 and "400 train + 100 test rows, 10 inputs, 2 classes" in r.stdout, \
+        r.stdout + r.stderr
+    (tmp_path / "job.toml").write_text('[data]\npath = "mine.h5"\n[train]\nsteps = 300\n'
+                                       'eval_every = 300\nlog_every = 0\n')
+    r = run_py(["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
+               cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["test_accuracy"] > 0.85 and result["validation"][0]["accuracy"] > 0.85
+    np.savez(tmp_path / "bad.npz", x=np.array([{"a": 1}], dtype=object), y=np.zeros(1, int))
+    r = run_py(["-m", "mpips", "data", "arrays", "bad.h5", "--src", "bad.npz"], cwd=tmp_path,
+               timeout=60)
+    assert r.returncode == 2 and "bad.npz: not a readable .npz file" in r.stderr \
+        and "Traceback" not in r.stderr, r.stderr
