@@ -74,6 +74,14 @@ def test_the_job_file_names_a_model_of_your_own():
         build_model(job.model, open_dataset(resolve_path("", "digits")))
 
 
+def run_job(tmp_path, ranks=3, *args, timeout=180):
+    """``mpirun -n ranks python -m mpips train job.toml`` in tmp_path: (process, result)."""
+    r = run_mpi(ranks, ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json",
+                        *args], cwd=tmp_path, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads((tmp_path / "r.json").read_text())
+
+
 def user_job(tmp_path, mode="async", extra=""):
     shutil.copy(ROOT / "jobs/my_model.py", tmp_path / "my_model.py")
     text = (ROOT / "jobs/my_model.toml").read_text().replace("[train]\n",
@@ -85,10 +93,7 @@ def user_job(tmp_path, mode="async", extra=""):
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_user_model_from_a_job_file_trains(tmp_path, mode):
     user_job(tmp_path, mode)
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
-                cwd=tmp_path, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads((tmp_path / "r.json").read_text())
+    _, result = run_job(tmp_path)
     assert result["global_step"] == 600 and result["test_accuracy"] >= 0.9, result
     manifest = json.loads((tmp_path / "runs/my_model/ckpt-600.json").read_text())
     assert manifest["model"] == "my_model:build"
@@ -217,10 +222,7 @@ def test_the_shipped_cnn_trains_in_both_modes(tmp_path, mode):
         f'[model]\nkind = "cnn:build"\n[model.args]\nhidden = 32\n[data]\nbuiltin = "digits"\n'
         f'[optimizer]\nlearning_rate = 0.1\n[train]\nmode = "{mode}"\nsteps = 300\n'
         f'batch_size = 32\nlog_every = 0\n')
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
-                cwd=tmp_path, timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads((tmp_path / "r.json").read_text())
+    _, result = run_job(tmp_path)
     assert result["global_step"] == 300 and result["test_accuracy"] >= 0.85, result
 
 
@@ -240,10 +242,7 @@ def test_validation_every_n_steps_by_the_chief(tmp_path, mode):
     (tmp_path / "job.toml").write_text(
         f'[data]\npath = "d.h5"\n[train]\nmode = "{mode}"\nsteps = 300\neval_every = 100\n'
         f'log_every = 0\n')
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
-                cwd=tmp_path, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads((tmp_path / "r.json").read_text())
+    r, result = run_job(tmp_path)
     steps = [v["global_step"] for v in result["validation"]]
     if mode == "sync":
         assert steps == [100, 200, 300]
