@@ -40,6 +40,7 @@ class Run:
     read_variables: Callable[[], dict[str, Any]] = dict  # see variables()
     stop_run: Callable[[], None] = lambda: None           # see request_stop()
     validate: Callable[[], dict[str, float]] | None = None  # chief, train.eval_every
+    params: dict[str, Any] | None = None  # sync mode: this replica's variables, live
     validation: list[dict[str, Any]] = field(default_factory=list)  # what Validation found
     save_seconds: float = 0.0             # chief: time spent writing checkpoints so far
     stop_requested: bool = False          # a hook asked to stop (this worker saw it)

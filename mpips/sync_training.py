@@ -116,7 +116,8 @@ class Replica:
         start_step = self._start()
         run = Run(self.job, role, start_step, self.tc.steps, lambda: self.step_count,
                   self.save, lambda: {k: v.copy() for k, v in self.params.items()},
-                  self._hook_stop, self._validate if self.prep.val is not None else None)
+                  self._hook_stop, self._validate if self.prep.val is not None else None,
+                  self.params)
         hooks = standard_hooks(self.job, extra_hooks)
         for h in hooks:
             h.begin(run)

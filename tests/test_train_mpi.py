@@ -104,9 +104,11 @@ def test_corrupt_checkpoint_is_a_clear_error_and_left_alone(tmp_path):
     assert len(manifest.read_text()) == 100
 
 
-def test_single_process_says_how_to_launch(tmp_path):
-    r = run_py(["-m", "mpips", "train"], cwd=tmp_path)
-    assert r.returncode == 2 and "needs at least 2 ranks" in r.stderr and "mpirun -n" in r.stderr
+def test_single_process_trains_as_one_replica_and_says_how_to_launch(tmp_path):
+    r = run_py(["-m", "mpips", "train", "--no-progress", "--steps", "50"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "one process (no mpirun): training as a single synchronous replica" in r.stdout
+    assert "run under mpirun -n N" in r.stdout and "final: global_step 50" in r.stdout
 
 
 BOOM = '''
