@@ -14,7 +14,6 @@ import numpy as np
 
 from . import checkpoint, preemption
 from .backend import Device
-from .data import batches
 from .errors import AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo, standard_hooks
 from .job import Job, job_placement
@@ -129,10 +128,9 @@ class AsyncWorker:
         return evaluate_on(self.model, self.device, self.client.pull(ids), (x, self.prep.val[1]))
 
     def batches(self) -> Iterable[tuple[int, Any, Any]]:
-        assert self.prep.train is not None
-        x_all, y_all = self.prep.train  # host memory; batches go to the device one at a time
-        return batches(x_all, y_all, self.tc.batch_size, self.tc.seed, self.role.task,
-                       self.tc.epochs, start_batch=self.clock)
+        assert self.prep.train is not None  # host memory; batches go to the device one at a time
+        return self.prep.train.batches(self.tc.batch_size, self.tc.seed, self.role.task,
+                                       self.tc.epochs, start_batch=self.clock)
 
     def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
         """Take a ticket (or stop), pull, compute, push: one update of the global step."""

@@ -10,6 +10,7 @@ import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 from importlib import resources
 from pathlib import Path
 
@@ -147,6 +148,29 @@ def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, task: int,
             idx = order[i:i + batch_size]
             yield epoch, x[idx], y[idx]
         epoch, first = epoch + 1, 0
+
+
+Batch = tuple[int, Any, Any]  # (epoch, x, y)
+
+
+class Part(Protocol):
+    """One worker's part of the train rows: its batches, epoch after epoch."""
+
+    def batches(self, batch_size: int, seed: int, task: int, epochs: int = 0,
+                start_batch: int = 0, per_epoch: int | None = None) -> Iterator[Batch]:
+        """As ``batches`` below: reshuffled each epoch from (seed, task, epoch)."""
+
+
+@dataclass
+class InMemoryPart:
+    """A part read whole into host memory (x: float32 rows or CSR, y: labels)."""
+
+    x: Any
+    y: Any
+
+    def batches(self, batch_size: int, seed: int, task: int, epochs: int = 0,
+                start_batch: int = 0, per_epoch: int | None = None) -> Iterator[Batch]:
+        return batches(self.x, self.y, batch_size, seed, task, epochs, start_batch, per_epoch)
 
 
 # -- writing and converting -------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import checkpoint
-from .data import DatasetInfo, load_split, open_dataset, resolve_path, worker_rows
+from .data import DatasetInfo, InMemoryPart, Part, load_split, open_dataset, resolve_path, worker_rows
 from .errors import CheckpointError, ConfigError, DataError
 from .job import Job, job_placement
 from .memory import check_fits
@@ -31,7 +31,7 @@ class Prepared:
     restored: Path | None = None         # the manifest restored from, if any
     clocks: list[int] | None = None      # restored data position (updates per worker)
     rows: tuple[int, int] = (0, 0)       # worker: its part of the train rows
-    train: tuple[Any, Any] | None = None  # worker: its part (x, y)
+    train: Part | None = None            # worker: its part of the train rows
     test: tuple[Any, Any] | None = None   # chief: the test split
     val: tuple[Any, Any] | None = None    # chief, with train.eval_every: the validation split
     val_split: str = ""                   # its name: "val" if the file has one, else "test"
@@ -116,7 +116,7 @@ def prepare(job: Job, cluster: Cluster, optimizer: Optimizer, xp: ModuleType = n
     if prep.rows[1] <= prep.rows[0]:
         raise DataError(f"{info.path}: {info.rows['train']} train rows cannot feed "
                         f"{workers} workers")
-    prep.train = load_split(info, "train", prep.rows)
+    prep.train = InMemoryPart(*load_split(info, "train", prep.rows))
     if cluster.is_chief:
         prep.test = load_split(info, "test")
         if job.train.eval_every:

@@ -28,7 +28,7 @@ from .allreduce import (
     stop_from_ps,
 )
 from .backend import Device
-from .data import batches, worker_rows
+from .data import worker_rows
 from .errors import AgreedError, AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo, standard_hooks
 from .job import Job, job_placement
@@ -178,8 +178,9 @@ class Replica:
 
     def batches(self) -> Iterable[tuple[int, Any, Any]]:
         assert self.prep.train is not None
-        return batches(*self.prep.train, self.tc.batch_size, self.tc.seed, self.role.task,
-                       self.tc.epochs, start_batch=self.clock, per_epoch=self.per_epoch)
+        return self.prep.train.batches(self.tc.batch_size, self.tc.seed, self.role.task,
+                                       self.tc.epochs, start_batch=self.clock,
+                                       per_epoch=self.per_epoch)
 
     def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
         """Gradients of this replica's batch, averaged over all; every replica applies the
