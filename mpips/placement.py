@@ -131,9 +131,6 @@ def _check_names(specs: list[VariableSpec]) -> None:
         seen.add(s.name)
 
 
-PARTITIONS = ("mod", "div")
-
-
 def partition_rows(num_rows: int, num_ps: int, rule: str) -> list[tuple[int, int, int]]:
     """The rows (start, stop, step) each PS task holds, as TensorFlow's embedding_lookup
     partition strategies: "mod" (row r on task r % P) or "div" (contiguous blocks)."""
