@@ -109,6 +109,16 @@ class Device:
         return buf
 
 
+def scatter_add(xp: ModuleType, target: Any, index: Any, values: Any) -> None:
+    """``target[index] += values`` with repeated indices summed: ``np.add.at`` on the CPU,
+    ``cupyx.scatter_add`` for any other array module (cupy)."""
+    if xp is np:
+        np.add.at(target, index, values)
+    else:
+        import cupyx
+        cupyx.scatter_add(target, index, values)
+
+
 def array_module(a: Any) -> ModuleType:
     """numpy for a numpy array, else the array's own module (cupy)."""
     return np if isinstance(a, np.ndarray) else __import__("cupy").get_array_module(a)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .backend import to_host
+from .backend import scatter_add, to_host
 from .metrics import accuracy, auc
 from .model import Model
 from .placement import VariableSpec
@@ -363,15 +363,6 @@ class Embedding(Layer):
         rows = xp.broadcast_to(g[:, None, :], ids.shape + (self.width,))
         scatter_add(xp, grads["table"], ids.reshape(-1), rows.reshape(-1, self.width))
         return None  # ids have no gradient
-
-
-def scatter_add(xp: ModuleType, target: Any, index: Any, values: Any) -> None:
-    """``target[index] += values`` with repeated indices summed (numpy or cupy)."""
-    if xp is np:
-        np.add.at(target, index, values)
-    else:
-        import cupyx
-        cupyx.scatter_add(target, index, values)
 
 
 # -- losses: (mean loss, gradient of the mean loss w.r.t. the outputs) ------------------------

@@ -132,3 +132,19 @@ def test_device_stages_through_buffers_kept_from_step_to_step():
     device.stage_out({"b": grads["b"]}, out)
     np.testing.assert_array_equal(out["b"], 7)
     assert isinstance(device.to_device(np.zeros(4)), FakeArray)
+
+
+def test_scatter_add_sums_repeated_indices_with_either_array_module(monkeypatch):
+    """numpy: np.add.at; another array module (cupy): cupyx.scatter_add, here a stand-in
+    that records its call (the layers never ask which module they have)."""
+    from mpips.backend import scatter_add
+    target = np.zeros((3, 2), np.float32)
+    scatter_add(np, target, np.array([0, 2, 0]), np.ones((3, 2), np.float32))
+    np.testing.assert_array_equal(target, [[2, 2], [0, 0], [1, 1]])
+    calls = []
+    cupyx = types.ModuleType("cupyx")
+    cupyx.scatter_add = lambda t, i, v: calls.append((t, i, v))
+    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+    t, i, v = object(), object(), object()
+    scatter_add(fake_xp(), t, i, v)
+    assert calls == [(t, i, v)]
