@@ -11,9 +11,8 @@ from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.special import expit
 
-from .layers import DenseStack
+from .layers import DenseStack, log_loss
 from .metrics import auc
 from .model import Model
 from .placement import VariableSpec
@@ -36,10 +35,8 @@ def init_rows(seed: int, rows: tuple[int, int, int], width: int, scale: float) -
 
 
 def _sigmoid_loss(z: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-    """Mean binary cross-entropy of logits ``z`` and the probabilities: stable, and without
-    overflow warnings, for any finite z (exp is only taken of -|z|)."""
-    loss = float(np.mean(np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z)))))
-    return loss, expit(z)
+    """Mean binary cross-entropy of logits ``z`` and the probabilities (layers.log_loss)."""
+    return log_loss(np, z, y)
 
 
 class WideDeep(Model):

@@ -16,6 +16,32 @@ from .model import Model
 from .placement import VariableSpec
 
 
+def he_uniform(rng: np.random.Generator, fan_in: int, fan_out: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """A He-uniform ``(fan_in, fan_out)`` kernel and a zero bias (float32, on the host)."""
+    limit = np.sqrt(6.0 / fan_in)
+    return (rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32),
+            np.zeros(fan_out, np.float32))
+
+
+def dense_forward(x: Any, kernel: Any, bias: Any) -> Any:
+    """``x @ kernel + bias``: a dense layer, or a convolution on its im2col columns."""
+    return x @ kernel + bias
+
+
+def dense_backward(xp: ModuleType, x: Any, kernel: Any, dy: Any, grad_kernel: Any,
+                   grad_bias: Any, written: Callable[[], None] | None = None,
+                   input_grad: bool = True) -> Any:
+    """The gradients of ``dense_forward`` from ``dy``, the output's: kernel and bias into
+    ``grad_kernel`` and ``grad_bias`` (in place; ``written()`` then), and the input's,
+    returned (None unless ``input_grad``)."""
+    xp.matmul(x.T, dy, out=grad_kernel)
+    dy.sum(axis=0, out=grad_bias)
+    if written is not None:
+        written()
+    return dy @ kernel.T if input_grad else None
+
+
 class DenseStack:
     """``sizes[0] -> ... -> sizes[-1]``, ReLU between layers (none after the last);
     variables ``{prefix}{i}/kernel`` and ``{prefix}{i}/bias`` in creation order."""
@@ -36,16 +62,14 @@ class DenseStack:
         """He-uniform kernels, zero biases (numpy, on the host), drawn in layer order."""
         out = {}
         for (k, b), (fan_in, fan_out) in zip(self.names, self._shapes()):
-            limit = np.sqrt(6.0 / fan_in)
-            out[k] = rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32)
-            out[b] = np.zeros(fan_out, np.float32)
+            out[k], out[b] = he_uniform(rng, fan_in, fan_out)
         return out
 
     def forward(self, params: dict[str, Any], x: Any) -> tuple[Any, list[Any]]:
         """(output, activations): the input and every layer's output, for ``backward``."""
         acts, h = [x], x
         for i, (k, b) in enumerate(self.names):
-            h = h @ params[k] + params[b]
+            h = dense_forward(h, params[k], params[b])
             if i < self.num_layers - 1:
                 h = self.xp.maximum(h, 0)
             acts.append(h)
@@ -58,16 +82,12 @@ class DenseStack:
         Returns the gradient of the input if ``input_grad``, else None."""
         for i in reversed(range(self.num_layers)):
             k, b = self.names[i]
-            self.xp.matmul(acts[i].T, d, out=grads[k])
-            d.sum(axis=0, out=grads[b])
-            if ready is not None:
-                ready(b)
-                ready(k)
-            if i or input_grad:
-                d = d @ params[k].T
-                if i:
-                    d *= acts[i] > 0
-        return d if input_grad else None
+            written = None if ready is None else lambda k=k, b=b: (ready(b), ready(k))
+            d = dense_backward(self.xp, acts[i], params[k], d, grads[k], grads[b], written,
+                               bool(i or input_grad))
+            if i:
+                d *= acts[i] > 0
+        return d
 
 
 # -- the layer library: build a model as a Sequential of layers ------------------------------
@@ -124,17 +144,13 @@ class Dense(Layer):
         return [("kernel", (self.fan_in, self.units)), ("bias", (self.units,))]
 
     def initial_values(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        limit = np.sqrt(6.0 / self.fan_in)
-        return {"kernel": rng.uniform(-limit, limit, (self.fan_in, self.units)).astype(np.float32),
-                "bias": np.zeros(self.units, np.float32)}
+        return dict(zip(("kernel", "bias"), he_uniform(rng, self.fan_in, self.units)))
 
     def forward(self, xp, params, x, train, rng=None):
-        return x @ params["kernel"] + params["bias"], x
+        return dense_forward(x, params["kernel"], params["bias"]), x
 
     def backward(self, xp, params, x, dy, grads):
-        xp.matmul(x.T, dy, out=grads["kernel"])
-        dy.sum(axis=0, out=grads["bias"])
-        return dy @ params["kernel"].T
+        return dense_backward(xp, x, params["kernel"], dy, grads["kernel"], grads["bias"])
 
 
 class Conv2D(Layer):
@@ -164,9 +180,7 @@ class Conv2D(Layer):
 
     def initial_values(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         fan_in = self.in_shape[0] * self.size * self.size
-        limit = np.sqrt(6.0 / fan_in)
-        return {"kernel": rng.uniform(-limit, limit, (fan_in, self.filters)).astype(np.float32),
-                "bias": np.zeros(self.filters, np.float32)}
+        return dict(zip(("kernel", "bias"), he_uniform(rng, fan_in, self.filters)))
 
     def _cols(self, xp: ModuleType, x: Any) -> Any:
         k, s, p = self.size, self.stride, self.padding
@@ -180,7 +194,7 @@ class Conv2D(Layer):
     def forward(self, xp, params, x, train, rng=None):
         cols = self._cols(xp, x)
         oh, ow = self.out_hw
-        out = cols @ params["kernel"] + params["bias"]
+        out = dense_forward(cols, params["kernel"], params["bias"])
         return out.reshape(len(x), oh, ow, self.filters).transpose(0, 3, 1, 2), (cols, len(x))
 
     def backward(self, xp, params, cache, dy, grads):
@@ -189,9 +203,8 @@ class Conv2D(Layer):
         c, h, w = self.in_shape
         oh, ow = self.out_hw
         d2 = dy.transpose(0, 2, 3, 1).reshape(-1, self.filters)
-        xp.matmul(cols.T, d2, out=grads["kernel"])
-        d2.sum(axis=0, out=grads["bias"])
-        dcols = (d2 @ params["kernel"].T).reshape(n, oh, ow, c, k, k)
+        dcols = dense_backward(xp, cols, params["kernel"], d2, grads["kernel"], grads["bias"])
+        dcols = dcols.reshape(n, oh, ow, c, k, k)
         dx = xp.zeros((n, c, h + 2 * p, w + 2 * p), dy.dtype)
         for i in range(k):  # col2im: k*k strided adds, each over the whole batch
             for j in range(k):
@@ -263,7 +276,7 @@ class Sigmoid(Layer):
     name = "sigmoid"
 
     def forward(self, xp, params, x, train, rng=None):
-        y = 1 / (1 + xp.exp(-xp.clip(x, -60, 60)))
+        y = sigmoid(xp, x)
         return y, y
 
     def backward(self, xp, params, y, dy, grads):
@@ -377,15 +390,34 @@ def softmax_cross_entropy(xp: ModuleType, z: Any, y: Any) -> tuple[float, Any]:
     loss = float((xp.log(s[:, 0]) - z[xp.arange(n), y]).mean())
     d = e / s
     d[xp.arange(n), y] -= 1
-    return loss, d / n
+    d /= n
+    return loss, d
+
+
+def softmax(xp: ModuleType, z: Any) -> Any:
+    """Class probabilities of logits ``z`` (n, classes), one row per example."""
+    e = xp.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def sigmoid(xp: ModuleType, z: Any) -> Any:
+    """``1 / (1 + exp(-z))``, without overflow for any finite ``z`` (clipped to +-60)."""
+    return 1 / (1 + xp.exp(-xp.clip(z, -60, 60)))
+
+
+def log_loss(xp: ModuleType, z: Any, y: Any) -> tuple[float, Any]:
+    """Mean binary cross-entropy of logits ``z`` for 0/1 labels ``y`` (both flat), and the
+    probabilities: stable, and without overflow warnings, for any finite z (exp is only
+    taken of -|z| and of z clipped)."""
+    loss = float((xp.maximum(z, 0) - z * y + xp.log1p(xp.exp(-xp.abs(z)))).mean())
+    return loss, sigmoid(xp, z)
 
 
 def logistic(xp: ModuleType, z: Any, y: Any) -> tuple[float, Any]:
     """Mean log loss of one logit per example (``z`` (n, 1) or (n,)) for 0/1 labels."""
     flat = z.reshape(-1)
     y = y.reshape(-1).astype(flat.dtype)
-    loss = float((xp.maximum(flat, 0) - flat * y + xp.log1p(xp.exp(-xp.abs(flat)))).mean())
-    p = 1 / (1 + xp.exp(-xp.clip(flat, -60, 60)))
+    loss, p = log_loss(xp, flat, y)
     return loss, ((p - y) / len(y)).reshape(z.shape)
 
 
@@ -449,9 +481,8 @@ class Sequential(Model):
         """Class probabilities (softmax), or the probability of 1 (logistic)."""
         out = self._outputs(params, x)
         if self.loss_name == "logistic":
-            return 1 / (1 + self.xp.exp(-self.xp.clip(out.reshape(-1), -60, 60)))
-        e = self.xp.exp(out - out.max(axis=1, keepdims=True))
-        return e / e.sum(axis=1, keepdims=True)
+            return sigmoid(self.xp, out.reshape(-1))
+        return softmax(self.xp, out)
 
     def _outputs(self, params: dict[str, Any], x: Any, chunk: int = 1024) -> Any:
         """The last layer's outputs in evaluation mode, ``chunk`` rows at a time (bounded

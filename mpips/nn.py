@@ -9,7 +9,7 @@ import numpy as np
 
 from .backend import to_host
 from .errors import ConfigError
-from .layers import DenseStack
+from .layers import DenseStack, softmax, softmax_cross_entropy
 from .metrics import accuracy
 from .model import (
     BUILT_IN,
@@ -47,15 +47,13 @@ class MLP(Model):
 
     def predict(self, params: dict[str, Any], x: Any) -> Any:
         """Class probabilities (softmax of the logits), one row per example."""
-        z = self.logits(params, x)
-        e = self.xp.exp(z - z.max(axis=1, keepdims=True))
-        return e / e.sum(axis=1, keepdims=True)
+        return softmax(self.xp, self.logits(params, x))
 
     def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> dict[str, float]:
         """Mean cross-entropy ("loss") and "accuracy" of the model on ``x, y``."""
         z = self.logits(params, x)
-        loss, _ = _cross_entropy(self.xp, z, y)
-        return {"loss": float(loss), "accuracy": accuracy(to_host(z), to_host(y))}
+        loss, _ = softmax_cross_entropy(self.xp, z, y)
+        return {"loss": loss, "accuracy": accuracy(to_host(z), to_host(y))}
 
     def tables(self) -> list[VariableSpec]:
         """No row-partitioned tables: every variable is pulled whole."""
@@ -73,23 +71,10 @@ class MLP(Model):
         ``ready(name)`` is called as soon as each gradient is written (last layer first), so a
         caller can start reducing it while backward goes on.
         """
-        xp = self.xp
         z, acts = self.layers.forward(params, x)
-        loss, d = _cross_entropy(xp, z, y)
-        d[xp.arange(len(y)), y] -= 1
-        d /= len(y)
+        loss, d = softmax_cross_entropy(self.xp, z, y)
         self.layers.backward(params, acts, d, grads, ready)
-        return float(loss)
-
-
-def _cross_entropy(xp: ModuleType, z: Any, y: Any) -> tuple[Any, Any]:
-    """Mean softmax cross-entropy and the softmax probabilities."""
-    z = z - z.max(axis=1, keepdims=True)
-    e = xp.exp(z)
-    s = e.sum(axis=1, keepdims=True)
-    probs = e / s
-    loss = (xp.log(s[:, 0]) - z[xp.arange(len(y)), y]).mean()
-    return loss, probs
+        return loss
 
 
 def build_model(config: ModelConfig, info: DatasetInfo, xp: ModuleType = np,
