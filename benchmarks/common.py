@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from mpips.data import load_split, make_synthetic, open_dataset
+from mpips.convert import make_synthetic
+from mpips.data import load_split, open_dataset
 from mpips.nn import MLP
 from mpips.optim import apply_sgd
 

@@ -206,14 +206,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
-    from .data import open_dataset, resolve_path
+    from .data import open_data
     from .job import job_layout, job_placement
     from .layout import block_nodes
     from .nn import build_model
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8
     layout = job_layout(job, n, block_nodes(n, args.nodes))
-    info = open_dataset(resolve_path(job.data.path, job.data.builtin))
+    info = open_data(job.data)
     model = build_model(job.model, info)
     print(f"job {job.name} ({job.source}) on {n} ranks: {layout.num_ps} ps, "
           f"{layout.num_workers} workers, chief = rank {layout.chief_rank}")
@@ -291,19 +291,18 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from . import data
+    from . import convert, data, sparse
     out = Path(args.out)
-    from . import sparse
     if args.dataset == "arrays":
         if not args.src:
             raise DataError("arrays: give the train .npz with --src")
-        data.convert_arrays(out, args.src, args.test_src, args.val_src)
+        convert.convert_arrays(out, args.src, args.test_src, args.val_src)
     elif args.dataset == "fashion-mnist":
-        data.convert_fashion_mnist(out, args.src or data.FASHION_MNIST_DIR)
+        convert.convert_fashion_mnist(out, args.src or convert.FASHION_MNIST_DIR)
     elif args.dataset == "digits":
-        data.convert_digits(out)
+        convert.convert_digits(out)
     elif args.dataset == "synthetic":
-        data.make_synthetic(out, rows=args.rows or 60000)
+        convert.make_synthetic(out, rows=args.rows or 60000)
     elif args.dataset == "clothing-reviews":
         sparse.convert_clothing_reviews(out, args.hash_bits)
     elif args.dataset in ("libsvm", "libffm"):

@@ -1,35 +1,48 @@
-"""HDF5 input: dataset files, per-worker parts of the rows, shuffled batches, and converters.
+"""Training data: where a job's arrays are, each worker's part of the rows, and its batches.
 
-A dataset file holds ``train/x, train/y, test/x, test/y`` (x: 2-D uint8 or float32, y: 1-D
-integer labels) and attributes ``num_classes`` and ``x_scale`` (x is multiplied by it on load).
+Dense data comes from an HDF5 file (``train/x, train/y, test/x, test/y`` and optionally
+``val/x, val/y`` by default, or any dataset paths the job names), a ``.npz`` file, ``.npy``
+files, or arrays handed to ``mpips.train``. x is rows of numbers (each row flattened to
+float32 inputs), y is 1-D integer labels. A worker either reads its part whole into memory,
+or (``data.chunk_rows``) streams it from the file in chunks with a bounded read-ahead, so a
+dataset larger than memory trains. Sparse CTR files (CSR) are read by sparse.py.
 """
 from __future__ import annotations
 
-import gzip
+import contextlib
+import math
 import os
-import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-import h5py
 import numpy as np
 
 from . import sparse
 from .errors import DataError
-from .files import atomic_write
 from .hdf5 import open_plain
 from .memory import check_fits
 
+if TYPE_CHECKING:
+    from .job import DataConfig
+
 SPLITS = ("train", "test")
+ALL_SPLITS = ("train", "test", "val")
 MAX_CLASSES = 1 << 24  # more output units than this is a corrupt or hostile attribute
+LABEL_CHUNK = 1 << 20  # labels scanned this many at a time (for num_classes)
+# default names of the arrays in each kind of container
+HDF5_NAMES = {s: (f"{s}/x", f"{s}/y") for s in ALL_SPLITS}
+NPZ_NAMES = {s: (f"x_{s}", f"y_{s}") for s in ALL_SPLITS}  # Keras' mnist.npz convention
+
+Batch = tuple[int, Any, Any]  # (epoch, x, y)
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """Shape facts of a dataset file, checked once on open."""
+    """Shape facts of a dataset, checked once on open, and where its arrays are."""
 
     path: str
     num_inputs: int          # features (sparse: the id space)
@@ -38,6 +51,10 @@ class DatasetInfo:
     x_scale: float = 1.0
     sparse: bool = False     # CSR rows of (id, value) features (see sparse.py)
     max_nnz: int = 0         # sparse: most features in one row
+    kind: str = "hdf5"       # "hdf5", "npz", "npy" (one file per array) or "arrays" (in memory)
+    names: dict[str, tuple[str, str]] = field(default_factory=lambda: dict(HDF5_NAMES))
+    arrays: Mapping[str, tuple[Any, Any]] | None = field(default=None, compare=False,
+                                                         repr=False)  # kind "arrays"
 
 
 def resolve_path(path: str, builtin: str) -> str:
@@ -47,52 +64,157 @@ def resolve_path(path: str, builtin: str) -> str:
     return path
 
 
+# -- opening ----------------------------------------------------------------------------------
+
+@dataclass
+class _Arrays:
+    """An open container of a dataset's arrays: HDF5 datasets and .npy memory maps are read
+    only where sliced; a .npz member is read whole once."""
+
+    get: Callable[[str], Any]     # name -> array-like (shape, dtype, slicing)
+    has: Callable[[str], bool]
+    attrs: dict[str, Any]         # HDF5 attributes (num_classes, x_scale, ...)
+    file: Any = None              # the HDF5 file (sparse CSR files are checked on it)
+
+
+@contextlib.contextmanager
+def _container(info: DatasetInfo) -> Iterator[_Arrays]:
+    """The dataset's container, open for the duration."""
+    if info.kind == "hdf5":
+        with open_plain(info.path, DataError, _where(info)) as f:
+            yield _Arrays(f.__getitem__, lambda n: n in f, dict(f.attrs), f)
+    elif info.kind == "npz":
+        with np.load(info.path, allow_pickle=False) as z:
+            cache: dict[str, Any] = {}
+            yield _Arrays(lambda n: cache[n] if n in cache else cache.setdefault(n, z[n]),
+                          lambda n: n in z.files, {})
+    elif info.kind == "npy":
+        yield _Arrays(lambda n: np.load(n, mmap_mode="r", allow_pickle=False),
+                      os.path.exists, {})
+    else:
+        assert info.arrays is not None
+        flat = {n: a for split, pair in info.arrays.items()
+                for n, a in zip(info.names[split], pair)}
+        yield _Arrays(lambda n: _as_array(flat[n]), flat.__contains__, {})
+
+
+def _as_array(a: Any) -> Any:
+    """Arrays handed to the Python API: numpy arrays, memory maps and h5py datasets as they
+    are (sliced where read), anything else (lists) as a numpy array."""
+    return a if hasattr(a, "shape") and hasattr(a, "dtype") else np.asarray(a)
+
+
 def open_dataset(path: str) -> DatasetInfo:
-    """Check the file's layout; any problem is one DataError naming the file and the key."""
-    if not os.path.exists(path):
-        raise DataError(f"data file {path}: not found (make one with `python -m mpips data ...`)")
+    """An HDF5 dataset file with the default names (``train/x`` ...) and attributes."""
+    return _open(DatasetInfo(path, 0, 0, {}), num_classes=0, x_scale=0.0,
+                 splits=ALL_SPLITS, required=SPLITS)
+
+
+def open_data(config: DataConfig, arrays: Mapping[str, tuple[Any, Any]] | None = None
+              ) -> DatasetInfo:
+    """The dataset a job's [data] names (or ``arrays`` handed to the Python API: split ->
+    (x, y)); any problem is one DataError naming the file and the array."""
+    if arrays is not None:
+        unknown = set(arrays) - set(ALL_SPLITS)
+        if unknown or "train" not in arrays or "test" not in arrays:
+            raise DataError(f"data arrays: give 'train' and 'test' (and optionally 'val'), "
+                            f"each as (x, y); got {sorted(arrays)}")
+        info = DatasetInfo("<arrays>", 0, 0, {}, kind="arrays",
+                           names={s: (f"{s}/x", f"{s}/y") for s in arrays}, arrays=arrays)
+        return _open(info, config.num_classes, config.x_scale, tuple(arrays), SPLITS)
+    given = {s: (getattr(config, f"{s}_x"), getattr(config, f"{s}_y")) for s in ALL_SPLITS}
+    path = resolve_path(config.path, config.builtin)
+    if not path and not config.train_x:
+        raise DataError("no data: give data.path (an HDF5 or .npz file), data.builtin "
+                        "(\"digits\"), .npy files as data.train_x, data.train_y, data.test_x "
+                        "and data.test_y, or arrays to mpips.train(job, data=...)")
+    if not path:  # .npy files, one per array
+        names = {s: pair for s, pair in given.items() if all(pair)}
+        info = DatasetInfo(config.train_x, 0, 0, {}, kind="npy", names=names)
+        return _open(info, config.num_classes, config.x_scale, tuple(names), SPLITS)
+    kind = "npz" if path.endswith(".npz") else "hdf5"
+    default = NPZ_NAMES if kind == "npz" else HDF5_NAMES
+    names = {s: (given[s][0] or default[s][0], given[s][1] or default[s][1])
+             for s in ALL_SPLITS}
+    info = DatasetInfo(path, 0, 0, {}, kind=kind, names=names)
+    required = tuple(s for s in ALL_SPLITS if s in SPLITS or all(given[s]))
+    return _open(info, config.num_classes, config.x_scale, ALL_SPLITS, required)
+
+
+def _open(info: DatasetInfo, num_classes: int, x_scale: float, splits: tuple[str, ...],
+          required: tuple[str, ...]) -> DatasetInfo:
+    """Check every split's arrays (present, shapes agree, numbers and integer labels) and
+    work out the number of classes; ``required`` splits must be there, the others may."""
+    where = _where(info)
+    if info.kind in ("hdf5", "npz") and not os.path.exists(info.path):
+        raise DataError(f"{where}: not found (make one with `python -m mpips data ...`)")
     try:
-        with open_plain(path, DataError, f"data file {path}") as f:
-            if sparse.is_sparse_file(f):
-                rows, num_features, max_nnz = sparse.check_csr(f, path)
+        with _container(info) as source:
+            if source.file is not None and sparse.is_sparse_file(source.file):
+                rows, num_features, max_nnz = sparse.check_csr(source.file, info.path)
                 if rows["train"] == 0:
-                    raise DataError(f"data file {path}: 'train' has no rows")
-                return DatasetInfo(path, num_features, 2, rows, sparse=True, max_nnz=max_nnz)
-            rows, dims = {}, set()
-            for split in SPLITS + (("val",) if "val" in f else ()):  # val: optional
-                for key in ("x", "y"):
-                    if f"{split}/{key}" not in f:
-                        raise DataError(f"data file {path}: missing dataset '{split}/{key}'")
-                x, y = f[f"{split}/x"], f[f"{split}/y"]
-                if x.ndim != 2 or x.dtype not in (np.uint8, np.float32):
-                    raise DataError(f"data file {path}: '{split}/x' must be 2-D uint8 or float32, "
+                    raise DataError(f"{where}: 'train' has no rows")
+                return DatasetInfo(info.path, num_features, 2, rows, sparse=True,
+                                   max_nnz=max_nnz)
+            get, attrs = source.get, source.attrs
+            rows, widths, names = {}, {}, {}
+            for split in splits:
+                x_name, y_name = info.names[split]
+                missing = [n for n in (x_name, y_name) if not source.has(n)]
+                if missing:
+                    if split in required:
+                        raise DataError(f"{where}: missing {_what(info, missing[0])} "
+                                        f"(the {split} split)")
+                    continue
+                x, y = get(x_name), get(y_name)
+                if x.ndim < 1 or x.dtype.kind not in "biuf":
+                    raise DataError(f"{where}: {_what(info, x_name)} must be rows of numbers, "
                                     f"got {x.ndim}-D {x.dtype}")
                 if y.ndim != 1 or y.dtype.kind not in "iu":
-                    raise DataError(f"data file {path}: '{split}/y' must be 1-D integer labels, "
-                                    f"got {y.ndim}-D {y.dtype}")
+                    raise DataError(f"{where}: {_what(info, y_name)} must be 1-D integer "
+                                    f"labels, got {y.ndim}-D {y.dtype}")
                 if x.shape[0] != y.shape[0]:
-                    raise DataError(f"data file {path}: '{split}/x' has {x.shape[0]} rows but "
-                                    f"'{split}/y' has {y.shape[0]}")
-                rows[split] = int(x.shape[0])
-                dims.add(int(x.shape[1]))
-            if len(dims) != 1:
-                raise DataError(f"data file {path}: its splits have different widths {dims}")
-            num_classes = int(f.attrs.get("num_classes", 0))
+                    raise DataError(f"{where}: {_what(info, x_name)} has {x.shape[0]} rows "
+                                    f"but {_what(info, y_name)} has {y.shape[0]}")
+                rows[split], names[split] = int(x.shape[0]), (x_name, y_name)
+                widths[split] = math.prod(int(d) for d in x.shape[1:])
+            if len(set(widths.values())) != 1:
+                raise DataError(f"{where}: its splits have different widths {widths}")
+            if rows["train"] == 0:
+                raise DataError(f"{where}: 'train' has no rows")
+            if not num_classes:
+                num_classes = int(attrs.get("num_classes", 0)) or \
+                    _count_classes(get(names["train"][1]))
             if not 2 <= num_classes <= MAX_CLASSES:
-                raise DataError(f"data file {path}: attribute num_classes must be in "
-                                f"2..{MAX_CLASSES}, got {num_classes}")
-            x_scale = float(f.attrs.get("x_scale", 1.0))
+                raise DataError(f"{where}: num_classes must be in 2..{MAX_CLASSES}, got "
+                                f"{num_classes} (the attribute num_classes, data.num_classes, "
+                                f"or the largest train label + 1)")
+            x_scale = x_scale or float(attrs.get("x_scale", 1.0))
             if not 0 < x_scale < float("inf"):
-                raise DataError(f"data file {path}: attribute x_scale must be a positive "
-                                f"number, got {x_scale}")
+                raise DataError(f"{where}: x_scale must be a positive number, got {x_scale}")
     except DataError:
         raise
-    except (OSError, KeyError, ValueError, TypeError) as e:
-        raise DataError(f"data file {path}: not a readable mpips HDF5 dataset ({e})") from None
-    if rows["train"] == 0:
-        raise DataError(f"data file {path}: 'train' has no rows")
-    return DatasetInfo(path, dims.pop(), num_classes, rows, x_scale)
+    except (OSError, KeyError, ValueError, TypeError, AttributeError) as e:
+        kind = {"hdf5": "mpips HDF5", "npz": ".npz", "npy": ".npy"}.get(info.kind, "")
+        raise DataError(f"{where}: not a readable {kind} dataset ({e})") from None
+    return DatasetInfo(info.path, widths["train"], num_classes, rows, x_scale, kind=info.kind,
+                       names=names, arrays=info.arrays)
 
+
+def _what(info: DatasetInfo, name: str) -> str:
+    return f"array '{name}'" if info.kind in ("npz", "arrays") else \
+        f"file {name}" if info.kind == "npy" else f"dataset '{name}'"
+
+
+def _count_classes(y: Any) -> int:
+    """The largest label + 1, the labels read a chunk at a time (little memory)."""
+    top = -1
+    for start in range(0, y.shape[0], LABEL_CHUNK):
+        top = max(top, int(np.max(y[start:start + LABEL_CHUNK], initial=-1)))
+    return max(2, top + 1)
+
+
+# -- reading rows -----------------------------------------------------------------------------
 
 def worker_rows(num_rows: int, num_parts: int, index: int) -> tuple[int, int]:
     """Contiguous, disjoint, near-equal row range ``[start, stop)`` of part ``index`` (worker
@@ -102,35 +224,52 @@ def worker_rows(num_rows: int, num_parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (index < extra)
 
 
+def row_bytes(info: DatasetInfo) -> int:
+    """Host memory one dense row takes while read: as stored (<= 8 B an input) and as
+    float32; its label as stored and as int64."""
+    return info.num_inputs * 12 + 16
+
+
 def load_split(info: DatasetInfo, split: str, rows: tuple[int, int] | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
+               ) -> tuple[Any, Any]:
     """Read rows of a split as float32 features (scaled) and int64 labels (sparse files:
     a CSR matrix and float32 0/1 labels)."""
     start, stop = rows or (0, info.rows[split])
     if info.sparse:
         return sparse.load_csr(info.path, split, (start, stop), info.num_inputs)
-    # per input: as stored (<= 8 B) and as float32; per label: as stored and as int64
-    check_fits((stop - start) * (info.num_inputs * 12 + 16),
-               f"data file {info.path}: {split} rows [{start}, {stop})", DataError)
+    check_fits((stop - start) * row_bytes(info), f"{_where(info)}: {split} rows "
+               f"[{start}, {stop}) (data.chunk_rows streams a worker's part instead)",
+               DataError)
+    with _container(info) as source:
+        return _read(info, source.get, split, start, stop)
+
+
+def _where(info: DatasetInfo) -> str:
+    return "data arrays" if info.kind == "arrays" else f"data file {info.path}"
+
+
+def _read(info: DatasetInfo, get: Callable[[str], Any], split: str, start: int, stop: int
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[start, stop)`` of a split from an open container, checked and converted."""
+    x_name, y_name = info.names[split]
     try:
-        with open_plain(info.path, DataError, f"data file {info.path}") as f:
-            x = f[f"{split}/x"][start:stop].astype(np.float32)
-            y = f[f"{split}/y"][start:stop].astype(np.int64)
+        x = np.asarray(get(x_name)[start:stop]).reshape(stop - start, -1).astype(np.float32)
+        y = np.asarray(get(y_name)[start:stop]).astype(np.int64)
     except (OSError, KeyError, ValueError) as e:
-        raise DataError(f"data file {info.path}: cannot read {split} rows "
-                        f"[{start}, {stop}) ({e})") from None
+        raise DataError(f"{_where(info)}: cannot read {split} rows [{start}, {stop}) "
+                        f"({e})") from None
     if info.x_scale != 1.0:
         x *= np.float32(info.x_scale)
     bad = (y < 0) | (y >= info.num_classes)
     if bad.any():
-        raise DataError(f"data file {info.path}: {split}/y has label {int(y[bad][0])} outside "
+        raise DataError(f"{_where(info)}: {y_name} has label {int(y[bad][0])} outside "
                         f"0..{info.num_classes - 1}")
     return x, y
 
 
-def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, task: int,
+def batches(x: Any, y: Any, batch_size: int, seed: int, task: int,
             epochs: int = 0, start_batch: int = 0, per_epoch: int | None = None
-            ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+            ) -> Iterator[Batch]:
     """(epoch, x, y) batches of one worker's part, reshuffled each epoch from (seed, task, epoch).
 
     ``epochs = 0`` repeats forever. A last short batch of an epoch is kept, unless
@@ -150,15 +289,12 @@ def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, task: int,
         epoch, first = epoch + 1, 0
 
 
-Batch = tuple[int, Any, Any]  # (epoch, x, y)
-
-
 class Part(Protocol):
     """One worker's part of the train rows: its batches, epoch after epoch."""
 
     def batches(self, batch_size: int, seed: int, task: int, epochs: int = 0,
                 start_batch: int = 0, per_epoch: int | None = None) -> Iterator[Batch]:
-        """As ``batches`` below: reshuffled each epoch from (seed, task, epoch)."""
+        """As ``batches`` above: reshuffled each epoch from (seed, task, epoch)."""
 
 
 @dataclass
@@ -173,116 +309,113 @@ class InMemoryPart:
         return batches(self.x, self.y, batch_size, seed, task, epochs, start_batch, per_epoch)
 
 
-# -- writing and converting -------------------------------------------------------------------
+@dataclass
+class StreamedPart:
+    """A part read from the file a chunk at a time, never whole (``data.chunk_rows``).
 
-def write_dataset(path: str | Path, train: tuple[np.ndarray, np.ndarray],
-                  test: tuple[np.ndarray, np.ndarray], num_classes: int,
-                  x_scale: float = 1.0, name: str = "",
-                  val: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-    """Write a dataset file durably and atomically (temporary file, fsync, rename)."""
-    splits = list(zip(SPLITS, (train, test))) + ([("val", val)] if val is not None else [])
+    Each epoch visits the part's chunks in an order drawn from (seed, task, epoch) and the
+    rows of each chunk in an order drawn from (seed, task, epoch, chunk): a two-level
+    shuffle, since rows scattered over the file cannot be read fast. Chunks hold a whole
+    number of batches, so a batch never spans two chunks; only the part's last chunk can
+    end in a short batch. A background thread reads up to ``prefetch`` chunks ahead, so at
+    most ``prefetch + 2`` chunks are in memory at any time.
+    """
 
-    def write(tmp: Path) -> None:
-        with h5py.File(tmp, "w") as f:
-            for split, (x, y) in splits:
-                f.create_dataset(f"{split}/x", data=x, compression="gzip", compression_opts=4,
-                                 chunks=(max(1, min(len(x), 1024)), x.shape[1]))
-                f.create_dataset(f"{split}/y", data=y.astype(np.int64))
-            f.attrs["num_classes"] = num_classes
-            f.attrs["x_scale"] = x_scale
-            f.attrs["name"] = name
-    atomic_write(path, write)
+    info: DatasetInfo
+    rows: tuple[int, int]
+    chunk_rows: int
+    prefetch: int = 2
+
+    def batches(self, batch_size: int, seed: int, task: int, epochs: int = 0,
+                start_batch: int = 0, per_epoch: int | None = None) -> Iterator[Batch]:
+        start, stop = self.rows
+        n, b = stop - start, batch_size
+        chunk = max(b, self.chunk_rows // b * b)
+        counts = [-(-min(chunk, n - c) // b) if per_epoch is None else min(chunk, n - c) // b
+                  for c in range(0, n, chunk)]  # batches each chunk gives
+        per_epoch = per_epoch or sum(counts)
+        epoch, skip = divmod(start_batch, per_epoch)
+
+        def plan() -> Iterator[tuple[int, int, int, int]]:
+            """(epoch, chunk, first batch, end batch) to read, in order: the first batches of
+            the resumed epoch are skipped without reading them."""
+            nonlocal epoch, skip
+            while not epochs or epoch < epochs:
+                left = per_epoch
+                for c in np.random.default_rng([seed, task, epoch]).permutation(len(counts)):
+                    take = min(counts[c], left)
+                    if skip >= take:
+                        skip, left = skip - take, left - take
+                    else:
+                        yield epoch, int(c), skip, take
+                        left, skip = left - take, 0
+                    if not left:
+                        break
+                epoch += 1
+
+        def read(item: tuple[int, int, int, int]) -> tuple[int, np.ndarray, np.ndarray]:
+            e, c, _, _ = item
+            lo = start + c * chunk
+            x, y = _read(self.info, get, "train", lo, min(stop, lo + chunk))
+            order = np.random.default_rng([seed, task, e, c]).permutation(len(y))
+            return e, x[order], y[order]
+
+        with _container(self.info) as source:
+            get = source.get
+            for item, (e, x, y) in _read_ahead(plan(), read, self.prefetch):
+                _, _, first, take = item
+                for i in range(first, take):
+                    yield e, x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]
 
 
-def _read_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of a .npz file: x rows of numbers (as float32), y integer labels; no pickle."""
+def _read_ahead(items: Iterator[Any], read: Callable[[Any], Any], depth: int
+                ) -> Iterator[tuple[Any, Any]]:
+    """(item, read(item)) for each item, read by a background thread up to ``depth`` items
+    ahead of the consumer (bounded memory). A read error is raised in the consumer; closing
+    the generator stops the thread."""
+    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+    end = object()
+
+    def put(value: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(value, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put((item, read(item))):
+                    return
+            put(end)
+        except BaseException as e:  # handed to the consumer, raised there
+            put(e)
+
+    thread = threading.Thread(target=produce, name="mpips-read-ahead", daemon=True)
+    thread.start()
     try:
-        with np.load(path, allow_pickle=False) as z:
-            if "x" not in z.files or "y" not in z.files:
-                raise DataError(f"{path}: needs arrays 'x' and 'y', has {z.files}")
-            x, y = z["x"], z["y"]
-    except DataError:
-        raise
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not a readable .npz file ({e})") from None
-    if x.dtype.kind not in "biuf" or x.ndim < 2:
-        raise DataError(f"{path}: x must be rows of numbers, got {x.ndim}-D {x.dtype}")
-    if y.dtype.kind not in "iu" or y.ndim != 1 or len(y) != len(x):
-        raise DataError(f"{path}: y must be {len(x)} integer labels, got {y.ndim}-D {y.dtype}")
-    if len(y) and y.min() < 0:
-        raise DataError(f"{path}: labels must be >= 0")
-    return x.reshape(len(x), -1).astype(np.float32), y
+        while True:
+            got = q.get()
+            if got is end:
+                return
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
-def convert_arrays(out: str | Path, train: str, test: str | None = None,
-                   val: str | None = None) -> None:
-    """Your own arrays as an mpips data file: .npz files with ``x`` (each row flattened to
-    float32 inputs) and ``y`` (integer labels 0..C-1). Without a test file the last 20% of
-    the train rows are held out."""
-    x, y = _read_arrays(train)
-    if test:
-        test_split = _read_arrays(test)
-    else:
-        cut = int(len(x) * 0.8)
-        x, y, test_split = x[:cut], y[:cut], (x[cut:], y[cut:])
-    val_split = _read_arrays(val) if val else None
-    parts = [(x, y), test_split] + ([val_split] if val_split else [])
-    if len({p[0].shape[1] for p in parts}) != 1:
-        raise DataError("arrays: train, test and validation rows differ in width")
-    classes = int(max(int(p[1].max(initial=0)) for p in parts)) + 1
-    write_dataset(out, (x, y), test_split, max(2, classes), name=Path(train).stem,
-                  val=val_split)
-
-
-def _read_idx(path: Path) -> np.ndarray:
-    """Read an idx file (the MNIST format), gzipped or not."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as f:
-            raw = f.read()
-        zero, dtype, ndim = struct.unpack(">HBB", raw[:4])
-        if zero != 0 or dtype != 0x08:
-            raise DataError(f"{path}: not an unsigned-byte idx file")
-        shape = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
-        data = np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim)
-        return data.reshape(shape)
-    except (OSError, EOFError, struct.error, ValueError) as e:
-        raise DataError(f"{path}: cannot read idx data ({e})") from None
-
-
-FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
-
-
-def convert_fashion_mnist(out: str | Path, src: str | Path = FASHION_MNIST_DIR) -> None:
-    """Debian's dataset-fashion-mnist idx files -> one HDF5 dataset (uint8, scale 1/255)."""
-    src = Path(src)
-    names = {"train": "train", "test": "t10k"}
-    parts = {}
-    for split, prefix in names.items():
-        found = {}
-        for kind, stem in (("x", "images-idx3-ubyte"), ("y", "labels-idx1-ubyte")):
-            cands = [src / f"{prefix}-{stem}.gz", src / f"{prefix}-{stem}"]
-            hit = next((c for c in cands if c.exists()), None)
-            if hit is None:
-                raise DataError(f"{cands[0]}: not found (apt-get install dataset-fashion-mnist)")
-            found[kind] = _read_idx(hit)
-        x = found["x"].reshape(len(found["x"]), -1)
-        parts[split] = (x, found["y"].astype(np.int64))
-    write_dataset(out, parts["train"], parts["test"], 10, 1 / 255, "fashion-mnist")
-
-
-def convert_digits(out: str | Path) -> None:
-    """The 1797 8x8 digits that ship inside mpips (scikit-learn's set: 1437 train / 360 test,
-    uint8, scale 1/16), copied to ``out`` as a dataset file of its own."""
-    src = Path(resolve_path("", "digits"))
-    atomic_write(out, lambda tmp: tmp.write_bytes(src.read_bytes()))
-
-
-def make_synthetic(out: str | Path, rows: int = 60000, test_rows: int = 10000,
-                   inputs: int = 784, classes: int = 10) -> None:
-    """The reference workload of the benchmarks: X ~ N(0,1) (numpy seed 0), labels
-    argmax(X @ W) with W ~ N(0,1) (seed 1), 784 inputs and 10 classes by default."""
-    x = np.random.default_rng(0).standard_normal((rows + test_rows, inputs), dtype=np.float32)
-    w = np.random.default_rng(1).standard_normal((inputs, classes), dtype=np.float32)
-    y = (x @ w).argmax(axis=1)
-    write_dataset(out, (x[:rows], y[:rows]), (x[rows:], y[rows:]), classes, 1.0, "synthetic")
+def train_part(info: DatasetInfo, rows: tuple[int, int], chunk_rows: int = 0,
+               prefetch: int = 2) -> Part:
+    """A worker's part: streamed in chunks of ``chunk_rows`` (dense data), else read whole."""
+    if chunk_rows and not info.sparse:
+        check_fits((prefetch + 2) * min(chunk_rows, rows[1] - rows[0]) * row_bytes(info),
+                   f"{_where(info)}: {prefetch + 2} chunks of {chunk_rows} rows "
+                   f"(data.prefetch + 2)", DataError)
+        return StreamedPart(info, rows, chunk_rows, prefetch)
+    return InMemoryPart(*load_split(info, "train", rows))

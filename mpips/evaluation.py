@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 
 from . import checkpoint
-from .data import load_split, open_dataset, resolve_path
+from .data import DatasetInfo, load_split, open_data
 from .errors import CheckpointError, ConfigError, DataError
 from .hdf5 import open_plain
 from .job import Job
@@ -22,22 +22,23 @@ INPUT_SUFFIXES = (".npy", ".npz", ".h5", ".hdf5")
 
 
 def restore_model(job: Job, ckpt_path: str | None = None, factory: Any = None
-                  ) -> tuple[Model, dict[str, np.ndarray], checkpoint.Checkpoint]:
+                  ) -> tuple[Model, dict[str, np.ndarray], checkpoint.Checkpoint, DatasetInfo]:
     """The job's model, every variable and table of the checkpoint (``ckpt_path``: a manifest
-    or a directory; default the job's checkpoint.dir), and the checkpoint. The manifest must
-    name the same model as the job (a checkpoint of another model is one clear error)."""
+    or a directory; default the job's checkpoint.dir), the checkpoint and the job's data. The
+    manifest must name the same model as the job (a checkpoint of another model is one clear
+    error)."""
     where = ckpt_path or job.checkpoint.dir
     if not where:
         raise ConfigError("no checkpoint: the job has no checkpoint.dir; give --ckpt PATH")
     ckpt = checkpoint.resolve(where)
-    info = open_dataset(resolve_path(job.data.path, job.data.builtin))
+    info = open_data(job.data)
     model = build_model(job.model, info, np, job.source, factory)
     wrote = ckpt.meta.get("model")
     if wrote is not None and wrote != job.model.kind:
         raise CheckpointError(f"checkpoint {ckpt.path} was written by model {wrote!r}, but the "
                               f"job's model.kind is {job.model.kind!r}")
     params = ckpt.read(model.variables() + model.tables())
-    return model, params, ckpt
+    return model, params, ckpt, info
 
 
 def _params_for(model: Model, params: dict[str, np.ndarray], x: Any) -> tuple[Any, dict]:
@@ -52,8 +53,7 @@ def _params_for(model: Model, params: dict[str, np.ndarray], x: Any) -> tuple[An
 
 def evaluate(job: Job, ckpt_path: str | None = None) -> tuple[dict[str, float], int, Path]:
     """Metrics of the checkpoint on the job's test split: (metrics, global_step, manifest)."""
-    model, params, ckpt = restore_model(job, ckpt_path)
-    info = open_dataset(resolve_path(job.data.path, job.data.builtin))
+    model, params, ckpt, info = restore_model(job, ckpt_path)
     x, y = load_split(info, "test")
     x, params = _params_for(model, params, x)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -98,18 +98,18 @@ def predict(job: Job, inputs: str, output: str, ckpt_path: str | None = None) ->
     """Write the model's predictions for the inputs to ``output`` (.npy); returns (rows,
     global_step of the checkpoint)."""
     from .files import atomic_write
-    model, params, ckpt = restore_model(job, ckpt_path)
+    model, params, ckpt, info = restore_model(job, ckpt_path)
     if not Path(output).suffix == ".npy":
         raise ConfigError(f"--output {output}: predictions are written as a .npy file")
     if type(model).predict is Model.predict:
         raise ConfigError(f"{type(model).__name__} does not implement predict(params, x)")
-    info = open_dataset(resolve_path(job.data.path, job.data.builtin))
     x = load_inputs(inputs)
     if info.sparse:
         raise ConfigError("predict takes dense inputs; sparse (CTR) models: use eval")
-    if x.ndim != 2 or x.shape[1] != info.num_inputs:
+    if x.ndim < 1 or int(np.prod(x.shape[1:])) != info.num_inputs:
         raise DataError(f"--input {inputs}: shape {list(x.shape)}, the model takes rows of "
                         f"{info.num_inputs} inputs")
+    x = x.reshape(len(x), -1)
     x = x * np.float32(info.x_scale) if info.x_scale != 1.0 else x
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         out = np.asarray(model.predict(params, x))

@@ -33,8 +33,20 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""             # an HDF5 file made by `python -m mpips data ...`
+    path: str = ""             # an HDF5 or .npz file
     builtin: str = ""          # or a dataset that ships inside mpips: "digits"
+    # the arrays: dataset paths in an HDF5 file (default "train/x" ...), array names in a
+    # .npz file (default "x_train" ...), or .npy files (then no path)
+    train_x: str = ""
+    train_y: str = ""
+    test_x: str = ""
+    test_y: str = ""
+    val_x: str = ""            # optional validation split (train.eval_every)
+    val_y: str = ""
+    num_classes: int = 0       # 0: the file's attribute num_classes, else largest label + 1
+    x_scale: float = 0.0       # inputs are multiplied by it (0: the file's attribute, else 1)
+    chunk_rows: int = 0        # stream each worker's part in chunks of N rows (0: read it whole)
+    prefetch: int = 2          # chunks read ahead by a background thread when streaming
 
 
 @dataclass
@@ -113,10 +125,10 @@ NON_NEGATIVE = ("train.steps", "train.epochs", "train.log_every", "checkpoint.ev
                 "checkpoint.every_secs", "model.init_seed", "train.seed", "optimizer.momentum",
                 "optimizer.initial_accumulator_value", "optimizer.l1", "optimizer.l2",
                 "optimizer.warmup_steps", "optimizer.clip_norm", "train.check_every",
-                "train.eval_every")
+                "train.eval_every", "data.num_classes", "data.x_scale", "data.chunk_rows")
 POSITIVE = ("train.batch_size", "model.embedding_dim", "optimizer.learning_rate", "checkpoint.max_to_keep",
             "train.bucket_bytes",
-            "optimizer.epsilon", "optimizer.decay_rate", "optimizer.decay_steps")
+            "optimizer.epsilon", "optimizer.decay_rate", "optimizer.decay_steps", "data.prefetch")
 UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
 
 
@@ -209,15 +221,35 @@ def validate(job: Job) -> Job:
         raise ConfigError("optimizer.initial_accumulator_value: FTRL needs a value > 0")
     if any(h <= 0 for h in job.model.hidden):
         raise ConfigError(f"model.hidden: layer sizes must be > 0, got {job.model.hidden}")
-    if bool(job.data.path) == bool(job.data.builtin):
-        raise ConfigError("data: give exactly one of data.path (an HDF5 file) "
-                          "or data.builtin (\"digits\")")
+    _check_data(job.data)
     if isinstance(job.layout.ps, str) and job.layout.ps != "per_node":
         raise ConfigError(f"layout.ps: {job.layout.ps!r} is not a count, a list of ranks or "
                           f"\"per_node\"")
     if job.train.steps == 0 and job.train.epochs == 0:
         raise ConfigError("train: give train.steps or train.epochs (or both) so the run can end")
     return job
+
+
+def _check_data(d: DataConfig) -> None:
+    """Where the arrays are: one file (path or builtin), or .npy files named one by one."""
+    named = {f"{s}_{k}": getattr(d, f"{s}_{k}") for s in ("train", "test", "val")
+             for k in "xy"}
+    if d.path and d.builtin:
+        raise ConfigError("data: give data.path or data.builtin, not both")
+    if d.builtin and any(named.values()):
+        raise ConfigError(f"data.builtin: its arrays are fixed; drop "
+                          f"{', '.join('data.' + k for k, v in named.items() if v)}")
+    for s in ("train", "test", "val"):
+        if bool(named[f"{s}_x"]) != bool(named[f"{s}_y"]):
+            raise ConfigError(f"data.{s}_x, data.{s}_y: give both or neither")
+    if not d.path and not d.builtin and any(named.values()):
+        if not (d.train_x and d.test_x):
+            raise ConfigError("data: .npy files need data.train_x, data.train_y, data.test_x "
+                              "and data.test_y")
+        odd = [v for v in named.values() if v and not v.endswith(".npy")]
+        if odd:
+            raise ConfigError(f"data: without data.path the arrays are .npy files; "
+                              f"{odd[0]!r} is not (or set data.path to the file that holds it)")
 
 
 def parse_job(text: str, source: str = "<string>") -> Job:

@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 
 from . import checkpoint
-from .data import DatasetInfo, InMemoryPart, Part, load_split, open_dataset, resolve_path, worker_rows
+from .data import DatasetInfo, Part, StreamedPart, load_split, open_data, train_part, worker_rows
 from .errors import CheckpointError, ConfigError, DataError
 from .job import Job, job_placement
+from .log import log
 from .memory import check_fits
 from .nn import build_model
 from .optim import Optimizer
@@ -83,17 +84,17 @@ def _check_memory(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
 
 
 def prepare(job: Job, cluster: Cluster, optimizer: Optimizer, xp: ModuleType = np,
-            factory: Any = None) -> Prepared:
+            factory: Any = None, arrays: Any = None) -> Prepared:
     """Everything that can fail on bad input, done before any window exists.
 
     Restoring, each PS task reads the variables and slots it will hold (in parallel; table
     partitions re-sliced from the whole tables); in sync mode the chief reads them all.
     Starting afresh, each PS task initialises its table partitions and their slots.
     ``factory``: a model (or a callable making one) from the Python API, instead of
-    model.kind.
+    model.kind; ``arrays``: the data as arrays from the Python API, instead of job.data.
     """
     _check_checkpoint_dir(job, cluster)
-    info = open_dataset(resolve_path(job.data.path, job.data.builtin))
+    info = open_data(job.data, arrays)
     prep = Prepared(info)
     c = job.checkpoint
     latest = checkpoint.latest_checkpoint(c.dir) if c.dir and c.restore else None
@@ -116,7 +117,10 @@ def prepare(job: Job, cluster: Cluster, optimizer: Optimizer, xp: ModuleType = n
     if prep.rows[1] <= prep.rows[0]:
         raise DataError(f"{info.path}: {info.rows['train']} train rows cannot feed "
                         f"{workers} workers")
-    prep.train = InMemoryPart(*load_split(info, "train", prep.rows))
+    prep.train = train_part(info, prep.rows, job.data.chunk_rows, job.data.prefetch)
+    if isinstance(prep.train, StreamedPart):
+        log(cluster.role, f"train rows [{prep.rows[0]}, {prep.rows[1]}) streamed in chunks of "
+                          f"{job.data.chunk_rows} rows, {job.data.prefetch} read ahead")
     if cluster.is_chief:
         prep.test = load_split(info, "test")
         if job.train.eval_every:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -28,12 +28,15 @@ __all__ = ["TrainResult", "train"]
 
 
 def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None,
-          model: Any = None) -> TrainResult:
+          model: Any = None, data: Mapping[str, tuple[Any, Any]] | None = None) -> TrainResult:
     """Run ``job`` on every rank of ``comm`` (collective): PS ranks serve, workers train.
 
     ``model``: a model of your own (an ``mpips.Model``, or a callable ``factory(data,
-    **job.model.args)`` returning one) instead of the job's ``model.kind``. On one process
-    (no mpirun) the job trains as a single synchronous replica, to debug a model locally.
+    **job.model.args)`` returning one) instead of the job's ``model.kind``. ``data``: your
+    arrays instead of the job's [data]: ``{"train": (x, y), "test": (x, y)}`` and optionally
+    ``"val"`` (numpy arrays, memory maps or h5py datasets; every rank passes the same; each
+    worker reads only its part). On one process (no mpirun) the job trains as a single
+    synchronous replica, to debug a model locally.
     """
     comm = comm or MPI.COMM_WORLD
     if model is not None:
@@ -57,16 +60,18 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None,
     # numpy's overflow warnings, one storm per rank, give way to the check that stops the
     # job at the first loss that is not finite (naming the worker and the global step)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        result = _train(job, cluster, list(hooks), model)
+        result = _train(job, cluster, list(hooks), model, data)
     cluster.free()  # collective: only on success (an error aborts the world instead)
     return result
 
 
-def _train(job: Job, cluster: Cluster, hooks: list[Hook], factory: Any) -> TrainResult:
+def _train(job: Job, cluster: Cluster, hooks: list[Hook], factory: Any,
+           arrays: Mapping[str, tuple[Any, Any]] | None) -> TrainResult:
     optimizer = build_optimizer(job.optimizer)
     device = agreed(cluster.comm, lambda: Device() if cluster.is_ps
                     else Device.select(job.train.device, cluster.local_worker_index))
-    prep = agreed(cluster.comm, lambda: prepare(job, cluster, optimizer, device.xp, factory))
+    prep = agreed(cluster.comm, lambda: prepare(job, cluster, optimizer, device.xp, factory,
+                                                arrays))
     if not cluster.is_ps:
         pin_blas_threads(cluster.local_size)
     mode = train_sync if job.train.mode == "sync" else train_async

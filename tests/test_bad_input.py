@@ -83,9 +83,9 @@ CASES = {
     "layout file unknown key": (lambda d: (d / "l.toml").write_text("pss = 1\n"),
                                 ["--layout", "l.toml"], "unknown key 'pss' (did you mean 'ps'?)"),
     "missing data": (lambda d: (d / "d.h5").unlink(), [], "data file d.h5: not found"),
-    "data of the wrong shape": (
-        lambda d: write_data(d / "d.h5", **{"train/x": np.zeros((60, 4, 2), np.uint8)}), [],
-        "'train/x' must be 2-D uint8 or float32"),
+    "data that is not numbers": (
+        lambda d: write_data(d / "d.h5", **{"train/x": np.full((60, 4), b"a")}), [],
+        "'train/x' must be rows of numbers"),
     "data of the wrong dtype": (
         lambda d: write_data(d / "d.h5", **{"train/y": np.zeros(60, np.float32)}), [],
         "'train/y' must be 1-D integer labels"),

@@ -42,7 +42,6 @@ MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
     (MINIMAL + "[model]\nhidden = [64, 'x']\n", r"model.hidden: expected a list of integers"),
     (MINIMAL + "[layout]\nps = 'two'\n", r"layout.ps: 'two' is not a count, a list of ranks or \"per_node\""),
     (MINIMAL + "[checkpoint]\nevery_secs = true\n", r"checkpoint.every_secs: expected a number"),
-    ('[train]\nsteps = 10\n', r"give exactly one of data.path"),
     ('[data]\nbuiltin = "digits"\n', r"give train.steps or train.epochs"),
     ('train = 3\n', r"train: expected a table"),
     ('[train\n', r"invalid TOML"),

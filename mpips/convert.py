@@ -1,0 +1,130 @@
+"""Dense dataset files: writing them, and converting other formats into them once.
+
+A dataset file holds ``train/x, train/y, test/x, test/y`` (and optionally ``val/x, val/y``;
+x: rows of numbers, y: 1-D integer labels) and the attributes ``num_classes`` and
+``x_scale`` (x is multiplied by it on load). Sparse CTR files are made by sparse.py.
+"""
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .data import SPLITS, resolve_path
+from .errors import DataError
+from .files import atomic_write
+
+def write_dataset(path: str | Path, train: tuple[np.ndarray, np.ndarray],
+                  test: tuple[np.ndarray, np.ndarray], num_classes: int,
+                  x_scale: float = 1.0, name: str = "",
+                  val: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """Write a dataset file durably and atomically (temporary file, fsync, rename)."""
+    splits = list(zip(SPLITS, (train, test))) + ([("val", val)] if val is not None else [])
+
+    def write(tmp: Path) -> None:
+        with h5py.File(tmp, "w") as f:
+            for split, (x, y) in splits:
+                f.create_dataset(f"{split}/x", data=x, compression="gzip", compression_opts=4,
+                                 chunks=(max(1, min(len(x), 1024)), x.shape[1]))
+                f.create_dataset(f"{split}/y", data=y.astype(np.int64))
+            f.attrs["num_classes"] = num_classes
+            f.attrs["x_scale"] = x_scale
+            f.attrs["name"] = name
+    atomic_write(path, write)
+
+
+def _read_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of a .npz file: x rows of numbers (as float32), y integer labels; no pickle."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "x" not in z.files or "y" not in z.files:
+                raise DataError(f"{path}: needs arrays 'x' and 'y', has {z.files}")
+            x, y = z["x"], z["y"]
+    except DataError:
+        raise
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable .npz file ({e})") from None
+    if x.dtype.kind not in "biuf" or x.ndim < 2:
+        raise DataError(f"{path}: x must be rows of numbers, got {x.ndim}-D {x.dtype}")
+    if y.dtype.kind not in "iu" or y.ndim != 1 or len(y) != len(x):
+        raise DataError(f"{path}: y must be {len(x)} integer labels, got {y.ndim}-D {y.dtype}")
+    if len(y) and y.min() < 0:
+        raise DataError(f"{path}: labels must be >= 0")
+    return x.reshape(len(x), -1).astype(np.float32), y
+
+
+def convert_arrays(out: str | Path, train: str, test: str | None = None,
+                   val: str | None = None) -> None:
+    """Your own arrays as an mpips data file: .npz files with ``x`` (each row flattened to
+    float32 inputs) and ``y`` (integer labels 0..C-1). Without a test file the last 20% of
+    the train rows are held out."""
+    x, y = _read_arrays(train)
+    if test:
+        test_split = _read_arrays(test)
+    else:
+        cut = int(len(x) * 0.8)
+        x, y, test_split = x[:cut], y[:cut], (x[cut:], y[cut:])
+    val_split = _read_arrays(val) if val else None
+    parts = [(x, y), test_split] + ([val_split] if val_split else [])
+    if len({p[0].shape[1] for p in parts}) != 1:
+        raise DataError("arrays: train, test and validation rows differ in width")
+    classes = int(max(int(p[1].max(initial=0)) for p in parts)) + 1
+    write_dataset(out, (x, y), test_split, max(2, classes), name=Path(train).stem,
+                  val=val_split)
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """Read an idx file (the MNIST format), gzipped or not."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+        zero, dtype, ndim = struct.unpack(">HBB", raw[:4])
+        if zero != 0 or dtype != 0x08:
+            raise DataError(f"{path}: not an unsigned-byte idx file")
+        shape = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+        data = np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim)
+        return data.reshape(shape)
+    except (OSError, EOFError, struct.error, ValueError) as e:
+        raise DataError(f"{path}: cannot read idx data ({e})") from None
+
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+def convert_fashion_mnist(out: str | Path, src: str | Path = FASHION_MNIST_DIR) -> None:
+    """Debian's dataset-fashion-mnist idx files -> one HDF5 dataset (uint8, scale 1/255)."""
+    src = Path(src)
+    names = {"train": "train", "test": "t10k"}
+    parts = {}
+    for split, prefix in names.items():
+        found = {}
+        for kind, stem in (("x", "images-idx3-ubyte"), ("y", "labels-idx1-ubyte")):
+            cands = [src / f"{prefix}-{stem}.gz", src / f"{prefix}-{stem}"]
+            hit = next((c for c in cands if c.exists()), None)
+            if hit is None:
+                raise DataError(f"{cands[0]}: not found (apt-get install dataset-fashion-mnist)")
+            found[kind] = _read_idx(hit)
+        x = found["x"].reshape(len(found["x"]), -1)
+        parts[split] = (x, found["y"].astype(np.int64))
+    write_dataset(out, parts["train"], parts["test"], 10, 1 / 255, "fashion-mnist")
+
+
+def convert_digits(out: str | Path) -> None:
+    """The 1797 8x8 digits that ship inside mpips (scikit-learn's set: 1437 train / 360 test,
+    uint8, scale 1/16), copied to ``out`` as a dataset file of its own."""
+    src = Path(resolve_path("", "digits"))
+    atomic_write(out, lambda tmp: tmp.write_bytes(src.read_bytes()))
+
+
+def make_synthetic(out: str | Path, rows: int = 60000, test_rows: int = 10000,
+                   inputs: int = 784, classes: int = 10) -> None:
+    """The reference workload of the benchmarks: X ~ N(0,1) (numpy seed 0), labels
+    argmax(X @ W) with W ~ N(0,1) (seed 1), 784 inputs and 10 classes by default."""
+    x = np.random.default_rng(0).standard_normal((rows + test_rows, inputs), dtype=np.float32)
+    w = np.random.default_rng(1).standard_normal((inputs, classes), dtype=np.float32)
+    y = (x @ w).argmax(axis=1)
+    write_dataset(out, (x[:rows], y[:rows]), (x[rows:], y[rows:]), classes, 1.0, "synthetic")
