@@ -22,10 +22,8 @@ from mpi4py import MPI
 from mpips.layout import make_layout
 from mpips.nn import MLP
 from mpips.optim import Optimizer
-from mpips.placement import round_robin, slot_placement
-from mpips.store import Cluster, StoreClient, Windows, barrier, serve
-from mpips.store.client import views
-from mpips.store.window import TICKETS
+from mpips.placement import round_robin, slot_placement, views
+from mpips.store import TICKETS, Cluster, StoreClient, Windows, barrier, serve
 
 comm = MPI.COMM_WORLD
 HYPER = {"momentum": 0.9, "nesterov": False, "epsilon": 1e-7, "initial_accumulator_value": 0.1,
@@ -86,7 +84,7 @@ def ps_applies(cluster, placement, opt, workers: int, reps: int, iters: int) -> 
     windows = Windows(comm, cluster.layout, placement, slots, stateful)
     seconds = 0.0
     if cluster.is_ps:
-        serve(cluster, windows, opt)
+        serve(cluster, windows, opt.apply if stateful else None, opt.slots)
     else:
         client = StoreClient(windows, cluster.role.task, stateful)
         if cluster.is_chief:

@@ -44,7 +44,7 @@ from .store import (
     serve,
     stall_limit,
     start_limit,
-    wait,
+    watched_barrier,
 )
 
 
@@ -64,7 +64,7 @@ def train_async(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
         def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
             checkpoint.write_shard(job.checkpoint.dir, step, cluster.role.task,
                                    cluster.layout.num_ps, variables, slots)
-        serve(cluster, windows, optimizer,
+        serve(cluster, windows, optimizer.apply if optimizer.stateful else None, optimizer.slots,
               write_shard if job.checkpoint.dir else None, preemption.requested)
         result = TrainResult(cluster.role, 0, 0)
     else:
@@ -109,7 +109,7 @@ class AsyncWorker:
             if run.save_seconds else ""
         log(role, f"done: {updates} updates, {examples} examples in {seconds:.1f} s{duty}")
         # every push has landed, so global_step is final; a worker that never gets here is hung
-        wait(self.cluster.workers.Ibarrier(), "the other workers", math.inf, self.watchdog.check)
+        watched_barrier(self.cluster.workers, "the other workers", self.watchdog.check)
         gathered = allgather_json(self.cluster.workers, [examples, seconds, self.stats.summary()],
                                   "the workers' summaries")
         for h in hooks:

@@ -88,6 +88,21 @@ class Placement:
         return out
 
 
+def views(placement: Placement | Iterable[Placed], bufs: list[np.ndarray],
+          base: list[int] | None = None, only_ps: int | None = None, by_name: bool = False
+          ) -> dict[str, np.ndarray]:
+    """Typed views of each placed variable (of PS ``only_ps``, if given) into per-PS byte
+    buffers, each offset by ``base[p]``; keyed by part name, or ``by_name`` by variable."""
+    out = {}
+    for e in placement:
+        if only_ps is not None and e.ps_task != only_ps:
+            continue
+        start = e.offset - (base[e.ps_task] if base else 0)
+        raw = bufs[e.ps_task][start:start + e.spec.nbytes]
+        out[e.name if by_name else e.spec.name] = raw.view(e.spec.dtype).reshape(e.spec.shape)
+    return out
+
+
 def align(n: int) -> int:
     """``n`` rounded up to ALIGN bytes: where the next variable (or inbox field) may start."""
     return (n + ALIGN - 1) // ALIGN * ALIGN

@@ -13,13 +13,16 @@ from .cluster import (
     node_of_each_rank,
     stall_limit,
     start_limit,
+    unreachable,
     wait,
+    watched_barrier,
 )
 from .control import NO_MORE_TICKETS, RunControl
 from .server import serve
 from .watchdog import Watchdog
-from .window import WindowPlan, Windows
+from .window import TICKETS, WindowPlan, Windows
 
-__all__ = ["NO_MORE_TICKETS", "STALL_TIMEOUT", "START_TIMEOUT", "Cluster", "RunControl",
-           "StoreClient", "Watchdog", "WindowPlan", "Windows", "agreed", "allgather_json",
-           "barrier", "node_of_each_rank", "serve", "stall_limit", "start_limit", "wait"]
+__all__ = ["NO_MORE_TICKETS", "STALL_TIMEOUT", "START_TIMEOUT", "TICKETS", "Cluster",
+           "RunControl", "StoreClient", "Watchdog", "WindowPlan", "Windows", "agreed",
+           "allgather_json", "barrier", "node_of_each_rank", "serve", "stall_limit",
+           "start_limit", "unreachable", "wait", "watched_barrier"]

@@ -15,10 +15,10 @@ from itertools import groupby
 import numpy as np
 from mpi4py import MPI
 
-from ..placement import Placed, owner_and_row
+from ..placement import Placed, owner_and_row, views
 from .control import RunControl
-from .mailbox import RowPost, WorkerMail
-from .window import Windows, views
+from .mailbox import WorkerMail
+from .window import Windows
 
 
 @dataclass
@@ -107,9 +107,7 @@ class StoreClient:
                 self.tables[e.whole.name] = Table(
                     e.whole.name, parts, e.whole.shape[0], int(np.prod(e.whole.shape[1:])),
                     np.dtype(e.whole.dtype), rule)
-        # the mailbox protocol (stateful push), and the row box of each table in each inbox
-        self.mail = WorkerMail(windows, task)
-        self._boxes = {p: {b.part.name: b for b in windows.row_boxes(p)} for p in range(num_ps)}
+        self.mail = WorkerMail(windows, task)  # the mailbox protocol (stateful push)
         self._row_grads: dict[str, np.ndarray] = {}
         self._routed: list[Routed] = []
 
@@ -174,7 +172,8 @@ class StoreClient:
         it (so the next pull sees this update, and the inbox is free again).
         """
         if self.stateful:
-            self.mail.post(self._grad_bufs, self._row_boxes(), lr)
+            self.mail.post(self._grad_bufs, self._row_grads,
+                           ((r.table.name, r.ps_task, r.at, r.local) for r in self._routed), lr)
             self.mail.wait_applied()
             return
         win = self.windows.params
@@ -191,25 +190,6 @@ class StoreClient:
                                                       r.mpi_type], MPI.SUM)
         for p, rank, _ in self._targets:
             win.Flush(rank)
-
-    def _row_boxes(self) -> dict[int, list[RowPost]]:
-        """Per PS task: (its row box, (count, local rows, gradient rows)) of every table."""
-        out: dict[int, list] = {p: [] for p in range(self.placement.num_ps)}
-        if not self.tables:
-            return out
-        routed = {(r.table.name, r.ps_task): (r.at, r.local) for r in self._routed}
-        none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-        for table in self.tables.values():
-            grads = self._row_grads[table.name]
-            for p in out:
-                at, local = routed.get((table.name, p), none)
-                box = self._boxes[p][table.name]
-                if len(at) > box.capacity:
-                    raise ValueError(f"{len(at)} rows of {table.name} for one PS exceed the "
-                                     f"inbox's {box.capacity}")
-                rows = np.ascontiguousarray(local, np.int64)
-                out[p].append((box, (len(at), rows, np.ascontiguousarray(grads[at]))))
-        return out
 
     def initialise(self, values: dict[str, np.ndarray],
                    slots: dict[str, np.ndarray] | None = None) -> None:

@@ -6,6 +6,7 @@ Idle ranks never spin: every wait is a non-blocking request polled with a short 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import traceback
@@ -51,6 +52,18 @@ def wait(request: MPI.Request, what: str, timeout: float,
         raise StartTimeout(f"waited {waited:.0f} s for {what} (a rank stuck or gone? "
                            f"MPIPS_START_TIMEOUT / MPIPS_STALL_TIMEOUT set the limits)")
     poll(request.Test, timeout, late, meanwhile, spin)
+
+
+def unreachable(waited: float) -> NoReturn:
+    """The ``on_timeout`` of a wait with no deadline (``math.inf``), policed by a watchdog
+    that raises instead."""
+    raise AssertionError("an unbounded wait timed out")
+
+
+def watched_barrier(comm: MPI.Comm, what: str, watchdog: Callable[[], None]) -> None:
+    """A barrier over ``comm`` with no deadline of its own: ``watchdog()``, called while the
+    rank sleeps, raises (naming the hung task) if one of the others never arrives."""
+    wait(comm.Ibarrier(), what, math.inf, watchdog)
 
 
 def start_limit(index: int) -> float:

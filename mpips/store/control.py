@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from ..errors import Stalled, StartTimeout
 from ..waits import poll
-from .cluster import STALL_TIMEOUT, START_TIMEOUT
+from .cluster import STALL_TIMEOUT, START_TIMEOUT, unreachable
 from .window import CKPT_SEQ, CKPT_STEP, ENDED, FAILED, GLOBAL_STEP, READY, SHARDS, STOP, TICKETS, Windows
 
 _ONE = np.ones(1, dtype=np.int64)
@@ -182,13 +182,9 @@ class RunControl:
         def caught_up() -> bool:
             lead[0] = self.lead(clock)
             return lead[0] <= bound
-        poll(caught_up, math.inf, _unreachable, watchdog, fast=0.02)
+        poll(caught_up, math.inf, unreachable, watchdog, fast=0.02)
         return lead[0]
 
     def _names(self, job: str, tasks: list[int]) -> str:
         return ", ".join(f"/job:{job}/task:{t} (rank {self.layout.rank_of(job, t)})"
                          for t in tasks)
-
-
-def _unreachable(waited: float) -> NoReturn:
-    raise AssertionError("an unbounded wait timed out")

@@ -1,28 +1,90 @@
-"""The mailbox protocol of stateful optimizers, both ends in one place.
+"""The mailbox protocol of stateful optimizers, end to end: the inbox layout, the worker's
+post and the PS's reading and acknowledgement.
 
-A worker Puts its gradient into its own inbox in each PS window (whole variables, then one
-row box per table partition), flushes, writes the learning rate into its mail slot and
-raises its mail flag. The PS, polling the flags, sees the gradient (``Win.Sync``), applies
-it, and clears the flag. The worker waits until every PS has cleared its flag: then the
-next pull sees the update and the inbox is free again. One update in flight per worker, so
-the inboxes never need more than one slot.
+Every PS window ends with one gradient inbox per worker (window.py puts them after the
+variables and slots, ``Inbox.nbytes`` each). An inbox holds a gradient of every whole
+variable of that PS, laid out as the variables are, then, per table partition, a row box:
+``[row count | local row indices | gradient rows]`` for at most ``row_capacity`` rows (the
+most unique ids one batch can touch). Every PS also has a small int64 mail window: per
+worker, ``[flag, learning rate (float64 bits)]``.
+
+A worker Puts its gradient into its own inbox in each PS window, flushes, writes the
+learning rate into its mail slot and raises its mail flag. The PS, polling the flags, sees
+the gradient (``Win.Sync``), applies it, and clears the flag. The worker waits until every
+PS has cleared its flag: then the next pull sees the update and the inbox is free again. One
+update in flight per worker, so the inboxes never need more than one slot.
 """
 from __future__ import annotations
 
-from typing import NoReturn
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import Stalled
+from ..placement import Placed, Placement, align, views
 from ..waits import poll
 from .cluster import STALL_TIMEOUT, stall_limit
-from .window import MAIL_FLAG, MAIL_LR, MAIL_WORDS, RowBox, Windows
 
+if TYPE_CHECKING:
+    from .window import Windows
+
+MAIL_FLAG, MAIL_LR, MAIL_WORDS = 0, 1, 2  # a worker's words in a PS's mail window
 ACK_FAST_SECONDS = 0.02  # how long a worker checks every 50 us that the PS applied its update
-# what a worker posts to one PS task for one table: its row box there, the number of rows,
-# their local row numbers and their gradient rows
-RowPost = tuple[RowBox, tuple[int, np.ndarray, np.ndarray]]
+_NO_ROWS = np.zeros(0, np.int64)
+# one table's rows of a step on one PS task: (table, ps task, positions in the step's ids,
+# rows in that task's part)
+RoutedRows = tuple[str, int, np.ndarray, np.ndarray]
+
+
+def mail_words(workers: int) -> int:
+    """int64 words of a PS's mail window."""
+    return MAIL_WORDS * workers
+
+
+class RowBox:
+    """Where one table partition's gradient rows go in a worker's inbox (byte offsets from
+    the inbox start)."""
+
+    def __init__(self, part: Placed, start: int, capacity: int):
+        self.part, self.capacity = part, capacity
+        self.width = int(np.prod(part.spec.shape[1:]))
+        self.count = start                     # int64
+        self.rows = align(start + 8)          # int64 x capacity
+        self.grads = align(self.rows + 8 * capacity)
+        self.end = align(self.grads + capacity * self.width * np.dtype(part.spec.dtype).itemsize)
+
+    def arrays(self, inbox: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(count, rows, grads) views into an inbox's bytes."""
+        n = inbox[self.count:self.count + 8].view(np.int64)
+        rows = inbox[self.rows:self.rows + 8 * self.capacity].view(np.int64)
+        grads = inbox[self.grads:self.end].view(self.part.spec.dtype)[:self.capacity * self.width]
+        return n, rows, grads.reshape(self.capacity, self.width)
+
+
+class Inbox:
+    """The layout of a worker's inbox on PS ``task`` (the same for every worker): the whole
+    variables' gradients, then a row box per table partition, by table name."""
+
+    def __init__(self, placement: Placement, task: int, row_capacity: int):
+        self.dense = [e for e in placement.on_ps(task) if e.rows is None]
+        self.num_ps = placement.num_ps
+        start = placement.dense_bytes(task)
+        self.boxes: dict[str, RowBox] = {}
+        for e in placement.on_ps(task):
+            if e.rows is not None:
+                box = RowBox(e, start, max(1, min(e.spec.shape[0], row_capacity)))
+                self.boxes[e.name] = box
+                start = box.end
+        self.nbytes = start
+
+    def views(self, inbox: np.ndarray) -> tuple[dict[str, np.ndarray],
+                                                 list[tuple[str, RowBox, tuple]]]:
+        """Typed views into an inbox's bytes: whole-variable gradients by name, and
+        (table, box, (count, rows, grads)) of every row box."""
+        return views(self.dense, [inbox] * self.num_ps), \
+            [(name, box, box.arrays(inbox)) for name, box in self.boxes.items()]
 
 
 class WorkerMail:
@@ -32,25 +94,43 @@ class WorkerMail:
         self.windows, self.task = windows, task
         self.ps_ranks = windows.layout.ps_ranks
         num_ps = windows.placement.num_ps
-        self.inboxes = [windows.inbox_offset(p, task) for p in range(num_ps)]
+        self.offsets = [windows.inbox_offset(p, task) for p in range(num_ps)]
+        # every PS's row box of every table (a PS with none of a table's rows this step
+        # still gets its count, 0)
+        self.boxes = [(p, boxes) for p in range(num_ps) if (boxes := windows.inbox(p).boxes)]
 
-    def post(self, dense: list[np.ndarray], rows: dict[int, list[RowPost]], lr: float) -> None:
+    def post(self, dense: list[np.ndarray], rows: dict[str, np.ndarray],
+             routed: Iterable[RoutedRows], lr: float) -> None:
         """Put ``dense[p]`` (the whole variables' gradients of PS task ``p``, as bytes) and
-        ``rows[p]`` into this worker's inboxes, then raise the flags with ``lr``."""
+        the gradient ``rows`` of each table (by position in the step's ids; ``routed`` says
+        which go to which PS and row) into this worker's inboxes, then raise the flags with
+        ``lr``."""
         win, mail = self.windows.params, self.windows.mail
         for p, buf in enumerate(dense):
             if buf.size:
-                win.Put([buf, MPI.BYTE], self.ps_ranks[p], [self.inboxes[p], buf.size, MPI.BYTE])
-        staged = []  # alive until the Flush
-        for p, posts in rows.items():
-            inbox, rank = self.inboxes[p], self.ps_ranks[p]
-            for box, (n, local, grads) in posts:
-                count = np.array([n], np.int64)
-                staged += [count, local, grads]
-                win.Put([count, MPI.BYTE], rank, [inbox + box.count, 8, MPI.BYTE])
-                if n:
-                    win.Put([local, MPI.BYTE], rank, [inbox + box.rows, local.nbytes, MPI.BYTE])
-                    win.Put([grads, MPI.BYTE], rank, [inbox + box.grads, grads.nbytes, MPI.BYTE])
+                win.Put([buf, MPI.BYTE], self.ps_ranks[p], [self.offsets[p], buf.size, MPI.BYTE])
+        if self.boxes:
+            to = {(name, p): (at, local) for name, p, at, local in routed}
+            staged = []  # alive until the Flush
+            for p, boxes in self.boxes:
+                inbox, rank = self.offsets[p], self.ps_ranks[p]
+                for name, box in boxes.items():
+                    at, local = to.get((name, p), (_NO_ROWS, _NO_ROWS))
+                    n = len(at)
+                    if n > box.capacity:
+                        raise ValueError(f"{n} rows of {name} for one PS exceed the inbox's "
+                                         f"{box.capacity}")
+                    count = np.array([n], np.int64)
+                    staged.append(count)
+                    win.Put([count, MPI.BYTE], rank, [inbox + box.count, 8, MPI.BYTE])
+                    if n:
+                        local = np.ascontiguousarray(local, np.int64)
+                        grads = np.ascontiguousarray(rows[name][at])
+                        staged += [local, grads]
+                        win.Put([local, MPI.BYTE], rank, [inbox + box.rows, local.nbytes,
+                                                          MPI.BYTE])
+                        win.Put([grads, MPI.BYTE], rank, [inbox + box.grads, grads.nbytes,
+                                                          MPI.BYTE])
         for rank in self.ps_ranks:
             win.Flush(rank)  # the gradient is in place before the flag goes up
         base = MAIL_WORDS * self.task
@@ -87,18 +167,29 @@ class WorkerMail:
         poll(applied, stall_limit(self.task), late, fast=ACK_FAST_SECONDS)
 
 
-class PsMail:
-    """The PS end (this rank): which workers posted an update, and the acknowledgement."""
+# what the PS reads of one posted update: the learning rate, the whole variables' gradients
+# by name, and per table partition (table, local rows, their gradient rows)
+Posted = tuple[float, dict[str, np.ndarray], list[tuple[str, np.ndarray, np.ndarray]]]
 
-    def __init__(self, windows: Windows, rank: int):
+
+class PsMail:
+    """The PS end (this rank, PS ``task``): the updates workers posted, read from the inboxes
+    in its own window memory, and the acknowledgement."""
+
+    def __init__(self, windows: Windows, task: int, rank: int):
         self.windows, self.rank = windows, rank
         self._flag = np.zeros(1, np.int64)
         self._lr = np.zeros(1, np.int64)
         self._zero = np.zeros(1, np.int64)
+        memory, layout = windows.local(windows.params), windows.inbox(task)
+        self.inboxes = []
+        for k in range(windows.layout.num_workers):
+            start = windows.inbox_offset(task, k)
+            self.inboxes.append(layout.views(memory[start:start + layout.nbytes]))
 
-    def take(self, worker: int) -> float | None:
-        """The learning rate of ``worker``'s posted update, with its gradient visible in the
-        inbox; None if it has posted none."""
+    def take(self, worker: int) -> Posted | None:
+        """``worker``'s posted update, its gradient visible in the inbox; None if it has
+        posted none."""
         mail, base = self.windows.mail, MAIL_WORDS * worker
         mail.Fetch_and_op(self._zero, self._flag, self.rank, base + MAIL_FLAG, MPI.NO_OP)
         mail.Flush(self.rank)
@@ -107,7 +198,12 @@ class PsMail:
         mail.Fetch_and_op(self._zero, self._lr, self.rank, base + MAIL_LR, MPI.NO_OP)
         mail.Flush(self.rank)
         self.windows.params.Sync()  # see the worker's Put of the gradient
-        return float(self._lr.view(np.float64)[0])
+        dense, boxes = self.inboxes[worker]
+        rows = []
+        for name, _, (count, local, grads) in boxes:
+            n = int(count[0])
+            rows.append((name, local[:n], grads[:n]))
+        return float(self._lr.view(np.float64)[0]), dense, rows
 
     def applied(self, worker: int) -> None:
         """``worker``'s update is applied (and visible): clear its flag."""

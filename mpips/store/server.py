@@ -17,21 +17,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ..errors import AlreadyReported, NonFinite
 from ..waits import poll
-from .cluster import POLL_SECONDS, Cluster, start_limit
-from .control import RunControl, _unreachable
+from .cluster import POLL_SECONDS, Cluster, start_limit, unreachable
+from .control import RunControl
 from .mailbox import PsMail
 from .watchdog import Watchdog
-from .window import Windows, views
-
-if TYPE_CHECKING:  # the rule is the caller's; the store only calls its apply()
-    from ..optim import Optimizer
+from .window import Windows
 
 BUSY_POLL_SECONDS = 5e-5   # right after an update
 WARM_POLL_SECONDS = 2e-4   # busy within the last WARM_SECONDS: the next push is coming soon
@@ -39,14 +35,19 @@ WARM_SECONDS = 0.1
 CHORE_SECONDS = 5e-3       # how often a PS looks for a checkpoint request or the end of the run
 
 WriteShard = Callable[[int, dict[str, np.ndarray], dict[str, np.ndarray]], None]
+# a stateful optimizer's rule: apply(variable, gradient, slots by name, lr, t), in place
+Apply = Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray], float, int], None]
 
 
-def serve(cluster: Cluster, windows: Windows, optimizer: Optimizer | None = None,
-          write_shard: WriteShard | None = None,
+def serve(cluster: Cluster, windows: Windows, apply: Apply | None = None,
+          slot_names: Sequence[str] = (), write_shard: WriteShard | None = None,
           stop_requested: Callable[[], int] = lambda: 0) -> int:
     """Serve this PS task from the chief's ready flag until the chief ends the run
     (RunControl.end_run); returns the updates applied.
 
+    ``apply``: the rule of a stateful optimizer, applied here to every update a worker posts
+    to the mailbox (None: plain SGD, which the workers Accumulate themselves), with the
+    slots ``slot_names`` of each variable (``<variable>/<slot>`` in the window).
     ``write_shard(step, variables, slots)`` writes this PS's checkpoint shard when the chief
     asks for one; ``stop_requested()``, a signal number (0: none), is passed on to the whole
     job as a stop at the next step (preemption).
@@ -58,10 +59,10 @@ def serve(cluster: Cluster, windows: Windows, optimizer: Optimizer | None = None
     control.wait_ready(start_limit(cluster.layout.num_workers + task),
                         lambda: _forward_signal(control, stop_requested))
     chores = _Chores(control, windows, task, write_shard, watchdog, stop_requested)
-    if optimizer is None or not optimizer.stateful:
-        poll(chores.run, math.inf, _unreachable)  # policed by the watchdog in chores.run
+    if apply is None:
+        poll(chores.run, math.inf, unreachable)  # policed by the watchdog in chores.run
         return 0
-    return _apply_loop(cluster, windows, optimizer, chores)
+    return _apply_loop(cluster, windows, apply, slot_names, chores)
 
 
 def _forward_signal(control: RunControl, stop_requested: Callable[[], int]) -> None:
@@ -108,7 +109,7 @@ class _Chores:
         return False
 
 
-def _apply_rows(optimizer: Optimizer, var: np.ndarray, slots: dict[str, np.ndarray],
+def _apply_rows(apply: Apply, var: np.ndarray, slots: dict[str, np.ndarray],
                 rows: np.ndarray, grad: np.ndarray, lr: float, t: int) -> None:
     """The rule on the touched rows of a table partition and of its slots only (sparse
     update: untouched rows and their accumulators stay as they are)."""
@@ -116,43 +117,33 @@ def _apply_rows(optimizer: Optimizer, var: np.ndarray, slots: dict[str, np.ndarr
         return
     v = var[rows]
     s = {k: a[rows] for k, a in slots.items()}
-    optimizer.apply(v, grad[:rows.size], s, lr, t)
+    apply(v, grad, s, lr, t)
     var[rows] = v
     for k, a in slots.items():
         a[rows] = s[k]
 
 
-def _apply_loop(cluster: Cluster, windows: Windows, optimizer: Optimizer,
+def _apply_loop(cluster: Cluster, windows: Windows, apply: Apply, slot_names: Sequence[str],
                 chores: _Chores) -> int:
-    task, me = cluster.role.task, cluster.rank
+    task = cluster.role.task
     t = chores.control.global_step()  # t continues from the restored global_step
-
-    memory = windows.local(windows.params)
     variables, slot_views = windows.held(task)
-    slots = {name: {s: slot_views[f"{name}/{s}"] for s in optimizer.slots} for name in variables}
-    dense = [e for e in windows.placement.on_ps(task) if e.rows is None]
-    boxes, size = windows.row_boxes(task), windows.inbox_bytes(task)
-    inboxes = []
-    for k in range(cluster.layout.num_workers):
-        start = windows.inbox_offset(task, k)
-        inbox = memory[start:start + size]
-        inboxes.append((views(dense, [inbox] * windows.placement.num_ps),
-                        [(box.part.name, box.arrays(inbox)) for box in boxes]))
-
-    mail, applied = PsMail(windows, me), 0
+    slots = {name: {s: slot_views[f"{name}/{s}"] for s in slot_names} for name in variables}
+    mail, applied = PsMail(windows, task, cluster.rank), 0
+    workers = range(cluster.layout.num_workers)
     sleep, last_busy = BUSY_POLL_SECONDS, 0.0
     while not chores.run():
         busy = False
-        for k, (grads, row_boxes) in enumerate(inboxes):
-            lr = mail.take(k)
-            if lr is None:
+        for k in workers:
+            posted = mail.take(k)
+            if posted is None:
                 continue
+            lr, grads, rows = posted
             t += 1
             for name, grad in grads.items():
-                optimizer.apply(variables[name], grad, slots[name], lr, t)
-            for name, (count, rows, grad) in row_boxes:
-                _apply_rows(optimizer, variables[name], slots[name], rows[:int(count[0])],
-                            grad, lr, t)
+                apply(variables[name], grad, slots[name], lr, t)
+            for name, local, grad in rows:
+                _apply_rows(apply, variables[name], slots[name], local, grad, lr, t)
             mail.applied(k)
             applied += 1
             busy = True

@@ -3,9 +3,8 @@ windows for the mailboxes (one per PS) and the control counters (on ps task 0).
 
 A PS window holds ``[variables | table partitions | optimizer slots | one gradient inbox per
 worker]``; the inboxes exist only for stateful optimizers, which the PS applies itself (plain
-SGD is Accumulated). An inbox holds a gradient of every whole variable, then, per table
-partition, a row box: ``[row count | local row indices | gradient rows]`` for at most
-``row_capacity`` rows (the most unique ids one batch can touch).
+SGD is Accumulated). What an inbox holds, and the mail window's words, are the mailbox
+protocol's (mailbox.py).
 
 Every rank opens one ``Lock_all`` epoch per window for the whole run and completes each
 operation with ``Flush``: with MPICH a Lock/Unlock per operation waits for the (sleeping)
@@ -13,55 +12,17 @@ PS to make an MPI call, 300-500 us per op instead of ~2 us.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import numpy as np
 from mpi4py import MPI
 
 from ..layout import Layout
-from ..placement import Placed, Placement, align
+from ..placement import Placement, views
 from .cluster import barrier, check_arrival
+from .mailbox import Inbox, mail_words
 
 # control window on ps task 0: int64 counters, then per PS task the number of the last
 # checkpoint request it wrote its shard for, then a clock and a done flag per worker
 GLOBAL_STEP, TICKETS, READY, STOP, CKPT_SEQ, CKPT_STEP, ENDED, FAILED, SHARDS = range(9)
-# mailbox window on every PS: per worker, [flag, learning rate (float64 bits)]
-MAIL_FLAG, MAIL_LR, MAIL_WORDS = 0, 1, 2
-
-
-def views(placement: Placement | Iterable[Placed], bufs: list[np.ndarray],
-          base: list[int] | None = None, only_ps: int | None = None, by_name: bool = False
-          ) -> dict[str, np.ndarray]:
-    """Typed views of each placed variable (of PS ``only_ps``, if given) into per-PS byte
-    buffers, each offset by ``base[p]``; keyed by part name, or ``by_name`` by variable."""
-    out = {}
-    for e in placement:
-        if only_ps is not None and e.ps_task != only_ps:
-            continue
-        start = e.offset - (base[e.ps_task] if base else 0)
-        raw = bufs[e.ps_task][start:start + e.spec.nbytes]
-        out[e.name if by_name else e.spec.name] = raw.view(e.spec.dtype).reshape(e.spec.shape)
-    return out
-
-
-class RowBox:
-    """Where one table partition's gradient rows go in a worker's inbox (byte offsets from
-    the inbox start)."""
-
-    def __init__(self, part: Placed, start: int, capacity: int):
-        self.part, self.capacity = part, capacity
-        self.width = int(np.prod(part.spec.shape[1:]))
-        self.count = start                     # int64
-        self.rows = align(start + 8)          # int64 x capacity
-        self.grads = align(self.rows + 8 * capacity)
-        self.end = align(self.grads + capacity * self.width * np.dtype(part.spec.dtype).itemsize)
-
-    def arrays(self, inbox: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(count, rows, grads) views into an inbox's bytes."""
-        n = inbox[self.count:self.count + 8].view(np.int64)
-        rows = inbox[self.rows:self.rows + 8 * self.capacity].view(np.int64)
-        grads = inbox[self.grads:self.end].view(self.part.spec.dtype)[:self.capacity * self.width]
-        return n, rows, grads.reshape(self.capacity, self.width)
 
 
 class WindowPlan:
@@ -79,23 +40,13 @@ class WindowPlan:
         end = self.placement.ps_bytes(task)
         return max(end, self.slots.ps_bytes(task)) if self.slots else end
 
-    def row_boxes(self, task: int) -> list[RowBox]:
-        """The row boxes of PS ``task``'s table partitions in an inbox, after the whole
-        variables' gradients."""
-        boxes, start = [], self.placement.dense_bytes(task)
-        for e in self.placement.on_ps(task):
-            if e.rows is not None:
-                boxes.append(RowBox(e, start, max(1, min(e.spec.shape[0], self.row_capacity))))
-                start = boxes[-1].end
-        return boxes
-
-    def inbox_bytes(self, task: int) -> int:
-        boxes = self.row_boxes(task)
-        return boxes[-1].end if boxes else self.placement.dense_bytes(task)
+    def inbox(self, task: int) -> Inbox:
+        """The layout of a worker's gradient inbox on PS ``task`` (mailbox.py)."""
+        return Inbox(self.placement, task, self.row_capacity)
 
     def inbox_offset(self, task: int, worker: int) -> int:
         """Byte offset of worker ``worker``'s gradient inbox in PS ``task``'s window."""
-        return self.state_bytes(task) + worker * self.inbox_bytes(task)
+        return self.state_bytes(task) + worker * self.inbox(task).nbytes
 
     def window_bytes(self, task: int, workers: int, inboxes: bool) -> int:
         """The parameter window of PS ``task``: its state, then (``inboxes``) one inbox per
@@ -123,7 +74,7 @@ class Windows(WindowPlan):
         size = self.window_bytes(role.task, workers, inboxes) if is_ps else 0
         check_arrival(comm, "window creation")  # Allocate is a blocking collective
         self.params = MPI.Win.Allocate(size, disp_unit=1, comm=comm)
-        mail = MAIL_WORDS * workers * 8 if is_ps and inboxes else 0
+        mail = mail_words(workers) * 8 if is_ps and inboxes else 0
         self.mail = MPI.Win.Allocate(mail, disp_unit=8, comm=comm)
         self.clocks_at = SHARDS + layout.num_ps  # index of worker 0's clock
         control = (self.clocks_at + 2 * workers) * 8 if comm.rank == layout.ps_ranks[0] else 0
