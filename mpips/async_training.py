@@ -15,20 +15,21 @@ import numpy as np
 from . import checkpoint, preemption
 from .backend import Device
 from .errors import AlreadyReported, NonFinite
-from .hooks import Hook, PendingSave, Run, StepInfo, standard_hooks
+from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
 from .log import log
 from .optim import Optimizer, clip_by_global_norm, learning_rate
 from .placement import slot_placement
 from .run import (
+    Session,
     TrainResult,
     evaluate_on,
     loss_not_finite,
     manifest_meta,
     report,
-    run_steps,
     say_nothing_to_train,
     say_preempted,
+    say_restored,
 )
 from .startup import Prepared
 from .store import (
@@ -39,7 +40,6 @@ from .store import (
     StoreClient,
     Watchdog,
     Windows,
-    allgather_json,
     barrier,
     serve,
     stall_limit,
@@ -93,30 +93,23 @@ class AsyncWorker:
         self.updates = 0
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
-        role, control = self.role, self.control
-        run = Run(self.job, role, self.prep.start_step, self.tc.steps, control.global_step,
+        control = self.control
+        run = Run(self.job, self.role, self.prep.start_step, self.tc.steps, control.global_step,
                   self.start_save, lambda: {k: v.copy() for k, v in self.client.pull().items()},
                   control.end_tickets, self._validate if self.prep.val is not None else None)
         # hooks begin before the chief raises ready, so their set-up (the progress bar's)
         # does not delay the chief's first update behind every other worker's
-        hooks = standard_hooks(self.job, extra_hooks)
-        for h in hooks:
-            h.begin(run)
+        session = Session(self.job, run, extra_hooks)
         start_step = self._start()
-        updates, examples, seconds = run_steps(self, run, hooks)
-        control.publish_clock(role.task, self.clock, done=True)
-        duty = f"; {run.save_seconds:.2f} s of it writing checkpoints, the chief's duty" \
-            if run.save_seconds else ""
-        log(role, f"done: {updates} updates, {examples} examples in {seconds:.1f} s{duty}")
+        session.loop(self)
+        control.publish_clock(self.role.task, self.clock, done=True)
+        session.done(f"; {run.save_seconds:.2f} s of it writing checkpoints, the chief's duty"
+                     if run.save_seconds else "")
         # every push has landed, so global_step is final; a worker that never gets here is hung
         watched_barrier(self.cluster.workers, "the other workers", self.watchdog.check)
-        gathered = allgather_json(self.cluster.workers, [examples, seconds, self.stats.summary()],
-                                  "the workers' summaries")
-        for h in hooks:
-            h.end(run)
-        result = TrainResult(role, start_step, control.global_step(), updates, examples,
-                             seconds, staleness=[self.stats.summary()],
-                             validation=run.validation or None)
+        summary = self.stats.summary()
+        result, gathered = session.finish(self.cluster.workers, start_step,
+                                          "the workers' summaries", summary, staleness=[summary])
         if self.cluster.is_chief:
             self._conclude(result, gathered)
         return result
@@ -177,7 +170,7 @@ class AsyncWorker:
                                   else None)
             control.raise_ready()
             if prep.restored is not None:
-                log(role, f"restored global_step {prep.start_step} from {prep.restored}")
+                say_restored(role, prep.start_step, prep.restored)
                 if clocks and len(clocks) != workers:
                     log(role, f"data position not restored: the checkpoint was written by "
                               f"{len(clocks)} workers, this run has {workers} (parts start "

@@ -1,5 +1,6 @@
-"""What both training modes share around their step: the loop, the run's result, the
-manifest's metadata, and the chief's last words (evaluation, preemption, divergence)."""
+"""What both training modes share around their step: the loop and its hooks (Session), the
+run's result, the manifest's metadata, and the chief's words (restore, evaluation,
+preemption, divergence)."""
 from __future__ import annotations
 
 import time
@@ -9,11 +10,11 @@ from typing import Any, Protocol
 
 from . import checkpoint, preemption
 from .backend import Device
-from .hooks import Hook, PendingSave, Run, StepInfo
+from .hooks import Hook, PendingSave, Run, StepInfo, standard_hooks
 from .job import Job
 from .layout import Role
 from .log import log
-from .store import Cluster
+from .store import Cluster, allgather_json
 
 
 @dataclass
@@ -74,6 +75,43 @@ def run_steps(steps: Steps, run: Run, hooks: Sequence[Hook]) -> tuple[int, int, 
     return updates, examples, time.perf_counter() - t0
 
 
+class Session:
+    """A worker's run as both modes make it (like TensorFlow's MonitoredTrainingSession):
+    the job's standard hooks and the caller's, begun here (where the mode creates it) and
+    ended in ``finish``; the loop; the "done" line; the summaries every worker shares; and
+    this worker's TrainResult."""
+
+    def __init__(self, job: Job, run: Run, extra_hooks: Iterable[Hook]):
+        self.run = run
+        self.hooks = standard_hooks(job, extra_hooks)
+        for h in self.hooks:
+            h.begin(run)
+        self.updates = self.examples = 0
+        self.seconds = 0.0
+
+    def loop(self, steps: Steps) -> None:
+        """The training loop (run_steps), counted."""
+        self.updates, self.examples, self.seconds = run_steps(steps, self.run, self.hooks)
+
+    def done(self, note: str = "") -> None:
+        """This worker's last line about its loop, ``note`` (the mode's) at its end."""
+        log(self.run.role, f"done: {self.updates} updates, {self.examples} examples in "
+                           f"{self.seconds:.1f} s{note}")
+
+    def finish(self, comm: Any, start_step: int, what: str, *summary: Any,
+               **result: Any) -> tuple[TrainResult, list[Any]]:
+        """Gather every worker's ``[examples, seconds, *summary]`` over ``comm`` (collective),
+        end the hooks, and make this worker's result (``result``: the mode's own fields).
+        Returns (result, the gathered summaries, in worker task order)."""
+        gathered = allgather_json(comm, [self.examples, self.seconds, *summary], what)
+        for h in self.hooks:
+            h.end(self.run)
+        out = TrainResult(self.run.role, start_step, self.run.global_step(), self.updates,
+                          self.examples, self.seconds, validation=self.run.validation or None,
+                          **result)
+        return out, gathered
+
+
 def manifest_meta(job: Job, cluster: Cluster, clocks: list[int]) -> dict[str, Any]:
     """What a checkpoint manifest records besides the variables: the job, the layout and
     the data position (updates, i.e. batches, each worker task has used)."""
@@ -96,6 +134,11 @@ def save_whole(job: Job, cluster: Cluster, step: int, variables: dict[str, Any],
                              checkpoint.whole_index(slots),
                              manifest_meta(job, cluster, clocks), c.max_to_keep)
     return PendingSave(step, lambda block: path)
+
+
+def say_restored(role: Role, step: int, path: Any) -> None:
+    """Chief: the run resumes from a checkpoint."""
+    log(role, f"restored global_step {step} from {path}")
 
 
 def say_nothing_to_train(role: Role, step: int, target: int) -> None:

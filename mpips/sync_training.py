@@ -30,22 +30,23 @@ from .allreduce import (
 from .backend import Device
 from .data import worker_rows
 from .errors import AgreedError, AlreadyReported, NonFinite
-from .hooks import Hook, PendingSave, Run, StepInfo, standard_hooks
+from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
 from .log import log
 from .optim import Optimizer, clip_by_global_norm, learning_rate
 from .run import (
+    Session,
     TrainResult,
     evaluate_on,
     loss_not_finite,
     report,
-    run_steps,
     save_whole,
     say_nothing_to_train,
     say_preempted,
+    say_restored,
 )
 from .startup import Prepared
-from .store import Cluster, allgather_json
+from .store import Cluster
 
 
 def train_sync(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
@@ -112,28 +113,21 @@ class Replica:
         self.stop_asked = 0   # a hook on this replica asked to stop the run
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
-        role = self.role
         start_step = self._start()
-        run = Run(self.job, role, start_step, self.tc.steps, lambda: self.step_count,
+        run = Run(self.job, self.role, start_step, self.tc.steps, lambda: self.step_count,
                   self.save, lambda: {k: v.copy() for k, v in self.params.items()},
                   self._hook_stop, self._validate if self.prep.val is not None else None,
                   self.params)
-        hooks = standard_hooks(self.job, extra_hooks)
-        for h in hooks:
-            h.begin(run)
-        updates, examples, seconds = run_steps(self, run, hooks)
+        session = Session(self.job, run, extra_hooks)
+        session.loop(self)
         check_replicas(self.comm, self.arrays, self.step_count)
-        log(role, f"done: {updates} updates, {examples} examples in {seconds:.1f} s; replica "
-                  f"crc32 {replica_hash(self.arrays):08x}; {self.buckets.reduce_seconds:.2f} s "
-                  f"waiting for allreduce after backward")
-        gathered = allgather_json(self.comm, [examples, seconds], "the replicas' summaries")
-        for h in hooks:
-            h.end(run)
-        result = TrainResult(role, start_step, self.step_count, updates, examples, seconds,
-                             stopped_by=self.stopped, validation=run.validation or None)
+        session.done(f"; replica crc32 {replica_hash(self.arrays):08x}; "
+                     f"{self.buckets.reduce_seconds:.2f} s waiting for allreduce after backward")
+        result, gathered = session.finish(self.comm, start_step, "the replicas' summaries",
+                                          stopped_by=self.stopped)
         if self.cluster.is_chief:
             if self.stopped:
-                say_preempted(role, self.stopped, self.job)
+                say_preempted(self.role, self.stopped, self.job)
             assert self.prep.test is not None
             report(self.cluster, self.model, self.device, self.params, self.prep.test, result,
                    gathered)
@@ -153,7 +147,7 @@ class Replica:
             same = clocks and len(clocks) == self.workers and len(set(clocks)) == 1
             header[:] = prep.start_step, clocks[0] if same else 0
             if prep.restored is not None:
-                log(role, f"restored global_step {prep.start_step} from {prep.restored}")
+                say_restored(role, prep.start_step, prep.restored)
         broadcast(self.comm, [header, *self.arrays])
         self.step_count, self.clock = int(header[0]), int(header[1])
         if self.cluster.is_chief and self.tc.steps and self.step_count >= self.tc.steps:
