@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import re
 import shutil
@@ -159,6 +160,32 @@ def run_py(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.Comple
     return subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(),
                           capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
+
+
+RESULT = "result.json"  # where run_train has ``train --result`` write the run's result
+
+
+def read_result(cwd: Path) -> dict | None:
+    """The run's result in ``cwd`` as ``train --result result.json`` (or a script, from
+    ``TrainResult.to_json()``) wrote it: the chief's view; None if none was written."""
+    path = Path(cwd) / RESULT
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def run_train(cwd: Path, n: int | None, *args: str, timeout: float = 90,
+              **env: str) -> subprocess.CompletedProcess:
+    """``python -m mpips train --no-progress --result result.json ARGS`` in ``cwd``, under
+    ``mpiexec -n N`` (N None: one plain process), the run's result read into ``.result``
+    (None if the run wrote none: it failed). A result left by an earlier run is removed."""
+    (Path(cwd) / RESULT).unlink(missing_ok=True)
+    argv = ["-m", "mpips", "train", "--no-progress", "--result", RESULT, *args]
+    if n is None:
+        assert not env, "run_py takes no environment"
+        r = run_py(argv, cwd, timeout)
+    else:
+        r = run_mpi(n, argv, cwd, timeout, **env)
+    r.result = read_result(cwd)
+    return r
 
 
 class BackgroundJob:

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import run_mpi, run_train
 from test_optimizers_mpi import read_ckpt
 
 from mpips.data import batches, load_split, open_dataset, resolve_path, worker_rows
@@ -35,7 +35,7 @@ check_every = {check}
 dir = "runs/ckpt"
 """
 LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
-DONE = re.compile(r"\[/job:worker/task:(\d+)\] done: (\d+) updates.*replica crc32 ([0-9a-f]{8})")
+CRC = re.compile(r"\[/job:worker/task:(\d+)\] done: .*replica crc32 ([0-9a-f]{8})")
 
 
 def write_job(tmp_path, kind="sgd", steps=20, check=5):
@@ -71,12 +71,15 @@ def one_process(job, workers, steps):
 @pytest.mark.parametrize("kind", ["sgd", "momentum", "adam"])
 def test_w_replicas_equal_one_process_with_w_times_the_batch(tmp_path, kind, workers):
     job = write_job(tmp_path, kind)
-    r = run_mpi(workers, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    r = run_train(tmp_path, workers, "job.toml")
     assert r.returncode == 0, r.stderr
-    done = DONE.findall(r.stdout)
-    assert sorted(t for t, _, _ in done) == [str(k) for k in range(workers)]
-    assert {n for _, n, _ in done} == {"20"}, "global_step advanced once per aggregated step"
-    assert len({crc for _, _, crc in done}) == 1, "replicas are bitwise identical"
+    res = r.result
+    assert res["global_step"] == 20 and res["updates"] == 20, \
+        "global_step advanced once per aggregated step"
+    assert res["total_examples"] == 20 * 16 * workers, "every replica made every step"
+    done = CRC.findall(r.stdout)
+    assert sorted(t for t, _ in done) == [str(k) for k in range(workers)]
+    assert len({crc for _, crc in done}) == 1, "replicas are bitwise identical"
     steps = [int(s) for s in re.findall(r"\] step (\d+) loss", r.stdout)]
     assert steps == list(range(1, 21)), "each step said once (by the chief)"
     variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-20.json")
@@ -134,11 +137,13 @@ def test_a_worker_raising_mid_run_ends_the_job(tmp_path):
 def test_ps_ranks_in_sync_mode_just_wait_and_resume_works(tmp_path):
     write_job(tmp_path, "adam", steps=10)
     (tmp_path / "layout.toml").write_text("ps = 1\n")
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--layout", "layout.toml"], cwd=tmp_path)
+    r = run_train(tmp_path, 3, "job.toml", "--layout", "layout.toml")
     assert r.returncode == 0, r.stderr
-    assert {t for t, _, _ in DONE.findall(r.stdout)} == {"0", "1"}
+    # two replicas (worker tasks 0 and 1) made the 10 steps; the PS rank trained nothing
+    assert r.result["global_step"] == 10 and r.result["total_examples"] == 10 * 16 * 2
+    assert {t for t, _ in CRC.findall(r.stdout)} == {"0", "1"}
     write_job(tmp_path, "adam", steps=16)
-    r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    r = run_train(tmp_path, 2, "job.toml")
     assert r.returncode == 0, r.stderr
     assert "restored global_step 10" in r.stdout and "resuming at batch 10" in r.stdout
-    assert "final: global_step 16" in r.stdout
+    assert r.result["global_step"] == 16 and r.result["updates"] == 6

@@ -1,10 +1,18 @@
 """End-to-end runs of `python -m mpips train` under mpiexec (plain pytest only)."""
-import json
 import re
 import time
 
 import pytest
-from conftest import ROOT, BackgroundJob, run_mpi, run_py, under_ci
+from conftest import (
+    RESULT,
+    ROOT,
+    BackgroundJob,
+    read_result,
+    run_mpi,
+    run_py,
+    run_train,
+    under_ci,
+)
 
 from mpips import checkpoint
 
@@ -16,21 +24,10 @@ STEP = re.compile(r"^\[/job:worker/task:(\d+)\] step (\d+) ", re.M)
 PROMPT = 60
 
 
-def train(tmp_path, n, *args, timeout=90):
-    """A run whose result (``train --result``) is read with ``result(tmp_path)``."""
-    (tmp_path / "result.json").unlink(missing_ok=True)
-    return run_mpi(n, ["-m", "mpips", "train", "--no-progress", "--result", "result.json",
-                       *args], cwd=tmp_path, timeout=timeout)
-
-
-def result(tmp_path):
-    return json.loads((tmp_path / "result.json").read_text())
-
-
 def test_async_digits_converges_with_unique_steps(tmp_path):
-    r = train(tmp_path, 3, "--log-every", "1")
+    r = run_train(tmp_path, 3, "--log-every", "1")
     assert r.returncode == 0, r.stderr
-    res = result(tmp_path)
+    res = r.result
     assert res["global_step"] == 600 and res["test_accuracy"] >= 0.90
     steps = [int(s) for _, s in STEP.findall(r.stdout)]
     assert sorted(steps) == list(range(1, 601)), "every global step printed exactly once"
@@ -42,19 +39,20 @@ def test_async_digits_converges_with_unique_steps(tmp_path):
 def test_resume_continues_the_step_on_another_layout(tmp_path):
     layout = tmp_path / "two_ps.toml"
     layout.write_text("ps = [0, 3]\n")
-    first = train(tmp_path, 4, "--steps", "150", "--layout", str(layout), "--log-every", "1")
+    first = run_train(tmp_path, 4, "--steps", "150", "--layout", str(layout), "--log-every", "1")
     assert first.returncode == 0, first.stderr
-    assert result(tmp_path)["global_step"] == 150
-    second = train(tmp_path, 3, "--steps", "300", "--log-every", "1")
+    assert first.result["global_step"] == 150
+    second = run_train(tmp_path, 3, "--steps", "300", "--log-every", "1")
     assert second.returncode == 0, second.stderr
     assert "restored global_step 150 from runs/default/ckpt-150.json" in second.stdout
     steps = sorted(int(s) for _, s in STEP.findall(second.stdout))
     assert steps == list(range(151, 301))
-    assert result(tmp_path)["global_step"] == 300
-    third = train(tmp_path, 3, "--steps", "300")
+    assert second.result["global_step"] == 300
+    third = run_train(tmp_path, 3, "--steps", "300")
     assert "already reached train.steps = 300: nothing to train" in third.stdout
-    fresh = train(tmp_path, 3, "--steps", "20", "--no-restore", "--ckpt-dir", "runs/fresh")
-    assert "restored" not in fresh.stdout and result(tmp_path)["global_step"] == 20
+    assert third.result["global_step"] == 300 and third.result["updates"] == 0
+    fresh = run_train(tmp_path, 3, "--steps", "20", "--no-restore", "--ckpt-dir", "runs/fresh")
+    assert "restored" not in fresh.stdout and fresh.result["global_step"] == 20
 
 
 def assert_clean_error(r, message, code=2):
@@ -74,41 +72,42 @@ def assert_clean_error(r, message, code=2):
 def test_bad_layout_fails_fast_on_every_rank(tmp_path, layout, message):
     (tmp_path / "layout.toml").write_text(layout)
     t0 = time.monotonic()
-    r = train(tmp_path, 3, "--layout", "layout.toml", timeout=120)
+    r = run_train(tmp_path, 3, "--layout", "layout.toml", timeout=120)
     assert_clean_error(r, message)
     assert time.monotonic() - t0 < PROMPT
 
 
 def test_bad_job_and_missing_data(tmp_path):
     (tmp_path / "job.toml").write_text('[data]\npath = "nope.h5"\n[train]\nsteps = 5\nbach_size = 3\n')
-    assert_clean_error(train(tmp_path, 3, "job.toml", timeout=90),
+    assert_clean_error(run_train(tmp_path, 3, "job.toml", timeout=90),
                        "unknown key 'bach_size' (did you mean 'batch_size'?)")
     (tmp_path / "job.toml").write_text('[data]\npath = "nope.h5"\n[train]\nsteps = 5\n')
-    assert_clean_error(train(tmp_path, 3, "job.toml", timeout=90), "data file nope.h5: not found")
-    assert_clean_error(train(tmp_path, 3, "missing.toml", timeout=90),
+    assert_clean_error(run_train(tmp_path, 3, "job.toml", timeout=90), "data file nope.h5: not found")
+    assert_clean_error(run_train(tmp_path, 3, "missing.toml", timeout=90),
                        "job file missing.toml: not found")
 
 
 def test_corrupt_checkpoint_is_a_clear_error_and_left_alone(tmp_path):
     d = tmp_path / "runs/default"
-    assert train(tmp_path, 3, "--steps", "50", timeout=60).returncode == 0
+    assert run_train(tmp_path, 3, "--steps", "50", timeout=60).returncode == 0
     shard = d / "ckpt-50.shard-0-of-1.h5"
     shard.write_bytes(shard.read_bytes()[:3000])  # truncated
-    r = train(tmp_path, 3, "--steps", "60", timeout=90)
+    r = run_train(tmp_path, 3, "--steps", "60", timeout=90)
     assert_clean_error(r, "checkpoint runs/default/ckpt-50.json: corrupt or unreadable")
     assert len(shard.read_bytes()) == 3000 and checkpoint.latest_checkpoint(d).name == "ckpt-50.json"
     manifest = d / "ckpt-50.json"
     manifest.write_text(manifest.read_text()[:100])  # truncated
-    r = train(tmp_path, 3, "--steps", "60", timeout=90)
+    r = run_train(tmp_path, 3, "--steps", "60", timeout=90)
     assert_clean_error(r, "checkpoint runs/default/ckpt-50.json: corrupt or unreadable")
     assert len(manifest.read_text()) == 100
 
 
 def test_single_process_trains_as_one_replica_and_says_how_to_launch(tmp_path):
-    r = run_py(["-m", "mpips", "train", "--no-progress", "--steps", "50"], cwd=tmp_path)
+    r = run_train(tmp_path, None, "--steps", "50")
     assert r.returncode == 0, r.stderr
     assert "one process (no mpirun): training as a single synchronous replica" in r.stdout
-    assert "run under mpirun -n N" in r.stdout and "final: global_step 50" in r.stdout
+    assert "run under mpirun -n N" in r.stdout
+    assert r.result["global_step"] == 50 and r.result["test_accuracy"] is not None
 
 
 BOOM = '''
@@ -150,20 +149,20 @@ def test_fashion_mnist_job_reaches_its_target(tmp_path, job, target):
     r = run_py(["-m", "mpips", "data", "fashion-mnist", "data/fashion_mnist.h5"], cwd=tmp_path,
                timeout=120)
     assert r.returncode == 0, r.stderr
-    r = train(tmp_path, 8, str(ROOT / "jobs" / job), timeout=600)
+    r = run_train(tmp_path, 8, str(ROOT / "jobs" / job), timeout=600)
     assert r.returncode == 0, r.stderr
-    assert result(tmp_path)["test_accuracy"] >= target, r.stdout[-3000:]
+    assert r.result["test_accuracy"] >= target, r.stdout[-3000:]
 
 
 def test_run_ends_when_every_worker_has_exhausted_its_epochs(tmp_path):
     (tmp_path / "job.toml").write_text(
         '[data]\nbuiltin = "digits"\n[train]\nepochs = 2\nbatch_size = 100\nlog_every = 1\n')
-    r = train(tmp_path, 3, "job.toml")
+    r = run_train(tmp_path, 3, "job.toml")
     assert r.returncode == 0, r.stderr
     # parts of 719 and 718 rows: 8 batches an epoch each (the last one short), 2 epochs
-    assert "[/job:worker/task:0] done: 16 updates, 1438 examples" in r.stdout
-    assert "[/job:worker/task:1] done: 16 updates, 1436 examples" in r.stdout
-    res = result(tmp_path)
+    res = r.result
+    assert res["task"] == "/job:worker/task:0" and res["examples"] == 1438
+    assert res["total_examples"] == 1438 + 1436
     assert res["global_step"] == 32 and [s["updates"] for s in res["staleness"]] == [16, 16]
     assert sorted(int(s) for _, s in STEP.findall(r.stdout)) == list(range(1, 33))
 
@@ -199,17 +198,18 @@ def test_kill_9_of_a_worker_or_ps_ends_the_job(tmp_path, victim):
                                         ("/job:ps/task:0", "SIGTERM")])
 def test_preemption_signal_checkpoints_and_resume_continues(tmp_path, victim, sig):
     import signal
-    job = under_way(tmp_path, 4, "--steps", str(10**9))
+    job = under_way(tmp_path, 4, "--steps", str(10**9), "--result", RESULT)
     assert signal_and_wait(job, victim, getattr(signal, sig)) == 3
-    m = re.search(rf"stopped early by {sig}: checkpoint at global_step (\d+) in runs/default",
-                  job.text())
-    assert m, job.text()
-    step = int(m.group(1))
+    res = read_result(tmp_path)
+    assert res and res["stopped_by"] == sig, job.text()[-3000:]
+    step = res["global_step"]
+    assert f"stopped early by {sig}: checkpoint at global_step {step} in runs/default" \
+        in job.text()
     assert (tmp_path / f"runs/default/ckpt-{step}.json").exists()
-    again = train(tmp_path, 3, "--steps", str(step + 50))
+    again = run_train(tmp_path, 3, "--steps", str(step + 50))
     assert again.returncode == 0, again.stderr
     assert f"restored global_step {step}" in again.stdout
-    assert f"final: global_step {step + 50} " in again.stdout
+    assert again.result["global_step"] == step + 50 and again.result["stopped_by"] is None
 
 
 def test_preemption_in_sync_mode(tmp_path):
@@ -217,10 +217,14 @@ def test_preemption_in_sync_mode(tmp_path):
     (tmp_path / "sync.toml").write_text(
         '[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 1000000000\n'
         '[checkpoint]\ndir = "runs/sync"\nevery_steps = 100\n')
-    job = under_way(tmp_path, 3, "sync.toml")
+    job = under_way(tmp_path, 3, "sync.toml", "--result", RESULT)
     assert signal_and_wait(job, "/job:worker/task:2", signal.SIGUSR1) == 3
-    m = re.search(r"stopped early by SIGUSR1: checkpoint at global_step (\d+)", job.text())
-    assert m and (tmp_path / f"runs/sync/ckpt-{m.group(1)}.json").exists(), job.text()
+    res = read_result(tmp_path)
+    assert res and res["stopped_by"] == "SIGUSR1", job.text()[-3000:]
+    step = res["global_step"]
+    assert f"stopped early by SIGUSR1: checkpoint at global_step {step} in runs/sync" \
+        in job.text()
+    assert (tmp_path / f"runs/sync/ckpt-{step}.json").exists()
 
 
 STUCK = """
