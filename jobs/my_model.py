@@ -35,10 +35,13 @@ class Softmax(mpips.Model):
         grads["b"][...] = p.sum(axis=0)
         return float(loss)
 
-    def evaluate(self, params, x, y):         # "loss" required; "accuracy", "auc" reported
+    def predict(self, params, x):             # optional: `python -m mpips predict`
         z = x @ params["w"] + params["b"]
         p = self.xp.exp(z - z.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
+        return p / p.sum(axis=1, keepdims=True)
+
+    def evaluate(self, params, x, y):         # "loss" required; "accuracy", "auc" reported
+        p = self.predict(params, x)
         loss = -self.xp.log(p[self.xp.arange(len(y)), y] + 1e-12).mean()
         return {"loss": float(loss), "accuracy": float((p.argmax(axis=1) == y).mean())}
 

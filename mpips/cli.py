@@ -214,7 +214,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     n = args.ranks or job.layout.world_size or 8
     layout = job_layout(job, n, block_nodes(n, args.nodes))
     info = open_data(job.data)
-    model = build_model(job.model, info)
+    model = build_model(job.model, info, job_file=job.source)
     print(f"job {job.name} ({job.source}) on {n} ranks: {layout.num_ps} ps, "
           f"{layout.num_workers} workers, chief = rank {layout.chief_rank}")
     print(f"\n{'rank':>4}  task")

@@ -94,6 +94,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class SummaryConfig:
+    dir: str = ""              # metrics.jsonl and TensorBoard files (default: checkpoint.dir)
+    every_steps: int = 20      # a record every N updates of a worker (0: summaries off)
+    all_workers: bool = False  # every worker writes its own (default: the chief only)
+    tensorboard: bool = True   # TensorBoard event files beside metrics.jsonl
+
+
+@dataclass
 class LayoutConfig:
     ps: int | list[int] | str | None = None  # count, ranks or "per_node" (default: world // 4)
     world_size: int | None = None            # if set, the job refuses another world size
@@ -108,6 +116,7 @@ class Job:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    summary: SummaryConfig = field(default_factory=SummaryConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     source: str = "<defaults>"  # where it was read from (not a TOML key)
 
@@ -125,7 +134,8 @@ NON_NEGATIVE = ("train.steps", "train.epochs", "train.log_every", "checkpoint.ev
                 "checkpoint.every_secs", "model.init_seed", "train.seed", "optimizer.momentum",
                 "optimizer.initial_accumulator_value", "optimizer.l1", "optimizer.l2",
                 "optimizer.warmup_steps", "optimizer.clip_norm", "train.check_every",
-                "train.eval_every", "data.num_classes", "data.x_scale", "data.chunk_rows")
+                "train.eval_every", "data.num_classes", "data.x_scale", "data.chunk_rows",
+                "summary.every_steps")
 POSITIVE = ("train.batch_size", "model.embedding_dim", "optimizer.learning_rate", "checkpoint.max_to_keep",
             "train.bucket_bytes",
             "optimizer.epsilon", "optimizer.decay_rate", "optimizer.decay_steps", "data.prefetch")

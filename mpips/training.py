@@ -38,6 +38,7 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None,
     worker reads only its part). On one process (no mpirun) the job trains as a single
     synchronous replica, to debug a model locally.
     """
+    preemption.install()  # first: a signal during start-up is acted on at the first step
     comm = comm or MPI.COMM_WORLD
     if model is not None:
         job.model.kind = factory_name(model if callable(model) and not isinstance(model, Model)
@@ -51,7 +52,6 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None,
     layout = agreed(comm, lambda: job_layout(job, comm.size, nodes))
     cluster = Cluster(comm, layout)
     set_role(cluster.role)
-    preemption.install()
     # if a process is killed, the launcher speaks only of pids: this line maps pids to tasks
     log(cluster.role, f"rank {cluster.rank}, pid {os.getpid()} on {socket.gethostname()}")
     if say_single:

@@ -69,4 +69,19 @@ def test_the_wrong_model_or_a_bad_input_is_one_message(trained):
     assert not (trained / "o.npy").exists()
     r = run_py(["-m", "mpips", "predict", "my_model.toml", "--input", "inputs.npz",
                 "--output", "q.npy"], cwd=trained, timeout=60)
-    assert r.returncode == 2 and "Softmax does not implement predict" in r.stderr, r.stderr
+    q = np.load(trained / "q.npy")  # the README's model predicts class probabilities
+    assert r.returncode == 0 and q.shape == (360, 10) and np.allclose(q.sum(axis=1), 1), r.stderr
+    (trained / "blind.py").write_text(  # predict is optional: a model without it is told so
+        "import my_model\n"
+        "class Blind(my_model.Softmax):\n"
+        "    predict = my_model.mpips.Model.predict\n"
+        "def build(data, l2=0.0):\n"
+        "    return Blind(data.num_inputs, data.num_classes, l2)\n")
+    (trained / "blind.toml").write_text((trained / "my_model.toml").read_text().replace(
+        "my_model:build", "blind:build"))
+    shutil.copytree(trained / "runs/my_model", trained / "runs/blind", dirs_exist_ok=True)
+    for manifest in (trained / "runs/blind").glob("*.json"):
+        manifest.write_text(manifest.read_text().replace("my_model:build", "blind:build"))
+    r = run_py(["-m", "mpips", "predict", "blind.toml", "--ckpt", "runs/blind", "--input",
+                "inputs.npz", "--output", "b.npy"], cwd=trained, timeout=60)
+    assert r.returncode == 2 and "Blind does not implement predict" in r.stderr, r.stderr

@@ -140,8 +140,8 @@ import resource, sys, numpy as np
 from mpips import data
 from mpips.job import DataConfig
 info = data.open_data(DataConfig(path=sys.argv[1]))
-part = data.train_part(info, (0, info.rows["train"]), chunk_rows=int(sys.argv[2]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+part = data.train_part(info, (0, info.rows["train"]), chunk_rows=int(sys.argv[2]))
 seen = 0
 for epoch, x, y in part.batches(256, seed=0, task=0, epochs=1):
     seen += len(y)

@@ -21,3 +21,17 @@ def test_wheel_ships_the_default_job_and_digits(tmp_path):
     for needed in ("mpips/builtin/default.toml", "mpips/builtin/digits.h5", "mpips/__main__.py",
                    "mpips/store/client.py"):
         assert needed in names, needed
+
+
+@pytest.mark.parametrize("value,strict", [("true", True), ("1", True), ("TRUE ", True),
+                                          ("yes", True), ("false", False), ("0", False),
+                                          ("", False), ("no", False), (None, False)])
+def test_ci_is_read_as_true_or_false_not_as_set(monkeypatch, value, strict):
+    """Under CI=true a missing Slurm or dataset fails its tests; CI=false (set, but false)
+    lets them skip, like no CI at all."""
+    from conftest import under_ci
+    if value is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", value)
+    assert under_ci() is strict

@@ -1,0 +1,119 @@
+"""Scalars of a run, as JSON lines and TensorBoard event files, written by a hook.
+
+Each worker that writes (the chief, or every worker with ``summary.all_workers``) has a
+folder ``<summary.dir>/worker-K/`` holding ``metrics.jsonl`` (one object per scalar:
+``time``, ``task``, ``step``, ``name``, ``value``; easy to load with pandas) and TensorBoard
+event files (tensorboardX), so ``tensorboard --logdir <summary.dir>`` shows each worker as a
+run. A resumed run appends to the same files.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from .hooks import Hook, Run, StepInfo
+from .optim import learning_rate
+
+# the scalar names, stable: docs/observability.md lists them
+LOSS = "loss"                          # mean batch loss of this worker since the last record
+LEARNING_RATE = "learning_rate"        # at the record's global step
+EXAMPLES_PER_SEC = "examples_per_sec"  # this worker, since the last record
+STEPS_PER_SEC = "global_steps_per_sec"  # all workers together (chief)
+LEAD = "staleness/lead"                # async: mean lead over the slowest worker
+DELAY = "staleness/delay"              # async: mean global steps between pull and push
+CHECKPOINT_PAUSE = "checkpoint/pause_ms"  # chief: time the last checkpoint took from it
+VALIDATION = "validation/"             # prefix of the validation metrics (chief)
+
+
+def summary_dir(run_dir: str | Path, task: int) -> Path:
+    """Where worker ``task`` writes its summaries inside a run's summary directory."""
+    return Path(run_dir) / f"worker-{task}"
+
+
+class Summaries(Hook):
+    """Every ``every`` local updates of this worker: its scalars to metrics.jsonl and
+    TensorBoard. Validation results and checkpoint pauses are recorded when they happen."""
+
+    def __init__(self, directory: str | Path, every: int, all_workers: bool = False,
+                 tensorboard: bool = True):
+        self.directory, self.every = Path(directory), every
+        self.all_workers, self.tensorboard = all_workers, tensorboard
+        self.file: IO[str] | None = None
+        self.writer: Any = None
+        self._reset(time.perf_counter(), 0)
+        self.validations = 0
+        self.save_seconds = 0.0
+
+    def _reset(self, now: float, step: int) -> None:
+        self.t0, self.step0 = now, step
+        self.losses: list[float] = []
+        self.leads: list[int] = []
+        self.delays: list[int] = []
+        self.examples = 0
+
+    def _writes(self, run: Run) -> bool:
+        return run.is_chief or self.all_workers
+
+    def begin(self, run: Run) -> None:
+        if not self._writes(run):
+            return
+        folder = summary_dir(self.directory, run.role.task)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = open(folder / "metrics.jsonl", "a", buffering=1)  # line-buffered
+        if self.tensorboard:
+            from tensorboardX import SummaryWriter  # imported only when summaries are on
+            self.writer = SummaryWriter(str(folder), flush_secs=10)
+        self.task = str(run.role)
+        self._reset(time.perf_counter(), run.start_step)
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        """Write scalars at a global step (both formats)."""
+        if self.file is None:
+            return
+        now = time.time()
+        self.file.write("".join(json.dumps({"time": round(now, 3), "task": self.task,
+                                            "step": step, "name": k, "value": v}) + "\n"
+                                for k, v in values.items()))
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, step, walltime=now)
+
+    def after_step(self, run: Run, info: StepInfo) -> None:
+        if self.file is None:
+            return
+        self.losses.append(info.loss)
+        self.leads.append(info.lead)
+        self.delays.append(info.delay)
+        self.examples += run.job.train.batch_size
+        if len(run.validation) > self.validations:
+            for v in run.validation[self.validations:]:
+                self.record(v["global_step"], {VALIDATION + k: float(x) for k, x in v.items()
+                                               if k != "global_step"})
+            self.validations = len(run.validation)
+        if run.save_seconds > self.save_seconds:
+            self.record(info.step, {CHECKPOINT_PAUSE: 1e3 * (run.save_seconds -
+                                                             self.save_seconds)})
+            self.save_seconds = run.save_seconds
+        if not self.every or info.local_updates % self.every:
+            return
+        now = time.perf_counter()
+        seconds = max(now - self.t0, 1e-9)
+        values = {LOSS: sum(self.losses) / len(self.losses),
+                  LEARNING_RATE: learning_rate(run.job.optimizer, info.step),
+                  EXAMPLES_PER_SEC: self.examples / seconds}
+        if run.job.train.mode == "async":
+            values[LEAD] = sum(self.leads) / len(self.leads)
+            values[DELAY] = sum(self.delays) / len(self.delays)
+        if run.is_chief:
+            values[STEPS_PER_SEC] = (info.step - self.step0) / seconds
+        self.record(info.step, values)
+        self._reset(now, info.step)
+
+    def end(self, run: Run) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
