@@ -10,7 +10,7 @@ import numpy as np
 from .backend import to_host
 from .errors import ConfigError
 from .layers import DenseStack, softmax, softmax_cross_entropy
-from .metrics import accuracy
+from .metrics import accuracy, auc
 from .model import (
     BUILT_IN,
     Model,
@@ -50,10 +50,15 @@ class MLP(Model):
         return softmax(self.xp, self.logits(params, x))
 
     def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> dict[str, float]:
-        """Mean cross-entropy ("loss") and "accuracy" of the model on ``x, y``."""
+        """Mean cross-entropy ("loss") and "accuracy" of the model on ``x, y``; with two
+        classes also "auc" (of the second class's logit margin)."""
         z = self.logits(params, x)
         loss, _ = softmax_cross_entropy(self.xp, z, y)
-        return {"loss": loss, "accuracy": accuracy(to_host(z), to_host(y))}
+        host_z, host_y = to_host(z), to_host(y)
+        out = {"loss": loss, "accuracy": accuracy(host_z, host_y)}
+        if host_z.shape[1] == 2:
+            out["auc"] = auc(host_y, host_z[:, 1] - host_z[:, 0])
+        return out
 
     def tables(self) -> list[VariableSpec]:
         """No row-partitioned tables: every variable is pulled whole."""

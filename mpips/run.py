@@ -112,6 +112,15 @@ class Session:
         return out, gathered
 
 
+def _data_source(job: Job) -> str:
+    """Where the run's data came from, for the manifest (a file, the built-in set, .npy
+    files, or arrays handed to mpips.train)."""
+    d = job.data
+    if d.builtin:
+        return f"builtin:{d.builtin}"
+    return d.path or (f"npy:{d.train_x}" if d.train_x else "arrays (Python API)")
+
+
 def manifest_meta(job: Job, cluster: Cluster, clocks: list[int]) -> dict[str, Any]:
     """What a checkpoint manifest records besides the variables: the job, the layout and
     the data position (updates, i.e. batches, each worker task has used)."""
@@ -121,7 +130,7 @@ def manifest_meta(job: Job, cluster: Cluster, clocks: list[int]) -> dict[str, An
             "layout": {"world_size": cluster.comm.size, "ps": layout.num_ps,
                        "workers": layout.num_workers, "mode": job.train.mode},
             "clocks": clocks,
-            "data": {"path": job.data.path or f"builtin:{job.data.builtin}",
+            "data": {"path": _data_source(job),
                      "batch_size": job.train.batch_size, "seed": job.train.seed}}
 
 

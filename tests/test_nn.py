@@ -37,3 +37,19 @@ def test_sgd_steps_reduce_loss():
         for k in params:
             apply_sgd(params[k], grads[k], 0.5)
     assert model.evaluate(params, x, y)["loss"] < first / 3
+
+
+def test_the_mlp_reports_auc_on_two_classes():
+    """A binary dense task gets the AUC of the second class's logit margin (like the CTR
+    models), and none with more classes."""
+    from mpips.metrics import auc
+    from mpips.nn import MLP
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((200, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    model = MLP([5, 8, 2])
+    params = model.initial_values(0)
+    got = model.evaluate(params, x, y)
+    z = model.logits(params, x)
+    assert got["auc"] == auc(y, z[:, 1] - z[:, 0]) and 0 <= got["auc"] <= 1
+    assert "auc" not in MLP([5, 8, 3]).evaluate(MLP([5, 8, 3]).initial_values(0), x, y)

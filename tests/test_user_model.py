@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_mpi, run_py
+from conftest import ROOT, run_mpi, run_py, run_train
 
 import mpips
 from mpips.errors import ConfigError
@@ -76,10 +76,9 @@ def test_the_job_file_names_a_model_of_your_own():
 
 def run_job(tmp_path, ranks=3, *args, timeout=180):
     """``mpirun -n ranks python -m mpips train job.toml`` in tmp_path: (process, result)."""
-    r = run_mpi(ranks, ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json",
-                        *args], cwd=tmp_path, timeout=timeout)
+    r = run_train(tmp_path, ranks, "job.toml", *args, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
-    return r, json.loads((tmp_path / "r.json").read_text())
+    return r, r.result
 
 
 def user_job(tmp_path, mode="async", extra=""):
@@ -102,11 +101,10 @@ def test_a_user_model_from_a_job_file_trains(tmp_path, mode):
 @pytest.mark.launcher
 def test_one_process_without_mpirun_trains_as_one_replica(tmp_path):
     user_job(tmp_path)
-    r = run_py(["-m", "mpips", "train", "job.toml", "--no-progress", "--steps", "200",
-                "--result", "r.json"], cwd=tmp_path, timeout=120)
+    r = run_train(tmp_path, None, "job.toml", "--steps", "200", timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "one process (no mpirun): training as a single synchronous replica" in r.stdout
-    assert json.loads((tmp_path / "r.json").read_text())["global_step"] == 200
+    assert r.result["global_step"] == 200
 
 
 @pytest.mark.launcher
