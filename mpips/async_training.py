@@ -32,6 +32,7 @@ from .run import (
     say_restored,
 )
 from .startup import Prepared
+from .summaries import job_timeline
 from .store import (
     NO_MORE_TICKETS,
     STALL_TIMEOUT,
@@ -64,8 +65,15 @@ def train_async(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
         def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
             checkpoint.write_shard(job.checkpoint.dir, step, cluster.role.task,
                                    cluster.layout.num_ps, variables, slots)
-        serve(cluster, windows, optimizer.apply if optimizer.stateful else None, optimizer.slots,
+        timeline = job_timeline(job, "ps", cluster.role.task)
+        apply = optimizer.apply if optimizer.stateful else None
+        if timeline is not None:
+            apply = apply and timeline.timed("apply", apply)
+            write_shard = timeline.timed("checkpoint write", write_shard)
+        serve(cluster, windows, apply, optimizer.slots,
               write_shard if job.checkpoint.dir else None, preemption.requested)
+        if timeline is not None:
+            timeline.write()
         result = TrainResult(cluster.role, 0, 0)
     else:
         result = AsyncWorker(job, cluster, windows, model, optimizer, prep, device).train(hooks)
@@ -89,6 +97,7 @@ class AsyncWorker:
         self.control = self.client.control
         self.stats = Staleness()
         self.watchdog = Watchdog(self.control, cluster.layout, self.role.task)
+        self.timeline = job_timeline(job, "worker", self.role.task)
         self.clock = 0        # batches of this worker's part used (its data position)
         self.updates = 0
 
@@ -99,7 +108,7 @@ class AsyncWorker:
                   control.end_tickets, self._validate if self.prep.val is not None else None)
         # hooks begin before the chief raises ready, so their set-up (the progress bar's)
         # does not delay the chief's first update behind every other worker's
-        session = Session(self.job, run, extra_hooks)
+        session = Session(self.job, run, extra_hooks, self.timeline)
         start_step = self._start()
         session.loop(self)
         control.publish_clock(self.role.task, self.clock, done=True)
@@ -127,7 +136,8 @@ class AsyncWorker:
 
     def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
         """Take a ticket (or stop), pull, compute, push: one update of the global step."""
-        control, client, model = self.control, self.client, self.model
+        control, client, model, tl = self.control, self.client, self.model, self.timeline
+        t = tl.now() if tl else 0.0  # the timeline's phases (summary.timeline), if on
         if preemption.requested():  # every worker stops at its next ticket
             control.request_stop(preemption.requested())
             return None
@@ -135,11 +145,15 @@ class AsyncWorker:
             return None
         lead = control.wait_for_slowest(self.clock, self.tc.max_staleness, self.watchdog.check)
         pulled_at = control.global_step()
+        if tl:
+            t = tl.span("ticket and staleness wait", t)
         x, ids = model.prepare(x)  # sparse models: the batch's unique ids (rows to pull)
         device = self.device
         params = device.stage_in(client.pull(ids))
         x, y = device.to_device(x), device.to_device(y)
         grads = device.mirrors(client.gradients())  # on the CPU: the push buffers themselves
+        if tl:
+            t = tl.span("pull", t)
         loss = model.loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):  # nothing of it is pushed; said once over all workers
             message = loss_not_finite(self.role.task, loss, pulled_at)
@@ -150,8 +164,12 @@ class AsyncWorker:
             for g in grads.values():
                 g *= -lr  # plain SGD: push the delta, Accumulate adds it on the PS
         device.stage_out(grads, client.gradients())
+        if tl:
+            t = tl.span("compute", t)
         client.push(lr)
         step = control.advance_step()
+        if tl:
+            tl.span("push and ack", t)
         self.clock, self.updates = self.clock + 1, self.updates + 1
         control.publish_clock(self.role.task, self.clock)
         self.stats.add(lead, step - 1 - pulled_at)

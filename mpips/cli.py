@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from .errors import CheckpointError, DataError, MpipsError
@@ -102,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("out", help="output .h5 file")
     ce.add_argument("--slots", action="store_true", help="include optimizer slots")
     c.set_defaults(func=cmd_ckpt)
+
+    pl = sub.add_parser("plot", help="PNG figures of a run from its summaries and timeline",
+                        description="Write loss, validation, throughput and staleness "
+                                    "figures (and time per phase, if the run recorded a "
+                                    "timeline) from the summaries in RUN_DIR (summary.dir, "
+                                    "by default the checkpoint directory).")
+    pl.add_argument("run_dir", metavar="RUN_DIR")
+    pl.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: RUN_DIR)")
+    pl.set_defaults(func=cmd_plot)
 
     d = sub.add_parser("data", help="convert a dataset to mpips HDF5",
                        description="Write a dataset as an mpips HDF5 file (train/x, train/y, "
@@ -252,6 +262,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     import numpy as np
 
     from . import checkpoint
+    from .summaries import validation_at, where_to_look
     if args.action == "list":
         if not Path(args.dir).is_dir():
             raise CheckpointError(f"{args.dir}: not a directory" if Path(args.dir).exists()
@@ -263,7 +274,15 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             ckpt = checkpoint.Checkpoint(path)
             files = [path] + [ckpt.shard_path(k) for k in range(ckpt.num_shards)]
             size = sum(f.stat().st_size for f in files if f.exists())
-            print(f"{step:>10}  {path}  {ckpt.num_shards} shard(s)  {size / 1e6:.2f} MB")
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
+            val = validation_at(args.dir, step)
+            shown = "  validation " + " ".join(f"{k} {v:.4f}" for k, v in sorted(val.items())) \
+                if val else ""
+            print(f"{step:>10}  {when}  {path}  {ckpt.num_shards} shard(s)  "
+                  f"{size / 1e6:.2f} MB{shown}")
+        look = where_to_look(args.dir)
+        if look:
+            print(look)
         return 0
     ckpt = checkpoint.resolve(args.path)
     if args.action == "export":
@@ -280,6 +299,9 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
           f"into {ckpt.num_shards} shard(s)")
     if ckpt.clocks is not None:
         print(f"data position (updates per worker task): {ckpt.clocks}")
+    look = where_to_look(ckpt.path.parent)
+    if look:
+        print(look)
     print(f"{'variable':<28} {'shape':<12} {'dtype':<8} {'mean':>11} {'std':>11}  shards")
     for name, a in list(variables.items()) + list(slots.items()):
         entry = ckpt.variables.get(name) or ckpt.slots[name]
@@ -287,6 +309,13 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         shape = "x".join(map(str, a.shape)) or "scalar"
         print(f"{name:<28} {shape:<12} {str(a.dtype):<8} {float(np.mean(a)):>11.4g} "
               f"{float(np.std(a)):>11.4g}  {where}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import plot_run
+    for path in plot_run(args.run_dir, args.out):
+        print(f"wrote {path}")
     return 0
 
 

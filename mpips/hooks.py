@@ -99,7 +99,7 @@ class StepLogger(Hook):
             return
         if run.job.train.mode == "sync":
             log(run.role, f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
-                          f"(chief's batch; gradients averaged over all replicas)")
+                          f"(mean over all replicas' batches)")
         else:
             log(run.role, f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
                           f"(update {info.local_updates} of this worker, pulled "
@@ -107,20 +107,48 @@ class StepLogger(Hook):
 
 
 class ProgressBar(Hook):
-    """A tqdm bar of global_step on the chief."""
+    """The chief's progress in global steps: a tqdm bar (with rate and ETA when train.steps
+    gives the total) on a terminal; elsewhere (a Slurm log file) a plain log line every
+    ``every_secs`` seconds instead of carriage-return fragments."""
 
-    def __init__(self) -> None:
+    def __init__(self, every_secs: float = 30.0, terminal: bool | None = None) -> None:
         self.bar: tqdm | None = None
+        self.every_secs = every_secs
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.plain = False
+        self.t0 = self.last = 0.0
+        self.step0 = 0
 
     def begin(self, run: Run) -> None:
-        if run.is_chief:
+        if not run.is_chief:
+            return
+        if self.terminal:
             self.bar = tqdm(total=run.target_steps or None, initial=run.start_step,
                             desc="global_step", unit="step", file=sys.stderr,
                             mininterval=0.5, dynamic_ncols=True)
+        else:
+            self.plain, self.step0 = True, run.start_step
+            self.t0 = self.last = time.monotonic()
 
     def after_step(self, run: Run, info: StepInfo) -> None:
         if self.bar is not None and info.step > self.bar.n:
             self.bar.update(info.step - self.bar.n)
+        elif self.plain and time.monotonic() - self.last >= self.every_secs:
+            self.say(run, info.step)
+
+    def say(self, run: Run, step: int) -> None:
+        """One plain progress line: step, rate, and the ETA when the target is known."""
+        now = time.monotonic()
+        self.last = now
+        rate = (step - self.step0) / max(now - self.t0, 1e-9)
+        line = f"progress: global_step {step}"
+        if run.target_steps:
+            left = max(run.target_steps - step, 0)
+            line += (f"/{run.target_steps} ({100 * step / run.target_steps:.0f}%), "
+                     f"{rate:.1f} steps/s, ETA {left / rate if rate else float('inf'):.0f} s")
+        else:
+            line += f", {rate:.1f} steps/s"
+        log(run.role, line)
 
     def end(self, run: Run) -> None:
         if self.bar is not None:
@@ -249,16 +277,3 @@ class Validation(Hook):
         run.validation.append({"global_step": info.step, **metrics})
         shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         log(run.role, f"validation at global_step {info.step}: {shown}")
-
-
-def standard_hooks(job: Job, extra: Iterable[Hook] = ()) -> list[Hook]:
-    """The hooks every job gets (step logging, the chief's progress bar, checkpoints,
-    validation every train.eval_every steps), then the caller's."""
-    out: list[Hook] = [StepLogger(job.train.log_every)]
-    if job.train.eval_every:
-        out.append(Validation(job.train.eval_every))
-    if job.train.progress:
-        out.append(ProgressBar())
-    if job.checkpoint.dir:
-        out.append(CheckpointSaver(job.checkpoint.every_steps, job.checkpoint.every_secs))
-    return out + list(extra)

@@ -99,6 +99,7 @@ class SummaryConfig:
     every_steps: int = 20      # a record every N updates of a worker (0: summaries off)
     all_workers: bool = False  # every worker writes its own (default: the chief only)
     tensorboard: bool = True   # TensorBoard event files beside metrics.jsonl
+    timeline: bool = False     # a trace of every task's phases (timeline/*.json)
 
 
 @dataclass
@@ -232,6 +233,8 @@ def validate(job: Job) -> Job:
     if any(h <= 0 for h in job.model.hidden):
         raise ConfigError(f"model.hidden: layer sizes must be > 0, got {job.model.hidden}")
     _check_data(job.data)
+    if job.summary.timeline and not (job.summary.dir or job.checkpoint.dir):
+        raise ConfigError("summary.timeline: set summary.dir (or checkpoint.dir) for it")
     if isinstance(job.layout.ps, str) and job.layout.ps != "per_node":
         raise ConfigError(f"layout.ps: {job.layout.ps!r} is not a count, a list of ranks or "
                           f"\"per_node\"")

@@ -1,5 +1,5 @@
 """``python -m mpips plot RUN_DIR``: PNG figures of a run from its summaries (metrics.jsonl of
-each worker) and, if one was recorded, its timeline (timeline.json)."""
+each worker) and, if one was recorded, its timeline (merged into RUN_DIR/timeline.json)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,7 @@ from typing import Any
 
 from .errors import DataError
 from .summaries import DELAY, EXAMPLES_PER_SEC, LOSS, VALIDATION
+from .timeline import merge
 
 Series = dict[str, dict[str, list[tuple[float, float, float]]]]  # name -> task -> (t, step, v)
 
@@ -57,7 +58,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise DataError("plot needs matplotlib: pip install matplotlib") from None
+        raise DataError("plot needs matplotlib: pip install \"mpips[plot]\" (or matplotlib)") \
+            from None
     series = read_metrics(run_dir)
     out = Path(out or run_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,9 +87,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
         for task, points in sorted(series[DELAY].items()):
             ax.hist([p[2] for p in points], bins=20, alpha=0.5, label=task)
         written.append(_save(fig, ax, out / "staleness.png"))
-    timeline = Path(run_dir) / "timeline.json"
-    if timeline.exists():
-        written.append(_plot_phases(timeline, out / "phases.png"))
+    timeline = merge(run_dir)
+    if timeline is not None:
+        written += [timeline, _plot_phases(timeline, out / "phases.png")]
     return written
 
 

@@ -10,10 +10,21 @@ from typing import Any, Protocol
 
 from . import checkpoint, preemption
 from .backend import Device
-from .hooks import Hook, PendingSave, Run, StepInfo, standard_hooks
+from .hooks import (
+    CheckpointSaver,
+    Hook,
+    PendingSave,
+    ProgressBar,
+    Run,
+    StepInfo,
+    StepLogger,
+    Validation,
+)
 from .job import Job
 from .layout import Role
 from .log import log
+from .summaries import Summaries, summary_root
+from .timeline import Timeline
 from .store import Cluster, allgather_json
 
 
@@ -75,14 +86,32 @@ def run_steps(steps: Steps, run: Run, hooks: Sequence[Hook]) -> tuple[int, int, 
     return updates, examples, time.perf_counter() - t0
 
 
+def standard_hooks(job: Job, extra: Iterable[Hook] = ()) -> list[Hook]:
+    """The hooks every job gets (step logging, validation every train.eval_every steps, the
+    chief's progress bar, checkpoints, summaries), then the caller's."""
+    out: list[Hook] = [StepLogger(job.train.log_every)]
+    if job.train.eval_every:
+        out.append(Validation(job.train.eval_every))
+    if job.train.progress:
+        out.append(ProgressBar())
+    if job.checkpoint.dir:
+        out.append(CheckpointSaver(job.checkpoint.every_steps, job.checkpoint.every_secs))
+    root = summary_root(job)
+    if root and job.summary.every_steps:
+        out.append(Summaries(root, job.summary.every_steps, job.summary.all_workers,
+                             job.summary.tensorboard))
+    return out + list(extra)
+
+
 class Session:
     """A worker's run as both modes make it (like TensorFlow's MonitoredTrainingSession):
     the job's standard hooks and the caller's, begun here (where the mode creates it) and
     ended in ``finish``; the loop; the "done" line; the summaries every worker shares; and
     this worker's TrainResult."""
 
-    def __init__(self, job: Job, run: Run, extra_hooks: Iterable[Hook]):
-        self.run = run
+    def __init__(self, job: Job, run: Run, extra_hooks: Iterable[Hook],
+                 timeline: Timeline | None = None):
+        self.run, self.timeline = run, timeline
         self.hooks = standard_hooks(job, extra_hooks)
         for h in self.hooks:
             h.begin(run)
@@ -92,6 +121,8 @@ class Session:
     def loop(self, steps: Steps) -> None:
         """The training loop (run_steps), counted."""
         self.updates, self.examples, self.seconds = run_steps(steps, self.run, self.hooks)
+        if self.timeline is not None:
+            self.timeline.write()
 
     def done(self, note: str = "") -> None:
         """This worker's last line about its loop, ``note`` (the mode's) at its end."""

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from .hooks import Hook, Run, StepInfo
+from .log import log
 from .optim import learning_rate
+from .timeline import Timeline
 
 # the scalar names, stable: docs/observability.md lists them
 LOSS = "loss"                          # mean batch loss of this worker since the last record
@@ -27,9 +29,50 @@ CHECKPOINT_PAUSE = "checkpoint/pause_ms"  # chief: time the last checkpoint took
 VALIDATION = "validation/"             # prefix of the validation metrics (chief)
 
 
+def summary_root(job: Any) -> str:
+    """Where a job's summaries and timeline go: summary.dir, else checkpoint.dir ("" if
+    neither is set: no summaries)."""
+    return job.summary.dir or job.checkpoint.dir
+
+
+def job_timeline(job: Any, job_name: str, task: int) -> Timeline | None:
+    """The task's timeline if the job asks for one (summary.timeline), else None."""
+    return Timeline(summary_root(job), job_name, task) if job.summary.timeline else None
+
+
 def summary_dir(run_dir: str | Path, task: int) -> Path:
     """Where worker ``task`` writes its summaries inside a run's summary directory."""
     return Path(run_dir) / f"worker-{task}"
+
+
+def validation_at(run_dir: str | Path, step: int) -> dict[str, float]:
+    """The chief's last validation metrics at or before global ``step``, from the run's
+    metrics.jsonl ({} if none were recorded). Unreadable lines are skipped: this only
+    annotates listings."""
+    path = summary_dir(run_dir, 0) / "metrics.jsonl"
+    best: dict[str, float] = {}
+    best_step = -1
+    if not path.is_file():
+        return best
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            r = json.loads(line)
+            name, at, value = r["name"], int(r["step"]), float(r["value"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if name.startswith(VALIDATION) and best_step <= at <= step:
+            if at > best_step:
+                best, best_step = {}, at
+            best[name[len(VALIDATION):]] = value
+    return best
+
+
+def where_to_look(run_dir: str | Path) -> str:
+    """A line pointing to a run's summaries and how to view them ("" if it has none)."""
+    if not summary_dir(run_dir, 0).is_dir():
+        return ""
+    return (f"summaries in {run_dir}/worker-*/ (metrics.jsonl; tensorboard --logdir "
+            f"{run_dir}; python -m mpips plot {run_dir})")
 
 
 class Summaries(Hook):
@@ -117,3 +160,5 @@ class Summaries(Hook):
         if self.file is not None:
             self.file.close()
             self.file = None
+            if run.is_chief:
+                log(run.role, where_to_look(self.directory))

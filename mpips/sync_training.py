@@ -45,8 +45,12 @@ from .run import (
     say_preempted,
     say_restored,
 )
+from .placement import VariableSpec
 from .startup import Prepared
 from .store import Cluster
+from .summaries import job_timeline
+
+LOSS_SLOT = "__loss__"  # the batch loss, averaged with the gradients (not a variable)
 
 
 def train_sync(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
@@ -106,11 +110,15 @@ class Replica:
                       for s in specs}
         self.arrays = list(self.params.values()) + \
             [a for s in self.slots.values() for a in s.values()]
-        self.buckets = GradientBuckets(self.comm, specs, self.tc.bucket_bytes)
+        # the batch loss rides in the last bucket, so every replica learns the mean loss
+        # without a collective of its own
+        loss_spec = VariableSpec(LOSS_SLOT, (1,), specs[0].dtype)
+        self.buckets = GradientBuckets(self.comm, [loss_spec, *specs], self.tc.bucket_bytes)
         self.per_epoch = _batches_per_epoch(job, prep.info.rows["train"], self.workers)
         self.step_count = self.clock = self.updates = 0
         self.stopped = 0      # the signal every replica agreed to stop on (0: none)
         self.stop_asked = 0   # a hook on this replica asked to stop the run
+        self.timeline = job_timeline(job, "worker", self.role.task)
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
         start_step = self._start()
@@ -118,7 +126,7 @@ class Replica:
                   self.save, lambda: {k: v.copy() for k, v in self.params.items()},
                   self._hook_stop, self._validate if self.prep.val is not None else None,
                   self.params)
-        session = Session(self.job, run, extra_hooks)
+        session = Session(self.job, run, extra_hooks, self.timeline)
         session.loop(self)
         check_replicas(self.comm, self.arrays, self.step_count)
         session.done(f"; replica crc32 {replica_hash(self.arrays):08x}; "
@@ -182,10 +190,17 @@ class Replica:
         step = self.step_count
         if self.tc.steps and step >= self.tc.steps:
             return None
-        buckets = self.buckets
+        buckets, tl = self.buckets, self.timeline
+        t = tl.now() if tl else 0.0  # the timeline's phases (summary.timeline), if on
         buckets.start_step()
         loss = self.model.loss_and_grads(self.params, x, y, buckets.grads, ready=buckets.ready)
+        if tl:
+            t = tl.span("compute", t)
+        buckets.grads[LOSS_SLOT][0] = loss
+        buckets.ready(LOSS_SLOT)
         mean = buckets.finish()
+        if tl:
+            t = tl.span("allreduce wait", t)
         # one small allreduce a step: a signal on any replica (or forwarded by a PS rank),
         # the first replica whose loss is not finite, and a hook's request to stop, so all
         # act on it together
@@ -193,6 +208,8 @@ class Replica:
             (stop_from_ps(self.cluster.comm) if self.listen_to_ps else 0)
         stopped, bad, asked = agree_max(self.comm, [signal, 0 if math.isfinite(loss)
                                                     else self.role.task + 1, self.stop_asked])
+        if tl:
+            t = tl.span("agreement", t)
         if bad:
             message = loss_not_finite(bad - 1, loss if bad - 1 == self.role.task
                                       else "not finite", step)
@@ -200,11 +217,13 @@ class Replica:
         if stopped or asked:
             self.stopped = stopped
             return None  # this step's update is not applied: the checkpoint is exact at `step`
-        clip_by_global_norm(list(mean.values()), self.oc.clip_norm)
+        clip_by_global_norm([mean[name] for name in self.params], self.oc.clip_norm)
         lr = learning_rate(self.oc, step)
         for name, var in self.params.items():
             self.optimizer.apply(var, mean[name], self.slots[name], lr, step + 1)
+        if tl:
+            tl.span("apply", t)
         self.step_count, self.clock, self.updates = step + 1, self.clock + 1, self.updates + 1
         if self.tc.check_every and self.step_count % self.tc.check_every == 0:
             check_replicas(self.comm, self.arrays, self.step_count)
-        return StepInfo(self.step_count, loss, epoch, self.updates)
+        return StepInfo(self.step_count, float(mean[LOSS_SLOT][0]), epoch, self.updates)

@@ -1,0 +1,132 @@
+"""Seeing a run: metrics.jsonl and TensorBoard files read back by TensorBoard's own reader,
+the timeline of every task's phases, `mpips plot`, `ckpt list` with validation metrics, the
+sync loss averaged over replicas, and plain progress lines when stderr is not a terminal."""
+import json
+import re
+from collections import defaultdict
+
+import pytest
+from conftest import run_py, run_train
+
+from mpips.hooks import ProgressBar, Run, StepInfo
+
+JOB = """
+[data]
+builtin = "digits"
+[train]
+mode = "{mode}"
+steps = 300
+eval_every = 100
+[checkpoint]
+dir = "runs/obs"
+every_steps = 150
+[summary]
+every_steps = 10
+all_workers = true
+timeline = {timeline}
+"""
+
+
+def records(path):
+    out = defaultdict(list)
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        assert set(r) == {"time", "task", "step", "name", "value"}, r
+        out[r["name"]].append((r["step"], r["value"]))
+    return out
+
+
+@pytest.mark.launcher
+def test_summaries_timeline_and_plots_of_an_async_run(tmp_path):
+    (tmp_path / "job.toml").write_text(JOB.format(mode="async", timeline="true"))
+    r = run_train(tmp_path, 3, "job.toml", timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = tmp_path / "runs/obs"
+    assert "summaries in runs/obs/worker-*/" in r.stdout
+    chief, other = records(run_dir / "worker-0/metrics.jsonl"), \
+        records(run_dir / "worker-1/metrics.jsonl")
+    for got in (chief, other):
+        for name in ("loss", "learning_rate", "examples_per_sec", "staleness/lead",
+                     "staleness/delay"):
+            steps = [s for s, _ in got[name]]
+            assert steps and steps == sorted(steps) and len(set(steps)) == len(steps), name
+        assert all(v == 0.1 for _, v in got["learning_rate"])  # the default job's lr
+    assert "global_steps_per_sec" in chief and "global_steps_per_sec" not in other
+    at = [s for s, _ in chief["validation/accuracy"]]  # async: the chief's first step >= N
+    assert len(at) >= 2 and all(100 * k <= s < 100 * (k + 1) for k, s in enumerate(at, 1)), at
+    assert all(0.5 < v <= 1 for _, v in chief["validation/accuracy"])
+    assert chief["checkpoint/pause_ms"]
+    # TensorBoard's own reader sees the same scalars at the same steps
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / "worker-0"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "learning_rate", "examples_per_sec", "staleness/delay",
+            "validation/accuracy", "global_steps_per_sec"} <= tags, tags
+    assert [e.step for e in events.Scalars("loss")] == [s for s, _ in chief["loss"]]
+    assert [round(e.value, 4) for e in events.Scalars("validation/accuracy")] == \
+        [round(v, 4) for _, v in chief["validation/accuracy"]]
+    # the timeline: each task's phases, merged by `mpips plot` into one Chrome trace
+    parts = sorted(p.name for p in (run_dir / "timeline").glob("*.json"))
+    assert parts == ["ps-0.json", "worker-0.json", "worker-1.json"]
+    p = run_py(["-m", "mpips", "plot", "runs/obs"], cwd=tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for name in ("loss", "validation", "throughput", "staleness", "phases"):
+        png = run_dir / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    trace = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    phases = defaultdict(set)
+    names = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    for e in trace:
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+            phases[names[e["pid"]]].add(e["name"])
+    for worker in ("/job:worker/task:0", "/job:worker/task:1"):
+        assert {"ticket and staleness wait", "pull", "compute", "push and ack"} <= \
+            phases[worker], phases
+    assert "checkpoint write" in phases["/job:ps/task:0"]
+    pulls = sum(1 for e in trace if e["ph"] == "X" and e["name"] == "pull")
+    assert pulls == r.result["global_step"]  # one per update of either worker
+    # ckpt list: when each was written, and the validation metrics at its step
+    c = run_py(["-m", "mpips", "ckpt", "list", "runs/obs"], cwd=tmp_path, timeout=60)
+    assert c.returncode == 0, c.stderr
+    last = [ln for ln in c.stdout.splitlines() if "ckpt-300.json" in ln]
+    assert last and re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", last[0])
+    assert "validation accuracy" in last[0] and "tensorboard --logdir runs/obs" in c.stdout
+
+
+@pytest.mark.launcher
+def test_the_sync_loss_is_the_mean_over_replicas(tmp_path):
+    """Every replica records the same loss (the mean of all replicas' batch losses, carried
+    in the last gradient bucket), though each trains on its own batch; no timeline is
+    written unless asked for."""
+    (tmp_path / "job.toml").write_text(JOB.format(mode="sync", timeline="false"))
+    r = run_train(tmp_path, 3, "job.toml", "--log-every", "50", timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = tmp_path / "runs/obs"
+    losses = [records(run_dir / f"worker-{k}/metrics.jsonl")["loss"] for k in range(3)]
+    assert len(losses[0]) == 30 and losses[0] == losses[1] == losses[2]
+    assert "mean over all replicas' batches" in r.stdout
+    assert not (run_dir / "timeline").exists()
+
+
+class _Role:
+    is_chief, task = True, 0
+
+    def __str__(self):
+        return "/job:worker/task:0"
+
+
+def test_progress_is_plain_lines_with_an_eta_when_not_on_a_terminal(capsys):
+    bar = ProgressBar(every_secs=0, terminal=False)
+    run = Run(job=None, role=_Role(), start_step=0, target_steps=400, global_step=lambda: 400,
+              start_save=None)
+    bar.begin(run)
+    for step in (100, 200):
+        bar.after_step(run, StepInfo(step, 0.5, 0, step))
+    bar.end(run)
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert len(lines) == 2 and "\r" not in out.out + out.err, out
+    assert re.fullmatch(r"\[/job:worker/task:0\] progress: global_step 200/400 \(50%\), "
+                        r"[0-9.]+ steps/s, ETA \d+ s", lines[1]), lines
