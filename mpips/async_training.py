@@ -19,7 +19,7 @@ from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
 from .log import log
 from .optim import Optimizer, clip_by_global_norm, learning_rate
-from .placement import slot_placement
+from .placement import imbalance, slot_placement
 from .run import (
     Session,
     TrainResult,
@@ -55,6 +55,9 @@ def train_async(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
     chief ends the run."""
     placement = job_placement(job, model.variables(), cluster.layout.num_ps, model.tables())
     cluster.check_placement(placement)
+    warning = imbalance(placement, job.layout.placement)
+    if warning and cluster.is_chief:
+        log(cluster.role, warning)
     slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
     windows = Windows(cluster.comm, cluster.layout, placement, slots, optimizer.stateful,
                       row_capacity=job.train.batch_size * max(1, prep.info.max_nnz))

@@ -219,6 +219,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     from .data import open_data
     from .job import job_layout, job_placement
     from .layout import block_nodes
+    from .placement import imbalance
     from .nn import build_model
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8
@@ -255,6 +256,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
     for p in range(layout.num_ps):
         print(f"/job:ps/task:{p} (rank {layout.ps_ranks[p]}): "
               f"{len(placement.on_ps(p))} variables, {placement.ps_bytes(p)} bytes")
+    warning = imbalance(placement, job.layout.placement)
+    if warning:
+        print(f"\nwarning: {warning}")
     return 0
 
 

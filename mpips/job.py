@@ -107,6 +107,7 @@ class LayoutConfig:
     ps: int | list[int] | str | None = None  # count, ranks or "per_node" (default: world // 4)
     world_size: int | None = None            # if set, the job refuses another world size
     placement: str = "round_robin"           # or "greedy" (fewest bytes first)
+    pin: dict = field(default_factory=dict)  # variable name -> ps task (like tf.device)
 
 
 @dataclass
@@ -305,5 +306,15 @@ def job_placement(job: Job, specs: list[VariableSpec], num_ps: int,
                   tables: list[VariableSpec] = ()) -> Placement:
     """The job's placement strategy applied to the model's variables; then its tables,
     split by rows over every PS task (model.partition)."""
-    placement = STRATEGIES[job.layout.placement](specs, num_ps)
+    pins = job.layout.pin
+    if pins:
+        names = [s.name for s in specs]
+        for name, task in pins.items():
+            if name not in names:
+                raise ConfigError(f"layout.pin: the model has no variable {name!r} (its "
+                                  f"variables: {', '.join(names)})")
+            if not isinstance(task, int) or isinstance(task, bool) or not 0 <= task < num_ps:
+                raise ConfigError(f"layout.pin.{name}: {task!r} is not a ps task of this "
+                                  f"layout (0..{num_ps - 1})")
+    placement = STRATEGIES[job.layout.placement](specs, num_ps, pins)
     return place_tables(placement, list(tables), job.model.partition) if tables else placement

@@ -117,22 +117,60 @@ def _pack(specs: Iterable[VariableSpec], tasks: Iterable[int], num_ps: int) -> P
     return Placement(tuple(entries), num_ps)
 
 
-def round_robin(specs: list[VariableSpec], num_ps: int) -> Placement:
-    """The replica_device_setter rule: variable i goes to ps task i mod num_ps."""
+def round_robin(specs: list[VariableSpec], num_ps: int,
+                pins: dict[str, int] | None = None) -> Placement:
+    """The replica_device_setter rule: the i-th variable not pinned goes to ps task i mod
+    num_ps; a pinned one (``pins``: name -> ps task, like ``tf.device``) to its task."""
     _check_names(specs)
-    return _pack(specs, (i % num_ps for i in range(len(specs))), num_ps)
+    pins = pins or {}
+    free = iter(range(len(specs)))
+    return _pack(specs, [pins[s.name] if s.name in pins else next(free) % num_ps
+                         for s in specs], num_ps)
 
 
-def greedy_by_bytes(specs: list[VariableSpec], num_ps: int) -> Placement:
-    """Each variable, in creation order, goes to the PS holding the fewest bytes so far."""
+def greedy_by_bytes(specs: list[VariableSpec], num_ps: int,
+                    pins: dict[str, int] | None = None) -> Placement:
+    """Each variable, in creation order, goes to the PS holding the fewest bytes so far
+    (pinned ones, first, to their task)."""
     _check_names(specs)
+    pins = pins or {}
     load = [0] * num_ps
+    for spec in specs:
+        if spec.name in pins:
+            load[pins[spec.name]] += spec.nbytes
     tasks = []
     for spec in specs:
-        task = min(range(num_ps), key=lambda t: (load[t], t))
+        task = pins.get(spec.name)
+        if task is None:
+            task = min(range(num_ps), key=lambda t: (load[t], t))
+            load[task] += spec.nbytes
         tasks.append(task)
-        load[task] += spec.nbytes
     return _pack(specs, tasks, num_ps)
+
+
+def imbalance(placement: Placement, strategy: str) -> str:
+    """A warning when one PS task holds far more of the dense variables than an even share
+    (at least 1.5x, and 256 KB over it), saying what would balance them; "" otherwise."""
+    num_ps = placement.num_ps
+    if num_ps < 2:
+        return ""
+    held = [sum(e.spec.nbytes for e in placement.on_ps(t) if e.rows is None)
+            for t in range(num_ps)]
+    share = sum(held) / num_ps
+    top = max(range(num_ps), key=lambda t: held[t])
+    if held[top] < 1.5 * share or held[top] - share < 256 * 1024:
+        return ""
+    largest = max((e for e in placement.dense), key=lambda e: e.spec.nbytes)
+    split = ", ".join(f"ps:{t} {held[t] / 1e6:.2f} MB" for t in range(num_ps))
+    if largest.spec.nbytes > share:
+        fix = (f"its largest variable {largest.name} ({largest.spec.nbytes / 1e6:.2f} MB) "
+               f"alone is more than an even share, so only splitting it over the PS tasks "
+               f"would balance them (row-partitioned dense variables are not supported yet)")
+    elif strategy != "greedy":
+        fix = 'layout.placement = "greedy" balances them (or pin variables with layout.pin)'
+    else:
+        fix = "pin variables to PS tasks with layout.pin to balance them"
+    return f"placement ({strategy}) is unbalanced: {split}; {fix}"
 
 
 STRATEGIES = {"round_robin": round_robin, "greedy": greedy_by_bytes}
