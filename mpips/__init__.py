@@ -12,7 +12,7 @@ from .hooks import Hook, Run, StepInfo, StopAtLoss, StopAtStep
 from .job import Job, load_job, parse_job
 from .model import Model, Variable
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is set (setup.cfg reads it)
 __all__ = ["Hook", "Job", "Model", "MpipsError", "Run", "StepInfo", "StopAtLoss", "StopAtStep",
            "TrainResult", "Variable", "abort_on_error", "layers", "load_job", "parse_job",
            "train"]
