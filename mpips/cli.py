@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import __version__
 from .errors import CheckpointError, DataError, MpipsError
 from .job import Job, load_job
 
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m mpips", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Parameter-server training on MPI: ps and worker tasks, one-sided windows, "
                     "HDF5 checkpoints.")
+    parser.add_argument("--version", action="version", version=f"mpips {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train a job (run under mpirun/srun)",

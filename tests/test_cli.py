@@ -125,3 +125,13 @@ def test_layout_of_a_sync_job(tmp_path):
     assert ["dense_0/kernel", "64x64", "float32", "16384"] in rows
     r = run_py(["-m", "mpips", "layout", "sync.toml", "-n", "8", "--ps", "1"], cwd=tmp_path)
     assert r.returncode == 0 and "the 1 ps task(s) hold nothing and wait" in r.stdout, r.stderr
+
+
+def test_version_comes_from_the_package():
+    import subprocess
+    import sys
+
+    import mpips
+    r = subprocess.run([sys.executable, "-m", "mpips", "--version"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"mpips {mpips.__version__}"
