@@ -66,8 +66,10 @@ def main() -> None:
             print(f"round {r + 1}: one process {single[-1]:8.0f} | mpips async 1 ps + 2 workers "
                   f"{mpips[-1]:8.0f} examples/s", flush=True)
     print(f"\ndata: {data}")
-    print(f"one process, same layers, 1 BLAS thread : {min(single):.0f}-{max(single):.0f} examples/s")
-    print(f"mpips async, 1 ps + 2 workers            : {min(mpips):.0f}-{max(mpips):.0f} examples/s, "
+    print(f"one process, same layers, 1 BLAS thread : "
+          f"{min(single):.0f}-{max(single):.0f} examples/s")
+    print(f"mpips async, 1 ps + 2 workers            : "
+          f"{min(mpips):.0f}-{max(mpips):.0f} examples/s, "
           f"{np.median(mpips) / np.median(single):.2f}x the single process (linear limit 2x)")
 
 

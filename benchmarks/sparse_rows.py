@@ -51,7 +51,8 @@ def main() -> None:
     sizes = (10_000, 10_000_000)
     setups = {}
     for rows in sizes:  # both tables live at once: their reps interleave (see below)
-        tables = [VariableSpec("deep/embedding", (rows, 8)), VariableSpec("wide/weights", (rows, 1))]
+        tables = [VariableSpec("deep/embedding", (rows, 8)),
+                  VariableSpec("wide/weights", (rows, 1))]
         placement = place_tables(round_robin([VariableSpec("wide/bias", (1,))], 2), tables, "mod")
         windows = Windows(comm, layout, placement)
         batches = [batch_ids(s, rows) for s in range(16)]
@@ -65,7 +66,8 @@ def main() -> None:
         client.push()
         return 2 * sent  # the push sends the same datatypes back
 
-    def scattered_types(windows: Windows, ids: np.ndarray) -> list[tuple[int, MPI.Datatype, np.ndarray]]:
+    def scattered_types(windows: Windows, ids: np.ndarray
+                        ) -> list[tuple[int, MPI.Datatype, np.ndarray]]:
         """Per PS rank: an indexed float datatype over exactly the rows of ``ids`` it holds
         (both tables), and a buffer for them; built once, outside the timing."""
         out = []

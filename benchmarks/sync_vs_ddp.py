@@ -52,7 +52,8 @@ x, y = load_split(open_dataset(path), "train")
 x, y = torch.from_numpy(x), torch.from_numpy(y)
 torch.manual_seed(0)
 model = DDP(torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
+                                torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 10)))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 g = torch.Generator().manual_seed(rank)
 for i in range(20 + steps):

@@ -32,7 +32,6 @@ from .run import (
     say_restored,
 )
 from .startup import Prepared
-from .summaries import job_timeline
 from .store import (
     NO_MORE_TICKETS,
     STALL_TIMEOUT,
@@ -47,6 +46,7 @@ from .store import (
     start_limit,
     watched_barrier,
 )
+from .summaries import job_timeline
 
 
 def train_async(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,

@@ -216,7 +216,7 @@ def _covers_once(parts: list[Part], num_rows: int) -> bool:
         return True
     if any(p.rows is None for p in parts):
         return False
-    ranges = [r for r in (range(*p.rows) for p in parts) if r]
+    ranges = [r for r in (range(*p.rows) for p in parts if p.rows is not None) if r]
     if len({r.step for r in ranges}) > 1:
         return False
     if sum(len(r) for r in ranges) != num_rows or any(r[0] < 0 or r[-1] >= num_rows
@@ -224,7 +224,7 @@ def _covers_once(parts: list[Part], num_rows: int) -> bool:
         return False
     ranges.sort(key=lambda r: (r.start % r.step, r.start))
     return all(a.start % a.step != b.start % b.step or a[-1] < b.start
-               for a, b in zip(ranges, ranges[1:]))
+               for a, b in zip(ranges, ranges[1:], strict=False))
 
 
 def _ints(value: Any, what: str) -> list[int]:
@@ -315,10 +315,11 @@ class Checkpoint:
         out: dict[str, np.ndarray] = {}
         files: dict[int, h5py.File] = {}
         entries = [self._entry(spec, is_slot) for spec, is_slot in wanted]
-        need = sum(_nbytes(e, rows.get(spec.name)) for e, (spec, _) in zip(entries, wanted))
+        need = sum(_nbytes(e, rows.get(spec.name))
+                   for e, (spec, _) in zip(entries, wanted, strict=True))
         check_fits(need, f"reading checkpoint {self.path}", CheckpointError)
         try:
-            for entry, (spec, is_slot) in zip(entries, wanted):
+            for entry, (spec, is_slot) in zip(entries, wanted, strict=True):
                 out[spec.name] = self._assemble(spec.name, is_slot, entry, files,
                                                 rows.get(spec.name))
         except CheckpointError:

@@ -18,13 +18,14 @@ EPILOG = """examples:
   python -m mpips layout jobs/fashion_mnist.toml -n 8
   python -m mpips data fashion-mnist data/fashion_mnist.h5
   python -m mpips ckpt inspect runs/default              # the latest checkpoint
-"""
+"""  # the aligned --help text  # noqa: E501
 
 
 def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", nargs="?", help="job file (TOML); default: the built-in digits job")
     p.add_argument("--layout", metavar="FILE",
-                   help="rank-layout file (TOML: ps = 2 or ps = [0, 4]) overriding the job's [layout]")
+                   help="rank-layout file (TOML: ps = 2 or ps = [0, 4]) overriding the job's "
+                        "[layout]")
     p.add_argument("--ps", type=_ps_spec, metavar="SPEC",
                    help="override layout.ps: a count (2), ranks (0,4) or per_node (one PS on "
                         "each node, its lowest rank)")
@@ -190,7 +191,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .store import agreed
     from .training import train
     with abort_on_error():
-        job = agreed(MPI.COMM_WORLD, lambda: _check_result_path(args.result) or _resolve_job(args))
+        def start_up() -> Job:
+            _check_result_path(args.result)
+            return _resolve_job(args)
+        job = agreed(MPI.COMM_WORLD, start_up)
         result = train(job)
         if args.result and result.role.is_chief:
             from .files import atomic_write
@@ -221,8 +225,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
     from .data import open_data
     from .job import job_layout, job_placement
     from .layout import block_nodes
-    from .placement import imbalance
     from .nn import build_model
+    from .placement import imbalance
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8
     layout = job_layout(job, n, block_nodes(n, args.nodes))

@@ -17,12 +17,14 @@ from .data import SPLITS, resolve_path
 from .errors import DataError
 from .files import atomic_write
 
+
 def write_dataset(path: str | Path, train: tuple[np.ndarray, np.ndarray],
                   test: tuple[np.ndarray, np.ndarray], num_classes: int,
                   x_scale: float = 1.0, name: str = "",
                   val: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Write a dataset file durably and atomically (temporary file, fsync, rename)."""
-    splits = list(zip(SPLITS, (train, test))) + ([("val", val)] if val is not None else [])
+    splits = list(zip(SPLITS, (train, test), strict=True)) + (
+        [("val", val)] if val is not None else [])
 
     def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:

@@ -94,7 +94,7 @@ def _container(info: DatasetInfo) -> Iterator[_Arrays]:
     else:
         assert info.arrays is not None
         flat = {n: a for split, pair in info.arrays.items()
-                for n, a in zip(info.names[split], pair)}
+                for n, a in zip(info.names[split], pair, strict=False)}
         yield _Arrays(lambda n: _as_array(flat[n]), flat.__contains__, {})
 
 

@@ -22,9 +22,9 @@ def temporary_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.uname().nodename}-{os.getpid()}")
 
 
-def atomic_write(final: str | Path, write: Callable[[Path], None]) -> Path:
-    """``write(tmp)``, fsync it, rename it to ``final``, fsync the directory; on any failure
-    no trace is left and an existing ``final`` is untouched."""
+def atomic_write(final: str | Path, write: Callable[[Path], object]) -> Path:
+    """``write(tmp)`` (its return value is ignored), fsync it, rename it to ``final``, fsync
+    the directory; on any failure no trace is left and an existing ``final`` is untouched."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(final)

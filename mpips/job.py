@@ -9,6 +9,7 @@ import re
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -72,13 +73,15 @@ class OptimizerConfig:
 class TrainConfig:
     mode: str = "async"
     steps: int = 0             # stop when global_step reaches this (0: no step limit)
-    epochs: int = 0            # each worker makes this many passes over its part of the data (0: no limit)
+    epochs: int = 0            # each worker makes this many passes over its part of the data
+                               # (0: no limit)
     batch_size: int = 32
     seed: int = 0
     log_every: int = 100       # per-worker log line every N of its own updates (0: off)
     progress: bool = True      # tqdm bar on the chief
     device: str = "cpu"        # "cpu" (numpy) or "gpu" (cupy, one device per local rank)
-    max_staleness: int | None = None  # bounded staleness: lead over the slowest worker (0: lock-step)
+    max_staleness: int | None = None  # bounded staleness: lead over the slowest worker
+                                      # (0: lock-step)
     bucket_bytes: int = 1 << 20  # sync: gradients fused into allreduce buckets of about this size
     check_every: int = 100     # sync: verify replicas are bitwise identical every N steps (0: off)
     eval_every: int = 0        # the chief evaluates on the validation split every N global steps
@@ -138,8 +141,8 @@ NON_NEGATIVE = ("train.steps", "train.epochs", "train.log_every", "checkpoint.ev
                 "optimizer.warmup_steps", "optimizer.clip_norm", "train.check_every",
                 "train.eval_every", "data.num_classes", "data.x_scale", "data.chunk_rows",
                 "summary.every_steps")
-POSITIVE = ("train.batch_size", "model.embedding_dim", "optimizer.learning_rate", "checkpoint.max_to_keep",
-            "train.bucket_bytes",
+POSITIVE = ("train.batch_size", "model.embedding_dim", "optimizer.learning_rate",
+            "checkpoint.max_to_keep", "train.bucket_bytes",
             "optimizer.epsilon", "optimizer.decay_rate", "optimizer.decay_steps", "data.prefetch")
 UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
 
@@ -170,7 +173,8 @@ def _describe(t: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(t) if a is not type(None))
     if origin is list:
-        return f"a list of {_describe(typing.get_args(t)[0]).removeprefix('a ').removeprefix('an ')}s"
+        item = _describe(typing.get_args(t)[0]).removeprefix("a ").removeprefix("an ")
+        return f"a list of {item}s"
     return _type_name(t)
 
 
@@ -182,7 +186,7 @@ def _fill(cls: type, table: dict[str, Any], where: str) -> Any:
     for name, value in table.items():
         t = hints[name]
         key = f"{where}.{name}" if where != "job" else name
-        if dataclasses.is_dataclass(t):
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: expected a table [{name}], got {value!r}")
             kwargs[name] = _fill(t, value, name)
@@ -303,7 +307,7 @@ def job_layout(job: Job, world_size: int, nodes: list[int] | None = None) -> Lay
 
 
 def job_placement(job: Job, specs: list[VariableSpec], num_ps: int,
-                  tables: list[VariableSpec] = ()) -> Placement:
+                  tables: Sequence[VariableSpec] = ()) -> Placement:
     """The job's placement strategy applied to the model's variables; then its tables,
     split by rows over every PS task (model.partition)."""
     pins = job.layout.pin

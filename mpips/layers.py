@@ -5,6 +5,7 @@ together with ``Sequential``, itself an ``mpips.Model``."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -42,6 +43,12 @@ def dense_backward(xp: ModuleType, x: Any, kernel: Any, dy: Any, grad_kernel: An
     return dy @ kernel.T if input_grad else None
 
 
+def _each_ready(ready: Callable[[str], None], *names: str) -> None:
+    """``ready(name)`` for each of ``names``, in order."""
+    for name in names:
+        ready(name)
+
+
 class DenseStack:
     """``sizes[0] -> ... -> sizes[-1]``, ReLU between layers (none after the last);
     variables ``{prefix}{i}/kernel`` and ``{prefix}{i}/bias`` in creation order."""
@@ -52,16 +59,17 @@ class DenseStack:
         self.names = [(f"{prefix}{i}/kernel", f"{prefix}{i}/bias") for i in range(self.num_layers)]
 
     def variables(self) -> list[VariableSpec]:
-        return [VariableSpec(n, shape) for (k, b), (a, c) in zip(self.names, self._shapes())
+        return [VariableSpec(n, shape)
+                for (k, b), (a, c) in zip(self.names, self._shapes(), strict=True)
                 for n, shape in ((k, (a, c)), (b, (c,)))]
 
     def _shapes(self) -> list[tuple[int, int]]:
-        return list(zip(self.sizes[:-1], self.sizes[1:]))
+        return list(zip(self.sizes[:-1], self.sizes[1:], strict=True))
 
     def initial_values(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """He-uniform kernels, zero biases (numpy, on the host), drawn in layer order."""
         out = {}
-        for (k, b), (fan_in, fan_out) in zip(self.names, self._shapes()):
+        for (k, b), (fan_in, fan_out) in zip(self.names, self._shapes(), strict=True):
             out[k], out[b] = he_uniform(rng, fan_in, fan_out)
         return out
 
@@ -82,7 +90,7 @@ class DenseStack:
         Returns the gradient of the input if ``input_grad``, else None."""
         for i in reversed(range(self.num_layers)):
             k, b = self.names[i]
-            written = None if ready is None else lambda k=k, b=b: (ready(b), ready(k))
+            written = None if ready is None else partial(_each_ready, ready, b, k)
             d = dense_backward(self.xp, acts[i], params[k], d, grads[k], grads[b], written,
                                bool(i or input_grad))
             if i:
@@ -144,7 +152,7 @@ class Dense(Layer):
         return [("kernel", (self.fan_in, self.units)), ("bias", (self.units,))]
 
     def initial_values(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        return dict(zip(("kernel", "bias"), he_uniform(rng, self.fan_in, self.units)))
+        return dict(zip(("kernel", "bias"), he_uniform(rng, self.fan_in, self.units), strict=True))
 
     def forward(self, xp, params, x, train, rng=None):
         return dense_forward(x, params["kernel"], params["bias"]), x
@@ -180,7 +188,7 @@ class Conv2D(Layer):
 
     def initial_values(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         fan_in = self.in_shape[0] * self.size * self.size
-        return dict(zip(("kernel", "bias"), he_uniform(rng, fan_in, self.filters)))
+        return dict(zip(("kernel", "bias"), he_uniform(rng, fan_in, self.filters), strict=True))
 
     def _cols(self, xp: ModuleType, x: Any) -> Any:
         k, s, p = self.size, self.stride, self.padding
@@ -444,12 +452,13 @@ class Sequential(Model):
         self.steps = 0  # training batches seen by this worker (seeds dropout)
 
     def variables(self) -> list[VariableSpec]:
-        return [VariableSpec(p + name, shape) for p, layer in zip(self.prefixes, self.layers)
+        return [VariableSpec(p + name, shape)
+                for p, layer in zip(self.prefixes, self.layers, strict=True)
                 for name, shape in layer.variables()]
 
     def initial_values(self, seed: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(seed)
-        return {p + k: v for p, layer in zip(self.prefixes, self.layers)
+        return {p + k: v for p, layer in zip(self.prefixes, self.layers, strict=True)
                 for k, v in layer.initial_values(rng).items()}
 
     def _own(self, prefix: str, arrays: dict[str, Any]) -> dict[str, Any]:
@@ -458,7 +467,7 @@ class Sequential(Model):
     def forward(self, params: dict[str, Any], x: Any, train: bool = False,
                 rng: np.random.Generator | None = None) -> tuple[Any, list[Any]]:
         caches = []
-        for prefix, layer in zip(self.prefixes, self.layers):
+        for prefix, layer in zip(self.prefixes, self.layers, strict=True):
             x, cache = layer.forward(self.xp, self._own(prefix, params), x, train, rng)
             caches.append(cache)
         return x, caches
@@ -469,7 +478,8 @@ class Sequential(Model):
         rng = np.random.default_rng([self.seed, self.worker, self.steps])
         out, caches = self.forward(params, x, True, rng)
         loss, d = LOSSES[self.loss_name](self.xp, out, y)
-        for prefix, layer, cache in reversed(list(zip(self.prefixes, self.layers, caches))):
+        for prefix, layer, cache in reversed(list(zip(self.prefixes, self.layers, caches,
+                                                      strict=True))):
             own = self._own(prefix, grads)
             d = layer.backward(self.xp, self._own(prefix, params), cache, d, own)
             if ready is not None:

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -119,7 +119,7 @@ def import_factory(kind: str, near: str | None = None) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"{where}: {attr} is not callable")
-    return obj
+    return cast(Callable[..., Any], obj)
 
 
 def build_from_factory(factory: Callable[..., Any], data: DatasetInfo, xp: ModuleType,

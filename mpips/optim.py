@@ -100,7 +100,8 @@ class Optimizer:
         return {s: np.full_like(var, start.get(s, 0.0)) for s in self.slots}
 
     def apply(self, var: Array, grad: Array, slots: dict[str, Array], lr: float, t: int) -> None:
-        """Update ``var`` and its ``slots`` in place with ``grad``; ``t`` is the 1-based update count."""
+        """Update ``var`` and its ``slots`` in place with ``grad``; ``t`` is the 1-based update
+        count."""
         h = self.hyper
         if self.kind == "sgd":
             apply_sgd(var, grad, lr)

@@ -111,7 +111,7 @@ def align(n: int) -> int:
 def _pack(specs: Iterable[VariableSpec], tasks: Iterable[int], num_ps: int) -> Placement:
     fill = [0] * num_ps
     entries = []
-    for spec, task in zip(specs, tasks):
+    for spec, task in zip(specs, tasks, strict=True):
         entries.append(Placed(spec, task, fill[task]))
         fill[task] = align(fill[task] + spec.nbytes)
     return Placement(tuple(entries), num_ps)

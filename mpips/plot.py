@@ -101,11 +101,11 @@ def _plot_phases(path: Path, png: Path) -> Path:
         raise DataError(f"{path}: not a timeline ({e})") from None
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     names = {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            names[e["pid"]] = e["args"]["name"]
-        elif e.get("ph") == "X":
-            totals[e["pid"]][e["name"]] += e["dur"] / 1e6
+    for ev in events:
+        if ev.get("ph") == "M" and ev.get("name") == "process_name":
+            names[ev["pid"]] = ev["args"]["name"]
+        elif ev.get("ph") == "X":
+            totals[ev["pid"]][ev["name"]] += ev["dur"] / 1e6
     fig, ax = _figure("time per phase", "task", "seconds")
     tasks = sorted(totals)
     phases = sorted({p for t in totals.values() for p in t})
@@ -113,6 +113,6 @@ def _plot_phases(path: Path, png: Path) -> Path:
     for phase in phases:
         heights = [totals[t].get(phase, 0.0) for t in tasks]
         ax.bar([names.get(t, str(t)) for t in tasks], heights, bottom=bottom, label=phase)
-        bottom = [b + h for b, h in zip(bottom, heights)]
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.tick_params(axis="x", labelrotation=30, labelsize=7)
     return _save(fig, ax, png)

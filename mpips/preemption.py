@@ -4,7 +4,8 @@ EXIT_PREEMPTED (rerunning the same command resumes).
 
 The handler only records the signal; the training loops poll ``requested()`` at step
 boundaries and spread the request to every rank (the store's control counters in async
-mode, one small allreduce per step in sync mode). A second signal gets the default action (the job dies).
+mode, one small allreduce per step in sync mode). A second signal gets the default action
+(the job dies).
 """
 from __future__ import annotations
 

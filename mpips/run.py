@@ -23,9 +23,9 @@ from .hooks import (
 from .job import Job
 from .layout import Role
 from .log import log
+from .store import Cluster, allgather_json
 from .summaries import Summaries, summary_root
 from .timeline import Timeline
-from .store import Cluster, allgather_json
 
 
 @dataclass
@@ -220,7 +220,8 @@ def evaluate_on(model: Any, device: Device, params: dict[str, Any], split: tuple
 def show(metrics: dict[str, float], prefix: str) -> str:
     """``accuracy``, ``loss``, ``auc`` first, then the rest, as ``<prefix><name> <value>``."""
     first = [k for k in ("accuracy", "loss", "auc") if k in metrics]
-    return " ".join(f"{prefix}{k} {metrics[k]:.4f}" for k in first + sorted(set(metrics) - set(first)))
+    return " ".join(f"{prefix}{k} {metrics[k]:.4f}"
+                    for k in first + sorted(set(metrics) - set(first)))
 
 
 def report(cluster: Cluster, model: Any, device: Device, params: dict[str, Any],

@@ -222,7 +222,7 @@ def review_features(text: str, categories: list[str], bits: int) -> tuple[list[i
     """Hashed unigrams and bigrams of ``text`` (value 1/sqrt(count)) plus one id per
     categorical column."""
     words = _WORD.findall(text.lower())
-    grams = words + [f"{a} {b}" for a, b in zip(words, words[1:])]
+    grams = words + [f"{a} {b}" for a, b in zip(words, words[1:], strict=False)]
     counts: dict[int, int] = {}
     for g in grams:
         h = _hash(g, bits)

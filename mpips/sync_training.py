@@ -34,6 +34,7 @@ from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
 from .log import log
 from .optim import Optimizer, clip_by_global_norm, learning_rate
+from .placement import VariableSpec
 from .run import (
     Session,
     TrainResult,
@@ -45,7 +46,6 @@ from .run import (
     say_preempted,
     say_restored,
 )
-from .placement import VariableSpec
 from .startup import Prepared
 from .store import Cluster
 from .summaries import job_timeline
@@ -151,8 +151,8 @@ class Replica:
                 self.params[name][...] = prep.values[name]
                 for k in self.optimizer.slots:
                     self.slots[name][k][...] = prep.slots[f"{name}/{k}"]
-            clocks = prep.clocks
-            same = clocks and len(clocks) == self.workers and len(set(clocks)) == 1
+            clocks = prep.clocks or []
+            same = bool(clocks) and len(clocks) == self.workers and len(set(clocks)) == 1
             header[:] = prep.start_step, clocks[0] if same else 0
             if prep.restored is not None:
                 say_restored(role, prep.start_step, prep.restored)

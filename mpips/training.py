@@ -27,7 +27,7 @@ from .sync_training import train_sync
 __all__ = ["TrainResult", "train"]
 
 
-def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Comm | None = None,
+def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Intracomm | None = None,
           model: Any = None, data: Mapping[str, tuple[Any, Any]] | None = None) -> TrainResult:
     """Run ``job`` on every rank of ``comm`` (collective): PS ranks serve, workers train.
 

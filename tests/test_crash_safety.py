@@ -86,7 +86,8 @@ def test_kill_9_at_random_moments_never_loses_the_last_checkpoint(tmp_path):
             last_seen = ckpt.step
     assert last_seen > 0
     # a last, clean run removes what killed writers left half-written
-    (tmp_path / "job.toml").write_text(JOB.replace("steps = 1000000000", f"steps = {last_seen + 5}"))
+    (tmp_path / "job.toml").write_text(JOB.replace("steps = 1000000000",
+                                                   f"steps = {last_seen + 5}"))
     r = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, "-m", "mpips", "train",
                         "job.toml"], cwd=tmp_path, env=clean_env(), capture_output=True,
                        text=True, timeout=120)

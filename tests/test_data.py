@@ -14,7 +14,7 @@ def test_shards_are_disjoint_and_cover():
     for n, k in [(1437, 6), (10, 3), (7, 7), (100, 1)]:
         ranges = [data.worker_rows(n, k, i) for i in range(k)]
         assert ranges[0][0] == 0 and ranges[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
         assert max(b - a for a, b in ranges) - min(b - a for a, b in ranges) <= 1
 
 
@@ -42,7 +42,8 @@ def test_builtin_digits():
 def write(path, **over):
     rng = np.random.default_rng(0)
     parts = {"train/x": rng.integers(0, 255, (20, 4), dtype=np.uint8),
-             "train/y": rng.integers(0, 3, 20), "test/x": rng.integers(0, 255, (5, 4), dtype=np.uint8),
+             "train/y": rng.integers(0, 3, 20),
+             "test/x": rng.integers(0, 255, (5, 4), dtype=np.uint8),
              "test/y": rng.integers(0, 3, 5)}
     parts.update(over)
     with h5py.File(path, "w") as f:

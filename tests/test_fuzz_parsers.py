@@ -12,8 +12,9 @@ from mpips.layout import make_layout
 
 SECTIONS = {f.name: [g.name for g in dataclasses.fields(f.default_factory())]
             for f in dataclasses.fields(Job) if f.default_factory is not dataclasses.MISSING}
-scalars = st.one_of(st.booleans(), st.integers(-3, 10**6), st.floats(-1e3, 1e3, allow_nan=False),
-                    st.text(max_size=8), st.sampled_from(["sgd", "adam", "sync", "async", "digits"]))
+scalars = st.one_of(st.booleans(), st.integers(-3, 10**6),
+                    st.floats(-1e3, 1e3, allow_nan=False), st.text(max_size=8),
+                    st.sampled_from(["sgd", "adam", "sync", "async", "digits"]))
 values = st.one_of(scalars, st.lists(st.one_of(st.booleans(), st.integers(-2, 9)), max_size=4))
 
 

@@ -36,10 +36,12 @@ def numeric_check(model, x, y, params, eps=1e-6, samples=25, tol=1e-5):
             old = flat[i]
             flat[i] = old + eps
             model.steps = 0
-            up = model.loss_and_grads(params, x, y, {k: np.zeros_like(v) for k, v in params.items()})
+            up = model.loss_and_grads(params, x, y,
+                                      {k: np.zeros_like(v) for k, v in params.items()})
             flat[i] = old - eps
             model.steps = 0
-            down = model.loss_and_grads(params, x, y, {k: np.zeros_like(v) for k, v in params.items()})
+            down = model.loss_and_grads(params, x, y,
+                                        {k: np.zeros_like(v) for k, v in params.items()})
             flat[i] = old
             numeric = (up - down) / (2 * eps)
             analytic = grads[name].reshape(-1)[i]

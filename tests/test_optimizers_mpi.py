@@ -101,7 +101,7 @@ def test_checkpoint_round_trip_keeps_slots_and_data_position(tmp_path, kind):
     assert "restored global_step 10" in r.stdout and "resuming at batch 10" in r.stdout
     a = read_ckpt(tmp_path / "runs/straight/ckpt-20.json")
     b = read_ckpt(tmp_path / "runs/resumed/ckpt-20.json")
-    for got, want in zip(b[:2], a[:2]):
+    for got, want in zip(b[:2], a[:2], strict=True):
         assert got.keys() == want.keys() and got
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)

@@ -190,7 +190,8 @@ def test_adagrad_on_the_ps_loses_no_update():
     s = Store(specs, opt)
     pushes = 40
     if s.cluster.is_ps:
-        assert serve(s.cluster, s.windows, opt.apply, opt.slots) == pushes * s.cluster.layout.num_workers
+        served = serve(s.cluster, s.windows, opt.apply, opt.slots)
+        assert served == pushes * s.cluster.layout.num_workers
     else:
         if s.cluster.is_chief:
             init = {sp.name: np.zeros(sp.shape, sp.dtype) for sp in specs}

@@ -78,11 +78,13 @@ def test_bad_layout_fails_fast_on_every_rank(tmp_path, layout, message):
 
 
 def test_bad_job_and_missing_data(tmp_path):
-    (tmp_path / "job.toml").write_text('[data]\npath = "nope.h5"\n[train]\nsteps = 5\nbach_size = 3\n')
+    (tmp_path / "job.toml").write_text(
+        '[data]\npath = "nope.h5"\n[train]\nsteps = 5\nbach_size = 3\n')
     assert_clean_error(run_train(tmp_path, 3, "job.toml", timeout=90),
                        "unknown key 'bach_size' (did you mean 'batch_size'?)")
     (tmp_path / "job.toml").write_text('[data]\npath = "nope.h5"\n[train]\nsteps = 5\n')
-    assert_clean_error(run_train(tmp_path, 3, "job.toml", timeout=90), "data file nope.h5: not found")
+    assert_clean_error(run_train(tmp_path, 3, "job.toml", timeout=90),
+                       "data file nope.h5: not found")
     assert_clean_error(run_train(tmp_path, 3, "missing.toml", timeout=90),
                        "job file missing.toml: not found")
 
@@ -94,7 +96,8 @@ def test_corrupt_checkpoint_is_a_clear_error_and_left_alone(tmp_path):
     shard.write_bytes(shard.read_bytes()[:3000])  # truncated
     r = run_train(tmp_path, 3, "--steps", "60", timeout=90)
     assert_clean_error(r, "checkpoint runs/default/ckpt-50.json: corrupt or unreadable")
-    assert len(shard.read_bytes()) == 3000 and checkpoint.latest_checkpoint(d).name == "ckpt-50.json"
+    assert len(shard.read_bytes()) == 3000
+    assert checkpoint.latest_checkpoint(d).name == "ckpt-50.json"
     manifest = d / "ckpt-50.json"
     manifest.write_text(manifest.read_text()[:100])  # truncated
     r = run_train(tmp_path, 3, "--steps", "60", timeout=90)

@@ -94,16 +94,18 @@ class StoreClient:
             runs = []
             dense = [e for e in placement.on_ps(p) if e.rows is None]
             for dtype, group in groupby(dense, key=lambda e: e.spec.dtype):
-                group = list(group)
-                start = group[0].offset
-                end = group[-1].offset + group[-1].spec.nbytes
+                members = list(group)
+                start = members[0].offset
+                end = members[-1].offset + members[-1].spec.nbytes
                 runs.append((start, end - start, np.dtype(dtype)))
             self._runs.append(runs)
         self.tables: dict[str, Table] = {}
         for e in placement:
             if e.whole is not None and e.whole.name not in self.tables:
                 parts = placement.parts(e.whole.name)
-                rule = "mod" if len(parts) > 1 and parts[0].rows[2] > 1 else "div"
+                rows = parts[0].rows
+                assert rows is not None  # every part of a table has its rows
+                rule = "mod" if len(parts) > 1 and rows[2] > 1 else "div"
                 self.tables[e.whole.name] = Table(
                     e.whole.name, parts, e.whole.shape[0], int(np.prod(e.whole.shape[1:])),
                     np.dtype(e.whole.dtype), rule)
@@ -126,7 +128,7 @@ class StoreClient:
         """Read every whole variable (one Get per PS) and, given unique row ``ids``, those rows
         of every table (one Get per PS and table); returns them by name."""
         win = self.windows.params
-        for p, rank, buf in self._targets:
+        for _p, rank, buf in self._targets:
             if buf.size:
                 win.Get([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
         out = self.params
@@ -143,7 +145,7 @@ class StoreClient:
                 win.Get([staged, table.base],
                         self.ps_ranks[r.ps_task], [table.parts[r.ps_task].offset, 1, r.mpi_type])
                 fetched.append((out[table.name], r.at, staged))
-        for p, rank, _ in self._targets:
+        for _p, rank, _ in self._targets:
             win.Flush(rank)
         for rows, at, staged in fetched:
             rows[at] = staged
@@ -188,7 +190,7 @@ class StoreClient:
             win.Accumulate([staged[-1], r.table.base],
                            self.ps_ranks[r.ps_task], [r.table.parts[r.ps_task].offset, 1,
                                                       r.mpi_type], MPI.SUM)
-        for p, rank, _ in self._targets:
+        for _p, rank, _ in self._targets:
             win.Flush(rank)
 
     def initialise(self, values: dict[str, np.ndarray],
@@ -204,7 +206,7 @@ class StoreClient:
                 staged.append(np.ascontiguousarray((slots or {})[e.spec.name], e.spec.dtype))
                 win.Put([staged[-1].view(np.uint8).ravel(), MPI.BYTE], self.ps_ranks[e.ps_task],
                         [e.offset, e.spec.nbytes, MPI.BYTE])
-        for p, rank, buf in self._targets:
+        for _p, rank, buf in self._targets:
             if buf.size:
                 win.Put([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
             win.Flush(rank)

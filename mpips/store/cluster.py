@@ -123,7 +123,7 @@ def allgather_json(comm: MPI.Comm, obj: Any, what: str = "an exchange between ra
     out = np.empty(int(counts.sum()), dtype=np.uint8)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
     wait(comm.Iallgatherv(data, [out, counts, displs, MPI.BYTE]), what, timeout)
-    return [json.loads(out[d:d + c].tobytes()) for d, c in zip(displs, counts)]
+    return [json.loads(out[d:d + c].tobytes()) for d, c in zip(displs, counts, strict=True)]
 
 
 def agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
@@ -166,7 +166,7 @@ def node_of_each_rank(comm: MPI.Comm) -> list[int]:
 class Cluster:
     """The world communicator seen through a layout: this rank's role and the workers' comm."""
 
-    def __init__(self, comm: MPI.Comm, layout: Layout):
+    def __init__(self, comm: MPI.Intracomm, layout: Layout):
         self.comm = comm
         self.layout = layout
         self.rank = comm.rank

@@ -17,7 +17,18 @@ from mpi4py import MPI
 from ..errors import Stalled, StartTimeout
 from ..waits import poll
 from .cluster import STALL_TIMEOUT, START_TIMEOUT, unreachable
-from .window import CKPT_SEQ, CKPT_STEP, ENDED, FAILED, GLOBAL_STEP, READY, SHARDS, STOP, TICKETS, Windows
+from .window import (
+    CKPT_SEQ,
+    CKPT_STEP,
+    ENDED,
+    FAILED,
+    GLOBAL_STEP,
+    READY,
+    SHARDS,
+    STOP,
+    TICKETS,
+    Windows,
+)
 
 _ONE = np.ones(1, dtype=np.int64)
 NO_MORE_TICKETS = 1 << 62  # every later claim is past any step target

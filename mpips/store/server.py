@@ -100,7 +100,9 @@ class _Chores:
                 try:
                     self.write_shard(step, *self.windows.held(self.task))
                 except NonFinite as e:  # said once, even if several PS tasks find it
-                    raise e if self.control.claim_failure() else AlreadyReported(str(e))
+                    if self.control.claim_failure():
+                        raise
+                    raise AlreadyReported(str(e)) from e
                 self.served = number
                 self.control.shard_written(self.task, number)
         if self.control.run_ended():

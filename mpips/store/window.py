@@ -64,7 +64,7 @@ class WindowPlan:
 class Windows(WindowPlan):
     """The parameter, mailbox and control windows; created and freed collectively."""
 
-    def __init__(self, comm: MPI.Comm, layout: Layout, placement: Placement,
+    def __init__(self, comm: MPI.Intracomm, layout: Layout, placement: Placement,
                  slots: Placement | None = None, inboxes: bool = False, row_capacity: int = 0):
         super().__init__(placement, slots, row_capacity)
         self.layout = layout
@@ -81,7 +81,7 @@ class Windows(WindowPlan):
         self.control = MPI.Win.Allocate(control, disp_unit=8, comm=comm)
         self.control_rank = layout.ps_ranks[0]
         for win in self._wins:
-            np.frombuffer(win.tomemory(), dtype=np.uint8)[:] = 0
+            self.local(win)[:] = 0
             win.Lock_all(MPI.MODE_NOCHECK)
         self._open = True
         barrier(comm, "window creation")  # nobody reads a counter before its owner zeroed it
@@ -92,7 +92,8 @@ class Windows(WindowPlan):
 
     def local(self, win: MPI.Win) -> np.ndarray:
         """This rank's own memory of ``win`` as bytes (empty where it holds none)."""
-        return np.frombuffer(win.tomemory(), dtype=np.uint8)
+        # mpi4py's stub gives MPI.buffer its __buffer__ only for Python >= 3.12
+        return np.frombuffer(win.tomemory(), dtype=np.uint8)  # type: ignore[call-overload]
 
     def held(self, task: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """PS ``task`` (this rank): views of the variables and slots in its own memory, by
