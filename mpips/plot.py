@@ -14,22 +14,27 @@ from .timeline import merge
 Series = dict[str, dict[str, list[tuple[float, float, float]]]]  # name -> task -> (t, step, v)
 
 
-def read_metrics(run_dir: str | Path) -> Series:
-    """Every worker's metrics.jsonl under ``run_dir``: name -> task -> [(time, step, value)]."""
+def read_metrics(run_dir: str | Path) -> tuple[Series, int]:
+    """Every worker's metrics.jsonl under ``run_dir``: (name -> task -> [(time, step,
+    value)], the number of unreadable lines skipped: a run killed mid-write leaves half a
+    line)."""
     files = sorted(Path(run_dir).glob("worker-*/metrics.jsonl"))
     if not files:
         raise DataError(f"{run_dir}: no worker-*/metrics.jsonl (summaries are written where "
                         f"summary.dir says, by default the checkpoint directory)")
     out: Series = defaultdict(lambda: defaultdict(list))
+    skipped = 0
     for path in files:
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for line in path.read_text(errors="replace").splitlines():
             try:
                 r = json.loads(line)
                 out[r["name"]][r["task"]].append((float(r["time"]), float(r["step"]),
                                                   float(r["value"])))
-            except (ValueError, KeyError, TypeError) as e:
-                raise DataError(f"{path}:{n}: not a metrics record ({e})") from None
-    return out
+            except (ValueError, KeyError, TypeError):
+                skipped += 1
+    if not out:
+        raise DataError(f"{run_dir}: its metrics.jsonl files hold no readable records")
+    return out, skipped
 
 
 def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
@@ -60,7 +65,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     except ImportError:
         raise DataError("plot needs matplotlib: pip install \"mpips[plot]\" (or matplotlib)") \
             from None
-    series = read_metrics(run_dir)
+    series, skipped = read_metrics(run_dir)
+    if skipped:
+        print(f"skipped {skipped} unreadable line(s) (a run killed while writing?)")
     out = Path(out or run_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -75,6 +75,16 @@ def where_to_look(run_dir: str | Path) -> str:
             f"{run_dir}; python -m mpips plot {run_dir})")
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """Whether a file exists and its last byte is not a newline (a writer was killed)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
+    except OSError:  # missing, or empty (seek before the start)
+        return False
+
+
 class Summaries(Hook):
     """Every ``every`` local updates of this worker: its scalars to metrics.jsonl and
     TensorBoard. Validation results and checkpoint pauses are recorded when they happen."""
@@ -104,7 +114,11 @@ class Summaries(Hook):
             return
         folder = summary_dir(self.directory, run.role.task)
         folder.mkdir(parents=True, exist_ok=True)
-        self.file = open(folder / "metrics.jsonl", "a", buffering=1)  # line-buffered
+        path = folder / "metrics.jsonl"
+        torn = _ends_mid_line(path)
+        self.file = open(path, "a", buffering=1)  # line-buffered
+        if torn:  # a killed run's half line stays a line of its own (plot skips it)
+            self.file.write("\n")
         if self.tensorboard:
             from tensorboardX import SummaryWriter  # imported only when summaries are on
             self.writer = SummaryWriter(str(folder), flush_secs=10)

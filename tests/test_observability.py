@@ -130,3 +130,23 @@ def test_progress_is_plain_lines_with_an_eta_when_not_on_a_terminal(capsys):
     assert len(lines) == 2 and "\r" not in out.out + out.err, out
     assert re.fullmatch(r"\[/job:worker/task:0\] progress: global_step 200/400 \(50%\), "
                         r"[0-9.]+ steps/s, ETA \d+ s", lines[1]), lines
+
+
+def test_a_torn_metrics_line_is_skipped_by_plot_and_not_glued_to_the_next(tmp_path):
+    """A run killed mid-write leaves half a line; the resumed run starts on a new line, and
+    `mpips plot` skips the torn one and says so."""
+    from mpips.plot import read_metrics
+    from mpips.summaries import Summaries
+    folder = tmp_path / "worker-0"
+    folder.mkdir()
+    good = '{"time": 1, "task": "/job:worker/task:0", "step": 20, "name": "loss", "value": 1.5}'
+    (folder / "metrics.jsonl").write_text(good + "\n" + good[:30])
+    hook = Summaries(tmp_path, every=1, tensorboard=False)
+    run = Run(job=None, role=_Role(), start_step=20, target_steps=0, global_step=lambda: 20,
+              start_save=None)
+    hook.begin(run)
+    hook.record(40, {"loss": 0.5})
+    hook.file.close()
+    series, skipped = read_metrics(tmp_path)
+    assert skipped == 1 and series["loss"]["/job:worker/task:0"] == [
+        (1.0, 20.0, 1.5), (pytest.approx(series["loss"]["/job:worker/task:0"][1][0]), 40.0, 0.5)]
