@@ -10,6 +10,7 @@ present, else the reference workload's synthetic 784-input set (the cost is the 
 thread, timed after 20 warm-up steps; the mpips rate is what its chief reports (all workers'
 examples over the slowest worker's loop time, warm-up included). Rounds alternate.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ def main() -> None:
     x, y = load_split(info, "train")
     sys.path.insert(0, str(ROOT / "jobs"))
     import cnn
+
     single, mpips = [], []
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(ROOT / "jobs/cnn.py", tmp)
@@ -63,14 +65,20 @@ def main() -> None:
         for r in range(args.rounds):
             single.append(one_process_rate(cnn.build(info), x, y, 200, 64, 0.05))
             mpips.append(mpips_rate(3, job, Path(tmp)))
-            print(f"round {r + 1}: one process {single[-1]:8.0f} | mpips async 1 ps + 2 workers "
-                  f"{mpips[-1]:8.0f} examples/s", flush=True)
+            print(
+                f"round {r + 1}: one process {single[-1]:8.0f} | mpips async 1 ps + 2 workers "
+                f"{mpips[-1]:8.0f} examples/s",
+                flush=True,
+            )
     print(f"\ndata: {data}")
-    print(f"one process, same layers, 1 BLAS thread : "
-          f"{min(single):.0f}-{max(single):.0f} examples/s")
-    print(f"mpips async, 1 ps + 2 workers            : "
-          f"{min(mpips):.0f}-{max(mpips):.0f} examples/s, "
-          f"{np.median(mpips) / np.median(single):.2f}x the single process (linear limit 2x)")
+    print(
+        f"one process, same layers, 1 BLAS thread : {min(single):.0f}-{max(single):.0f} examples/s"
+    )
+    print(
+        f"mpips async, 1 ps + 2 workers            : "
+        f"{min(mpips):.0f}-{max(mpips):.0f} examples/s, "
+        f"{np.median(mpips) / np.median(single):.2f}x the single process (linear limit 2x)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Pieces the benchmarks share: the reference data, the one-process numpy baseline, and a
 timed mpips run (examples/s as the chief reports it)."""
+
 from __future__ import annotations
 
 import re
@@ -33,8 +34,9 @@ def one_numpy_process(x: np.ndarray, y: np.ndarray, steps: int) -> float:
     return one_process_rate(MLP([784, 512, 512, 10]), x, y, steps, 128, 0.05)
 
 
-def one_process_rate(model, x: np.ndarray, y: np.ndarray, steps: int, batch: int,
-                     lr: float) -> float:
+def one_process_rate(
+    model, x: np.ndarray, y: np.ndarray, steps: int, batch: int, lr: float
+) -> float:
     """Examples/s of ``model`` with SGD in this process, 1 BLAS thread, after 20 warm-up
     steps: the same numpy model code mpips runs, without any MPI."""
     params = model.initial_values(0)
@@ -54,9 +56,22 @@ def one_process_rate(model, x: np.ndarray, y: np.ndarray, steps: int, batch: int
 def mpips_rate(ranks: int, job: Path, workdir: Path) -> float:
     """Run `mpiexec -n RANKS python -m mpips train JOB`; the examples/s its chief reports."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    r = subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks),
-                        sys.executable, "-m", "mpips", "train", str(job)],
-                       cwd=workdir, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            str(mpiexec) if mpiexec.exists() else "mpiexec",
+            "-n",
+            str(ranks),
+            sys.executable,
+            "-m",
+            "mpips",
+            "train",
+            str(job),
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     m = re.search(r"([0-9]+) examples/s\)", r.stdout)
     if r.returncode or not m:
         raise SystemExit(f"mpips run failed:\n{r.stdout}\n{r.stderr}")

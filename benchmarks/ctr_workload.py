@@ -5,6 +5,7 @@ on the touched rows of in-memory tables (the limit one core reaches without MPI)
 Run:  python benchmarks/ctr_workload.py [--data data/clothing_reviews.h5] [--job jobs/ctr.toml]
 (makes the data with `python -m mpips data clothing-reviews` if it is missing)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,9 @@ def main() -> None:
     args = ap.parse_args()
     if not Path(args.data).exists():
         Path(args.data).parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "mpips", "data", "clothing-reviews", args.data],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "mpips", "data", "clothing-reviews", args.data], check=True
+        )
     job = load_job(args.job)
     single = one_process(job, args.data, job.train.epochs)
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,12 +79,16 @@ def main() -> None:
         text = text.replace("log_every = 100", "log_every = 0")
         (d / "job.toml").write_text(text.replace(f'dir = "{job.checkpoint.dir}"', 'dir = ""'))
         rates = [mpips_rate(args.ranks, d / "job.toml", d) for _ in range(3)]
-    print(f"# ctr_workload | {job.name} ({job.model.kind}, {job.optimizer.kind}, batch "
-          f"{job.train.batch_size}, {job.train.epochs} epochs)")
+    print(
+        f"# ctr_workload | {job.name} ({job.model.kind}, {job.optimizer.kind}, batch "
+        f"{job.train.batch_size}, {job.train.epochs} epochs)"
+    )
     print(f"one process (1 BLAS thread):       {single:>9.0f} examples/s")
-    print(f"mpips, {args.ranks} ranks (1 ps + {args.ranks - 1} workers): "
-          f"{np.median(rates):>9.0f} examples/s (median of 3: "
-          f"{', '.join(f'{r:.0f}' for r in rates)}) = {np.median(rates) / single:.2f}x")
+    print(
+        f"mpips, {args.ranks} ranks (1 ps + {args.ranks - 1} workers): "
+        f"{np.median(rates):>9.0f} examples/s (median of 3: "
+        f"{', '.join(f'{r:.0f}' for r in rates)}) = {np.median(rates) / single:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ else equal); the extra examples divided by the extra wall seconds is its steady 
 start-up, imports, data loading and the final evaluation cancel out. Rounds interleave the
 configurations so they see the same machine load; the table gives medians and ranges.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,27 @@ def wall_seconds(work: Path, data: str, steps: int, every: int, timeline: str) -
     """Wall time of one whole `mpiexec -n 3 python -m mpips train` run."""
     summaries = work / f"s-{time.monotonic_ns()}"
     job = work / "job.toml"
-    job.write_text(JOB.format(data=data, steps=steps, summaries=summaries, every=every,
-                              timeline=timeline))
+    job.write_text(
+        JOB.format(data=data, steps=steps, summaries=summaries, every=every, timeline=timeline)
+    )
     mpiexec = Path(sys.executable).parent / "mpiexec"
     t0 = time.perf_counter()
-    r = subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", "3",
-                        sys.executable, "-m", "mpips", "train", str(job)], cwd=work,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            str(mpiexec) if mpiexec.exists() else "mpiexec",
+            "-n",
+            "3",
+            sys.executable,
+            "-m",
+            "mpips",
+            "train",
+            str(job),
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     seconds = time.perf_counter() - t0
     if r.returncode:
         raise SystemExit(f"mpips run failed:\n{r.stdout}\n{r.stderr}")
@@ -81,8 +96,7 @@ def main() -> None:
     print(f"\n{'configuration':<20} {'median':>9} {'range':>19} {'vs off':>7}")
     for name, values in rates.items():
         med = statistics.median(values)
-        print(f"{name:<20} {med:>9.0f} {min(values):>9.0f}-{max(values):<9.0f} "
-              f"{med / base:>6.2f}x")
+        print(f"{name:<20} {med:>9.0f} {min(values):>9.0f}-{max(values):<9.0f} {med / base:>6.2f}x")
 
 
 if __name__ == "__main__":

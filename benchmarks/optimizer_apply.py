@@ -11,6 +11,7 @@ Model: the reference MLP's variables (784-512-512-10, 0.67 M float32 parameters)
                 Gets variable + slots, applies the rule locally, Puts them back, unlocks.
 Figures: parameters updated per second (aggregate over the active workers), median of --reps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,16 @@ from mpips.placement import round_robin, slot_placement, views
 from mpips.store import TICKETS, Cluster, StoreClient, Windows, barrier, serve
 
 comm = MPI.COMM_WORLD
-HYPER = {"momentum": 0.9, "nesterov": False, "epsilon": 1e-7, "initial_accumulator_value": 0.1,
-         "beta1": 0.9, "beta2": 0.999, "l1": 0.0, "l2": 0.0}
+HYPER = {
+    "momentum": 0.9,
+    "nesterov": False,
+    "epsilon": 1e-7,
+    "initial_accumulator_value": 0.1,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "l1": 0.0,
+    "l2": 0.0,
+}
 KINDS = ("sgd", "momentum", "adagrad", "adam", "ftrl")
 
 
@@ -165,21 +174,37 @@ def main() -> None:
         lim = comm.bcast(lim)
         for workers in (1, 2):
             t_ps = ps_applies(cluster, placement, opt, workers, args.reps, args.iters)
-            t_lock = worker_lock(cluster, placement, opt, workers, args.reps, args.iters) \
-                if opt.stateful else 0.0
+            t_lock = (
+                worker_lock(cluster, placement, opt, workers, args.reps, args.iters)
+                if opt.stateful
+                else 0.0
+            )
             t_ps = comm.allreduce(t_ps, MPI.MAX)
             t_lock = comm.allreduce(t_lock, MPI.MAX)
-            rows.append((kind, workers, lim, workers * nparams / t_ps,
-                         workers * nparams / t_lock if t_lock else float("nan")))
+            rows.append(
+                (
+                    kind,
+                    workers,
+                    lim,
+                    workers * nparams / t_ps,
+                    workers * nparams / t_lock if t_lock else float("nan"),
+                )
+            )
     if comm.rank == 0:
-        print(f"# optimizer_apply | {MPI.Get_library_version().splitlines()[0]} | 1 ps + "
-              f"{comm.size - 1} workers | {nparams} float32 params | median of {args.reps}")
-        print(f"{'optimizer':<10}{'workers':>8}{'limit Mparam/s':>16}{'ps-applies':>12}"
-              f"{'ratio':>7}{'worker-lock':>13}{'ratio':>7}")
+        print(
+            f"# optimizer_apply | {MPI.Get_library_version().splitlines()[0]} | 1 ps + "
+            f"{comm.size - 1} workers | {nparams} float32 params | median of {args.reps}"
+        )
+        print(
+            f"{'optimizer':<10}{'workers':>8}{'limit Mparam/s':>16}{'ps-applies':>12}"
+            f"{'ratio':>7}{'worker-lock':>13}{'ratio':>7}"
+        )
         for kind, w, lim, ps, lock in rows:
             note = " (Accumulate)" if kind == "sgd" else ""
-            print(f"{kind:<10}{w:>8}{lim / 1e6:>16.1f}{ps / 1e6:>12.1f}{ps / lim:>7.2f}"
-                  f"{lock / 1e6:>13.1f}{lock / lim:>7.2f}{note}")
+            print(
+                f"{kind:<10}{w:>8}{lim / 1e6:>16.1f}{ps / 1e6:>12.1f}{ps / lim:>7.2f}"
+                f"{lock / 1e6:>13.1f}{lock / lim:>7.2f}{note}"
+            )
     cluster.free()
 
 

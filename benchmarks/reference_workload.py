@@ -10,6 +10,7 @@ chief reports (all workers' examples over the slowest worker's loop time, warm-u
 Rounds alternate between the two so both see the same machine load. Target: >= 1.6x.
 ``--optimizers sgd,adam`` adds mpips runs with Adam (lr 0.001, applied on the PS) to each round.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,10 @@ def main() -> None:
     for kind in kinds:
         m = multi[kind]
         ratio = np.median(m) / np.median(single)
-        print(f"mpips async {kind:<8} 1 ps + 2 workers : {min(m):.0f}-{max(m):.0f} examples/s, "
-              f"{ratio:.2f}x the single process (SGD target >= 1.6x, linear limit 2x)")
+        print(
+            f"mpips async {kind:<8} 1 ps + 2 workers : {min(m):.0f}-{max(m):.0f} examples/s, "
+            f"{ratio:.2f}x the single process (SGD target >= 1.6x, linear limit 2x)"
+        )
 
 
 if __name__ == "__main__":

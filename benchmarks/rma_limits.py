@@ -8,6 +8,7 @@ The PS rank makes no MPI call while the workers measure: it waits in Ibarrier + 
 1 ms sleep, as an mpips PS does, so what is measured is passive-target RMA with an idle
 target. Figures are medians over --reps samples; each sample moves about --bytes per worker.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,10 @@ def main() -> None:
         buf = np.ones(nbytes // 4, np.float32)
         iters = max(1, int(args.bytes / nbytes))
         copy_src = np.ones_like(buf)
-        t = worst(median_seconds(lambda: np.copyto(buf, copy_src), comm.rank == 1, iters,
-                                 args.reps), comm.rank == 1)
+        t = worst(
+            median_seconds(lambda: np.copyto(buf, copy_src), comm.rank == 1, iters, args.reps),
+            comm.rank == 1,
+        )
         rows.append((f"memcpy {nbytes >> 20} MiB (numpy copyto)", 1, nbytes / t / 1e9, "GB/s"))
         win.Lock_all(MPI.MODE_NOCHECK)
         for k in sorted({1, workers}):
@@ -80,6 +83,7 @@ def main() -> None:
             def acc() -> None:
                 win.Accumulate([buf, MPI.FLOAT], PS, [0, buf.size, MPI.FLOAT], MPI.SUM)
                 win.Flush(PS)
+
             for label, fn in (("Get", get), ("Accumulate(SUM)", acc)):
                 t = worst(median_seconds(fn, active, iters, args.reps), active)
                 rows.append((f"{label} {nbytes >> 20} MiB", k, k * nbytes / t / 1e9, "GB/s"))
@@ -94,6 +98,7 @@ def main() -> None:
         counter.Lock(PS, MPI.LOCK_SHARED)
         counter.Fetch_and_op(one, out, PS, 0, MPI.SUM)
         counter.Unlock(PS)
+
     counter.Lock_all(MPI.MODE_NOCHECK)
     t = worst(median_seconds(fetch_in_epoch, comm.rank == 1, 2000, args.reps), comm.rank == 1)
     rows.append(("8-byte Fetch_and_op, Lock_all + Flush", 1, t * 1e6, "us"))
@@ -119,8 +124,10 @@ def main() -> None:
     counter.Free()
     win.Free()
     if comm.rank == 0:
-        print(f"# rma_limits | {MPI.Get_library_version().splitlines()[0]} | {comm.size} ranks "
-              f"(rank 0 the PS, asleep) | median of {args.reps}")
+        print(
+            f"# rma_limits | {MPI.Get_library_version().splitlines()[0]} | {comm.size} ranks "
+            f"(rank 0 the PS, asleep) | median of {args.reps}"
+        )
         print(f"{'operation':<42}{'ranks/workers':>14}{'value':>10}  unit")
         for label, k, value, unit in rows:
             print(f"{label:<42}{k:>14}{value:>10.2f}  {unit}")

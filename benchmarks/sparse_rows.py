@@ -17,6 +17,7 @@ step (whole variables plus the rows they name), both ways; "row bytes" is what t
 rows hold (unique ids x 36 B), for comparison. Target: 10M / 10K time per unique row <= 1.2x,
 to be read beside the same ratio of the raw scattered transfer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,8 @@ from mpips.placement import VariableSpec, place_tables, round_robin
 from mpips.store import Cluster, StoreClient, Windows, barrier
 
 comm = MPI.COMM_WORLD
-ROW_BYTES = 4 * (8 + 1)   # one embedding row plus one wide weight, float32
-SCATTER = 2654435761      # a prime: coprime to 10^4 and 10^7, so rank -> row is a bijection
+ROW_BYTES = 4 * (8 + 1)  # one embedding row plus one wide weight, float32
+SCATTER = 2654435761  # a prime: coprime to 10^4 and 10^7, so rank -> row is a bijection
 
 
 def batch_ids(seed: int, table_rows: int, rows: int = 128, nnz: int = 32) -> np.ndarray:
@@ -51,8 +52,10 @@ def main() -> None:
     sizes = (10_000, 10_000_000)
     setups = {}
     for rows in sizes:  # both tables live at once: their reps interleave (see below)
-        tables = [VariableSpec("deep/embedding", (rows, 8)),
-                  VariableSpec("wide/weights", (rows, 1))]
+        tables = [
+            VariableSpec("deep/embedding", (rows, 8)),
+            VariableSpec("wide/weights", (rows, 1)),
+        ]
         placement = place_tables(round_robin([VariableSpec("wide/bias", (1,))], 2), tables, "mod")
         windows = Windows(comm, layout, placement)
         batches = [batch_ids(s, rows) for s in range(16)]
@@ -66,8 +69,9 @@ def main() -> None:
         client.push()
         return 2 * sent  # the push sends the same datatypes back
 
-    def scattered_types(windows: Windows, ids: np.ndarray
-                        ) -> list[tuple[int, MPI.Datatype, np.ndarray]]:
+    def scattered_types(
+        windows: Windows, ids: np.ndarray
+    ) -> list[tuple[int, MPI.Datatype, np.ndarray]]:
         """Per PS rank: an indexed float datatype over exactly the rows of ``ids`` it holds
         (both tables), and a buffer for them; built once, outside the timing."""
         out = []
@@ -100,18 +104,25 @@ def main() -> None:
         for rank in layout.ps_ranks:
             win.Flush(rank)
         for rank in layout.ps_ranks:
-            win.Accumulate([raw.view(np.float32), MPI.FLOAT], rank,
-                           [64, raw.size // 4, MPI.FLOAT], MPI.SUM)
+            win.Accumulate(
+                [raw.view(np.float32), MPI.FLOAT], rank, [64, raw.size // 4, MPI.FLOAT], MPI.SUM
+            )
         for rank in layout.ps_ranks:
             win.Flush(rank)
 
     # bytes each step really sends (from its datatypes), measured once per batch
-    sent = {rows: float(np.mean([rows_step(c, b, i) for i in range(len(b))])) if worker else 0.0
-            for rows, (_, c, b) in setups.items()}
-    raws = {rows: np.zeros(int(sent[rows] / 2 / len(layout.ps_ranks)) // 4 * 4, np.uint8)
-            for rows in sizes}  # half each way, split over the PS tasks
-    scattered = {rows: [scattered_types(w, b) for b in batches] if worker else []
-                 for rows, (w, _, batches) in setups.items()}
+    sent = {
+        rows: float(np.mean([rows_step(c, b, i) for i in range(len(b))])) if worker else 0.0
+        for rows, (_, c, b) in setups.items()
+    }
+    raws = {
+        rows: np.zeros(int(sent[rows] / 2 / len(layout.ps_ranks)) // 4 * 4, np.uint8)
+        for rows in sizes
+    }  # half each way, split over the PS tasks
+    scattered = {
+        rows: [scattered_types(w, b) for b in batches] if worker else []
+        for rows, (w, _, batches) in setups.items()
+    }
     # (the tables hold zeros: adding back what was read leaves them as they are)
     kinds = ("rows", "raw", "scattered")
     # reps alternate between the two sizes, so that a change in the machine's load (a
@@ -138,29 +149,42 @@ def main() -> None:
     results = {}
     for rows in sizes:
         unique = float(np.mean([len(b) for b in setups[rows][2]]))
-        results[rows] = {kind: comm.bcast(float(np.median(samples[rows, kind])),
-                                          root=layout.chief_rank) for kind in kinds}
-        results[rows].update(unique=unique, sent=comm.bcast(sent[rows], root=layout.chief_rank),
-                             spread=max(int(b.max()) for b in setups[rows][2]))
+        results[rows] = {
+            kind: comm.bcast(float(np.median(samples[rows, kind])), root=layout.chief_rank)
+            for kind in kinds
+        }
+        results[rows].update(
+            unique=unique,
+            sent=comm.bcast(sent[rows], root=layout.chief_rank),
+            spread=max(int(b.max()) for b in setups[rows][2]),
+        )
         setups[rows][0].free()
     if comm.rank == 0:
-        print(f"# sparse_rows | {MPI.Get_library_version().splitlines()[0]} | {comm.size} "
-              f"ranks (2 ps, 1 worker) | 128 x 32 Zipf(1.2) ids per batch over the whole "
-              f"table, embedding 8 + wide 1 float32 | median of {args.reps} x {args.steps} steps")
-        print(f"{'table rows':>12}{'max id':>10}{'unique':>8}{'step us':>9}{'us/row':>8}"
-              f"{'raw us':>8}{'raw/step':>9}{'scattered us':>13}{'bytes sent':>12}"
-              f"{'row bytes':>11}")
+        print(
+            f"# sparse_rows | {MPI.Get_library_version().splitlines()[0]} | {comm.size} "
+            f"ranks (2 ps, 1 worker) | 128 x 32 Zipf(1.2) ids per batch over the whole "
+            f"table, embedding 8 + wide 1 float32 | median of {args.reps} x {args.steps} steps"
+        )
+        print(
+            f"{'table rows':>12}{'max id':>10}{'unique':>8}{'step us':>9}{'us/row':>8}"
+            f"{'raw us':>8}{'raw/step':>9}{'scattered us':>13}{'bytes sent':>12}"
+            f"{'row bytes':>11}"
+        )
         for rows, r in results.items():
-            print(f"{rows:>12}{r['spread']:>10}{r['unique']:>8.0f}{r['rows'] * 1e6:>9.1f}"
-                  f"{r['rows'] * 1e6 / r['unique']:>8.3f}{r['raw'] * 1e6:>8.1f}"
-                  f"{r['raw'] / r['rows']:>9.2f}{r['scattered'] * 1e6:>13.1f}{r['sent']:>12.0f}"
-                  f"{2 * r['unique'] * ROW_BYTES:>11.0f}")
+            print(
+                f"{rows:>12}{r['spread']:>10}{r['unique']:>8.0f}{r['rows'] * 1e6:>9.1f}"
+                f"{r['rows'] * 1e6 / r['unique']:>8.3f}{r['raw'] * 1e6:>8.1f}"
+                f"{r['raw'] / r['rows']:>9.2f}{r['scattered'] * 1e6:>13.1f}{r['sent']:>12.0f}"
+                f"{2 * r['unique'] * ROW_BYTES:>11.0f}"
+            )
         big, small = results[10_000_000], results[10_000]
-        print(f"10M-row / 10K-row: step time {big['rows'] / small['rows']:.2f}x, time per unique "
-              f"row {big['rows'] / big['unique'] / (small['rows'] / small['unique']):.2f}x "
-              f"(target <= 1.2x); raw scattered transfer of the same rows "
-              f"{big['scattered'] / small['scattered']:.2f}x, per row "
-              f"{big['scattered'] / big['unique'] / (small['scattered'] / small['unique']):.2f}x")
+        print(
+            f"10M-row / 10K-row: step time {big['rows'] / small['rows']:.2f}x, time per unique "
+            f"row {big['rows'] / big['unique'] / (small['rows'] / small['unique']):.2f}x "
+            f"(target <= 1.2x); raw scattered transfer of the same rows "
+            f"{big['scattered'] / small['scattered']:.2f}x, per row "
+            f"{big['scattered'] / big['unique'] / (small['scattered'] / small['unique']):.2f}x"
+        )
     cluster.free()
 
 

@@ -7,6 +7,7 @@ ratio shows what mpips adds on top of MPI: one Get/Accumulate per PS over a whol
 Rows: the reference MLP (784-512-512-10, 6 variables, 2.7 MB) and a 16 MiB single variable,
 with 1 and 2 workers active at once. Figures: median of --reps samples, aggregate GB/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,10 @@ def main() -> None:
     args = ap.parse_args()
     layout = make_layout(comm.size, 1)
     cluster = Cluster(comm, layout)
-    models = {"MLP 784-512-512-10": MLP([784, 512, 512, 10]).variables(),
-              "one 16 MiB variable": [VariableSpec("w", (4 << 20,))]}
+    models = {
+        "MLP 784-512-512-10": MLP([784, 512, 512, 10]).variables(),
+        "one 16 MiB variable": [VariableSpec("w", (4 << 20,))],
+    }
     rows = []
     for label, specs in models.items():
         placement = round_robin(specs, 1)
@@ -68,8 +71,10 @@ def main() -> None:
         iters = max(1, int(args.bytes / n))
         for k in (1, 2):
             active = not cluster.is_ps and cluster.role.task < k
-            for op, fn_raw, fn_mpips in (("pull / Get", raw_get, client.pull),
-                                         ("push / Accumulate", raw_acc, client.push)):
+            for op, fn_raw, fn_mpips in (
+                ("pull / Get", raw_get, client.pull),
+                ("push / Accumulate", raw_acc, client.push),
+            ):
                 t_raw = timed(fn_raw, active, iters, args.reps)
                 t_mp = timed(fn_mpips, active, iters, args.reps)
                 barrier(comm, "the benchmark")
@@ -79,13 +84,19 @@ def main() -> None:
         barrier(comm, "the benchmark")
         windows.free()
     if comm.rank == 0:
-        print(f"# store_bandwidth | {MPI.Get_library_version().splitlines()[0]} | "
-              f"{comm.size} ranks (1 ps) | median of {args.reps}")
-        print(f"{'payload':<22}{'op':<19}{'workers':>7}{'bytes':>11}{'raw GB/s':>10}"
-              f"{'mpips GB/s':>12}{'ratio':>7}")
+        print(
+            f"# store_bandwidth | {MPI.Get_library_version().splitlines()[0]} | "
+            f"{comm.size} ranks (1 ps) | median of {args.reps}"
+        )
+        print(
+            f"{'payload':<22}{'op':<19}{'workers':>7}{'bytes':>11}{'raw GB/s':>10}"
+            f"{'mpips GB/s':>12}{'ratio':>7}"
+        )
         for label, op, k, n, raw_bw, mp_bw in rows:
-            print(f"{label:<22}{op:<19}{k:>7}{n:>11}{raw_bw:>10.2f}{mp_bw:>12.2f}"
-                  f"{mp_bw / raw_bw:>7.2f}")
+            print(
+                f"{label:<22}{op:<19}{k:>7}{n:>11}{raw_bw:>10.2f}{mp_bw:>12.2f}"
+                f"{mp_bw / raw_bw:>7.2f}"
+            )
     cluster.free()
 
 

@@ -12,6 +12,7 @@ Model: the reference MLP (784-512-512-10, 2.68 MB of float32 gradients), batch 1
 hidden share = 1 - (step - compute) / buckets: how much of the reduction backward covered.
 Figures: medians over --reps samples of --iters steps each.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     from threadpoolctl import threadpool_limits
+
     threadpool_limits(1)
     model = MLP([784, 512, 512, 10])
     specs = model.variables()
@@ -78,19 +80,27 @@ def main() -> None:
 
     runs: dict[str, list[float]] = {}
     for _ in range(3):  # interleave, so every kind of sample sees the same machine load
-        for name, fn in (("raw", raw), ("buckets", reduce_only), ("compute", compute),
-                         ("step", step)):
+        for name, fn in (
+            ("raw", raw),
+            ("buckets", reduce_only),
+            ("compute", compute),
+            ("step", step),
+        ):
             runs.setdefault(name, []).append(median_time(fn, args.reps, args.iters))
     t = {name: float(np.median(v)) for name, v in runs.items()}
     if comm.rank == 0:
         raw_t = t["raw"]
         hidden = 1 - (t["step"] - t["compute"]) / t["buckets"]
-        print(f"# sync_allreduce | {MPI.Get_library_version().splitlines()[0]} | {comm.size} "
-              f"replicas | {nbytes} bytes in {len(buckets.buckets)} bucket(s) of ~"
-              f"{args.bucket_bytes} bytes | medians of {args.reps}")
+        print(
+            f"# sync_allreduce | {MPI.Get_library_version().splitlines()[0]} | {comm.size} "
+            f"replicas | {nbytes} bytes in {len(buckets.buckets)} bucket(s) of ~"
+            f"{args.bucket_bytes} bytes | medians of {args.reps}"
+        )
         print(f"raw Allreduce of the same bytes      : {raw_t * 1e3:7.3f} ms")
-        print(f"mpips buckets (no compute)           : {t['buckets'] * 1e3:7.3f} ms  "
-              f"({t['buckets'] / raw_t:.2f}x raw; target <= 1.15x)")
+        print(
+            f"mpips buckets (no compute)           : {t['buckets'] * 1e3:7.3f} ms  "
+            f"({t['buckets'] / raw_t:.2f}x raw; target <= 1.15x)"
+        )
         print(f"forward+backward alone               : {t['compute'] * 1e3:7.3f} ms")
         print(f"forward+backward with bucket overlap : {t['step'] * 1e3:7.3f} ms")
         print(f"communication hidden behind backward : {max(0.0, hidden) * 100:5.1f} %")

@@ -10,6 +10,7 @@ the gloo backend, timed after 20 warm-up steps. mpips runs `mpiexec -n 2 python 
 in sync mode (no PS) and reports all examples over the slowest replica's loop time, warm-up
 included. Target: mpips >= 1.5x DDP.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,11 +75,18 @@ dist.destroy_process_group()
 def ddp(data: Path, steps: int, port: int, workdir: Path) -> float:
     script = workdir / "ddp.py"
     script.write_text(DDP)
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(steps), str(data),
-                               str(port)], stdout=subprocess.PIPE, text=True, env=env)
-             for r in range(2)]
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent)
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(steps), str(data), str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
     out = [p.communicate(timeout=600)[0] for p in procs]
     return float(re.search(r"ddp_examples_per_s (\d+)", out[0]).group(1))
 
@@ -99,8 +107,11 @@ def main() -> None:
             single.append(one_numpy_process(x, y, args.steps))
             torch_ddp.append(ddp(data, args.steps, 29500 + r, Path(tmp)))
             sync.append(mpips_rate(2, job, Path(tmp)))
-            print(f"round {r + 1}: 2 x one numpy process {2 * single[-1]:8.0f} | torch DDP "
-                  f"gloo {torch_ddp[-1]:8.0f} | mpips sync {sync[-1]:8.0f} examples/s", flush=True)
+            print(
+                f"round {r + 1}: 2 x one numpy process {2 * single[-1]:8.0f} | torch DDP "
+                f"gloo {torch_ddp[-1]:8.0f} | mpips sync {sync[-1]:8.0f} examples/s",
+                flush=True,
+            )
     limit, d, s = 2 * np.median(single), np.median(torch_ddp), np.median(sync)
     print(f"\nlinear limit (2 x one numpy process) : {2 * min(single):.0f}-{2 * max(single):.0f}")
     print(f"torch DDP, gloo, 2 processes         : {min(torch_ddp):.0f}-{max(torch_ddp):.0f}")

@@ -6,6 +6,7 @@ them; when a bucket's last gradient is written its ``Iallreduce`` starts at once
 it overlaps the rest of backward. Between layers, pending requests are tested: MPICH makes
 progress only inside MPI calls.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,7 +42,7 @@ class GradientBuckets:
         self.grads: dict[str, np.ndarray] = {}
         self._bucket_of: dict[str, int] = {}
         self._pending: dict[int, set[str]] = {}
-        self.reduce_seconds = 0.0   # time spent waiting for reductions after backward
+        self.reduce_seconds = 0.0  # time spent waiting for reductions after backward
         current: list[VariableSpec] = []
         for spec in reversed(specs):  # backward produces the last layer's gradients first
             current.append(spec)
@@ -61,7 +62,7 @@ class GradientBuckets:
         index = len(self.buckets)
         for s in specs:
             n = int(np.prod(s.shape))
-            self.grads[s.name] = buf[offset:offset + n].reshape(s.shape)
+            self.grads[s.name] = buf[offset : offset + n].reshape(s.shape)
             self._bucket_of[s.name] = index
             offset += n
         self.buckets.append(Bucket([s.name for s in specs], buf))
@@ -101,8 +102,8 @@ class GradientBuckets:
 
 
 SPIN_SECONDS = 0.02  # yield the core this long before sleeping: a step's collective
-                     # usually completes within it (a sleep right away doubled the step time)
-STOP_TAG = 7100      # a PS rank's preemption signal, sent to the chief
+# usually completes within it (a sleep right away doubled the step time)
+STOP_TAG = 7100  # a PS rank's preemption signal, sent to the chief
 
 
 def complete(comm: MPI.Comm, request: MPI.Request, what: str) -> None:
@@ -110,14 +111,17 @@ def complete(comm: MPI.Comm, request: MPI.Request, what: str) -> None:
     (backing off to 1 ms), so a replica waiting on a hung peer does not burn a core. A replica
     that never joins (hung, yet alive) ends the job after MPIPS_STALL_TIMEOUT s (later ranks
     a little longer, so one rank says it)."""
+
     def late(waited: float) -> NoReturn:
-        raise Stalled(f"{what} did not complete within {STALL_TIMEOUT:.0f} s: a replica "
-                      f"is hung? (MPIPS_STALL_TIMEOUT sets the limit); aborting the job")
+        raise Stalled(
+            f"{what} did not complete within {STALL_TIMEOUT:.0f} s: a replica "
+            f"is hung? (MPIPS_STALL_TIMEOUT sets the limit); aborting the job"
+        )
+
     poll(request.Test, stall_limit(comm.rank), late, spin=SPIN_SECONDS)
 
 
-def agree_max(comm: MPI.Comm, values: list[int], what: str = "the step's agreement"
-              ) -> list[int]:
+def agree_max(comm: MPI.Comm, values: list[int], what: str = "the step's agreement") -> list[int]:
     """The element-wise largest ``values`` over all ranks of ``comm`` (one small allreduce)."""
     buf = np.array(values, dtype=np.int64)
     complete(comm, comm.Iallreduce(MPI.IN_PLACE, buf, MPI.MAX), what)
@@ -129,8 +133,7 @@ def idle_until_end(comm: MPI.Comm, value: int, meanwhile: Callable[[], None]) ->
     end-of-run ``agree_max`` of ``value``, waited for asleep (calling ``meanwhile``) and
     without a deadline: the replicas police each other, and this wait ends with them."""
     buf = np.array([value], dtype=np.int64)
-    wait(comm.Iallreduce(MPI.IN_PLACE, buf, MPI.MAX), "the end of the run", math.inf,
-         meanwhile)
+    wait(comm.Iallreduce(MPI.IN_PLACE, buf, MPI.MAX), "the end of the run", math.inf, meanwhile)
     return int(buf[0])
 
 
@@ -170,7 +173,9 @@ def check_replicas(comm: MPI.Comm, arrays: list[np.ndarray], step: int) -> None:
     if len(set(hashes)) > 1:
         first = hashes[0]
         bad = [task for task, h in enumerate(hashes) if h != first]
-        message = (f"replicas diverged at global_step {step}: the variables of worker task(s) "
-                   f"{', '.join(map(str, bad))} differ from task 0's (a non-deterministic op, "
-                   f"or a replica changed outside the update)")
+        message = (
+            f"replicas diverged at global_step {step}: the variables of worker task(s) "
+            f"{', '.join(map(str, bad))} differ from task 0's (a non-deterministic op, "
+            f"or a replica changed outside the update)"
+        )
         raise ReplicasDiverged(message) if comm.rank == 0 else AlreadyReported(message)

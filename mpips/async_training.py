@@ -2,6 +2,7 @@
 windows; each worker pulls, computes gradients on its own batch and pushes an update
 without waiting for the others (bounded by ``train.max_staleness``). The chief also
 initialises or restores the variables, commits checkpoints and evaluates at the end."""
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,15 @@ from .store import (
 from .summaries import job_timeline
 
 
-def train_async(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
-                prep: Prepared, hooks: list[Hook], device: Device) -> TrainResult:
+def train_async(
+    job: Job,
+    cluster: Cluster,
+    model: Any,
+    optimizer: Optimizer,
+    prep: Prepared,
+    hooks: list[Hook],
+    device: Device,
+) -> TrainResult:
     """Every rank: create the windows, then PS tasks serve and workers train until the
     chief ends the run."""
     placement = job_placement(job, model.variables(), cluster.layout.num_ps, model.tables())
@@ -59,22 +67,37 @@ def train_async(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
     if warning and cluster.is_chief:
         log(cluster.role, warning)
     slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
-    windows = Windows(cluster.comm, cluster.layout, placement, slots, optimizer.stateful,
-                      row_capacity=job.train.batch_size * max(1, prep.info.max_nnz))
+    windows = Windows(
+        cluster.comm,
+        cluster.layout,
+        placement,
+        slots,
+        optimizer.stateful,
+        row_capacity=job.train.batch_size * max(1, prep.info.max_nnz),
+    )
     if prep.local:  # a PS task: restored state or fresh table partitions
         windows.fill_own(cluster.role.task, prep.local)
     barrier(cluster.comm, "the start of training")  # filled before the chief raises ready
     if cluster.is_ps:
+
         def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
-            checkpoint.write_shard(job.checkpoint.dir, step, cluster.role.task,
-                                   cluster.layout.num_ps, variables, slots)
+            checkpoint.write_shard(
+                job.checkpoint.dir, step, cluster.role.task, cluster.layout.num_ps, variables, slots
+            )
+
         timeline = job_timeline(job, "ps", cluster.role.task)
         apply = optimizer.apply if optimizer.stateful else None
         if timeline is not None:
             apply = apply and timeline.timed("apply", apply)
             write_shard = timeline.timed("checkpoint write", write_shard)
-        serve(cluster, windows, apply, optimizer.slots,
-              write_shard if job.checkpoint.dir else None, preemption.requested)
+        serve(
+            cluster,
+            windows,
+            apply,
+            optimizer.slots,
+            write_shard if job.checkpoint.dir else None,
+            preemption.requested,
+        )
         if timeline is not None:
             timeline.write()
         result = TrainResult(cluster.role, 0, 0)
@@ -91,8 +114,16 @@ def train_async(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
 class AsyncWorker:
     """One worker task: pull, compute, push, once per batch (``step``)."""
 
-    def __init__(self, job: Job, cluster: Cluster, windows: Windows, model: Any,
-                 optimizer: Optimizer, prep: Prepared, device: Device):
+    def __init__(
+        self,
+        job: Job,
+        cluster: Cluster,
+        windows: Windows,
+        model: Any,
+        optimizer: Optimizer,
+        prep: Prepared,
+        device: Device,
+    ):
         self.job, self.cluster, self.windows, self.device = job, cluster, windows, device
         self.model, self.optimizer, self.prep = model, optimizer, prep
         self.role, self.tc, self.oc = cluster.role, job.train, job.optimizer
@@ -101,27 +132,39 @@ class AsyncWorker:
         self.stats = Staleness()
         self.watchdog = Watchdog(self.control, cluster.layout, self.role.task)
         self.timeline = job_timeline(job, "worker", self.role.task)
-        self.clock = 0        # batches of this worker's part used (its data position)
+        self.clock = 0  # batches of this worker's part used (its data position)
         self.updates = 0
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
         control = self.control
-        run = Run(self.job, self.role, self.prep.start_step, self.tc.steps, control.global_step,
-                  self.start_save, lambda: {k: v.copy() for k, v in self.client.pull().items()},
-                  control.end_tickets, self._validate if self.prep.val is not None else None)
+        run = Run(
+            self.job,
+            self.role,
+            self.prep.start_step,
+            self.tc.steps,
+            control.global_step,
+            self.start_save,
+            lambda: {k: v.copy() for k, v in self.client.pull().items()},
+            control.end_tickets,
+            self._validate if self.prep.val is not None else None,
+        )
         # hooks begin before the chief raises ready, so their set-up (the progress bar's)
         # does not delay the chief's first update behind every other worker's
         session = Session(self.job, run, extra_hooks, self.timeline)
         start_step = self._start()
         session.loop(self)
         control.publish_clock(self.role.task, self.clock, done=True)
-        session.done(f"; {run.save_seconds:.2f} s of it writing checkpoints, the chief's duty"
-                     if run.save_seconds else "")
+        session.done(
+            f"; {run.save_seconds:.2f} s of it writing checkpoints, the chief's duty"
+            if run.save_seconds
+            else ""
+        )
         # every push has landed, so global_step is final; a worker that never gets here is hung
         watched_barrier(self.cluster.workers, "the other workers", self.watchdog.check)
         summary = self.stats.summary()
-        result, gathered = session.finish(self.cluster.workers, start_step,
-                                          "the workers' summaries", summary, staleness=[summary])
+        result, gathered = session.finish(
+            self.cluster.workers, start_step, "the workers' summaries", summary, staleness=[summary]
+        )
         if self.cluster.is_chief:
             self._conclude(result, gathered)
         return result
@@ -134,8 +177,9 @@ class AsyncWorker:
 
     def batches(self) -> Iterable[tuple[int, Any, Any]]:
         assert self.prep.train is not None  # host memory; batches go to the device one at a time
-        return self.prep.train.batches(self.tc.batch_size, self.tc.seed, self.role.task,
-                                       self.tc.epochs, start_batch=self.clock)
+        return self.prep.train.batches(
+            self.tc.batch_size, self.tc.seed, self.role.task, self.tc.epochs, start_batch=self.clock
+        )
 
     def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
         """Take a ticket (or stop), pull, compute, push: one update of the global step."""
@@ -187,25 +231,32 @@ class AsyncWorker:
             clocks = prep.clocks
             if prep.restored is None:  # else the PS tasks have restored their shards
                 self.client.initialise(prep.values, prep.slots)
-            control.set_counters(prep.start_step, clocks if clocks and len(clocks) == workers
-                                  else None)
+            control.set_counters(
+                prep.start_step, clocks if clocks and len(clocks) == workers else None
+            )
             control.raise_ready()
             if prep.restored is not None:
                 say_restored(role, prep.start_step, prep.restored)
                 if clocks and len(clocks) != workers:
-                    log(role, f"data position not restored: the checkpoint was written by "
-                              f"{len(clocks)} workers, this run has {workers} (parts start "
-                              f"afresh)")
+                    log(
+                        role,
+                        f"data position not restored: the checkpoint was written by "
+                        f"{len(clocks)} workers, this run has {workers} (parts start "
+                        f"afresh)",
+                    )
             if tc.steps and prep.start_step >= tc.steps:
                 say_nothing_to_train(role, prep.start_step, tc.steps)
         else:
             control.wait_ready(start_limit(role.task))
         self.clock = int(control.clocks()[0][role.task])
         start, stop = prep.rows
-        log(role, f"train rows [{start}, {stop}) of {prep.info.rows['train']}, "
-                  f"batch {tc.batch_size}, pulls {self.client.nbytes / 1e6:.2f} MB per step "
-                  f"from {self.windows.placement.num_ps} ps task(s)"
-                  + (f", resuming at batch {self.clock}" if self.clock else ""))
+        log(
+            role,
+            f"train rows [{start}, {stop}) of {prep.info.rows['train']}, "
+            f"batch {tc.batch_size}, pulls {self.client.nbytes / 1e6:.2f} MB per step "
+            f"from {self.windows.placement.num_ps} ps task(s)"
+            + (f", resuming at batch {self.clock}" if self.clock else ""),
+        )
         return prep.start_step  # global_step itself may have moved on: others are pushing
 
     def start_save(self) -> PendingSave:
@@ -223,9 +274,15 @@ class AsyncWorker:
                     control.wait_shards(number, step, 0)  # raises, naming the PS tasks
                 return None
             index = checkpoint.index_of(self.windows.placement, self.windows.slots)
-            return checkpoint.commit(job.checkpoint.dir, step, self.windows.placement.num_ps,
-                                     *index, manifest_meta(job, self.cluster, clocks),
-                                     job.checkpoint.max_to_keep)
+            return checkpoint.commit(
+                job.checkpoint.dir,
+                step,
+                self.windows.placement.num_ps,
+                *index,
+                manifest_meta(job, self.cluster, clocks),
+                job.checkpoint.max_to_keep,
+            )
+
         return PendingSave(step, commit)
 
     def _conclude(self, result: TrainResult, gathered: list[Any]) -> None:
@@ -237,16 +294,30 @@ class AsyncWorker:
         result.staleness = [g[2] for g in gathered]
         counts = [s["updates"] for s in result.staleness]
         fewer = len(counts) > 1 and counts[0] < 0.8 * sum(counts[1:]) / (len(counts) - 1)
-        log(role, "updates per worker task: " + " ".join(map(str, counts))
-            + (" (the chief made fewer: it also evaluates, logs and commits checkpoints)"
-               if fewer else ""))
+        log(
+            role,
+            "updates per worker task: "
+            + " ".join(map(str, counts))
+            + (
+                " (the chief made fewer: it also evaluates, logs and commits checkpoints)"
+                if fewer
+                else ""
+            ),
+        )
         for task, s in enumerate(result.staleness):
             if s["updates"]:
                 log(role, f"staleness of /job:worker/task:{task}: {Staleness.describe(s)}")
         assert self.prep.test is not None
         x_test, ids = self.model.prepare(self.prep.test[0])
-        report(self.cluster, self.model, self.device, self.client.pull(ids),
-               (x_test, self.prep.test[1]), result, gathered)
+        report(
+            self.cluster,
+            self.model,
+            self.device,
+            self.client.pull(ids),
+            (x_test, self.prep.test[1]),
+            result,
+            gathered,
+        )
         self.control.end_run()  # the PS tasks may stop serving
 
 
@@ -271,13 +342,20 @@ class Staleness:
         for name, values in (("lead", self.leads), ("delay", self.delays)):
             if values:
                 a = np.asarray(values)
-                out[name] = {"mean": round(float(a.mean()), 3), "p50": int(np.percentile(a, 50)),
-                             "p90": int(np.percentile(a, 90)), "max": int(a.max())}
+                out[name] = {
+                    "mean": round(float(a.mean()), 3),
+                    "p50": int(np.percentile(a, 50)),
+                    "p90": int(np.percentile(a, 90)),
+                    "max": int(a.max()),
+                }
         return out
 
     @staticmethod
     def describe(s: dict[str, Any]) -> str:
         def one(d: dict[str, Any]) -> str:
             return f"mean {d['mean']:.2f} p50 {d['p50']} p90 {d['p90']} max {d['max']}"
-        return (f"{s['updates']} updates; lead over slowest worker {one(s['lead'])}; "
-                f"delay in global steps {one(s['delay'])}")
+
+        return (
+            f"{s['updates']} updates; lead over slowest worker {one(s['lead'])}; "
+            f"delay in global steps {one(s['delay'])}"
+        )

@@ -1,5 +1,6 @@
 """Array backend: numpy on the CPU, cupy on a GPU (one device per worker on a node); BLAS
 pinning."""
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ def pin_blas_threads(local_size: int) -> int:
     Default BLAS threading made the reference MLP ~10x slower with 8 ranks on 2 cores.
     """
     from threadpoolctl import threadpool_limits
+
     threads = max(1, cpu_count() // max(1, local_size))
     threadpool_limits(limits=threads)
     return threads
@@ -45,8 +47,9 @@ def get_xp(device: str, local_worker: int = 0) -> ModuleType:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no driver, a driver too old for this cupy, no device nodes
-        raise ConfigError(f'train.device = "gpu" but CUDA cannot be used here: '
-                          f'{type(e).__name__}: {e}') from None
+        raise ConfigError(
+            f'train.device = "gpu" but CUDA cannot be used here: {type(e).__name__}: {e}'
+        ) from None
     if count == 0:
         raise ConfigError('train.device = "gpu" but no CUDA device is visible')
     cupy.cuda.Device(local_worker % count).use()
@@ -116,6 +119,7 @@ def scatter_add(xp: ModuleType, target: Any, index: Any, values: Any) -> None:
         np.add.at(target, index, values)
     else:
         import cupyx
+
         cupyx.scatter_add(target, index, values)
 
 

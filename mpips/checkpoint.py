@@ -15,6 +15,7 @@ parts are reassembled, so a checkpoint loads on any number of PS tasks or worker
 reads JSON and arrays only (no pickle, no eval); file names come from a fixed pattern and
 never leave the checkpoint directory.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,7 +42,7 @@ _MANIFEST = re.compile(r"^ckpt-(\d+)\.json$")
 _SHARD = re.compile(r"^ckpt-(\d+)\.shard-(\d+)-of-(\d+)\.h5$")
 _TEMPORARY = re.compile(r"^\.ckpt-\d+\..*\.tmp-")
 _DTYPE_KINDS = "biufc"  # numbers only: an object dtype would mean pickled data
-MAX_SHARDS = 1 << 20    # one shard per PS task: more is a corrupt or hostile manifest
+MAX_SHARDS = 1 << 20  # one shard per PS task: more is a corrupt or hostile manifest
 
 Rows = tuple[int, int, int]  # range(start, stop, step) of axis 0
 
@@ -102,12 +103,14 @@ def check_finite(arrays: dict[str, np.ndarray], step: int) -> None:
             total = float(a.sum()) if a.dtype.kind == "f" else 0.0
         # a NaN or inf makes the sum (in the array's own dtype: the fastest pass) non-finite;
         # a sum that overflows on finite values is told apart by the exact check, chunked
-        if not math.isfinite(total) and \
-                not all(np.isfinite(c).all() for c in np.array_split(a.reshape(-1),
-                                                                       max(1, a.size >> 20))):
-            raise NonFinite(f"'{name}' holds NaN or infinite values at global_step {step}: not "
-                            f"checkpointed, training stopped (the learning rate too high? "
-                            f"lower optimizer.learning_rate or set optimizer.clip_norm)")
+        if not math.isfinite(total) and not all(
+            np.isfinite(c).all() for c in np.array_split(a.reshape(-1), max(1, a.size >> 20))
+        ):
+            raise NonFinite(
+                f"'{name}' holds NaN or infinite values at global_step {step}: not "
+                f"checkpointed, training stopped (the learning rate too high? "
+                f"lower optimizer.learning_rate or set optimizer.clip_norm)"
+            )
 
 
 def check_writable(directory: str | Path) -> None:
@@ -125,13 +128,20 @@ def check_writable(directory: str | Path) -> None:
             os.close(fd)
             probe.unlink(missing_ok=True)
     except OSError as e:
-        raise CheckpointError(f"checkpoint.dir {d}: cannot write checkpoints there "
-                              f"({e.strerror or e}); choose another with --ckpt-dir") from None
+        raise CheckpointError(
+            f"checkpoint.dir {d}: cannot write checkpoints there "
+            f"({e.strerror or e}); choose another with --ckpt-dir"
+        ) from None
 
 
-def write_shard(directory: str | Path, step: int, shard: int, num_shards: int,
-                variables: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
-                ) -> Path:
+def write_shard(
+    directory: str | Path,
+    step: int,
+    shard: int,
+    num_shards: int,
+    variables: dict[str, np.ndarray],
+    slots: dict[str, np.ndarray] | None = None,
+) -> Path:
     """Write one shard atomically: ``variables`` (name -> array, or the part of it this
     shard holds) and ``slots`` (``<variable>/<slot>`` -> array). NonFinite, and nothing
     written, if any value is NaN or infinite."""
@@ -149,9 +159,11 @@ def write_shard(directory: str | Path, step: int, shard: int, num_shards: int,
     return atomic_write(Path(directory) / shard_name(step, shard, num_shards), write)
 
 
-def index_of(placement: Placement, slots: Placement | None = None
-             ) -> tuple[dict[str, Entry], dict[str, Entry]]:
+def index_of(
+    placement: Placement, slots: Placement | None = None
+) -> tuple[dict[str, Entry], dict[str, Entry]]:
     """The variable and slot index of shards written one per PS task of ``placement``."""
+
     def entries(p: Placement | None) -> dict[str, Entry]:
         out: dict[str, Entry] = {}
         for e in p or ():
@@ -159,6 +171,7 @@ def index_of(placement: Placement, slots: Placement | None = None
             parts = out[e.name].parts if e.name in out else ()
             out[e.name] = Entry(whole.shape, whole.dtype, parts + (Part(e.ps_task, e.rows),))
         return out
+
     return entries(placement), entries(slots)
 
 
@@ -170,27 +183,50 @@ def whole_index(arrays: dict[str, np.ndarray]) -> dict[str, Entry]:
 def job_digest(job: Any) -> str:
     """sha256 of the job's effective settings (as JSON), to tell which job wrote a checkpoint."""
     from dataclasses import asdict
+
     settings = {k: v for k, v in asdict(job).items() if k != "source"}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def commit(directory: str | Path, step: int, num_shards: int, variables: dict[str, Entry],
-           slots: dict[str, Entry], meta: dict[str, Any], max_to_keep: int = 3) -> Path:
+def commit(
+    directory: str | Path,
+    step: int,
+    num_shards: int,
+    variables: dict[str, Entry],
+    slots: dict[str, Entry],
+    meta: dict[str, Any],
+    max_to_keep: int = 3,
+) -> Path:
     """After every shard of ``step`` is in place: write the manifest (the commit), then prune
     to the newest ``max_to_keep`` and delete what uncommitted writes left behind."""
     d = Path(directory)
     for k in range(num_shards):
         if not (d / shard_name(step, k, num_shards)).is_file():
-            raise CheckpointError(f"checkpoint {d}: shard {k} of {num_shards} for global_step "
-                                  f"{step} is missing; not committed")
+            raise CheckpointError(
+                f"checkpoint {d}: shard {k} of {num_shards} for global_step "
+                f"{step} is missing; not committed"
+            )
 
     def encode(index: dict[str, Entry]) -> dict[str, Any]:
-        return {n: {"shape": list(e.shape), "dtype": e.dtype,
-                    "parts": [{"shard": p.shard, "rows": list(p.rows) if p.rows else None}
-                              for p in e.parts]} for n, e in index.items()}
+        return {
+            n: {
+                "shape": list(e.shape),
+                "dtype": e.dtype,
+                "parts": [
+                    {"shard": p.shard, "rows": list(p.rows) if p.rows else None} for p in e.parts
+                ],
+            }
+            for n, e in index.items()
+        }
 
-    manifest = {"format": FORMAT, "global_step": step, "shards": num_shards, **meta,
-                "variables": encode(variables), "slots": encode(slots)}
+    manifest = {
+        "format": FORMAT,
+        "global_step": step,
+        "shards": num_shards,
+        **meta,
+        "variables": encode(variables),
+        "slots": encode(slots),
+    }
 
     def write(tmp: Path) -> None:
         tmp.write_text(json.dumps(manifest, indent=1))
@@ -219,12 +255,15 @@ def _covers_once(parts: list[Part], num_rows: int) -> bool:
     ranges = [r for r in (range(*p.rows) for p in parts if p.rows is not None) if r]
     if len({r.step for r in ranges}) > 1:
         return False
-    if sum(len(r) for r in ranges) != num_rows or any(r[0] < 0 or r[-1] >= num_rows
-                                                     for r in ranges):
+    if sum(len(r) for r in ranges) != num_rows or any(
+        r[0] < 0 or r[-1] >= num_rows for r in ranges
+    ):
         return False
     ranges.sort(key=lambda r: (r.start % r.step, r.start))
-    return all(a.start % a.step != b.start % b.step or a[-1] < b.start
-               for a, b in zip(ranges, ranges[1:], strict=False))
+    return all(
+        a.start % a.step != b.start % b.step or a[-1] < b.start
+        for a, b in zip(ranges, ranges[1:], strict=False)
+    )
 
 
 def _ints(value: Any, what: str) -> list[int]:
@@ -247,12 +286,16 @@ def _parse_index(raw: Any, num_shards: int, what: str) -> dict[str, Entry]:
             raise ValueError(f"{what} '{name}': parts must be a non-empty list")
         nbytes = math.prod(shape) * np.dtype(e["dtype"]).itemsize
         if nbytes > ABSURD_BYTES:
-            raise ValueError(f"{what} '{name}' declares {human(nbytes)} ({e['dtype']}"
-                             f"{list(shape)}): absurd")
+            raise ValueError(
+                f"{what} '{name}' declares {human(nbytes)} ({e['dtype']}{list(shape)}): absurd"
+            )
         parts = []
         for p in e["parts"]:
-            if not isinstance(p, dict) or type(p.get("shard")) is not int or \
-                    not 0 <= p["shard"] < num_shards:
+            if (
+                not isinstance(p, dict)
+                or type(p.get("shard")) is not int
+                or not 0 <= p["shard"] < num_shards
+            ):
                 raise ValueError(f"{what} '{name}': a part names no shard of 0..{num_shards - 1}")
             rows = p.get("rows")
             if rows is not None:
@@ -304,8 +347,12 @@ class Checkpoint:
     def shard_path(self, k: int) -> Path:
         return self.directory / shard_name(self.step, k, self.num_shards)
 
-    def read(self, specs: Iterable[VariableSpec], slot_specs: Iterable[VariableSpec] = (),
-             rows: dict[str, Rows] | None = None) -> dict[str, np.ndarray]:
+    def read(
+        self,
+        specs: Iterable[VariableSpec],
+        slot_specs: Iterable[VariableSpec] = (),
+        rows: dict[str, Rows] | None = None,
+    ) -> dict[str, np.ndarray]:
         """Arrays for ``specs`` (variables) and ``slot_specs``, reassembled from their parts:
         whole, or for a name in ``rows`` only ``range(*rows[name])`` of axis 0, read from the
         shards that hold them (a PS restoring its partition never holds the whole table).
@@ -315,13 +362,15 @@ class Checkpoint:
         out: dict[str, np.ndarray] = {}
         files: dict[int, h5py.File] = {}
         entries = [self._entry(spec, is_slot) for spec, is_slot in wanted]
-        need = sum(_nbytes(e, rows.get(spec.name))
-                   for e, (spec, _) in zip(entries, wanted, strict=True))
+        need = sum(
+            _nbytes(e, rows.get(spec.name)) for e, (spec, _) in zip(entries, wanted, strict=True)
+        )
         check_fits(need, f"reading checkpoint {self.path}", CheckpointError)
         try:
             for entry, (spec, is_slot) in zip(entries, wanted, strict=True):
-                out[spec.name] = self._assemble(spec.name, is_slot, entry, files,
-                                                rows.get(spec.name))
+                out[spec.name] = self._assemble(
+                    spec.name, is_slot, entry, files, rows.get(spec.name)
+                )
         except CheckpointError:
             raise
         except (OSError, KeyError, ValueError, TypeError) as e:
@@ -338,15 +387,23 @@ class Checkpoint:
             kind = "optimizer slot" if is_slot else "variable"
             raise CheckpointError(
                 f"checkpoint {self.path}: has no {kind} '{spec.name}' (written for another "
-                f"model or optimizer? start afresh with --no-restore or another --ckpt-dir)")
+                f"model or optimizer? start afresh with --no-restore or another --ckpt-dir)"
+            )
         if entry.shape != tuple(spec.shape) or np.dtype(entry.dtype) != np.dtype(spec.dtype):
             raise CheckpointError(
                 f"checkpoint {self.path}: variable '{spec.name}' is {entry.dtype}"
-                f"{list(entry.shape)}, the model expects {spec.dtype}{list(spec.shape)}")
+                f"{list(entry.shape)}, the model expects {spec.dtype}{list(spec.shape)}"
+            )
         return entry
 
-    def _assemble(self, name: str, is_slot: bool, entry: Entry, files: dict[int, h5py.File],
-                  want: Rows | None = None) -> np.ndarray:
+    def _assemble(
+        self,
+        name: str,
+        is_slot: bool,
+        entry: Entry,
+        files: dict[int, h5py.File],
+        want: Rows | None = None,
+    ) -> np.ndarray:
         full = (0, entry.shape[0] if entry.shape else 1, 1)
         for part in entry.parts:  # the common cases: a whole array, or the same partition
             if range(*(part.rows or full)) == range(*(want or full)):
@@ -359,36 +416,47 @@ class Checkpoint:
                 self._dataset(name, is_slot, entry, part, files).read_direct(array, *both)
         return array
 
-    def _dataset(self, name: str, is_slot: bool, entry: Entry, part: Part,
-                 files: dict[int, h5py.File]) -> h5py.Dataset:
+    def _dataset(
+        self, name: str, is_slot: bool, entry: Entry, part: Part, files: dict[int, h5py.File]
+    ) -> h5py.Dataset:
         """The dataset of ``part``, checked against the manifest."""
         if part.shard not in files:
             path = self.shard_path(part.shard)
             if not path.is_file():
                 raise CheckpointError(f"checkpoint {self.path}: shard {path.name} is missing")
-            files[part.shard] = open_plain(path, CheckpointError,
-                                           f"checkpoint {self.path}: shard {path.name}")
+            files[part.shard] = open_plain(
+                path, CheckpointError, f"checkpoint {self.path}: shard {path.name}"
+            )
         ds = files[part.shard].get(h5_path(name, is_slot))
-        shape = entry.shape if part.rows is None else \
-            (len(range(*part.rows)),) + entry.shape[1:]
-        if not isinstance(ds, h5py.Dataset) or ds.shape != shape or \
-                ds.dtype != np.dtype(entry.dtype):
-            raise CheckpointError(f"checkpoint {self.path}: shard {part.shard} does not hold "
-                                  f"'{name}' as the manifest says")
+        shape = entry.shape if part.rows is None else (len(range(*part.rows)),) + entry.shape[1:]
+        if (
+            not isinstance(ds, h5py.Dataset)
+            or ds.shape != shape
+            or ds.dtype != np.dtype(entry.dtype)
+        ):
+            raise CheckpointError(
+                f"checkpoint {self.path}: shard {part.shard} does not hold "
+                f"'{name}' as the manifest says"
+            )
         return ds
 
     def read_all(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Every variable and slot, whole."""
+
         def specs(index: dict[str, Entry]) -> list[VariableSpec]:
             return [VariableSpec(n, e.shape, e.dtype) for n, e in index.items()]
+
         both = self.read(specs(self.variables), specs(self.slots))
         return ({n: both[n] for n in self.variables}, {n: both[n] for n in self.slots})
 
 
 def _nbytes(entry: Entry, rows: Rows | None = None) -> int:
     """Bytes of an entry, or of ``rows`` of it."""
-    count = math.prod(entry.shape[1:]) * (len(range(*rows)) if rows else entry.shape[0]) \
-        if entry.shape else 1
+    count = (
+        math.prod(entry.shape[1:]) * (len(range(*rows)) if rows else entry.shape[0])
+        if entry.shape
+        else 1
+    )
     return count * np.dtype(entry.dtype).itemsize
 
 
@@ -413,6 +481,7 @@ def _overlap(want: range, held: range) -> tuple[slice, slice] | None:
         step = common.step // r.step
         start = (first - r.start) // r.step
         return slice(start, start + (len(common) - 1) * step + 1, step)
+
     return positions(held), positions(want)
 
 
@@ -427,8 +496,10 @@ def resolve(path: str | Path) -> Checkpoint:
     if not p.exists():
         raise CheckpointError(f"{p}: not found")
     if _SHARD.match(p.name):
-        raise CheckpointError(f"{p}: one shard of a checkpoint; give its manifest "
-                              f"({p.name.split('.')[0]}.json) or the directory")
+        raise CheckpointError(
+            f"{p}: one shard of a checkpoint; give its manifest "
+            f"({p.name.split('.')[0]}.json) or the directory"
+        )
     return Checkpoint(p)
 
 

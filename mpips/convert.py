@@ -4,6 +4,7 @@ A dataset file holds ``train/x, train/y, test/x, test/y`` (and optionally ``val/
 x: rows of numbers, y: 1-D integer labels) and the attributes ``num_classes`` and
 ``x_scale`` (x is multiplied by it on load). Sparse CTR files are made by sparse.py.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -18,23 +19,35 @@ from .errors import DataError
 from .files import atomic_write
 
 
-def write_dataset(path: str | Path, train: tuple[np.ndarray, np.ndarray],
-                  test: tuple[np.ndarray, np.ndarray], num_classes: int,
-                  x_scale: float = 1.0, name: str = "",
-                  val: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+def write_dataset(
+    path: str | Path,
+    train: tuple[np.ndarray, np.ndarray],
+    test: tuple[np.ndarray, np.ndarray],
+    num_classes: int,
+    x_scale: float = 1.0,
+    name: str = "",
+    val: tuple[np.ndarray, np.ndarray] | None = None,
+) -> None:
     """Write a dataset file durably and atomically (temporary file, fsync, rename)."""
     splits = list(zip(SPLITS, (train, test), strict=True)) + (
-        [("val", val)] if val is not None else [])
+        [("val", val)] if val is not None else []
+    )
 
     def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:
             for split, (x, y) in splits:
-                f.create_dataset(f"{split}/x", data=x, compression="gzip", compression_opts=4,
-                                 chunks=(max(1, min(len(x), 1024)), x.shape[1]))
+                f.create_dataset(
+                    f"{split}/x",
+                    data=x,
+                    compression="gzip",
+                    compression_opts=4,
+                    chunks=(max(1, min(len(x), 1024)), x.shape[1]),
+                )
                 f.create_dataset(f"{split}/y", data=y.astype(np.int64))
             f.attrs["num_classes"] = num_classes
             f.attrs["x_scale"] = x_scale
             f.attrs["name"] = name
+
     atomic_write(path, write)
 
 
@@ -58,8 +71,9 @@ def _read_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
     return x.reshape(len(x), -1).astype(np.float32), y
 
 
-def convert_arrays(out: str | Path, train: str, test: str | None = None,
-                   val: str | None = None) -> None:
+def convert_arrays(
+    out: str | Path, train: str, test: str | None = None, val: str | None = None
+) -> None:
     """Your own arrays as an mpips data file: .npz files with ``x`` (each row flattened to
     float32 inputs) and ``y`` (integer labels 0..C-1). Without a test file the last 20% of
     the train rows are held out."""
@@ -74,8 +88,7 @@ def convert_arrays(out: str | Path, train: str, test: str | None = None,
     if len({p[0].shape[1] for p in parts}) != 1:
         raise DataError("arrays: train, test and validation rows differ in width")
     classes = int(max(int(p[1].max(initial=0)) for p in parts)) + 1
-    write_dataset(out, (x, y), test_split, max(2, classes), name=Path(train).stem,
-                  val=val_split)
+    write_dataset(out, (x, y), test_split, max(2, classes), name=Path(train).stem, val=val_split)
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -87,7 +100,7 @@ def _read_idx(path: Path) -> np.ndarray:
         zero, dtype, ndim = struct.unpack(">HBB", raw[:4])
         if zero != 0 or dtype != 0x08:
             raise DataError(f"{path}: not an unsigned-byte idx file")
-        shape = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+        shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
         data = np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim)
         return data.reshape(shape)
     except (OSError, EOFError, struct.error, ValueError) as e:
@@ -122,8 +135,9 @@ def convert_digits(out: str | Path) -> None:
     atomic_write(out, lambda tmp: tmp.write_bytes(src.read_bytes()))
 
 
-def make_synthetic(out: str | Path, rows: int = 60000, test_rows: int = 10000,
-                   inputs: int = 784, classes: int = 10) -> None:
+def make_synthetic(
+    out: str | Path, rows: int = 60000, test_rows: int = 10000, inputs: int = 784, classes: int = 10
+) -> None:
     """The reference workload of the benchmarks: X ~ N(0,1) (numpy seed 0), labels
     argmax(X @ W) with W ~ N(0,1) (seed 1), 784 inputs and 10 classes by default."""
     x = np.random.default_rng(0).standard_normal((rows + test_rows, inputs), dtype=np.float32)

@@ -5,6 +5,7 @@ A batch touches few rows. ``prepare`` finds the batch's unique ids and renumbers
 columns to them; the training loop pulls just those rows of each table, and the gradient of
 each table comes out per unique id (duplicates summed by the sparse product), ready to push.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -23,8 +24,10 @@ WIDE, EMBEDDING = "wide/weights", "deep/embedding"
 def init_rows(seed: int, rows: tuple[int, int, int], width: int, scale: float) -> np.ndarray:
     """Uniform(-scale, scale) rows ``range(*rows)`` of a table, a function of (seed, row id,
     column) only: the same values whatever the partition (a SplitMix64 hash)."""
-    r = np.arange(*rows, dtype=np.uint64)[:, None] * np.uint64(width) + \
-        np.arange(width, dtype=np.uint64)[None, :]
+    r = (
+        np.arange(*rows, dtype=np.uint64)[:, None] * np.uint64(width)
+        + np.arange(width, dtype=np.uint64)[None, :]
+    )
     with np.errstate(over="ignore"):
         z = r + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -43,8 +46,13 @@ class WideDeep(Model):
     """logit = x . w + b (wide) + MLP(x E) (deep: each example's embedding rows summed,
     weighted by its feature values). ``hidden = None`` is plain logistic regression."""
 
-    def __init__(self, num_features: int, hidden: list[int] | None = None,
-                 embedding_dim: int = 8, xp: Any = np):
+    def __init__(
+        self,
+        num_features: int,
+        hidden: list[int] | None = None,
+        embedding_dim: int = 8,
+        xp: Any = np,
+    ):
         if xp is not np:
             raise ValueError("CTR models run on the CPU (numpy + scipy.sparse)")
         self.xp = np
@@ -89,8 +97,14 @@ class WideDeep(Model):
             z = z + h[:, 0]
         return z, acts
 
-    def loss_and_grads(self, params: dict[str, Any], x: sp.csr_matrix, y: np.ndarray,
-                       grads: dict[str, Any], ready: Any = None) -> float:
+    def loss_and_grads(
+        self,
+        params: dict[str, Any],
+        x: sp.csr_matrix,
+        y: np.ndarray,
+        grads: dict[str, Any],
+        ready: Any = None,
+    ) -> float:
         """Mean log loss of the batch; gradients into ``grads`` in place (table gradients per
         unique id of the batch, in ``prepare``'s order)."""
         z, acts = self._forward(params, x)
@@ -104,10 +118,8 @@ class WideDeep(Model):
             grads[EMBEDDING][...] = np.asarray(xt @ dh)
         return loss
 
-    def evaluate(self, params: dict[str, Any], x: sp.csr_matrix, y: np.ndarray
-                 ) -> dict[str, float]:
+    def evaluate(self, params: dict[str, Any], x: sp.csr_matrix, y: np.ndarray) -> dict[str, float]:
         """Log loss, accuracy (threshold 0.5) and AUC."""
         z, _ = self._forward(params, x)
         loss, p = _sigmoid_loss(z, y)
-        return {"loss": loss, "accuracy": float(np.mean((p > 0.5) == (y > 0.5))),
-                "auc": auc(y, p)}
+        return {"loss": loss, "accuracy": float(np.mean((p > 0.5) == (y > 0.5))), "auc": auc(y, p)}

@@ -7,6 +7,7 @@ float32 inputs), y is 1-D integer labels. A worker either reads its part whole i
 or (``data.chunk_rows``) streams it from the file in chunks with a bounded read-ahead, so a
 dataset larger than memory trains. Sparse CTR files (CSR) are read by sparse.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,16 +46,17 @@ class DatasetInfo:
     """Shape facts of a dataset, checked once on open, and where its arrays are."""
 
     path: str
-    num_inputs: int          # features (sparse: the id space)
+    num_inputs: int  # features (sparse: the id space)
     num_classes: int
     rows: dict[str, int]
     x_scale: float = 1.0
-    sparse: bool = False     # CSR rows of (id, value) features (see sparse.py)
-    max_nnz: int = 0         # sparse: most features in one row
-    kind: str = "hdf5"       # "hdf5", "npz", "npy" (one file per array) or "arrays" (in memory)
+    sparse: bool = False  # CSR rows of (id, value) features (see sparse.py)
+    max_nnz: int = 0  # sparse: most features in one row
+    kind: str = "hdf5"  # "hdf5", "npz", "npy" (one file per array) or "arrays" (in memory)
     names: dict[str, tuple[str, str]] = field(default_factory=lambda: dict(HDF5_NAMES))
-    arrays: Mapping[str, tuple[Any, Any]] | None = field(default=None, compare=False,
-                                                         repr=False)  # kind "arrays"
+    arrays: Mapping[str, tuple[Any, Any]] | None = field(
+        default=None, compare=False, repr=False
+    )  # kind "arrays"
 
 
 def resolve_path(path: str, builtin: str) -> str:
@@ -66,15 +68,16 @@ def resolve_path(path: str, builtin: str) -> str:
 
 # -- opening ----------------------------------------------------------------------------------
 
+
 @dataclass
 class _Arrays:
     """An open container of a dataset's arrays: HDF5 datasets and .npy memory maps are read
     only where sliced; a .npz member is read whole once."""
 
-    get: Callable[[str], Any]     # name -> array-like (shape, dtype, slicing)
+    get: Callable[[str], Any]  # name -> array-like (shape, dtype, slicing)
     has: Callable[[str], bool]
-    attrs: dict[str, Any]         # HDF5 attributes (num_classes, x_scale, ...)
-    file: Any = None              # the HDF5 file (sparse CSR files are checked on it)
+    attrs: dict[str, Any]  # HDF5 attributes (num_classes, x_scale, ...)
+    file: Any = None  # the HDF5 file (sparse CSR files are checked on it)
 
 
 @contextlib.contextmanager
@@ -86,15 +89,20 @@ def _container(info: DatasetInfo) -> Iterator[_Arrays]:
     elif info.kind == "npz":
         with np.load(info.path, allow_pickle=False) as z:
             cache: dict[str, Any] = {}
-            yield _Arrays(lambda n: cache[n] if n in cache else cache.setdefault(n, z[n]),
-                          lambda n: n in z.files, {})
+            yield _Arrays(
+                lambda n: cache[n] if n in cache else cache.setdefault(n, z[n]),
+                lambda n: n in z.files,
+                {},
+            )
     elif info.kind == "npy":
-        yield _Arrays(lambda n: np.load(n, mmap_mode="r", allow_pickle=False),
-                      os.path.exists, {})
+        yield _Arrays(lambda n: np.load(n, mmap_mode="r", allow_pickle=False), os.path.exists, {})
     else:
         assert info.arrays is not None
-        flat = {n: a for split, pair in info.arrays.items()
-                for n, a in zip(info.names[split], pair, strict=False)}
+        flat = {
+            n: a
+            for split, pair in info.arrays.items()
+            for n, a in zip(info.names[split], pair, strict=False)
+        }
         yield _Arrays(lambda n: _as_array(flat[n]), flat.__contains__, {})
 
 
@@ -106,43 +114,60 @@ def _as_array(a: Any) -> Any:
 
 def open_dataset(path: str) -> DatasetInfo:
     """An HDF5 dataset file with the default names (``train/x`` ...) and attributes."""
-    return _open(DatasetInfo(path, 0, 0, {}), num_classes=0, x_scale=0.0,
-                 splits=ALL_SPLITS, required=SPLITS)
+    return _open(
+        DatasetInfo(path, 0, 0, {}), num_classes=0, x_scale=0.0, splits=ALL_SPLITS, required=SPLITS
+    )
 
 
-def open_data(config: DataConfig, arrays: Mapping[str, tuple[Any, Any]] | None = None
-              ) -> DatasetInfo:
+def open_data(
+    config: DataConfig, arrays: Mapping[str, tuple[Any, Any]] | None = None
+) -> DatasetInfo:
     """The dataset a job's [data] names (or ``arrays`` handed to the Python API: split ->
     (x, y)); any problem is one DataError naming the file and the array."""
     if arrays is not None:
         unknown = set(arrays) - set(ALL_SPLITS)
         if unknown or "train" not in arrays or "test" not in arrays:
-            raise DataError(f"data arrays: give 'train' and 'test' (and optionally 'val'), "
-                            f"each as (x, y); got {sorted(arrays)}")
-        info = DatasetInfo("<arrays>", 0, 0, {}, kind="arrays",
-                           names={s: (f"{s}/x", f"{s}/y") for s in arrays}, arrays=arrays)
+            raise DataError(
+                f"data arrays: give 'train' and 'test' (and optionally 'val'), "
+                f"each as (x, y); got {sorted(arrays)}"
+            )
+        info = DatasetInfo(
+            "<arrays>",
+            0,
+            0,
+            {},
+            kind="arrays",
+            names={s: (f"{s}/x", f"{s}/y") for s in arrays},
+            arrays=arrays,
+        )
         return _open(info, config.num_classes, config.x_scale, tuple(arrays), SPLITS)
     given = {s: (getattr(config, f"{s}_x"), getattr(config, f"{s}_y")) for s in ALL_SPLITS}
     path = resolve_path(config.path, config.builtin)
     if not path and not config.train_x:
-        raise DataError("no data: give data.path (an HDF5 or .npz file), data.builtin "
-                        "(\"digits\"), .npy files as data.train_x, data.train_y, data.test_x "
-                        "and data.test_y, or arrays to mpips.train(job, data=...)")
+        raise DataError(
+            "no data: give data.path (an HDF5 or .npz file), data.builtin "
+            '("digits"), .npy files as data.train_x, data.train_y, data.test_x '
+            "and data.test_y, or arrays to mpips.train(job, data=...)"
+        )
     if not path:  # .npy files, one per array
         names = {s: pair for s, pair in given.items() if all(pair)}
         info = DatasetInfo(config.train_x, 0, 0, {}, kind="npy", names=names)
         return _open(info, config.num_classes, config.x_scale, tuple(names), SPLITS)
     kind = "npz" if path.endswith(".npz") else "hdf5"
     default = NPZ_NAMES if kind == "npz" else HDF5_NAMES
-    names = {s: (given[s][0] or default[s][0], given[s][1] or default[s][1])
-             for s in ALL_SPLITS}
+    names = {s: (given[s][0] or default[s][0], given[s][1] or default[s][1]) for s in ALL_SPLITS}
     info = DatasetInfo(path, 0, 0, {}, kind=kind, names=names)
     required = tuple(s for s in ALL_SPLITS if s in SPLITS or all(given[s]))
     return _open(info, config.num_classes, config.x_scale, ALL_SPLITS, required)
 
 
-def _open(info: DatasetInfo, num_classes: int, x_scale: float, splits: tuple[str, ...],
-          required: tuple[str, ...]) -> DatasetInfo:
+def _open(
+    info: DatasetInfo,
+    num_classes: int,
+    x_scale: float,
+    splits: tuple[str, ...],
+    required: tuple[str, ...],
+) -> DatasetInfo:
     """Check every split's arrays (present, shapes agree, numbers and integer labels) and
     work out the number of classes; ``required`` splits must be there, the others may."""
     where = _where(info)
@@ -154,8 +179,7 @@ def _open(info: DatasetInfo, num_classes: int, x_scale: float, splits: tuple[str
                 rows, num_features, max_nnz = sparse.check_csr(source.file, info.path)
                 if rows["train"] == 0:
                     raise DataError(f"{where}: 'train' has no rows")
-                return DatasetInfo(info.path, num_features, 2, rows, sparse=True,
-                                   max_nnz=max_nnz)
+                return DatasetInfo(info.path, num_features, 2, rows, sparse=True, max_nnz=max_nnz)
             get, attrs = source.get, source.attrs
             rows, widths, names = {}, {}, {}
             for split in splits:
@@ -163,19 +187,26 @@ def _open(info: DatasetInfo, num_classes: int, x_scale: float, splits: tuple[str
                 missing = [n for n in (x_name, y_name) if not source.has(n)]
                 if missing:
                     if split in required:
-                        raise DataError(f"{where}: missing {_what(info, missing[0])} "
-                                        f"(the {split} split)")
+                        raise DataError(
+                            f"{where}: missing {_what(info, missing[0])} (the {split} split)"
+                        )
                     continue
                 x, y = get(x_name), get(y_name)
                 if x.ndim < 1 or x.dtype.kind not in "biuf":
-                    raise DataError(f"{where}: {_what(info, x_name)} must be rows of numbers, "
-                                    f"got {x.ndim}-D {x.dtype}")
+                    raise DataError(
+                        f"{where}: {_what(info, x_name)} must be rows of numbers, "
+                        f"got {x.ndim}-D {x.dtype}"
+                    )
                 if y.ndim != 1 or y.dtype.kind not in "iu":
-                    raise DataError(f"{where}: {_what(info, y_name)} must be 1-D integer "
-                                    f"labels, got {y.ndim}-D {y.dtype}")
+                    raise DataError(
+                        f"{where}: {_what(info, y_name)} must be 1-D integer "
+                        f"labels, got {y.ndim}-D {y.dtype}"
+                    )
                 if x.shape[0] != y.shape[0]:
-                    raise DataError(f"{where}: {_what(info, x_name)} has {x.shape[0]} rows "
-                                    f"but {_what(info, y_name)} has {y.shape[0]}")
+                    raise DataError(
+                        f"{where}: {_what(info, x_name)} has {x.shape[0]} rows "
+                        f"but {_what(info, y_name)} has {y.shape[0]}"
+                    )
                 rows[split], names[split] = int(x.shape[0]), (x_name, y_name)
                 widths[split] = math.prod(int(d) for d in x.shape[1:])
             if len(set(widths.values())) != 1:
@@ -183,12 +214,15 @@ def _open(info: DatasetInfo, num_classes: int, x_scale: float, splits: tuple[str
             if rows["train"] == 0:
                 raise DataError(f"{where}: 'train' has no rows")
             if not num_classes:
-                num_classes = int(attrs.get("num_classes", 0)) or \
-                    _count_classes(get(names["train"][1]))
+                num_classes = int(attrs.get("num_classes", 0)) or _count_classes(
+                    get(names["train"][1])
+                )
             if not 2 <= num_classes <= MAX_CLASSES:
-                raise DataError(f"{where}: num_classes must be in 2..{MAX_CLASSES}, got "
-                                f"{num_classes} (the attribute num_classes, data.num_classes, "
-                                f"or the largest train label + 1)")
+                raise DataError(
+                    f"{where}: num_classes must be in 2..{MAX_CLASSES}, got "
+                    f"{num_classes} (the attribute num_classes, data.num_classes, "
+                    f"or the largest train label + 1)"
+                )
             x_scale = x_scale or float(attrs.get("x_scale", 1.0))
             if not 0 < x_scale < float("inf"):
                 raise DataError(f"{where}: x_scale must be a positive number, got {x_scale}")
@@ -197,24 +231,38 @@ def _open(info: DatasetInfo, num_classes: int, x_scale: float, splits: tuple[str
     except (OSError, KeyError, ValueError, TypeError, AttributeError) as e:
         kind = {"hdf5": "mpips HDF5", "npz": ".npz", "npy": ".npy"}.get(info.kind, "")
         raise DataError(f"{where}: not a readable {kind} dataset ({e})") from None
-    return DatasetInfo(info.path, widths["train"], num_classes, rows, x_scale, kind=info.kind,
-                       names=names, arrays=info.arrays)
+    return DatasetInfo(
+        info.path,
+        widths["train"],
+        num_classes,
+        rows,
+        x_scale,
+        kind=info.kind,
+        names=names,
+        arrays=info.arrays,
+    )
 
 
 def _what(info: DatasetInfo, name: str) -> str:
-    return f"array '{name}'" if info.kind in ("npz", "arrays") else \
-        f"file {name}" if info.kind == "npy" else f"dataset '{name}'"
+    return (
+        f"array '{name}'"
+        if info.kind in ("npz", "arrays")
+        else f"file {name}"
+        if info.kind == "npy"
+        else f"dataset '{name}'"
+    )
 
 
 def _count_classes(y: Any) -> int:
     """The largest label + 1, the labels read a chunk at a time (little memory)."""
     top = -1
     for start in range(0, y.shape[0], LABEL_CHUNK):
-        top = max(top, int(np.max(y[start:start + LABEL_CHUNK], initial=-1)))
+        top = max(top, int(np.max(y[start : start + LABEL_CHUNK], initial=-1)))
     return max(2, top + 1)
 
 
 # -- reading rows -----------------------------------------------------------------------------
+
 
 def worker_rows(num_rows: int, num_parts: int, index: int) -> tuple[int, int]:
     """Contiguous, disjoint, near-equal row range ``[start, stop)`` of part ``index`` (worker
@@ -230,16 +278,20 @@ def row_bytes(info: DatasetInfo) -> int:
     return info.num_inputs * 12 + 16
 
 
-def load_split(info: DatasetInfo, split: str, rows: tuple[int, int] | None = None
-               ) -> tuple[Any, Any]:
+def load_split(
+    info: DatasetInfo, split: str, rows: tuple[int, int] | None = None
+) -> tuple[Any, Any]:
     """Read rows of a split as float32 features (scaled) and int64 labels (sparse files:
     a CSR matrix and float32 0/1 labels)."""
     start, stop = rows or (0, info.rows[split])
     if info.sparse:
         return sparse.load_csr(info.path, split, (start, stop), info.num_inputs)
-    check_fits((stop - start) * row_bytes(info), f"{_where(info)}: {split} rows "
-               f"[{start}, {stop}) (data.chunk_rows streams a worker's part instead)",
-               DataError)
+    check_fits(
+        (stop - start) * row_bytes(info),
+        f"{_where(info)}: {split} rows "
+        f"[{start}, {stop}) (data.chunk_rows streams a worker's part instead)",
+        DataError,
+    )
     with _container(info) as source:
         return _read(info, source.get, split, start, stop)
 
@@ -248,28 +300,38 @@ def _where(info: DatasetInfo) -> str:
     return "data arrays" if info.kind == "arrays" else f"data file {info.path}"
 
 
-def _read(info: DatasetInfo, get: Callable[[str], Any], split: str, start: int, stop: int
-          ) -> tuple[np.ndarray, np.ndarray]:
+def _read(
+    info: DatasetInfo, get: Callable[[str], Any], split: str, start: int, stop: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Rows ``[start, stop)`` of a split from an open container, checked and converted."""
     x_name, y_name = info.names[split]
     try:
         x = np.asarray(get(x_name)[start:stop]).reshape(stop - start, -1).astype(np.float32)
         y = np.asarray(get(y_name)[start:stop]).astype(np.int64)
     except (OSError, KeyError, ValueError) as e:
-        raise DataError(f"{_where(info)}: cannot read {split} rows [{start}, {stop}) "
-                        f"({e})") from None
+        raise DataError(
+            f"{_where(info)}: cannot read {split} rows [{start}, {stop}) ({e})"
+        ) from None
     if info.x_scale != 1.0:
         x *= np.float32(info.x_scale)
     bad = (y < 0) | (y >= info.num_classes)
     if bad.any():
-        raise DataError(f"{_where(info)}: {y_name} has label {int(y[bad][0])} outside "
-                        f"0..{info.num_classes - 1}")
+        raise DataError(
+            f"{_where(info)}: {y_name} has label {int(y[bad][0])} outside 0..{info.num_classes - 1}"
+        )
     return x, y
 
 
-def batches(x: Any, y: Any, batch_size: int, seed: int, task: int,
-            epochs: int = 0, start_batch: int = 0, per_epoch: int | None = None
-            ) -> Iterator[Batch]:
+def batches(
+    x: Any,
+    y: Any,
+    batch_size: int,
+    seed: int,
+    task: int,
+    epochs: int = 0,
+    start_batch: int = 0,
+    per_epoch: int | None = None,
+) -> Iterator[Batch]:
     """(epoch, x, y) batches of one worker's part, reshuffled each epoch from (seed, task, epoch).
 
     ``epochs = 0`` repeats forever. A last short batch of an epoch is kept, unless
@@ -284,7 +346,7 @@ def batches(x: Any, y: Any, batch_size: int, seed: int, task: int,
     while not epochs or epoch < epochs:
         order = np.random.default_rng([seed, task, epoch]).permutation(n)
         for i in range(first * batch_size, min(n, per_epoch * batch_size), batch_size):
-            idx = order[i:i + batch_size]
+            idx = order[i : i + batch_size]
             yield epoch, x[idx], y[idx]
         epoch, first = epoch + 1, 0
 
@@ -292,8 +354,15 @@ def batches(x: Any, y: Any, batch_size: int, seed: int, task: int,
 class Part(Protocol):
     """One worker's part of the train rows: its batches, epoch after epoch."""
 
-    def batches(self, batch_size: int, seed: int, task: int, epochs: int = 0,
-                start_batch: int = 0, per_epoch: int | None = None) -> Iterator[Batch]:
+    def batches(
+        self,
+        batch_size: int,
+        seed: int,
+        task: int,
+        epochs: int = 0,
+        start_batch: int = 0,
+        per_epoch: int | None = None,
+    ) -> Iterator[Batch]:
         """As ``batches`` above: reshuffled each epoch from (seed, task, epoch)."""
 
 
@@ -304,8 +373,15 @@ class InMemoryPart:
     x: Any
     y: Any
 
-    def batches(self, batch_size: int, seed: int, task: int, epochs: int = 0,
-                start_batch: int = 0, per_epoch: int | None = None) -> Iterator[Batch]:
+    def batches(
+        self,
+        batch_size: int,
+        seed: int,
+        task: int,
+        epochs: int = 0,
+        start_batch: int = 0,
+        per_epoch: int | None = None,
+    ) -> Iterator[Batch]:
         return batches(self.x, self.y, batch_size, seed, task, epochs, start_batch, per_epoch)
 
 
@@ -326,13 +402,22 @@ class StreamedPart:
     chunk_rows: int
     prefetch: int = 2
 
-    def batches(self, batch_size: int, seed: int, task: int, epochs: int = 0,
-                start_batch: int = 0, per_epoch: int | None = None) -> Iterator[Batch]:
+    def batches(
+        self,
+        batch_size: int,
+        seed: int,
+        task: int,
+        epochs: int = 0,
+        start_batch: int = 0,
+        per_epoch: int | None = None,
+    ) -> Iterator[Batch]:
         start, stop = self.rows
         n, b = stop - start, batch_size
         chunk = max(b, self.chunk_rows // b * b)
-        counts = [-(-min(chunk, n - c) // b) if per_epoch is None else min(chunk, n - c) // b
-                  for c in range(0, n, chunk)]  # batches each chunk gives
+        counts = [
+            -(-min(chunk, n - c) // b) if per_epoch is None else min(chunk, n - c) // b
+            for c in range(0, n, chunk)
+        ]  # batches each chunk gives
         per_epoch = per_epoch or sum(counts)
         epoch, skip = divmod(start_batch, per_epoch)
 
@@ -365,11 +450,12 @@ class StreamedPart:
             for item, (e, x, y) in _read_ahead(plan(), read, self.prefetch):
                 _, _, first, take = item
                 for i in range(first, take):
-                    yield e, x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]
+                    yield e, x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]
 
 
-def _read_ahead(items: Iterator[Any], read: Callable[[Any], Any], depth: int
-                ) -> Iterator[tuple[Any, Any]]:
+def _read_ahead(
+    items: Iterator[Any], read: Callable[[Any], Any], depth: int
+) -> Iterator[tuple[Any, Any]]:
     """(item, read(item)) for each item, read by a background thread up to ``depth`` items
     ahead of the consumer (bounded memory). A read error is raised in the consumer; closing
     the generator stops the thread."""
@@ -410,12 +496,15 @@ def _read_ahead(items: Iterator[Any], read: Callable[[Any], Any], depth: int
         thread.join(timeout=5)
 
 
-def train_part(info: DatasetInfo, rows: tuple[int, int], chunk_rows: int = 0,
-               prefetch: int = 2) -> Part:
+def train_part(
+    info: DatasetInfo, rows: tuple[int, int], chunk_rows: int = 0, prefetch: int = 2
+) -> Part:
     """A worker's part: streamed in chunks of ``chunk_rows`` (dense data), else read whole."""
     if chunk_rows and not info.sparse:
-        check_fits((prefetch + 2) * min(chunk_rows, rows[1] - rows[0]) * row_bytes(info),
-                   f"{_where(info)}: {prefetch + 2} chunks of {chunk_rows} rows "
-                   f"(data.prefetch + 2)", DataError)
+        check_fits(
+            (prefetch + 2) * min(chunk_rows, rows[1] - rows[0]) * row_bytes(info),
+            f"{_where(info)}: {prefetch + 2} chunks of {chunk_rows} rows (data.prefetch + 2)",
+            DataError,
+        )
         return StreamedPart(info, rows, chunk_rows, prefetch)
     return InMemoryPart(*load_split(info, "train", rows))

@@ -4,6 +4,7 @@ Exit codes: 2 bad input (job, layout, data, checkpoint), 1 a failure during the 
 dead task, a loss that is not finite, replicas that diverged), 3 stopped early by a signal
 (see preemption.py).
 """
+
 from __future__ import annotations
 
 

@@ -1,6 +1,7 @@
 """Evaluate or predict from a checkpoint in one process, without MPI: the job's model (built
 in, or your own) with the variables a checkpoint holds, on the job's test split or on an
 array file."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,8 +22,9 @@ from .nn import build_model
 INPUT_SUFFIXES = (".npy", ".npz", ".h5", ".hdf5")
 
 
-def restore_model(job: Job, ckpt_path: str | None = None, factory: Any = None
-                  ) -> tuple[Model, dict[str, np.ndarray], checkpoint.Checkpoint, DatasetInfo]:
+def restore_model(
+    job: Job, ckpt_path: str | None = None, factory: Any = None
+) -> tuple[Model, dict[str, np.ndarray], checkpoint.Checkpoint, DatasetInfo]:
     """The job's model, every variable and table of the checkpoint (``ckpt_path``: a manifest
     or a directory; default the job's checkpoint.dir), the checkpoint and the job's data. The
     manifest must name the same model as the job (a checkpoint of another model is one clear
@@ -35,8 +37,10 @@ def restore_model(job: Job, ckpt_path: str | None = None, factory: Any = None
     model = build_model(job.model, info, np, job.source, factory)
     wrote = ckpt.meta.get("model")
     if wrote is not None and wrote != job.model.kind:
-        raise CheckpointError(f"checkpoint {ckpt.path} was written by model {wrote!r}, but the "
-                              f"job's model.kind is {job.model.kind!r}")
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} was written by model {wrote!r}, but the "
+            f"job's model.kind is {job.model.kind!r}"
+        )
     params = ckpt.read(model.variables() + model.tables())
     return model, params, ckpt, info
 
@@ -98,6 +102,7 @@ def predict(job: Job, inputs: str, output: str, ckpt_path: str | None = None) ->
     """Write the model's predictions for the inputs to ``output`` (.npy); returns (rows,
     global_step of the checkpoint)."""
     from .files import atomic_write
+
     model, params, ckpt, info = restore_model(job, ckpt_path)
     if not Path(output).suffix == ".npy":
         raise ConfigError(f"--output {output}: predictions are written as a .npy file")
@@ -107,8 +112,10 @@ def predict(job: Job, inputs: str, output: str, ckpt_path: str | None = None) ->
     if info.sparse:
         raise ConfigError("predict takes dense inputs; sparse (CTR) models: use eval")
     if x.ndim < 1 or int(np.prod(x.shape[1:])) != info.num_inputs:
-        raise DataError(f"--input {inputs}: shape {list(x.shape)}, the model takes rows of "
-                        f"{info.num_inputs} inputs")
+        raise DataError(
+            f"--input {inputs}: shape {list(x.shape)}, the model takes rows of "
+            f"{info.num_inputs} inputs"
+        )
     x = x.reshape(len(x), -1)
     x = x * np.float32(info.x_scale) if info.x_scale != 1.0 else x
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):

@@ -5,6 +5,7 @@ rank 0 and every rank exits 2. Anything else on one rank prints there and aborts
 the way ``python -m mpi4py`` does, so no other rank waits forever in a collective; a rank
 whose failure another rank reports (AlreadyReported) aborts quietly, a little later.
 """
+
 from __future__ import annotations
 
 import sys
@@ -26,6 +27,7 @@ def set_role(role: object) -> None:
 
 def _world():
     from mpi4py import MPI
+
     return MPI.COMM_WORLD
 
 
@@ -54,8 +56,12 @@ def abort_on_error() -> Iterator[None]:
         _abort(130)
     except Exception as e:
         tb = "".join(traceback.format_exception(e))
-        print(f"mpips: {where()} failed:\n{tb}mpips: {where()} failed with "
-              f"{type(e).__name__}: {e}; aborting the job", file=sys.stderr, flush=True)
+        print(
+            f"mpips: {where()} failed:\n{tb}mpips: {where()} failed with "
+            f"{type(e).__name__}: {e}; aborting the job",
+            file=sys.stderr,
+            flush=True,
+        )
         _abort(1)
 
 

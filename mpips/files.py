@@ -1,5 +1,6 @@
 """Durable atomic file writes: every file mpips writes (checkpoint shards and manifests,
 exported models, converted datasets) appears whole or not at all, even after a crash."""
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ file could use them to make mpips read (and ``ckpt export`` copy out) any file t
 read. Every file mpips reads is opened here, and refused as a whole unless every link in it
 is a hard link and every dataset is contiguous, chunked or compact, stored in the file itself.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -54,6 +55,8 @@ def open_plain(path: str | Path, error: type[MpipsError], what: str) -> h5py.Fil
         raise
     if problem is not None:
         f.close()
-        raise error(f"{what}: {problem}; mpips reads only hard-linked datasets stored in the "
-                    f"file itself, so a file cannot make it read other files")
+        raise error(
+            f"{what}: {problem}; mpips reads only hard-linked datasets stored in the "
+            f"file itself, so a file cannot make it read other files"
+        )
     return f

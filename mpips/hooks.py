@@ -1,4 +1,5 @@
 """Training-loop hooks: step logging, the chief's progress bar and periodic checkpoints."""
+
 from __future__ import annotations
 
 import sys
@@ -38,12 +39,12 @@ class Run:
     global_step: Callable[[], int]
     start_save: Callable[[], PendingSave]  # chief: begin a checkpoint (see CheckpointSaver)
     read_variables: Callable[[], dict[str, Any]] = dict  # see variables()
-    stop_run: Callable[[], None] = lambda: None           # see request_stop()
+    stop_run: Callable[[], None] = lambda: None  # see request_stop()
     validate: Callable[[], dict[str, float]] | None = None  # chief, train.eval_every
     params: dict[str, Any] | None = None  # sync mode: this replica's variables, live
     validation: list[dict[str, Any]] = field(default_factory=list)  # what Validation found
-    save_seconds: float = 0.0             # chief: time spent writing checkpoints so far
-    stop_requested: bool = False          # a hook asked to stop (this worker saw it)
+    save_seconds: float = 0.0  # chief: time spent writing checkpoints so far
+    stop_requested: bool = False  # a hook asked to stop (this worker saw it)
 
     @property
     def is_chief(self) -> bool:
@@ -66,12 +67,12 @@ class Run:
 class StepInfo:
     """One update just applied by this worker."""
 
-    step: int            # the global step this update produced (unique across workers)
+    step: int  # the global step this update produced (unique across workers)
     loss: float
-    epoch: int           # epoch of this worker's part of the data
-    local_updates: int   # updates made by this worker in this run
-    lead: int = 0        # updates this worker was ahead of the slowest one when it pulled
-    delay: int = 0       # global steps other workers applied between its pull and its push
+    epoch: int  # epoch of this worker's part of the data
+    local_updates: int  # updates made by this worker in this run
+    lead: int = 0  # updates this worker was ahead of the slowest one when it pulled
+    delay: int = 0  # global steps other workers applied between its pull and its push
 
 
 class Hook:
@@ -98,12 +99,18 @@ class StepLogger(Hook):
         if not self.every or info.local_updates % self.every:
             return
         if run.job.train.mode == "sync":
-            log(run.role, f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
-                          f"(mean over all replicas' batches)")
+            log(
+                run.role,
+                f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
+                f"(mean over all replicas' batches)",
+            )
         else:
-            log(run.role, f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
-                          f"(update {info.local_updates} of this worker, pulled "
-                          f"{info.delay} steps earlier)")
+            log(
+                run.role,
+                f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
+                f"(update {info.local_updates} of this worker, pulled "
+                f"{info.delay} steps earlier)",
+            )
 
 
 class ProgressBar(Hook):
@@ -123,9 +130,15 @@ class ProgressBar(Hook):
         if not run.is_chief:
             return
         if self.terminal:
-            self.bar = tqdm(total=run.target_steps or None, initial=run.start_step,
-                            desc="global_step", unit="step", file=sys.stderr,
-                            mininterval=0.5, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=run.target_steps or None,
+                initial=run.start_step,
+                desc="global_step",
+                unit="step",
+                file=sys.stderr,
+                mininterval=0.5,
+                dynamic_ncols=True,
+            )
         else:
             self.plain, self.step0 = True, run.start_step
             self.t0 = self.last = time.monotonic()
@@ -144,8 +157,10 @@ class ProgressBar(Hook):
         line = f"progress: global_step {step}"
         if run.target_steps:
             left = max(run.target_steps - step, 0)
-            line += (f"/{run.target_steps} ({100 * step / run.target_steps:.0f}%), "
-                     f"{rate:.1f} steps/s, ETA {left / rate if rate else float('inf'):.0f} s")
+            line += (
+                f"/{run.target_steps} ({100 * step / run.target_steps:.0f}%), "
+                f"{rate:.1f} steps/s, ETA {left / rate if rate else float('inf'):.0f} s"
+            )
         else:
             line += f", {rate:.1f} steps/s"
         log(run.role, line)
@@ -173,8 +188,8 @@ class CheckpointSaver(Hook):
         self.last_step = 0
         self.last_time = 0.0
         self.pending: PendingSave | None = None
-        self.started = 0.0   # when the pending save was asked for
-        self.paused = 0.0    # the chief's own time in it so far
+        self.started = 0.0  # when the pending save was asked for
+        self.paused = 0.0  # the chief's own time in it so far
 
     def begin(self, run: Run) -> None:
         self.last_step, self.last_time = run.start_step, time.monotonic()
@@ -222,8 +237,11 @@ class CheckpointSaver(Hook):
             return None
         run.save_seconds += self.paused
         took = time.perf_counter() - self.started
-        log(run.role, f"saved checkpoint {path} (global_step {self.pending.step}, {took * 1e3:.0f} "
-                      f"ms; the chief paused {self.paused * 1e3:.0f} ms)")
+        log(
+            run.role,
+            f"saved checkpoint {path} (global_step {self.pending.step}, {took * 1e3:.0f} "
+            f"ms; the chief paused {self.paused * 1e3:.0f} ms)",
+        )
         self.pending = None
         return path
 
@@ -249,11 +267,17 @@ class StopAtLoss(Hook):
         self.recent: list[float] = []
 
     def after_step(self, run: Run, info: StepInfo) -> None:
-        self.recent = (self.recent + [info.loss])[-self.window:]
-        if len(self.recent) == self.window and sum(self.recent) / self.window <= self.loss \
-                and not run.stop_requested:
-            log(run.role, f"mean loss of the last {self.window} updates "
-                          f"{sum(self.recent) / self.window:.4f} <= {self.loss}: stopping the run")
+        self.recent = (self.recent + [info.loss])[-self.window :]
+        if (
+            len(self.recent) == self.window
+            and sum(self.recent) / self.window <= self.loss
+            and not run.stop_requested
+        ):
+            log(
+                run.role,
+                f"mean loss of the last {self.window} updates "
+                f"{sum(self.recent) / self.window:.4f} <= {self.loss}: stopping the run",
+            )
             run.request_stop()
 
 

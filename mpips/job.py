@@ -2,6 +2,7 @@
 
 Unknown keys and wrong types are errors that name the key (and suggest the closest one).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,93 +24,93 @@ from .schema import check_keys
 
 @dataclass
 class ModelConfig:
-    kind: str = "mlp"          # "mlp" (dense data), "logreg" / "wide_deep" (sparse CTR data),
-                               # or your own: "package.module:factory"
+    kind: str = "mlp"  # "mlp" (dense data), "logreg" / "wide_deep" (sparse CTR data),
+    # or your own: "package.module:factory"
     args: dict = field(default_factory=dict)  # your own model's arguments ([model.args])
     hidden: list[int] = field(default_factory=lambda: [64])
     init_seed: int = 0
-    embedding_dim: int = 8     # wide_deep: width of each feature's embedding row
-    partition: str = "mod"     # tables split by rows over the PS tasks: "mod" or "div"
+    embedding_dim: int = 8  # wide_deep: width of each feature's embedding row
+    partition: str = "mod"  # tables split by rows over the PS tasks: "mod" or "div"
 
 
 @dataclass
 class DataConfig:
-    path: str = ""             # an HDF5 or .npz file
-    builtin: str = ""          # or a dataset that ships inside mpips: "digits"
+    path: str = ""  # an HDF5 or .npz file
+    builtin: str = ""  # or a dataset that ships inside mpips: "digits"
     # the arrays: dataset paths in an HDF5 file (default "train/x" ...), array names in a
     # .npz file (default "x_train" ...), or .npy files (then no path)
     train_x: str = ""
     train_y: str = ""
     test_x: str = ""
     test_y: str = ""
-    val_x: str = ""            # optional validation split (train.eval_every)
+    val_x: str = ""  # optional validation split (train.eval_every)
     val_y: str = ""
-    num_classes: int = 0       # 0: the file's attribute num_classes, else largest label + 1
-    x_scale: float = 0.0       # inputs are multiplied by it (0: the file's attribute, else 1)
-    chunk_rows: int = 0        # stream each worker's part in chunks of N rows (0: read it whole)
-    prefetch: int = 2          # chunks read ahead by a background thread when streaming
+    num_classes: int = 0  # 0: the file's attribute num_classes, else largest label + 1
+    x_scale: float = 0.0  # inputs are multiplied by it (0: the file's attribute, else 1)
+    chunk_rows: int = 0  # stream each worker's part in chunks of N rows (0: read it whole)
+    prefetch: int = 2  # chunks read ahead by a background thread when streaming
 
 
 @dataclass
 class OptimizerConfig:
-    kind: str = "sgd"          # sgd, momentum, adagrad, adam, ftrl
+    kind: str = "sgd"  # sgd, momentum, adagrad, adam, ftrl
     learning_rate: float = 0.1
-    momentum: float = 0.9      # momentum
-    nesterov: bool = False     # momentum
-    beta1: float = 0.9         # adam
-    beta2: float = 0.999       # adam
-    epsilon: float = 1e-7      # adam, adagrad
+    momentum: float = 0.9  # momentum
+    nesterov: bool = False  # momentum
+    beta1: float = 0.9  # adam
+    beta2: float = 0.999  # adam
+    epsilon: float = 1e-7  # adam, adagrad
     initial_accumulator_value: float = 0.1  # adagrad, ftrl (n)
-    l1: float = 0.0            # ftrl
-    l2: float = 0.0            # ftrl
+    l1: float = 0.0  # ftrl
+    l2: float = 0.0  # ftrl
     schedule: str = "constant"  # constant, exponential, step
     decay_rate: float = 0.96
     decay_steps: int = 1000
-    warmup_steps: int = 0      # linear warm-up over the first N global steps
-    clip_norm: float = 0.0     # clip each update's gradients to this global norm (0: off)
+    warmup_steps: int = 0  # linear warm-up over the first N global steps
+    clip_norm: float = 0.0  # clip each update's gradients to this global norm (0: off)
 
 
 @dataclass
 class TrainConfig:
     mode: str = "async"
-    steps: int = 0             # stop when global_step reaches this (0: no step limit)
-    epochs: int = 0            # each worker makes this many passes over its part of the data
-                               # (0: no limit)
+    steps: int = 0  # stop when global_step reaches this (0: no step limit)
+    epochs: int = 0  # each worker makes this many passes over its part of the data
+    # (0: no limit)
     batch_size: int = 32
     seed: int = 0
-    log_every: int = 100       # per-worker log line every N of its own updates (0: off)
-    progress: bool = True      # tqdm bar on the chief
-    device: str = "cpu"        # "cpu" (numpy) or "gpu" (cupy, one device per local rank)
+    log_every: int = 100  # per-worker log line every N of its own updates (0: off)
+    progress: bool = True  # tqdm bar on the chief
+    device: str = "cpu"  # "cpu" (numpy) or "gpu" (cupy, one device per local rank)
     max_staleness: int | None = None  # bounded staleness: lead over the slowest worker
-                                      # (0: lock-step)
+    # (0: lock-step)
     bucket_bytes: int = 1 << 20  # sync: gradients fused into allreduce buckets of about this size
-    check_every: int = 100     # sync: verify replicas are bitwise identical every N steps (0: off)
-    eval_every: int = 0        # the chief evaluates on the validation split every N global steps
+    check_every: int = 100  # sync: verify replicas are bitwise identical every N steps (0: off)
+    eval_every: int = 0  # the chief evaluates on the validation split every N global steps
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str = ""              # empty: no checkpoints
+    dir: str = ""  # empty: no checkpoints
     every_steps: int = 0
     every_secs: float = 0.0
     max_to_keep: int = 3
-    restore: bool = True       # resume from the latest checkpoint in dir
+    restore: bool = True  # resume from the latest checkpoint in dir
 
 
 @dataclass
 class SummaryConfig:
-    dir: str = ""              # metrics.jsonl and TensorBoard files (default: checkpoint.dir)
-    every_steps: int = 20      # a record every N updates of a worker (0: summaries off)
+    dir: str = ""  # metrics.jsonl and TensorBoard files (default: checkpoint.dir)
+    every_steps: int = 20  # a record every N updates of a worker (0: summaries off)
     all_workers: bool = False  # every worker writes its own (default: the chief only)
-    tensorboard: bool = True   # TensorBoard event files beside metrics.jsonl
-    timeline: bool = False     # a trace of every task's phases (timeline/*.json)
+    tensorboard: bool = True  # TensorBoard event files beside metrics.jsonl
+    timeline: bool = False  # a trace of every task's phases (timeline/*.json)
 
 
 @dataclass
 class LayoutConfig:
     ps: int | list[int] | str | None = None  # count, ranks or "per_node" (default: world // 4)
-    world_size: int | None = None            # if set, the job refuses another world size
-    placement: str = "round_robin"           # or "greedy" (fewest bytes first)
+    world_size: int | None = None  # if set, the job refuses another world size
+    placement: str = "round_robin"  # or "greedy" (fewest bytes first)
     pin: dict = field(default_factory=dict)  # variable name -> ps task (like tf.device)
 
 
@@ -135,21 +136,49 @@ CHOICES = {
     "data.builtin": ("", "digits"),
     "layout.placement": ("round_robin", "greedy"),
 }
-NON_NEGATIVE = ("train.steps", "train.epochs", "train.log_every", "checkpoint.every_steps",
-                "checkpoint.every_secs", "model.init_seed", "train.seed", "optimizer.momentum",
-                "optimizer.initial_accumulator_value", "optimizer.l1", "optimizer.l2",
-                "optimizer.warmup_steps", "optimizer.clip_norm", "train.check_every",
-                "train.eval_every", "data.num_classes", "data.x_scale", "data.chunk_rows",
-                "summary.every_steps")
-POSITIVE = ("train.batch_size", "model.embedding_dim", "optimizer.learning_rate",
-            "checkpoint.max_to_keep", "train.bucket_bytes",
-            "optimizer.epsilon", "optimizer.decay_rate", "optimizer.decay_steps", "data.prefetch")
+NON_NEGATIVE = (
+    "train.steps",
+    "train.epochs",
+    "train.log_every",
+    "checkpoint.every_steps",
+    "checkpoint.every_secs",
+    "model.init_seed",
+    "train.seed",
+    "optimizer.momentum",
+    "optimizer.initial_accumulator_value",
+    "optimizer.l1",
+    "optimizer.l2",
+    "optimizer.warmup_steps",
+    "optimizer.clip_norm",
+    "train.check_every",
+    "train.eval_every",
+    "data.num_classes",
+    "data.x_scale",
+    "data.chunk_rows",
+    "summary.every_steps",
+)
+POSITIVE = (
+    "train.batch_size",
+    "model.embedding_dim",
+    "optimizer.learning_rate",
+    "checkpoint.max_to_keep",
+    "train.bucket_bytes",
+    "optimizer.epsilon",
+    "optimizer.decay_rate",
+    "optimizer.decay_steps",
+    "data.prefetch",
+)
 UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
 
 
 def _type_name(t: Any) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-            list: "a list"}.get(t, getattr(t, "__name__", str(t)))
+    return {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "true or false",
+        list: "a list",
+    }.get(t, getattr(t, "__name__", str(t)))
 
 
 def _matches(value: Any, t: Any) -> bool:
@@ -201,9 +230,12 @@ def validate(job: Job) -> Job:
     """Check cross-field rules and value ranges (after overrides, too)."""
     kind = job.model.kind
     if kind not in ("mlp", "logreg", "wide_deep") and not re.fullmatch(
-            r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", kind):
-        raise ConfigError(f"model.kind: {kind!r} is not 'mlp', 'logreg', 'wide_deep' or "
-                          f"\"package.module:factory\" (a model of your own)")
+        r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", kind
+    ):
+        raise ConfigError(
+            f"model.kind: {kind!r} is not 'mlp', 'logreg', 'wide_deep' or "
+            f'"package.module:factory" (a model of your own)'
+        )
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(job, section), name)
@@ -224,13 +256,17 @@ def validate(job: Job) -> Job:
     if job.train.mode == "sync" and job.train.device != "cpu":
         raise ConfigError('train.device: mode = "sync" runs on the CPU (numpy) for now')
     if job.train.device != "cpu" and job.model.kind in ("logreg", "wide_deep"):
-        raise ConfigError(f"train.device: CTR models (model.kind = {job.model.kind!r}) run on "
-                          f"the CPU (numpy and scipy.sparse)")
+        raise ConfigError(
+            f"train.device: CTR models (model.kind = {job.model.kind!r}) run on "
+            f"the CPU (numpy and scipy.sparse)"
+        )
     if job.train.mode == "sync" and job.model.kind in ("logreg", "wide_deep"):
-        raise ConfigError(f"model.kind: {job.model.kind!r} keeps its tables on the PS tasks; "
-                          f"it trains in mode = \"async\"")
+        raise ConfigError(
+            f"model.kind: {job.model.kind!r} keeps its tables on the PS tasks; "
+            f'it trains in mode = "async"'
+        )
     if job.train.mode == "sync" and job.train.max_staleness is not None:
-        raise ConfigError("train.max_staleness: only for mode = \"async\" (sync is lock-step)")
+        raise ConfigError('train.max_staleness: only for mode = "async" (sync is lock-step)')
     if job.train.max_staleness is not None and job.train.max_staleness < 0:
         raise ConfigError(f"train.max_staleness: must be >= 0, got {job.train.max_staleness}")
     if job.optimizer.kind == "ftrl" and job.optimizer.initial_accumulator_value <= 0:
@@ -241,8 +277,9 @@ def validate(job: Job) -> Job:
     if job.summary.timeline and not (job.summary.dir or job.checkpoint.dir):
         raise ConfigError("summary.timeline: set summary.dir (or checkpoint.dir) for it")
     if isinstance(job.layout.ps, str) and job.layout.ps != "per_node":
-        raise ConfigError(f"layout.ps: {job.layout.ps!r} is not a count, a list of ranks or "
-                          f"\"per_node\"")
+        raise ConfigError(
+            f'layout.ps: {job.layout.ps!r} is not a count, a list of ranks or "per_node"'
+        )
     if job.train.steps == 0 and job.train.epochs == 0:
         raise ConfigError("train: give train.steps or train.epochs (or both) so the run can end")
     return job
@@ -250,24 +287,28 @@ def validate(job: Job) -> Job:
 
 def _check_data(d: DataConfig) -> None:
     """Where the arrays are: one file (path or builtin), or .npy files named one by one."""
-    named = {f"{s}_{k}": getattr(d, f"{s}_{k}") for s in ("train", "test", "val")
-             for k in "xy"}
+    named = {f"{s}_{k}": getattr(d, f"{s}_{k}") for s in ("train", "test", "val") for k in "xy"}
     if d.path and d.builtin:
         raise ConfigError("data: give data.path or data.builtin, not both")
     if d.builtin and any(named.values()):
-        raise ConfigError(f"data.builtin: its arrays are fixed; drop "
-                          f"{', '.join('data.' + k for k, v in named.items() if v)}")
+        raise ConfigError(
+            f"data.builtin: its arrays are fixed; drop "
+            f"{', '.join('data.' + k for k, v in named.items() if v)}"
+        )
     for s in ("train", "test", "val"):
         if bool(named[f"{s}_x"]) != bool(named[f"{s}_y"]):
             raise ConfigError(f"data.{s}_x, data.{s}_y: give both or neither")
     if not d.path and not d.builtin and any(named.values()):
         if not (d.train_x and d.test_x):
-            raise ConfigError("data: .npy files need data.train_x, data.train_y, data.test_x "
-                              "and data.test_y")
+            raise ConfigError(
+                "data: .npy files need data.train_x, data.train_y, data.test_x and data.test_y"
+            )
         odd = [v for v in named.values() if v and not v.endswith(".npy")]
         if odd:
-            raise ConfigError(f"data: without data.path the arrays are .npy files; "
-                              f"{odd[0]!r} is not (or set data.path to the file that holds it)")
+            raise ConfigError(
+                f"data: without data.path the arrays are .npy files; "
+                f"{odd[0]!r} is not (or set data.path to the file that holds it)"
+            )
 
 
 def parse_job(text: str, source: str = "<string>") -> Job:
@@ -301,13 +342,19 @@ def load_job(path: str | Path | None = None) -> Job:
 def job_layout(job: Job, world_size: int, nodes: list[int] | None = None) -> Layout:
     """The job's rank layout on ``world_size`` ranks placed on ``nodes`` (each rank's node,
     named by its lowest rank; None: one node). ConfigError if it does not fit."""
-    return make_layout(world_size, job.layout.ps, job.layout.world_size,
-                       source=f"{job.source}: [layout]", sync=job.train.mode == "sync",
-                       nodes=nodes)
+    return make_layout(
+        world_size,
+        job.layout.ps,
+        job.layout.world_size,
+        source=f"{job.source}: [layout]",
+        sync=job.train.mode == "sync",
+        nodes=nodes,
+    )
 
 
-def job_placement(job: Job, specs: list[VariableSpec], num_ps: int,
-                  tables: Sequence[VariableSpec] = ()) -> Placement:
+def job_placement(
+    job: Job, specs: list[VariableSpec], num_ps: int, tables: Sequence[VariableSpec] = ()
+) -> Placement:
     """The job's placement strategy applied to the model's variables; then its tables,
     split by rows over every PS task (model.partition)."""
     pins = job.layout.pin
@@ -315,10 +362,13 @@ def job_placement(job: Job, specs: list[VariableSpec], num_ps: int,
         names = [s.name for s in specs]
         for name, task in pins.items():
             if name not in names:
-                raise ConfigError(f"layout.pin: the model has no variable {name!r} (its "
-                                  f"variables: {', '.join(names)})")
+                raise ConfigError(
+                    f"layout.pin: the model has no variable {name!r} (its "
+                    f"variables: {', '.join(names)})"
+                )
             if not isinstance(task, int) or isinstance(task, bool) or not 0 <= task < num_ps:
-                raise ConfigError(f"layout.pin.{name}: {task!r} is not a ps task of this "
-                                  f"layout (0..{num_ps - 1})")
+                raise ConfigError(
+                    f"layout.pin.{name}: {task!r} is not a ps task of this layout (0..{num_ps - 1})"
+                )
     placement = STRATEGIES[job.layout.placement](specs, num_ps, pins)
     return place_tables(placement, list(tables), job.model.partition) if tables else placement

@@ -2,6 +2,7 @@
 and a layer library for models of your own (Dense, Conv2D, MaxPool2D, ReLU, Tanh, Sigmoid,
 Flatten, Reshape, Dropout, Embedding; softmax cross-entropy and logistic losses) put
 together with ``Sequential``, itself an ``mpips.Model``."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -17,12 +18,15 @@ from .model import Model
 from .placement import VariableSpec
 
 
-def he_uniform(rng: np.random.Generator, fan_in: int, fan_out: int
-               ) -> tuple[np.ndarray, np.ndarray]:
+def he_uniform(
+    rng: np.random.Generator, fan_in: int, fan_out: int
+) -> tuple[np.ndarray, np.ndarray]:
     """A He-uniform ``(fan_in, fan_out)`` kernel and a zero bias (float32, on the host)."""
     limit = np.sqrt(6.0 / fan_in)
-    return (rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32),
-            np.zeros(fan_out, np.float32))
+    return (
+        rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32),
+        np.zeros(fan_out, np.float32),
+    )
 
 
 def dense_forward(x: Any, kernel: Any, bias: Any) -> Any:
@@ -30,9 +34,16 @@ def dense_forward(x: Any, kernel: Any, bias: Any) -> Any:
     return x @ kernel + bias
 
 
-def dense_backward(xp: ModuleType, x: Any, kernel: Any, dy: Any, grad_kernel: Any,
-                   grad_bias: Any, written: Callable[[], None] | None = None,
-                   input_grad: bool = True) -> Any:
+def dense_backward(
+    xp: ModuleType,
+    x: Any,
+    kernel: Any,
+    dy: Any,
+    grad_kernel: Any,
+    grad_bias: Any,
+    written: Callable[[], None] | None = None,
+    input_grad: bool = True,
+) -> Any:
     """The gradients of ``dense_forward`` from ``dy``, the output's: kernel and bias into
     ``grad_kernel`` and ``grad_bias`` (in place; ``written()`` then), and the input's,
     returned (None unless ``input_grad``)."""
@@ -59,9 +70,11 @@ class DenseStack:
         self.names = [(f"{prefix}{i}/kernel", f"{prefix}{i}/bias") for i in range(self.num_layers)]
 
     def variables(self) -> list[VariableSpec]:
-        return [VariableSpec(n, shape)
-                for (k, b), (a, c) in zip(self.names, self._shapes(), strict=True)
-                for n, shape in ((k, (a, c)), (b, (c,)))]
+        return [
+            VariableSpec(n, shape)
+            for (k, b), (a, c) in zip(self.names, self._shapes(), strict=True)
+            for n, shape in ((k, (a, c)), (b, (c,)))
+        ]
 
     def _shapes(self) -> list[tuple[int, int]]:
         return list(zip(self.sizes[:-1], self.sizes[1:], strict=True))
@@ -83,16 +96,24 @@ class DenseStack:
             acts.append(h)
         return h, acts
 
-    def backward(self, params: dict[str, Any], acts: list[Any], d: Any, grads: dict[str, Any],
-                 ready: Callable[[str], None] | None = None, input_grad: bool = False) -> Any:
+    def backward(
+        self,
+        params: dict[str, Any],
+        acts: list[Any],
+        d: Any,
+        grads: dict[str, Any],
+        ready: Callable[[str], None] | None = None,
+        input_grad: bool = False,
+    ) -> Any:
         """Gradients of every kernel and bias into ``grads`` (in place) from ``d``, the
         gradient of the output; ``ready(name)`` as each is written (last layer first).
         Returns the gradient of the input if ``input_grad``, else None."""
         for i in reversed(range(self.num_layers)):
             k, b = self.names[i]
             written = None if ready is None else partial(_each_ready, ready, b, k)
-            d = dense_backward(self.xp, acts[i], params[k], d, grads[k], grads[b], written,
-                               bool(i or input_grad))
+            d = dense_backward(
+                self.xp, acts[i], params[k], d, grads[k], grads[b], written, bool(i or input_grad)
+            )
             if i:
                 d *= acts[i] > 0
         return d
@@ -125,12 +146,19 @@ class Layer:
     def initial_values(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         return {}
 
-    def forward(self, xp: ModuleType, params: dict[str, Any], x: Any, train: bool,
-                rng: np.random.Generator | None = None) -> tuple[Any, Any]:
+    def forward(
+        self,
+        xp: ModuleType,
+        params: dict[str, Any],
+        x: Any,
+        train: bool,
+        rng: np.random.Generator | None = None,
+    ) -> tuple[Any, Any]:
         raise NotImplementedError
 
-    def backward(self, xp: ModuleType, params: dict[str, Any], cache: Any, dy: Any,
-                 grads: dict[str, Any]) -> Any:
+    def backward(
+        self, xp: ModuleType, params: dict[str, Any], cache: Any, dy: Any, grads: dict[str, Any]
+    ) -> Any:
         raise NotImplementedError
 
 
@@ -172,8 +200,10 @@ class Conv2D(Layer):
 
     def build(self, in_shape: Shape) -> Shape:
         if len(in_shape) != 3:
-            raise ValueError(f"Conv2D takes (channels, height, width), got {in_shape}: "
-                             f"add Reshape((1, H, W)) for images")
+            raise ValueError(
+                f"Conv2D takes (channels, height, width), got {in_shape}: "
+                f"add Reshape((1, H, W)) for images"
+            )
         c, h, w = in_shape
         k, s, p = self.size, self.stride, self.padding
         self.in_shape = in_shape
@@ -196,7 +226,7 @@ class Conv2D(Layer):
             x = xp.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
         oh, ow = self.out_hw
         win = xp.lib.stride_tricks.sliding_window_view(x, (k, k), axis=(2, 3))
-        win = win[:, :, :s * (oh - 1) + 1:s, :s * (ow - 1) + 1:s]  # (n, c, oh, ow, k, k)
+        win = win[:, :, : s * (oh - 1) + 1 : s, : s * (ow - 1) + 1 : s]  # (n, c, oh, ow, k, k)
         return win.transpose(0, 2, 3, 1, 4, 5).reshape(len(x) * oh * ow, -1)
 
     def forward(self, xp, params, x, train, rng=None):
@@ -216,9 +246,10 @@ class Conv2D(Layer):
         dx = xp.zeros((n, c, h + 2 * p, w + 2 * p), dy.dtype)
         for i in range(k):  # col2im: k*k strided adds, each over the whole batch
             for j in range(k):
-                dx[:, :, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s] += \
-                    dcols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
-        return dx[:, :, p:p + h, p:p + w] if p else dx
+                dx[:, :, i : i + s * (oh - 1) + 1 : s, j : j + s * (ow - 1) + 1 : s] += dcols[
+                    :, :, :, :, i, j
+                ].transpose(0, 3, 1, 2)
+        return dx[:, :, p : p + h, p : p + w] if p else dx
 
 
 class MaxPool2D(Layer):
@@ -242,7 +273,7 @@ class MaxPool2D(Layer):
     def forward(self, xp, params, x, train, rng=None):
         c, oh, ow = self.out
         k = self.size
-        blocks = x[:, :, :oh * k, :ow * k].reshape(len(x), c, oh, k, ow, k)
+        blocks = x[:, :, : oh * k, : ow * k].reshape(len(x), c, oh, k, ow, k)
         blocks = blocks.transpose(0, 1, 2, 4, 3, 5).reshape(len(x), c, oh, ow, k * k)
         arg = blocks.argmax(axis=-1)
         return xp.take_along_axis(blocks, arg[..., None], -1)[..., 0], (x.shape, arg)
@@ -254,8 +285,11 @@ class MaxPool2D(Layer):
         blocks = xp.zeros((shape[0], c, oh, ow, k * k), dy.dtype)
         xp.put_along_axis(blocks, arg[..., None], dy[..., None], -1)
         dx = xp.zeros(shape, dy.dtype)
-        dx[:, :, :oh * k, :ow * k] = blocks.reshape(shape[0], c, oh, ow, k, k) \
-            .transpose(0, 1, 2, 4, 3, 5).reshape(shape[0], c, oh * k, ow * k)
+        dx[:, :, : oh * k, : ow * k] = (
+            blocks.reshape(shape[0], c, oh, ow, k, k)
+            .transpose(0, 1, 2, 4, 3, 5)
+            .reshape(shape[0], c, oh * k, ow * k)
+        )
         return dx
 
 
@@ -388,6 +422,7 @@ class Embedding(Layer):
 
 # -- losses: (mean loss, gradient of the mean loss w.r.t. the outputs) ------------------------
 
+
 def softmax_cross_entropy(xp: ModuleType, z: Any, y: Any) -> tuple[float, Any]:
     """Mean softmax cross-entropy of logits ``z`` (n, classes) for integer labels ``y``."""
     z = z - z.max(axis=1, keepdims=True)
@@ -438,8 +473,13 @@ class Sequential(Model):
     output). ``input_shape`` is one example's shape as the data holds it (e.g. ``(784,)``).
     Variables are named ``<layer>_<index>/<variable>``, e.g. ``conv_0/kernel``."""
 
-    def __init__(self, layers: list[Layer], input_shape: Shape, loss: str = "softmax_cross_entropy",
-                 seed: int = 0):
+    def __init__(
+        self,
+        layers: list[Layer],
+        input_shape: Shape,
+        loss: str = "softmax_cross_entropy",
+        seed: int = 0,
+    ):
         if loss not in LOSSES:
             raise ValueError(f"Sequential: loss is one of {sorted(LOSSES)}, got {loss!r}")
         self.layers, self.loss_name, self.seed = list(layers), loss, seed
@@ -452,34 +492,51 @@ class Sequential(Model):
         self.steps = 0  # training batches seen by this worker (seeds dropout)
 
     def variables(self) -> list[VariableSpec]:
-        return [VariableSpec(p + name, shape)
-                for p, layer in zip(self.prefixes, self.layers, strict=True)
-                for name, shape in layer.variables()]
+        return [
+            VariableSpec(p + name, shape)
+            for p, layer in zip(self.prefixes, self.layers, strict=True)
+            for name, shape in layer.variables()
+        ]
 
     def initial_values(self, seed: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(seed)
-        return {p + k: v for p, layer in zip(self.prefixes, self.layers, strict=True)
-                for k, v in layer.initial_values(rng).items()}
+        return {
+            p + k: v
+            for p, layer in zip(self.prefixes, self.layers, strict=True)
+            for k, v in layer.initial_values(rng).items()
+        }
 
     def _own(self, prefix: str, arrays: dict[str, Any]) -> dict[str, Any]:
-        return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
 
-    def forward(self, params: dict[str, Any], x: Any, train: bool = False,
-                rng: np.random.Generator | None = None) -> tuple[Any, list[Any]]:
+    def forward(
+        self,
+        params: dict[str, Any],
+        x: Any,
+        train: bool = False,
+        rng: np.random.Generator | None = None,
+    ) -> tuple[Any, list[Any]]:
         caches = []
         for prefix, layer in zip(self.prefixes, self.layers, strict=True):
             x, cache = layer.forward(self.xp, self._own(prefix, params), x, train, rng)
             caches.append(cache)
         return x, caches
 
-    def loss_and_grads(self, params: dict[str, Any], x: Any, y: Any, grads: dict[str, Any],
-                       ready: Callable[[str], None] | None = None) -> float:
+    def loss_and_grads(
+        self,
+        params: dict[str, Any],
+        x: Any,
+        y: Any,
+        grads: dict[str, Any],
+        ready: Callable[[str], None] | None = None,
+    ) -> float:
         self.steps += 1
         rng = np.random.default_rng([self.seed, self.worker, self.steps])
         out, caches = self.forward(params, x, True, rng)
         loss, d = LOSSES[self.loss_name](self.xp, out, y)
-        for prefix, layer, cache in reversed(list(zip(self.prefixes, self.layers, caches,
-                                                      strict=True))):
+        for prefix, layer, cache in reversed(
+            list(zip(self.prefixes, self.layers, caches, strict=True))
+        ):
             own = self._own(prefix, grads)
             d = layer.backward(self.xp, self._own(prefix, params), cache, d, own)
             if ready is not None:
@@ -497,7 +554,7 @@ class Sequential(Model):
     def _outputs(self, params: dict[str, Any], x: Any, chunk: int = 1024) -> Any:
         """The last layer's outputs in evaluation mode, ``chunk`` rows at a time (bounded
         memory for im2col on a whole test split)."""
-        parts = [self.forward(params, x[i:i + chunk])[0] for i in range(0, len(x), chunk)]
+        parts = [self.forward(params, x[i : i + chunk])[0] for i in range(0, len(x), chunk)]
         return self.xp.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> dict[str, float]:
@@ -506,6 +563,9 @@ class Sequential(Model):
         if self.loss_name == "logistic":
             p = to_host(out.reshape(-1))
             labels = to_host(y).reshape(-1)
-            return {"loss": loss, "accuracy": float(((p > 0) == (labels > 0.5)).mean()),
-                    "auc": auc(labels, p)}
+            return {
+                "loss": loss,
+                "accuracy": float(((p > 0) == (labels > 0.5)).mean()),
+                "auc": auc(labels, p),
+            }
         return {"loss": loss, "accuracy": accuracy(to_host(out), to_host(y))}

@@ -1,4 +1,5 @@
 """Rank layout: which MPI rank plays which role (``/job:ps/task:i`` or ``/job:worker/task:i``)."""
+
 from __future__ import annotations
 
 import tomllib
@@ -76,9 +77,14 @@ def block_nodes(world_size: int, num_nodes: int) -> list[int]:
     return [r // per * per for r in range(world_size)]
 
 
-def make_layout(world_size: int, ps: int | list[int] | str | None = None,
-                expected_world_size: int | None = None, source: str = "layout",
-                sync: bool = False, nodes: list[int] | None = None) -> Layout:
+def make_layout(
+    world_size: int,
+    ps: int | list[int] | str | None = None,
+    expected_world_size: int | None = None,
+    source: str = "layout",
+    sync: bool = False,
+    nodes: list[int] | None = None,
+) -> Layout:
     """Validate a PS spec (count, explicit rank list, ``"per_node"`` or None for the default)
     for a world size.
 
@@ -87,12 +93,16 @@ def make_layout(world_size: int, ps: int | list[int] | str | None = None,
     no PS, so ``ps = 0`` is allowed and is the default.
     """
     if expected_world_size is not None and expected_world_size != world_size:
-        raise ConfigError(f"{source}: world_size = {expected_world_size}, but the job runs "
-                          f"on {world_size} ranks (mpirun -n {expected_world_size}?)")
+        raise ConfigError(
+            f"{source}: world_size = {expected_world_size}, but the job runs "
+            f"on {world_size} ranks (mpirun -n {expected_world_size}?)"
+        )
     least = 1 if sync else 2
     if world_size < least:
-        raise ConfigError(f"{source}: mpips needs at least 2 ranks (1 ps + 1 worker), got "
-                          f"{world_size}; launch with e.g. `mpirun -n 3 python -m mpips train`")
+        raise ConfigError(
+            f"{source}: mpips needs at least 2 ranks (1 ps + 1 worker), got "
+            f"{world_size}; launch with e.g. `mpirun -n 3 python -m mpips train`"
+        )
     if ps is None:
         ps = 0 if sync else default_num_ps(world_size)
     if sync and (ps == 0 or ps == []):
@@ -100,15 +110,19 @@ def make_layout(world_size: int, ps: int | list[int] | str | None = None,
     if ps == PER_NODE:
         ps = sorted(set(nodes or [0] * world_size))
         if len(ps) >= world_size:
-            raise ConfigError(f"{source}: ps = \"per_node\" leaves no worker: every one of "
-                              f"the {len(ps)} nodes runs a single rank")
+            raise ConfigError(
+                f'{source}: ps = "per_node" leaves no worker: every one of '
+                f"the {len(ps)} nodes runs a single rank"
+            )
     if isinstance(ps, bool) or not isinstance(ps, (int, list)):
-        raise ConfigError(f"{source}: ps must be a count, a list of ranks or \"per_node\", "
-                          f"got {ps!r}")
+        raise ConfigError(
+            f'{source}: ps must be a count, a list of ranks or "per_node", got {ps!r}'
+        )
     if isinstance(ps, int):
         if not 1 <= ps < world_size:
-            raise ConfigError(f"{source}: ps = {ps} needs 1 <= ps < world size {world_size} "
-                              f"(at least one worker)")
+            raise ConfigError(
+                f"{source}: ps = {ps} needs 1 <= ps < world size {world_size} (at least one worker)"
+            )
         ranks = tuple(range(ps))
     else:
         if not ps:
@@ -118,8 +132,10 @@ def make_layout(world_size: int, ps: int | list[int] | str | None = None,
             raise ConfigError(f"{source}: ps ranks must be integers, got {bad[0]!r}")
         out = [r for r in ps if not 0 <= r < world_size]
         if out:
-            raise ConfigError(f"{source}: ps rank {out[0]} is out of range for "
-                              f"{world_size} ranks (0..{world_size - 1})")
+            raise ConfigError(
+                f"{source}: ps rank {out[0]} is out of range for "
+                f"{world_size} ranks (0..{world_size - 1})"
+            )
         dups = sorted({r for r in ps if ps.count(r) > 1})
         if dups:
             raise ConfigError(f"{source}: ps rank {dups[0]} is listed more than once")

@@ -1,4 +1,5 @@
 """Log lines that name the task: ``[/job:worker/task:3] step 120 ...``."""
+
 from __future__ import annotations
 
 import sys

@@ -4,6 +4,7 @@ Sizes read from files (manifests, HDF5 attributes and shapes) are not trusted: b
 is allocated from them, the total is compared with the memory available here, so a hostile or
 corrupt file is one clear error, not a MemoryError traceback or an OOM kill.
 """
+
 from __future__ import annotations
 
 import os
@@ -79,13 +80,15 @@ def human(nbytes: float) -> str:
     raise AssertionError
 
 
-def check_fits(nbytes: int, what: str, error: type[MpipsError], available: int | None = None
-               ) -> None:
+def check_fits(
+    nbytes: int, what: str, error: type[MpipsError], available: int | None = None
+) -> None:
     """Raise ``error`` if ``nbytes`` (for ``what``) is absurd or more than the memory available
     here (``available``: a figure the caller already has, e.g. for a whole node)."""
     if nbytes > ABSURD_BYTES:
         raise error(f"{what} needs {human(nbytes)}: absurd (a corrupt or hostile file?)")
     room = available_bytes() if available is None else available
     if nbytes > room:
-        raise error(f"{what} needs {human(nbytes)}, more than the {human(room)} of memory "
-                    f"available here")
+        raise error(
+            f"{what} needs {human(nbytes)}, more than the {human(room)} of memory available here"
+        )

@@ -1,4 +1,5 @@
 """Evaluation metrics computed on the host."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,6 +13,7 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """Area under the ROC curve: the chance a random positive scores above a random
     negative (ties count half), from the ranks (Mann-Whitney U)."""
     from scipy.stats import rankdata
+
     labels = np.asarray(labels) > 0.5
     positives, negatives = int(labels.sum()), int((~labels).sum())
     if not positives or not negatives:

@@ -7,6 +7,7 @@ worker's push buffers on the CPU, so a push copies nothing). mpips places the va
 the PS tasks, pulls them before each step, pushes the gradients, checkpoints them by name.
 Models compute with ``self.xp`` (numpy, or cupy on a GPU worker), set by mpips.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -47,8 +48,14 @@ class Model:
         """*Required.* Initial numpy values of every variable, by name (from ``seed``)."""
         raise NotImplementedError
 
-    def loss_and_grads(self, params: dict[str, Any], x: Any, y: Any, grads: dict[str, Any],
-                       ready: Callable[[str], None] | None = None) -> float:
+    def loss_and_grads(
+        self,
+        params: dict[str, Any],
+        x: Any,
+        y: Any,
+        grads: dict[str, Any],
+        ready: Callable[[str], None] | None = None,
+    ) -> float:
         """*Required.* The batch's mean loss; writes d loss / d variable into ``grads[name]``
         in place (``grads[name][...] = ...``, never rebinding it). ``ready(name)``, if given,
         may be called as each gradient is final (sync mode starts reducing it at once)."""
@@ -84,12 +91,13 @@ REQUIRED = ("variables", "initial_values", "loss_and_grads", "evaluate")
 def check_model(model: Any, what: str) -> Model:
     """``model`` if it is a usable Model, else one ConfigError naming ``what``."""
     if not isinstance(model, Model):
-        raise ConfigError(f"{what} returned {type(model).__name__}, not a model: subclass "
-                          f"mpips.Model and implement {', '.join(REQUIRED)}")
+        raise ConfigError(
+            f"{what} returned {type(model).__name__}, not a model: subclass "
+            f"mpips.Model and implement {', '.join(REQUIRED)}"
+        )
     missing = [m for m in REQUIRED if getattr(type(model), m) is getattr(Model, m)]
     if missing:
-        raise ConfigError(f"{what}: {type(model).__name__} does not implement "
-                          f"{', '.join(missing)}")
+        raise ConfigError(f"{what}: {type(model).__name__} does not implement {', '.join(missing)}")
     specs = model.variables()
     if not isinstance(specs, list) or not all(isinstance(s, VariableSpec) for s in specs):
         raise ConfigError(f"{what}: variables() must return a list of mpips.Variable")
@@ -111,8 +119,9 @@ def import_factory(kind: str, near: str | None = None) -> Callable[..., Any]:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # the user's module: any error in it is theirs to see
-        raise ConfigError(f"{where}: cannot import {module_name} "
-                          f"({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"{where}: cannot import {module_name} ({type(e).__name__}: {e})"
+        ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{where}: {module_name} has no {attr}")
@@ -122,8 +131,9 @@ def import_factory(kind: str, near: str | None = None) -> Callable[..., Any]:
     return cast(Callable[..., Any], obj)
 
 
-def build_from_factory(factory: Callable[..., Any], data: DatasetInfo, xp: ModuleType,
-                       args: dict[str, Any], what: str) -> Model:
+def build_from_factory(
+    factory: Callable[..., Any], data: DatasetInfo, xp: ModuleType, args: dict[str, Any], what: str
+) -> Model:
     """``factory(data, **args)`` checked, with ``xp`` set; ConfigError if it raises or
     returns something that is not a model."""
     try:

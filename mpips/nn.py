@@ -1,4 +1,5 @@
 """Models: a multi-layer perceptron with ReLU and softmax cross-entropy, written for any xp."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -69,8 +70,14 @@ class MLP(Model):
         """The batch as it is (sparse models renumber ids here)."""
         return x, None
 
-    def loss_and_grads(self, params: dict[str, Any], x: Any, y: Any, grads: dict[str, Any],
-                       ready: Callable[[str], None] | None = None) -> float:
+    def loss_and_grads(
+        self,
+        params: dict[str, Any],
+        x: Any,
+        y: Any,
+        grads: dict[str, Any],
+        ready: Callable[[str], None] | None = None,
+    ) -> float:
         """Mean cross-entropy of the batch; writes d loss / d variable into ``grads`` in place.
 
         ``ready(name)`` is called as soon as each gradient is written (last layer first), so a
@@ -82,8 +89,13 @@ class MLP(Model):
         return loss
 
 
-def build_model(config: ModelConfig, info: DatasetInfo, xp: ModuleType = np,
-                job_file: str | None = None, factory: Any = None) -> Model:
+def build_model(
+    config: ModelConfig,
+    info: DatasetInfo,
+    xp: ModuleType = np,
+    job_file: str | None = None,
+    factory: Any = None,
+) -> Model:
     """The job's model for its dataset: a built-in one (an MLP on dense data, a CTR model on
     sparse data), the user's ``model.kind = "module:factory"`` (called with the dataset's
     facts and ``[model.args]``), or ``factory`` from the Python API (a callable, or a model)."""
@@ -91,20 +103,31 @@ def build_model(config: ModelConfig, info: DatasetInfo, xp: ModuleType = np,
         if isinstance(factory, Model):
             factory.xp = xp
             return check_model(factory, "the model passed to mpips.train")
-        return build_from_factory(factory, info, xp, config.args,
-                                  f"the model factory {factory_name(factory)}")
+        return build_from_factory(
+            factory, info, xp, config.args, f"the model factory {factory_name(factory)}"
+        )
     if config.kind not in BUILT_IN:
-        return build_from_factory(import_factory(config.kind, job_file), info, xp, config.args,
-                                  f"model.kind = {config.kind!r}")
+        return build_from_factory(
+            import_factory(config.kind, job_file),
+            info,
+            xp,
+            config.args,
+            f"model.kind = {config.kind!r}",
+        )
     if config.args:
-        raise ConfigError(f"model.args: only for a model of your own (model.kind = "
-                          f"\"module:factory\"); {config.kind!r} takes model.hidden etc.")
+        raise ConfigError(
+            f"model.args: only for a model of your own (model.kind = "
+            f'"module:factory"); {config.kind!r} takes model.hidden etc.'
+        )
     if (config.kind == "mlp") == info.sparse:
         want = "dense (x, y)" if config.kind == "mlp" else "sparse (CSR ids and values)"
-        raise ConfigError(f"model.kind = {config.kind!r} needs {want} data; {info.path} is "
-                          f"{'sparse' if info.sparse else 'dense'}")
+        raise ConfigError(
+            f"model.kind = {config.kind!r} needs {want} data; {info.path} is "
+            f"{'sparse' if info.sparse else 'dense'}"
+        )
     if config.kind == "mlp":
         return MLP([info.num_inputs, *config.hidden, info.num_classes], xp)
     from .ctr import WideDeep
+
     hidden = config.hidden if config.kind == "wide_deep" else None
     return WideDeep(info.num_inputs, hidden, config.embedding_dim, xp)

@@ -4,6 +4,7 @@ schedules and gradient clipping.
 The same functions serve the PS apply loop (async), the replicas (sync) and any reference
 implementation, so every path computes bit-for-bit the same arithmetic.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,12 +20,14 @@ Array = Any  # numpy.ndarray or cupy.ndarray
 
 # -- the rules: var and slots are updated in place ----------------------------------------
 
+
 def apply_sgd(var: Array, grad: Array, lr: float) -> None:
     var -= lr * grad
 
 
-def apply_momentum(var: Array, grad: Array, m: Array, lr: float, momentum: float,
-                   nesterov: bool) -> None:
+def apply_momentum(
+    var: Array, grad: Array, m: Array, lr: float, momentum: float, nesterov: bool
+) -> None:
     """TF's ApplyMomentum: m = mu m + g; var -= lr (g + mu m) if nesterov else lr m."""
     m *= momentum
     m += grad
@@ -40,8 +43,17 @@ def apply_adagrad(var: Array, grad: Array, acc: Array, lr: float, epsilon: float
     var -= lr * grad / (array_module(var).sqrt(acc) + epsilon)
 
 
-def apply_adam(var: Array, grad: Array, m: Array, v: Array, lr: float, t: int, beta1: float,
-               beta2: float, epsilon: float) -> None:
+def apply_adam(
+    var: Array,
+    grad: Array,
+    m: Array,
+    v: Array,
+    lr: float,
+    t: int,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+) -> None:
     """Adam with bias correction folded into the step size (TF's ApplyAdam); t counts from 1.
 
     Written in place with two scratch arrays instead of ~6 temporaries (24% faster on the
@@ -55,7 +67,7 @@ def apply_adam(var: Array, grad: Array, m: Array, v: Array, lr: float, t: int, b
     a *= grad
     v *= beta2
     v += a
-    lr_t = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+    lr_t = lr * math.sqrt(1 - beta2**t) / (1 - beta1**t)
     b = xp.sqrt(v)
     b += epsilon
     xp.multiply(m, lr_t, out=a)
@@ -63,8 +75,9 @@ def apply_adam(var: Array, grad: Array, m: Array, v: Array, lr: float, t: int, b
     var -= a
 
 
-def apply_ftrl(var: Array, grad: Array, z: Array, n: Array, lr: float, l1: float,
-               l2: float) -> None:
+def apply_ftrl(
+    var: Array, grad: Array, z: Array, n: Array, lr: float, l1: float, l2: float
+) -> None:
     """FTRL-Proximal (McMahan et al. 2013; TF's ApplyFtrl with lr_power = -0.5)."""
     xp = array_module(var)
     n_new = n + grad * grad
@@ -77,6 +90,7 @@ def apply_ftrl(var: Array, grad: Array, z: Array, n: Array, lr: float, l1: float
 
 
 # -- optimizers: a rule, its hyper-parameters and its slots -------------------------------
+
 
 @dataclass(frozen=True)
 class Optimizer:
@@ -110,8 +124,9 @@ class Optimizer:
         elif self.kind == "adagrad":
             apply_adagrad(var, grad, slots["accumulator"], lr, h["epsilon"])
         elif self.kind == "adam":
-            apply_adam(var, grad, slots["m"], slots["v"], lr, t, h["beta1"], h["beta2"],
-                       h["epsilon"])
+            apply_adam(
+                var, grad, slots["m"], slots["v"], lr, t, h["beta1"], h["beta2"], h["epsilon"]
+            )
         elif self.kind == "ftrl":
             apply_ftrl(var, grad, slots["z"], slots["n"], lr, h["l1"], h["l2"])
         else:
@@ -119,13 +134,18 @@ class Optimizer:
 
 
 SLOTS: dict[str, tuple[str, ...]] = {
-    "sgd": (), "momentum": ("momentum",), "adagrad": ("accumulator",), "adam": ("m", "v"),
+    "sgd": (),
+    "momentum": ("momentum",),
+    "adagrad": ("accumulator",),
+    "adam": ("m", "v"),
     "ftrl": ("z", "n"),
 }
 HYPER: dict[str, tuple[str, ...]] = {
-    "sgd": (), "momentum": ("momentum", "nesterov"),
+    "sgd": (),
+    "momentum": ("momentum", "nesterov"),
     "adagrad": ("epsilon", "initial_accumulator_value"),
-    "adam": ("beta1", "beta2", "epsilon"), "ftrl": ("l1", "l2", "initial_accumulator_value"),
+    "adam": ("beta1", "beta2", "epsilon"),
+    "ftrl": ("l1", "l2", "initial_accumulator_value"),
 }
 
 
@@ -135,6 +155,7 @@ def build_optimizer(cfg: Any) -> Optimizer:
 
 
 # -- learning-rate schedules and clipping -------------------------------------------------
+
 
 def learning_rate(cfg: Any, step: int) -> float:
     """The learning rate for an update computed at global step ``step`` (0-based).

@@ -1,4 +1,5 @@
 """Placement: the table variable -> (ps task, byte offset), computed identically on every rank."""
+
 from __future__ import annotations
 
 import hashlib
@@ -32,7 +33,7 @@ class Placed:
     ps_task: int
     offset: int
     rows: tuple[int, int, int] | None = None  # a partition: range(*rows) of the full variable
-    whole: VariableSpec | None = None          # the partitioned variable this is a part of
+    whole: VariableSpec | None = None  # the partitioned variable this is a part of
 
     @property
     def name(self) -> str:
@@ -41,8 +42,11 @@ class Placed:
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.spec.shape)) or "scalar"
-        part = f" rows {self.rows[0]}:{self.rows[1]}:{self.rows[2]} of {self.name}" \
-            if self.rows else ""
+        part = (
+            f" rows {self.rows[0]}:{self.rows[1]}:{self.rows[2]} of {self.name}"
+            if self.rows
+            else ""
+        )
         return f"{self.spec.name} [{shape}] {self.spec.dtype}{part} on /job:ps/task:{self.ps_task}"
 
 
@@ -76,8 +80,9 @@ class Placement:
 
     def parts(self, table: str) -> list[Placed]:
         """The partitions of ``table``, by PS task."""
-        return sorted((e for e in self.entries if e.whole and e.whole.name == table),
-                      key=lambda e: e.ps_task)
+        return sorted(
+            (e for e in self.entries if e.whole and e.whole.name == table), key=lambda e: e.ps_task
+        )
 
     def entry_digests(self) -> list[int]:
         """One 63-bit hash per variable of (name, shape, dtype, ps task, offset)."""
@@ -88,9 +93,13 @@ class Placement:
         return out
 
 
-def views(placement: Placement | Iterable[Placed], bufs: list[np.ndarray],
-          base: list[int] | None = None, only_ps: int | None = None, by_name: bool = False
-          ) -> dict[str, np.ndarray]:
+def views(
+    placement: Placement | Iterable[Placed],
+    bufs: list[np.ndarray],
+    base: list[int] | None = None,
+    only_ps: int | None = None,
+    by_name: bool = False,
+) -> dict[str, np.ndarray]:
     """Typed views of each placed variable (of PS ``only_ps``, if given) into per-PS byte
     buffers, each offset by ``base[p]``; keyed by part name, or ``by_name`` by variable."""
     out = {}
@@ -98,7 +107,7 @@ def views(placement: Placement | Iterable[Placed], bufs: list[np.ndarray],
         if only_ps is not None and e.ps_task != only_ps:
             continue
         start = e.offset - (base[e.ps_task] if base else 0)
-        raw = bufs[e.ps_task][start:start + e.spec.nbytes]
+        raw = bufs[e.ps_task][start : start + e.spec.nbytes]
         out[e.name if by_name else e.spec.name] = raw.view(e.spec.dtype).reshape(e.spec.shape)
     return out
 
@@ -117,19 +126,22 @@ def _pack(specs: Iterable[VariableSpec], tasks: Iterable[int], num_ps: int) -> P
     return Placement(tuple(entries), num_ps)
 
 
-def round_robin(specs: list[VariableSpec], num_ps: int,
-                pins: dict[str, int] | None = None) -> Placement:
+def round_robin(
+    specs: list[VariableSpec], num_ps: int, pins: dict[str, int] | None = None
+) -> Placement:
     """The replica_device_setter rule: the i-th variable not pinned goes to ps task i mod
     num_ps; a pinned one (``pins``: name -> ps task, like ``tf.device``) to its task."""
     _check_names(specs)
     pins = pins or {}
     free = iter(range(len(specs)))
-    return _pack(specs, [pins[s.name] if s.name in pins else next(free) % num_ps
-                         for s in specs], num_ps)
+    return _pack(
+        specs, [pins[s.name] if s.name in pins else next(free) % num_ps for s in specs], num_ps
+    )
 
 
-def greedy_by_bytes(specs: list[VariableSpec], num_ps: int,
-                    pins: dict[str, int] | None = None) -> Placement:
+def greedy_by_bytes(
+    specs: list[VariableSpec], num_ps: int, pins: dict[str, int] | None = None
+) -> Placement:
     """Each variable, in creation order, goes to the PS holding the fewest bytes so far
     (pinned ones, first, to their task)."""
     _check_names(specs)
@@ -154,8 +166,7 @@ def imbalance(placement: Placement, strategy: str) -> str:
     num_ps = placement.num_ps
     if num_ps < 2:
         return ""
-    held = [sum(e.spec.nbytes for e in placement.on_ps(t) if e.rows is None)
-            for t in range(num_ps)]
+    held = [sum(e.spec.nbytes for e in placement.on_ps(t) if e.rows is None) for t in range(num_ps)]
     share = sum(held) / num_ps
     top = max(range(num_ps), key=lambda t: held[t])
     if held[top] < 1.5 * share or held[top] - share < 256 * 1024:
@@ -163,9 +174,11 @@ def imbalance(placement: Placement, strategy: str) -> str:
     largest = max((e for e in placement.dense), key=lambda e: e.spec.nbytes)
     split = ", ".join(f"ps:{t} {held[t] / 1e6:.2f} MB" for t in range(num_ps))
     if largest.spec.nbytes > share:
-        fix = (f"its largest variable {largest.name} ({largest.spec.nbytes / 1e6:.2f} MB) "
-               f"alone is more than an even share, so only splitting it over the PS tasks "
-               f"would balance them (row-partitioned dense variables are not supported yet)")
+        fix = (
+            f"its largest variable {largest.name} ({largest.spec.nbytes / 1e6:.2f} MB) "
+            f"alone is more than an even share, so only splitting it over the PS tasks "
+            f"would balance them (row-partitioned dense variables are not supported yet)"
+        )
     elif strategy != "greedy":
         fix = 'layout.placement = "greedy" balances them (or pin variables with layout.pin)'
     else:
@@ -190,12 +203,12 @@ def partition_rows(num_rows: int, num_ps: int, rule: str) -> list[tuple[int, int
     if rule == "mod":
         return [(p, num_rows, num_ps) for p in range(num_ps)]
     block = -(-num_rows // num_ps)
-    return [(min(p * block, num_rows), min((p + 1) * block, num_rows), 1)
-            for p in range(num_ps)]
+    return [(min(p * block, num_rows), min((p + 1) * block, num_rows), 1) for p in range(num_ps)]
 
 
-def owner_and_row(ids: np.ndarray, num_rows: int, num_ps: int, rule: str
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def owner_and_row(
+    ids: np.ndarray, num_rows: int, num_ps: int, rule: str
+) -> tuple[np.ndarray, np.ndarray]:
     """For row ids of a partitioned table: the PS task holding each, and its row there."""
     if rule == "mod":
         return ids % num_ps, ids // num_ps
@@ -230,8 +243,11 @@ def slot_placement(placement: Placement, slots: tuple[str, ...]) -> Placement:
     for e in placement:
         for slot in slots:
             spec = VariableSpec(f"{e.spec.name}/{slot}", e.spec.shape, e.spec.dtype)
-            whole = VariableSpec(f"{e.whole.name}/{slot}", e.whole.shape, e.whole.dtype) \
-                if e.whole else None
+            whole = (
+                VariableSpec(f"{e.whole.name}/{slot}", e.whole.shape, e.whole.dtype)
+                if e.whole
+                else None
+            )
             entries.append(Placed(spec, e.ps_task, fill[e.ps_task], e.rows, whole))
             fill[e.ps_task] = align(fill[e.ps_task] + spec.nbytes)
     return Placement(tuple(entries), placement.num_ps)

@@ -1,5 +1,6 @@
 """``python -m mpips plot RUN_DIR``: PNG figures of a run from its summaries (metrics.jsonl of
 each worker) and, if one was recorded, its timeline (merged into RUN_DIR/timeline.json)."""
+
 from __future__ import annotations
 
 import json
@@ -20,16 +21,19 @@ def read_metrics(run_dir: str | Path) -> tuple[Series, int]:
     line)."""
     files = sorted(Path(run_dir).glob("worker-*/metrics.jsonl"))
     if not files:
-        raise DataError(f"{run_dir}: no worker-*/metrics.jsonl (summaries are written where "
-                        f"summary.dir says, by default the checkpoint directory)")
+        raise DataError(
+            f"{run_dir}: no worker-*/metrics.jsonl (summaries are written where "
+            f"summary.dir says, by default the checkpoint directory)"
+        )
     out: Series = defaultdict(lambda: defaultdict(list))
     skipped = 0
     for path in files:
         for line in path.read_text(errors="replace").splitlines():
             try:
                 r = json.loads(line)
-                out[r["name"]][r["task"]].append((float(r["time"]), float(r["step"]),
-                                                  float(r["value"])))
+                out[r["name"]][r["task"]].append(
+                    (float(r["time"]), float(r["step"]), float(r["value"]))
+                )
             except (ValueError, KeyError, TypeError):
                 skipped += 1
     if not out:
@@ -39,8 +43,10 @@ def read_metrics(run_dir: str | Path) -> tuple[Series, int]:
 
 def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
     import matplotlib
+
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
@@ -53,6 +59,7 @@ def _save(fig: Any, ax: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path)
     import matplotlib.pyplot as plt
+
     plt.close(fig)
     return path
 
@@ -63,8 +70,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise DataError("plot needs matplotlib: pip install \"mpips[plot]\" (or matplotlib)") \
-            from None
+        raise DataError(
+            'plot needs matplotlib: pip install "mpips[plot]" (or matplotlib)'
+        ) from None
     series, skipped = read_metrics(run_dir)
     if skipped:
         print(f"skipped {skipped} unreadable line(s) (a run killed while writing?)")
@@ -75,7 +83,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     for task, points in sorted(series.get(LOSS, {}).items()):
         ax.plot([p[1] for p in points], [p[2] for p in points], label=task)
     written.append(_save(fig, ax, out / "loss.png"))
-    validation = {k[len(VALIDATION):]: v for k, v in series.items() if k.startswith(VALIDATION)}
+    validation = {k[len(VALIDATION) :]: v for k, v in series.items() if k.startswith(VALIDATION)}
     if validation:
         fig, ax = _figure("validation (chief)", "global step", "value")
         for name, by_task in sorted(validation.items()):
@@ -83,14 +91,18 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
                 ax.plot([p[1] for p in points], [p[2] for p in points], "o-", label=name)
         written.append(_save(fig, ax, out / "validation.png"))
     fig, ax = _figure("throughput", "seconds since the first record", "examples/s")
-    start = min((p[0] for by_task in series.values() for ps in by_task.values() for p in ps),
-                default=0.0)
+    start = min(
+        (p[0] for by_task in series.values() for ps in by_task.values() for p in ps), default=0.0
+    )
     for task, points in sorted(series.get(EXAMPLES_PER_SEC, {}).items()):
         ax.plot([p[0] - start for p in points], [p[2] for p in points], label=task)
     written.append(_save(fig, ax, out / "throughput.png"))
     if DELAY in series:
-        fig, ax = _figure("staleness: global steps between pull and push (mean of each record)",
-                          "delay", "records")
+        fig, ax = _figure(
+            "staleness: global steps between pull and push (mean of each record)",
+            "delay",
+            "records",
+        )
         for task, points in sorted(series[DELAY].items()):
             ax.hist([p[2] for p in points], bins=20, alpha=0.5, label=task)
         written.append(_save(fig, ax, out / "staleness.png"))

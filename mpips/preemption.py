@@ -7,6 +7,7 @@ boundaries and spread the request to every rank (the store's control counters in
 mode, one small allreduce per step in sync mode). A second signal gets the default action
 (the job dies).
 """
+
 from __future__ import annotations
 
 import signal

@@ -1,6 +1,7 @@
 """What both training modes share around their step: the loop and its hooks (Session), the
 run's result, the manifest's metadata, and the chief's words (restore, evaluation,
 preemption, divergence)."""
+
 from __future__ import annotations
 
 import time
@@ -35,17 +36,17 @@ class TrainResult:
     role: Role
     start_step: int
     global_step: int
-    updates: int = 0               # updates this worker pushed
-    examples: int = 0              # examples this worker trained on
+    updates: int = 0  # updates this worker pushed
+    examples: int = 0  # examples this worker trained on
     seconds: float = 0.0
-    total_examples: int = 0        # over all workers (chief only)
+    total_examples: int = 0  # over all workers (chief only)
     test_accuracy: float | None = None
     test_loss: float | None = None
     test_auc: float | None = None  # sparse CTR models
     test_metrics: dict[str, float] | None = None  # everything evaluate() returned (chief)
     staleness: list[dict[str, Any]] | None = None  # per worker task (chief: all workers)
     validation: list[dict[str, Any]] | None = None  # chief, train.eval_every: each evaluation
-    stopped_by: int = 0            # signal that stopped the run early (preemption), else 0
+    stopped_by: int = 0  # signal that stopped the run early (preemption), else 0
 
     def to_json(self) -> dict[str, Any]:
         """The result as plain JSON values (``train --result FILE``)."""
@@ -98,8 +99,11 @@ def standard_hooks(job: Job, extra: Iterable[Hook] = ()) -> list[Hook]:
         out.append(CheckpointSaver(job.checkpoint.every_steps, job.checkpoint.every_secs))
     root = summary_root(job)
     if root and job.summary.every_steps:
-        out.append(Summaries(root, job.summary.every_steps, job.summary.all_workers,
-                             job.summary.tensorboard))
+        out.append(
+            Summaries(
+                root, job.summary.every_steps, job.summary.all_workers, job.summary.tensorboard
+            )
+        )
     return out + list(extra)
 
 
@@ -109,8 +113,9 @@ class Session:
     ended in ``finish``; the loop; the "done" line; the summaries every worker shares; and
     this worker's TrainResult."""
 
-    def __init__(self, job: Job, run: Run, extra_hooks: Iterable[Hook],
-                 timeline: Timeline | None = None):
+    def __init__(
+        self, job: Job, run: Run, extra_hooks: Iterable[Hook], timeline: Timeline | None = None
+    ):
         self.run, self.timeline = run, timeline
         self.hooks = standard_hooks(job, extra_hooks)
         for h in self.hooks:
@@ -126,20 +131,30 @@ class Session:
 
     def done(self, note: str = "") -> None:
         """This worker's last line about its loop, ``note`` (the mode's) at its end."""
-        log(self.run.role, f"done: {self.updates} updates, {self.examples} examples in "
-                           f"{self.seconds:.1f} s{note}")
+        log(
+            self.run.role,
+            f"done: {self.updates} updates, {self.examples} examples in {self.seconds:.1f} s{note}",
+        )
 
-    def finish(self, comm: Any, start_step: int, what: str, *summary: Any,
-               **result: Any) -> tuple[TrainResult, list[Any]]:
+    def finish(
+        self, comm: Any, start_step: int, what: str, *summary: Any, **result: Any
+    ) -> tuple[TrainResult, list[Any]]:
         """Gather every worker's ``[examples, seconds, *summary]`` over ``comm`` (collective),
         end the hooks, and make this worker's result (``result``: the mode's own fields).
         Returns (result, the gathered summaries, in worker task order)."""
         gathered = allgather_json(comm, [self.examples, self.seconds, *summary], what)
         for h in self.hooks:
             h.end(self.run)
-        out = TrainResult(self.run.role, start_step, self.run.global_step(), self.updates,
-                          self.examples, self.seconds, validation=self.run.validation or None,
-                          **result)
+        out = TrainResult(
+            self.run.role,
+            start_step,
+            self.run.global_step(),
+            self.updates,
+            self.examples,
+            self.seconds,
+            validation=self.run.validation or None,
+            **result,
+        )
         return out, gathered
 
 
@@ -156,23 +171,45 @@ def manifest_meta(job: Job, cluster: Cluster, clocks: list[int]) -> dict[str, An
     """What a checkpoint manifest records besides the variables: the job, the layout and
     the data position (updates, i.e. batches, each worker task has used)."""
     layout = cluster.layout
-    return {"job": job.source, "job_sha256": checkpoint.job_digest(job),
-            "model": job.model.kind,
-            "layout": {"world_size": cluster.comm.size, "ps": layout.num_ps,
-                       "workers": layout.num_workers, "mode": job.train.mode},
-            "clocks": clocks,
-            "data": {"path": _data_source(job),
-                     "batch_size": job.train.batch_size, "seed": job.train.seed}}
+    return {
+        "job": job.source,
+        "job_sha256": checkpoint.job_digest(job),
+        "model": job.model.kind,
+        "layout": {
+            "world_size": cluster.comm.size,
+            "ps": layout.num_ps,
+            "workers": layout.num_workers,
+            "mode": job.train.mode,
+        },
+        "clocks": clocks,
+        "data": {
+            "path": _data_source(job),
+            "batch_size": job.train.batch_size,
+            "seed": job.train.seed,
+        },
+    }
 
 
-def save_whole(job: Job, cluster: Cluster, step: int, variables: dict[str, Any],
-               slots: dict[str, Any], clocks: list[int]) -> PendingSave:
+def save_whole(
+    job: Job,
+    cluster: Cluster,
+    step: int,
+    variables: dict[str, Any],
+    slots: dict[str, Any],
+    clocks: list[int],
+) -> PendingSave:
     """Chief, holding every variable: write one shard and commit it (done at once)."""
     c = job.checkpoint
     checkpoint.write_shard(c.dir, step, 0, 1, variables, slots)
-    path = checkpoint.commit(c.dir, step, 1, checkpoint.whole_index(variables),
-                             checkpoint.whole_index(slots),
-                             manifest_meta(job, cluster, clocks), c.max_to_keep)
+    path = checkpoint.commit(
+        c.dir,
+        step,
+        1,
+        checkpoint.whole_index(variables),
+        checkpoint.whole_index(slots),
+        manifest_meta(job, cluster, clocks),
+        c.max_to_keep,
+    )
     return PendingSave(step, lambda block: path)
 
 
@@ -183,8 +220,11 @@ def say_restored(role: Role, step: int, path: Any) -> None:
 
 def say_nothing_to_train(role: Role, step: int, target: int) -> None:
     """Chief: the restored global_step already reached the target."""
-    log(role, f"global_step {step} already reached train.steps = {target}: nothing to "
-              f"train (raise train.steps or use another checkpoint dir)")
+    log(
+        role,
+        f"global_step {step} already reached train.steps = {target}: nothing to "
+        f"train (raise train.steps or use another checkpoint dir)",
+    )
 
 
 def say_preempted(role: Role, signum: int, job: Job) -> None:
@@ -194,23 +234,31 @@ def say_preempted(role: Role, signum: int, job: Job) -> None:
     if not job.checkpoint.dir:
         saved = "no checkpoint.dir: not saved"
     elif found:
-        saved = (f"checkpoint at global_step {found[-1][0]} in {job.checkpoint.dir}; rerun the "
-                 f"same command to resume")
+        saved = (
+            f"checkpoint at global_step {found[-1][0]} in {job.checkpoint.dir}; rerun the "
+            f"same command to resume"
+        )
     else:
         saved = "no update was made, so there is no checkpoint; rerun the same command to start"
-    log(role, f"stopped early by {preemption.name(signum)}: {saved} "
-              f"(exit code {preemption.EXIT_PREEMPTED})")
+    log(
+        role,
+        f"stopped early by {preemption.name(signum)}: {saved} "
+        f"(exit code {preemption.EXIT_PREEMPTED})",
+    )
 
 
 def loss_not_finite(task: int, loss: float | str, step: int) -> str:
     """The message for a loss that is NaN or infinite (training stops there, said once)."""
-    return (f"the loss of /job:worker/task:{task} is {loss} at global_step {step}: training "
-            f"stopped, and no checkpoint holds non-finite values (learning rate too high? "
-            f"lower optimizer.learning_rate, or set optimizer.clip_norm)")
+    return (
+        f"the loss of /job:worker/task:{task} is {loss} at global_step {step}: training "
+        f"stopped, and no checkpoint holds non-finite values (learning rate too high? "
+        f"lower optimizer.learning_rate, or set optimizer.clip_norm)"
+    )
 
 
-def evaluate_on(model: Any, device: Device, params: dict[str, Any], split: tuple[Any, Any]
-                ) -> dict[str, float]:
+def evaluate_on(
+    model: Any, device: Device, params: dict[str, Any], split: tuple[Any, Any]
+) -> dict[str, float]:
     """The model's metrics on a split (already prepared), on this worker's device."""
     params = device.stage_in(params)
     x, y = device.to_device(split[0]), device.to_device(split[1])
@@ -220,12 +268,20 @@ def evaluate_on(model: Any, device: Device, params: dict[str, Any], split: tuple
 def show(metrics: dict[str, float], prefix: str) -> str:
     """``accuracy``, ``loss``, ``auc`` first, then the rest, as ``<prefix><name> <value>``."""
     first = [k for k in ("accuracy", "loss", "auc") if k in metrics]
-    return " ".join(f"{prefix}{k} {metrics[k]:.4f}"
-                    for k in first + sorted(set(metrics) - set(first)))
+    return " ".join(
+        f"{prefix}{k} {metrics[k]:.4f}" for k in first + sorted(set(metrics) - set(first))
+    )
 
 
-def report(cluster: Cluster, model: Any, device: Device, params: dict[str, Any],
-           test: tuple[Any, Any], result: TrainResult, gathered: list[Any]) -> None:
+def report(
+    cluster: Cluster,
+    model: Any,
+    device: Device,
+    params: dict[str, Any],
+    test: tuple[Any, Any],
+    result: TrainResult,
+    gathered: list[Any],
+) -> None:
     """Chief: evaluate on the test split and print the final line."""
     role = cluster.role
     metrics = evaluate_on(model, device, params, test)
@@ -235,6 +291,9 @@ def report(cluster: Cluster, model: Any, device: Device, params: dict[str, Any],
     result.total_examples = sum(g[0] for g in gathered)
     wall = max(g[1] for g in gathered)
     rate = result.total_examples / wall if wall else 0.0
-    log(role, f"final: global_step {result.global_step} {show(metrics, 'test_')} "
-              f"({result.total_examples} examples on {cluster.layout.num_workers} workers "
-              f"in {wall:.1f} s, {rate:.0f} examples/s)")
+    log(
+        role,
+        f"final: global_step {result.global_step} {show(metrics, 'test_')} "
+        f"({result.total_examples} examples on {cluster.layout.num_workers} workers "
+        f"in {wall:.1f} s, {rate:.0f} examples/s)",
+    )

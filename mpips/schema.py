@@ -1,4 +1,5 @@
 """Checks shared by every TOML file mpips reads (jobs, layouts): unknown keys are named."""
+
 from __future__ import annotations
 
 import difflib
@@ -14,6 +15,7 @@ def check_keys(table: dict[str, Any], allowed: Iterable[str], where: str) -> Non
     for key in table:
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else \
-                f" (allowed: {', '.join(allowed)})"
+            hint = (
+                f" (did you mean '{close[0]}'?)" if close else f" (allowed: {', '.join(allowed)})"
+            )
             raise ConfigError(f"{where}: unknown key '{key}'{hint}")

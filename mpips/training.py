@@ -1,5 +1,6 @@
 """``train``: map the ranks to tasks, check everything at start-up, then hand over to the
 job's training mode (async_training or sync_training)."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,13 @@ from .sync_training import train_sync
 __all__ = ["TrainResult", "train"]
 
 
-def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Intracomm | None = None,
-          model: Any = None, data: Mapping[str, tuple[Any, Any]] | None = None) -> TrainResult:
+def train(
+    job: Job,
+    hooks: Iterable[Hook] = (),
+    comm: MPI.Intracomm | None = None,
+    model: Any = None,
+    data: Mapping[str, tuple[Any, Any]] | None = None,
+) -> TrainResult:
     """Run ``job`` on every rank of ``comm`` (collective): PS ranks serve, workers train.
 
     ``model``: a model of your own (an ``mpips.Model``, or a callable ``factory(data,
@@ -41,8 +47,9 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Intracomm | None = Non
     preemption.install()  # first: a signal during start-up is acted on at the first step
     comm = comm or MPI.COMM_WORLD
     if model is not None:
-        job.model.kind = factory_name(model if callable(model) and not isinstance(model, Model)
-                                      else type(model))
+        job.model.kind = factory_name(
+            model if callable(model) and not isinstance(model, Model) else type(model)
+        )
     if comm.size == 1 and job.train.mode != "sync":
         job.train.mode, job.train.max_staleness = "sync", None
         say_single = True
@@ -55,8 +62,11 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Intracomm | None = Non
     # if a process is killed, the launcher speaks only of pids: this line maps pids to tasks
     log(cluster.role, f"rank {cluster.rank}, pid {os.getpid()} on {socket.gethostname()}")
     if say_single:
-        log(cluster.role, "one process (no mpirun): training as a single synchronous replica, "
-                          "to try a model out; run under mpirun -n N for ps/worker training")
+        log(
+            cluster.role,
+            "one process (no mpirun): training as a single synchronous replica, "
+            "to try a model out; run under mpirun -n N for ps/worker training",
+        )
     # numpy's overflow warnings, one storm per rank, give way to the check that stops the
     # job at the first loss that is not finite (naming the worker and the global step)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -65,13 +75,25 @@ def train(job: Job, hooks: Iterable[Hook] = (), comm: MPI.Intracomm | None = Non
     return result
 
 
-def _train(job: Job, cluster: Cluster, hooks: list[Hook], factory: Any,
-           arrays: Mapping[str, tuple[Any, Any]] | None) -> TrainResult:
+def _train(
+    job: Job,
+    cluster: Cluster,
+    hooks: list[Hook],
+    factory: Any,
+    arrays: Mapping[str, tuple[Any, Any]] | None,
+) -> TrainResult:
     optimizer = build_optimizer(job.optimizer)
-    device = agreed(cluster.comm, lambda: Device() if cluster.is_ps
-                    else Device.select(job.train.device, cluster.local_worker_index))
-    prep = agreed(cluster.comm, lambda: prepare(job, cluster, optimizer, device.xp, factory,
-                                                arrays))
+    device = agreed(
+        cluster.comm,
+        lambda: (
+            Device()
+            if cluster.is_ps
+            else Device.select(job.train.device, cluster.local_worker_index)
+        ),
+    )
+    prep = agreed(
+        cluster.comm, lambda: prepare(job, cluster, optimizer, device.xp, factory, arrays)
+    )
     if not cluster.is_ps:
         pin_blas_threads(cluster.local_size)
     mode = train_sync if job.train.mode == "sync" else train_async

@@ -8,6 +8,7 @@ stretch of short sleeps, it sleeps, the sleep doubling from ``MIN_SLEEP`` up to
 ``MAX_SLEEP``. When the deadline passes it calls
 ``on_timeout``, which raises an error naming the task that did not arrive.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,13 +19,19 @@ from typing import NoReturn
 
 from .errors import DeadlineMissed
 
-MIN_SLEEP = 5e-5   # first sleep after the spin
-MAX_SLEEP = 1e-3   # idle ranks wake at most every millisecond (MPICH progresses only in calls)
+MIN_SLEEP = 5e-5  # first sleep after the spin
+MAX_SLEEP = 1e-3  # idle ranks wake at most every millisecond (MPICH progresses only in calls)
 
 
-def poll(done: Callable[[], bool], timeout: float, on_timeout: Callable[[float], NoReturn],
-         meanwhile: Callable[[], None] | None = None, spin: float = 0.0, fast: float = 0.0,
-         max_sleep: float = MAX_SLEEP) -> None:
+def poll(
+    done: Callable[[], bool],
+    timeout: float,
+    on_timeout: Callable[[float], NoReturn],
+    meanwhile: Callable[[], None] | None = None,
+    spin: float = 0.0,
+    fast: float = 0.0,
+    max_sleep: float = MAX_SLEEP,
+) -> None:
     """Return as soon as ``done()`` is true.
 
     ``timeout``: seconds until ``on_timeout(waited)`` is called (it must raise); ``math.inf``

@@ -8,6 +8,7 @@
 * Under mpirun, a failed test aborts the world at once and every test has a hard timeout
   (faulthandler, outside the GIL), so one rank's failure never leaves the others hanging.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -56,8 +57,9 @@ def pytest_configure(config):
     if WORLD_SIZE > 1 and getattr(config.option, "xmlpath", None):
         config.option.xmlpath += f".rank{_rank_from_env()}"  # one JUnit report per rank
     config.addinivalue_line("markers", "mpi(ranks=3): runs across COMM_WORLD under mpirun")
-    config.addinivalue_line("markers", "launcher: spawns mpiexec or other subprocesses itself "
-                                       "(plain pytest only)")
+    config.addinivalue_line(
+        "markers", "launcher: spawns mpiexec or other subprocesses itself (plain pytest only)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -66,8 +68,12 @@ def pytest_collection_modifyitems(config, items):
         if m is not None:
             need = m.kwargs.get("ranks", 3)
             if WORLD_SIZE < need:
-                item.add_marker(pytest.mark.skip(
-                    reason=f"needs mpirun -n {need} (run by test_mpi_suite.py under plain pytest)"))
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"needs mpirun -n {need} "
+                        "(run by test_mpi_suite.py under plain pytest)"
+                    )
+                )
         if item.get_closest_marker("launcher") is not None and WORLD_SIZE > 1:
             item.add_marker(pytest.mark.skip(reason="spawns mpiexec; run under plain pytest"))
 
@@ -81,8 +87,9 @@ def _real_stderr():
     if _REAL_STDERR is None:
         fd = 2
         capman = _CONFIG.pluginmanager.getplugin("capturemanager") if _CONFIG else None
-        saved = getattr(getattr(getattr(capman, "_global_capturing", None), "err", None),
-                        "targetfd_save", None)
+        saved = getattr(
+            getattr(getattr(capman, "_global_capturing", None), "err", None), "targetfd_save", None
+        )
         if isinstance(saved, int):
             fd = saved
         _REAL_STDERR = os.fdopen(os.dup(fd), "w")
@@ -104,8 +111,11 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_runtest_logreport(report):
     if WORLD_SIZE > 1 and report.failed:
         from mpi4py import MPI
-        sys.stderr.write(f"\n[rank {MPI.COMM_WORLD.rank}] {report.nodeid} failed:\n"
-                         f"{report.longreprtext}\naborting all ranks\n")
+
+        sys.stderr.write(
+            f"\n[rank {MPI.COMM_WORLD.rank}] {report.nodeid} failed:\n"
+            f"{report.longreprtext}\naborting all ranks\n"
+        )
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
 
@@ -118,28 +128,41 @@ def mpiexec_path() -> str:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment minus any launcher variables (so a child mpiexec starts fresh)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_", "PRTE_", "MPI_LOCALNRANKS",
-                                "MPI_LOCALRANKID"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "PRTE_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+        )
+    }
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
 
 
-def run_mpi(n: int, args: list[str], cwd: Path, timeout: float = 90,
-            **env: str) -> subprocess.CompletedProcess:
+def run_mpi(
+    n: int, args: list[str], cwd: Path, timeout: float = 90, **env: str
+) -> subprocess.CompletedProcess:
     """``mpiexec -n N python ARGS`` with a hard timeout; output captured as text. A job that
     hangs is ended with its ranks (stop_launcher), and the test fails with its output."""
     cmd = [mpiexec_path(), "-n", str(n), sys.executable, *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=clean_env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=clean_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         stop_launcher(proc)
         out, err = proc.communicate()
-        pytest.fail(f"mpiexec -n {n} {' '.join(args)} hung for {timeout} s\n"
-                    f"stdout:\n{out}\nstderr:\n{err}")
+        pytest.fail(
+            f"mpiexec -n {n} {' '.join(args)} hung for {timeout} s\nstdout:\n{out}\nstderr:\n{err}"
+        )
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -157,9 +180,15 @@ def stop_launcher(proc: subprocess.Popen) -> None:
 
 def run_py(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
     """``python ARGS`` as a plain process (no MPI launcher)."""
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(),
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 RESULT = "result.json"  # where run_train has ``train --result`` write the run's result
@@ -172,8 +201,9 @@ def read_result(cwd: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def run_train(cwd: Path, n: int | None, *args: str, timeout: float = 90,
-              **env: str) -> subprocess.CompletedProcess:
+def run_train(
+    cwd: Path, n: int | None, *args: str, timeout: float = 90, **env: str
+) -> subprocess.CompletedProcess:
     """``python -m mpips train --no-progress --result result.json ARGS`` in ``cwd``, under
     ``mpiexec -n N`` (N None: one plain process), the run's result read into ``.result``
     (None if the run wrote none: it failed). A result left by an earlier run is removed."""
@@ -196,9 +226,24 @@ class BackgroundJob:
         self.log = tmp_path / "out.log"
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(
-            [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpips", "train",
-             "--no-progress", "--log-every", "0", *args],
-            cwd=tmp_path, env=clean_env(), stdout=self._out, stderr=subprocess.STDOUT)
+            [
+                mpiexec_path(),
+                "-n",
+                str(ranks),
+                sys.executable,
+                "-m",
+                "mpips",
+                "train",
+                "--no-progress",
+                "--log-every",
+                "0",
+                *args,
+            ],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+        )
 
     def text(self) -> str:
         return self.log.read_text()
@@ -234,11 +279,14 @@ def dense_data_file(path: Path, train: int = 60, test: int = 10, **over) -> str:
     its datasets by name (e.g. ``**{"train/y": ...}``) to make it broken."""
     import h5py
     import numpy as np
+
     rng = np.random.default_rng(0)
-    parts = {"train/x": rng.integers(0, 255, (train, 4), dtype=np.uint8),
-             "train/y": rng.integers(0, 3, train),
-             "test/x": rng.integers(0, 255, (test, 4), dtype=np.uint8),
-             "test/y": rng.integers(0, 3, test)}
+    parts = {
+        "train/x": rng.integers(0, 255, (train, 4), dtype=np.uint8),
+        "train/y": rng.integers(0, 3, train),
+        "test/x": rng.integers(0, 255, (test, 4), dtype=np.uint8),
+        "test/y": rng.integers(0, 3, test),
+    }
     parts.update(over)
     with h5py.File(path, "w") as f:
         for k, v in parts.items():

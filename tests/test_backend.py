@@ -1,4 +1,5 @@
 """Device selection for GPU workers, tested with a stand-in array module (no GPU needed)."""
+
 import sys
 import types
 
@@ -28,8 +29,9 @@ def fake_cupy(count=None, error=None):
         def use(self):
             used.append(self.index)
 
-    cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count),
-                                      Device=Device)
+    cupy.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=get_count), Device=Device
+    )
     return cupy, used
 
 
@@ -38,11 +40,18 @@ def test_cpu_is_numpy():
 
 
 def test_a_missing_cuda_driver_is_a_clear_config_error(monkeypatch):
-    cupy, _ = fake_cupy(error=RuntimeError("cudaErrorInsufficientDriver: CUDA driver version "
-                                           "is insufficient for CUDA runtime version"))
+    cupy, _ = fake_cupy(
+        error=RuntimeError(
+            "cudaErrorInsufficientDriver: CUDA driver version "
+            "is insufficient for CUDA runtime version"
+        )
+    )
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    with pytest.raises(ConfigError, match=r'train.device = "gpu" but CUDA cannot be used here: '
-                                          r'RuntimeError: cudaErrorInsufficientDriver'):
+    with pytest.raises(
+        ConfigError,
+        match=r'train.device = "gpu" but CUDA cannot be used here: '
+        r"RuntimeError: cudaErrorInsufficientDriver",
+    ):
         get_xp("gpu", 0)
     cupy, _ = fake_cupy(count=0)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
@@ -55,6 +64,7 @@ def test_each_worker_of_a_node_gets_its_own_gpu(monkeypatch):
     of a node use GPUs 0, 1, 0 (by worker index, not by local rank, which counts the PS and
     would put two workers on GPU 1 while GPU 0 had one)."""
     from mpips.store.cluster import Cluster
+
     layout = make_layout(8, [0, 4])
     nodes = [(0, 1, 2, 3), (4, 5, 6, 7)]
     got = {}
@@ -98,12 +108,14 @@ def fake_xp():
         out = FakeArray(a.shape, a.dtype)
         out.set(np.asarray(a))
         return out
+
     xp.asarray = asarray
     return xp
 
 
 def test_device_on_the_cpu_hands_back_the_same_arrays():
     from mpips.backend import Device
+
     device = Device()
     host = {"w": np.ones(3, np.float32)}
     assert device.stage_in(host) is host and device.mirrors(host) is host
@@ -114,6 +126,7 @@ def test_device_on_the_cpu_hands_back_the_same_arrays():
 
 def test_device_stages_through_buffers_kept_from_step_to_step():
     from mpips.backend import Device
+
     device = Device(fake_xp())
     host = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
     first = device.stage_in(host)
@@ -138,6 +151,7 @@ def test_scatter_add_sums_repeated_indices_with_either_array_module(monkeypatch)
     """numpy: np.add.at; another array module (cupy): cupyx.scatter_add, here a stand-in
     that records its call (the layers never ask which module they have)."""
     from mpips.backend import scatter_add
+
     target = np.zeros((3, 2), np.float32)
     scatter_add(np, target, np.array([0, 2, 0]), np.ones((3, 2), np.float32))
     np.testing.assert_array_equal(target, [[2, 2], [0, 0], [1, 1]])

@@ -1,5 +1,6 @@
 """The bad-input corpus, end to end under `mpiexec -n 3`: every case is one clear message,
 said once (not once per rank), exit code 2, no traceback, no hang, and no file changed."""
+
 import hashlib
 import json
 import shutil
@@ -12,8 +13,9 @@ from conftest import dense_data_file, run_mpi
 
 pytestmark = pytest.mark.launcher
 
-GOOD_JOB = '[data]\npath = "d.h5"\n[train]\nsteps = 20\nprogress = false\n' \
-           '[checkpoint]\ndir = "runs/ck"\n'
+GOOD_JOB = (
+    '[data]\npath = "d.h5"\n[train]\nsteps = 20\nprogress = false\n[checkpoint]\ndir = "runs/ck"\n'
+)
 
 
 def write_data(path, **over):
@@ -21,8 +23,11 @@ def write_data(path, **over):
 
 
 def snapshot(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +44,7 @@ def trained(tmp_path_factory):
 
 def truncate(path: Path, keep: float = 0.5) -> None:
     raw = path.read_bytes()
-    path.write_bytes(raw[:int(len(raw) * keep)])
+    path.write_bytes(raw[: int(len(raw) * keep)])
 
 
 def edit_manifest(path: Path) -> None:
@@ -68,59 +73,107 @@ def huge_inputs(d: Path) -> None:
 
 # (what to break, extra args, the message): each case starts from a copy of `trained`
 CASES = {
-    "malformed TOML": (lambda d: (d / "job.toml").write_text("[train\nsteps = 5\n"), [],
-                       "job.toml: invalid TOML"),
-    "unknown key": (lambda d: (d / "job.toml").write_text(GOOD_JOB.replace("steps", "stepz")),
-                    [], "unknown key 'stepz' (did you mean 'steps'?)"),
-    "wrong type": (lambda d: (d / "job.toml").write_text(GOOD_JOB.replace("20", '"20"')), [],
-                   "train.steps: expected an integer, got '20'"),
-    "bad value": (lambda d: (d / "job.toml").write_text(GOOD_JOB + "[optimizer]\nkind = 'adamw'\n"),
-                  [], "optimizer.kind: 'adamw' is not one of"),
+    "malformed TOML": (
+        lambda d: (d / "job.toml").write_text("[train\nsteps = 5\n"),
+        [],
+        "job.toml: invalid TOML",
+    ),
+    "unknown key": (
+        lambda d: (d / "job.toml").write_text(GOOD_JOB.replace("steps", "stepz")),
+        [],
+        "unknown key 'stepz' (did you mean 'steps'?)",
+    ),
+    "wrong type": (
+        lambda d: (d / "job.toml").write_text(GOOD_JOB.replace("20", '"20"')),
+        [],
+        "train.steps: expected an integer, got '20'",
+    ),
+    "bad value": (
+        lambda d: (d / "job.toml").write_text(GOOD_JOB + "[optimizer]\nkind = 'adamw'\n"),
+        [],
+        "optimizer.kind: 'adamw' is not one of",
+    ),
     "layout does not fit": (lambda d: None, ["--ps", "3"], "needs 1 <= ps < world size 3"),
     "layout for another world size": (
-        lambda d: (d / "l.toml").write_text("ps = 1\nworld_size = 8\n"), ["--layout", "l.toml"],
-        "world_size = 8, but the job runs on 3 ranks (mpirun -n 8?)"),
-    "layout file unknown key": (lambda d: (d / "l.toml").write_text("pss = 1\n"),
-                                ["--layout", "l.toml"], "unknown key 'pss' (did you mean 'ps'?)"),
+        lambda d: (d / "l.toml").write_text("ps = 1\nworld_size = 8\n"),
+        ["--layout", "l.toml"],
+        "world_size = 8, but the job runs on 3 ranks (mpirun -n 8?)",
+    ),
+    "layout file unknown key": (
+        lambda d: (d / "l.toml").write_text("pss = 1\n"),
+        ["--layout", "l.toml"],
+        "unknown key 'pss' (did you mean 'ps'?)",
+    ),
     "missing data": (lambda d: (d / "d.h5").unlink(), [], "data file d.h5: not found"),
     "data that is not numbers": (
-        lambda d: write_data(d / "d.h5", **{"train/x": np.full((60, 4), b"a")}), [],
-        "'train/x' must be rows of numbers"),
+        lambda d: write_data(d / "d.h5", **{"train/x": np.full((60, 4), b"a")}),
+        [],
+        "'train/x' must be rows of numbers",
+    ),
     "data of the wrong dtype": (
-        lambda d: write_data(d / "d.h5", **{"train/y": np.zeros(60, np.float32)}), [],
-        "'train/y' must be 1-D integer labels"),
+        lambda d: write_data(d / "d.h5", **{"train/y": np.zeros(60, np.float32)}),
+        [],
+        "'train/y' must be 1-D integer labels",
+    ),
     "truncated data": (lambda d: truncate(d / "d.h5", 0.3), [], "not a readable mpips HDF5"),
-    "labels out of range": (lambda d: write_data(d / "d.h5", **{"train/y": np.full(60, 7)}), [],
-                            "train/y has label 7 outside 0..2"),
+    "labels out of range": (
+        lambda d: write_data(d / "d.h5", **{"train/y": np.full(60, 7)}),
+        [],
+        "train/y has label 7 outside 0..2",
+    ),
     "truncated checkpoint shard": (
-        lambda d: truncate(d / "runs/ck/ckpt-20.shard-0-of-1.h5"), [],
-        "checkpoint runs/ck/ckpt-20.json: corrupt or unreadable"),
-    "truncated manifest": (lambda d: truncate(d / "runs/ck/ckpt-20.json"), [],
-                           "checkpoint runs/ck/ckpt-20.json: corrupt or unreadable"),
-    "manifest that lies": (lambda d: edit_manifest(d / "runs/ck/ckpt-20.json"), [],
-                           "variable 'dense_0/kernel' is float32[4, 5], the model expects"),
+        lambda d: truncate(d / "runs/ck/ckpt-20.shard-0-of-1.h5"),
+        [],
+        "checkpoint runs/ck/ckpt-20.json: corrupt or unreadable",
+    ),
+    "truncated manifest": (
+        lambda d: truncate(d / "runs/ck/ckpt-20.json"),
+        [],
+        "checkpoint runs/ck/ckpt-20.json: corrupt or unreadable",
+    ),
+    "manifest that lies": (
+        lambda d: edit_manifest(d / "runs/ck/ckpt-20.json"),
+        [],
+        "variable 'dense_0/kernel' is float32[4, 5], the model expects",
+    ),
     "a CTR model on dense data": (
-        lambda d: (d / "job.toml").write_text(GOOD_JOB + "[model]\nkind = 'logreg'\n"), [],
-        "model.kind = 'logreg' needs sparse (CSR ids and values) data; d.h5 is dense"),
+        lambda d: (d / "job.toml").write_text(GOOD_JOB + "[model]\nkind = 'logreg'\n"),
+        [],
+        "model.kind = 'logreg' needs sparse (CSR ids and values) data; d.h5 is dense",
+    ),
     "a CTR model on the GPU": (
-        lambda d: (d / "job.toml").write_text(GOOD_JOB.replace("[train]", "[train]\ndevice = 'gpu'")
-                                              + "[model]\nkind = 'wide_deep'\n"), [],
-        "train.device: CTR models (model.kind = 'wide_deep') run on the CPU"),
-    "a shard linking to a file outside": (external_link, [],
-                                          "'variables/dense_0/kernel' is an external link"),
+        lambda d: (d / "job.toml").write_text(
+            GOOD_JOB.replace("[train]", "[train]\ndevice = 'gpu'") + "[model]\nkind = 'wide_deep'\n"
+        ),
+        [],
+        "train.device: CTR models (model.kind = 'wide_deep') run on the CPU",
+    ),
+    "a shard linking to a file outside": (
+        external_link,
+        [],
+        "'variables/dense_0/kernel' is an external link",
+    ),
     "data declaring a model too big for memory": (
-        huge_inputs, ["--no-restore", "--ckpt-dir", "runs/new"],
+        huge_inputs,
+        ["--no-restore", "--ckpt-dir", "runs/new"],
         "the model on this node (3 ranks; largest variable dense_0/kernel "
-        "float32[1099511627776, 64], from d.h5) needs"),
+        "float32[1099511627776, 64], from d.h5) needs",
+    ),
     "a checkpoint dir that cannot be written": (
-        lambda d: (d / "afile").write_text("x"), ["--ckpt-dir", "afile/ck"],
-        "checkpoint.dir afile/ck: cannot write checkpoints there"),
+        lambda d: (d / "afile").write_text("x"),
+        ["--ckpt-dir", "afile/ck"],
+        "checkpoint.dir afile/ck: cannot write checkpoints there",
+    ),
     "a fresh start into another run's directory": (
-        lambda d: None, ["--no-restore"],
-        "checkpoint.dir runs/ck already holds 1 checkpoint(s) of an earlier run"),
+        lambda d: None,
+        ["--no-restore"],
+        "checkpoint.dir runs/ck already holds 1 checkpoint(s) of an earlier run",
+    ),
     "checkpoint of another model": (
-        lambda d: (d / "job.toml").write_text(GOOD_JOB + "[model]\nhidden = [32]\n"), [],
-        "variable 'dense_0/kernel' is float32[4, 64], the model expects float32[4, 32]"),
+        lambda d: (d / "job.toml").write_text(GOOD_JOB + "[model]\nhidden = [32]\n"),
+        [],
+        "variable 'dense_0/kernel' is float32[4, 64], the model expects float32[4, 32]",
+    ),
 }
 
 
@@ -131,8 +184,7 @@ def test_bad_input_is_one_message_exit_2_and_changes_nothing(trained, tmp_path, 
     shutil.copytree(trained, d)
     breaker(d)
     before = snapshot(d)
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--steps", "40", *args], cwd=d,
-                timeout=90)
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--steps", "40", *args], cwd=d, timeout=90)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.count(message) == 1, r.stderr  # said once, not once per rank
     assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr, r.stderr

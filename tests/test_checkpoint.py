@@ -23,8 +23,15 @@ def save(d, step, v, max_to_keep=3, slots=None, meta=None):
     """What the chief does in sync mode: one shard holding everything, then the commit."""
     slots = slots or {}
     checkpoint.write_shard(d, step, 0, 1, v, slots)
-    return checkpoint.commit(d, step, 1, checkpoint.whole_index(v), checkpoint.whole_index(slots),
-                             meta or {}, max_to_keep)
+    return checkpoint.commit(
+        d,
+        step,
+        1,
+        checkpoint.whole_index(v),
+        checkpoint.whole_index(slots),
+        meta or {},
+        max_to_keep,
+    )
 
 
 def test_round_trip_and_latest(tmp_path):
@@ -48,9 +55,14 @@ def test_one_shard_per_ps_reassembles_by_name(tmp_path):
     v = values()
     m = {f"{n}/m": a + 1 for n, a in v.items()}
     for task in (1, 0):  # any order: they run in parallel
-        checkpoint.write_shard(tmp_path, 4, task, 2,
-                               {e.spec.name: v[e.spec.name] for e in placement.on_ps(task)},
-                               {e.spec.name: m[e.spec.name] for e in slots.on_ps(task)})
+        checkpoint.write_shard(
+            tmp_path,
+            4,
+            task,
+            2,
+            {e.spec.name: v[e.spec.name] for e in placement.on_ps(task)},
+            {e.spec.name: m[e.spec.name] for e in slots.on_ps(task)},
+        )
     checkpoint.commit(tmp_path, 4, 2, *checkpoint.index_of(placement, slots), {}, 3)
     ckpt = checkpoint.resolve(tmp_path)
     assert ckpt.num_shards == 2 and ckpt.variables["dense_0/bias"].parts == (Part(1),)
@@ -80,8 +92,9 @@ def test_a_partition_reads_only_its_rows(tmp_path, stored, rule):
     table = np.arange(11 * 2, dtype=np.float32).reshape(11, 2)
     for k in range(stored):
         checkpoint.write_shard(tmp_path, 1, k, stored, {"emb": table[k::stored]})
-    index = {"emb": Entry((11, 2), "float32",
-                          tuple(Part(k, (k, 11, stored)) for k in range(stored)))}
+    index = {
+        "emb": Entry((11, 2), "float32", tuple(Part(k, (k, 11, stored)) for k in range(stored)))
+    }
     checkpoint.commit(tmp_path, 1, stored, index, {}, {}, 3)
     ckpt = checkpoint.resolve(tmp_path)
     spec = VariableSpec("emb", (11, 2))
@@ -93,8 +106,10 @@ def test_a_partition_reads_only_its_rows(tmp_path, stored, rule):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.tuples(st.integers(0, 40), st.integers(0, 60), st.integers(1, 7)),
-       st.tuples(st.integers(0, 40), st.integers(0, 60), st.integers(1, 7)))
+@given(
+    st.tuples(st.integers(0, 40), st.integers(0, 60), st.integers(1, 7)),
+    st.tuples(st.integers(0, 40), st.integers(0, 60), st.integers(1, 7)),
+)
 def test_overlap_of_two_row_ranges(want, held):
     """The rows two partitions share, as slices of each, equal the brute-force intersection."""
     want, held = range(*want), range(*held)
@@ -108,8 +123,11 @@ def test_overlap_of_two_row_ranges(want, held):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 30), st.lists(st.tuples(st.integers(0, 35), st.integers(0, 35)),
-                                    min_size=1, max_size=6), st.integers(1, 5))
+@given(
+    st.integers(0, 30),
+    st.lists(st.tuples(st.integers(0, 35), st.integers(0, 35)), min_size=1, max_size=6),
+    st.integers(1, 5),
+)
 def test_covers_once_agrees_with_counting_rows(num_rows, bounds, step):
     """Exact cover, decided by arithmetic, equals counting every row (for ranges of one step)."""
     parts = [Part(k, (a, b, step)) for k, (a, b) in enumerate(bounds)]
@@ -123,14 +141,20 @@ def test_covers_once_agrees_with_counting_rows(num_rows, bounds, step):
 def test_crafted_manifest_parts_are_checked_quickly(tmp_path):
     """Many parts, or a step of 2^40, are refused (or checked) at once, not pairwise."""
     import time
+
     stored = values(1)
     save(tmp_path, 1, stored)
     manifest = tmp_path / "ckpt-1.json"
     raw = json.loads(manifest.read_text())
     n = 1 << 15  # pairwise checks: 5e8 of them
     raw["shards"] = n
-    raw["variables"] = {"t": {"shape": [n, 1], "dtype": "float32",
-                              "parts": [{"shard": k, "rows": [k, k + 1, 1]} for k in range(n)]}}
+    raw["variables"] = {
+        "t": {
+            "shape": [n, 1],
+            "dtype": "float32",
+            "parts": [{"shard": k, "rows": [k, k + 1, 1]} for k in range(n)],
+        }
+    }
     manifest.write_text(json.dumps(raw))
     start = time.monotonic()
     checkpoint.Checkpoint(manifest)  # a valid, if odd, cover: accepted
@@ -150,8 +174,10 @@ def test_commit_needs_every_shard_and_prunes_only_after(tmp_path):
     for s in (1, 2, 3, 4):
         save(tmp_path, s, values(s), max_to_keep=2)
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [3, 4]
-    assert sorted(p.name for p in tmp_path.glob("ckpt-*.h5")) == \
-        ["ckpt-3.shard-0-of-1.h5", "ckpt-4.shard-0-of-1.h5"]
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.h5")) == [
+        "ckpt-3.shard-0-of-1.h5",
+        "ckpt-4.shard-0-of-1.h5",
+    ]
     # a crashed write: one of two shards and a temporary, never committed
     checkpoint.write_shard(tmp_path, 5, 0, 2, values(5))
     (tmp_path / ".ckpt-5.shard-1-of-2.h5.tmp-node7-4242").write_bytes(b"half written")
@@ -159,16 +185,22 @@ def test_commit_needs_every_shard_and_prunes_only_after(tmp_path):
         checkpoint.commit(tmp_path, 5, 2, checkpoint.whole_index(values()), {}, {}, 2)
     assert checkpoint.latest_checkpoint(tmp_path).name == "ckpt-4.json"  # still the last commit
     save(tmp_path, 6, values(6), max_to_keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == \
-        ["ckpt-4.json", "ckpt-4.shard-0-of-1.h5", "ckpt-6.json", "ckpt-6.shard-0-of-1.h5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-4.json",
+        "ckpt-4.shard-0-of-1.h5",
+        "ckpt-6.json",
+        "ckpt-6.shard-0-of-1.h5",
+    ]
 
 
 def test_failed_write_keeps_previous(tmp_path):
     save(tmp_path, 1, values())
     with pytest.raises(TypeError):
         checkpoint.write_shard(tmp_path, 2, 0, 1, {"dense_0/kernel": object()})
-    assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["ckpt-1.json",
-                                                                "ckpt-1.shard-0-of-1.h5"]
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == [
+        "ckpt-1.json",
+        "ckpt-1.shard-0-of-1.h5",
+    ]
     assert checkpoint.resolve(tmp_path).step == 1
 
 
@@ -176,8 +208,11 @@ def test_mismatch_names_the_variable(tmp_path):
     save(tmp_path, 1, values())
     ckpt = checkpoint.resolve(tmp_path)
     wrong = [VariableSpec("dense_0/kernel", (3, 4)), SPECS[1]]
-    with pytest.raises(CheckpointError, match=r"'dense_0/kernel' is float32\[3, 2\], the model "
-                                              r"expects float32\[3, 4\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'dense_0/kernel' is float32\[3, 2\], the model "
+        r"expects float32\[3, 4\]",
+    ):
         ckpt.read(wrong)
     with pytest.raises(CheckpointError, match="has no variable 'extra'"):
         ckpt.read(SPECS + [VariableSpec("extra", (1,))])
@@ -191,25 +226,63 @@ def edit_manifest(path, **changes):
     path.write_text(json.dumps(raw))
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"shards": 0}, "shards must be an integer in 1.."),
-    ({"global_step": 2}, "global_step does not match the file name"),
-    ({"variables": {"w": {"shape": [2], "dtype": "object", "parts": [{"shard": 0}]}}},
-     "is not a number type"),
-    ({"variables": {"w": {"shape": [2], "dtype": "float32", "parts": [{"shard": 3}]}}},
-     "names no shard"),
-    ({"variables": {"w": {"shape": [4], "dtype": "float32",
-                          "parts": [{"shard": 0, "rows": [0, 4, 2]}]}}}, "do not cover it"),
-    ({"shards": 2, "variables": {"w": {"shape": [4], "dtype": "float32",
-                                       "parts": [{"shard": 0, "rows": [0, 2, 1]},
-                                                 {"shard": 1, "rows": [0, 2, 1]}]}}},
-     "do not cover it"),
-    ({"variables": {"w": {"shape": [4], "dtype": "float32",
-                          "parts": [{"shard": 0, "rows": [0, 4, 0]}]}}}, "do not fit"),
-    ({"variables": {"w": {"shape": [-1], "dtype": "float32", "parts": [{"shard": 0}]}}},
-     "non-negative integers"),
-    ({"clocks": "../../etc/passwd"}, "clocks must be a list"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"shards": 0}, "shards must be an integer in 1.."),
+        ({"global_step": 2}, "global_step does not match the file name"),
+        (
+            {"variables": {"w": {"shape": [2], "dtype": "object", "parts": [{"shard": 0}]}}},
+            "is not a number type",
+        ),
+        (
+            {"variables": {"w": {"shape": [2], "dtype": "float32", "parts": [{"shard": 3}]}}},
+            "names no shard",
+        ),
+        (
+            {
+                "variables": {
+                    "w": {
+                        "shape": [4],
+                        "dtype": "float32",
+                        "parts": [{"shard": 0, "rows": [0, 4, 2]}],
+                    }
+                }
+            },
+            "do not cover it",
+        ),
+        (
+            {
+                "shards": 2,
+                "variables": {
+                    "w": {
+                        "shape": [4],
+                        "dtype": "float32",
+                        "parts": [{"shard": 0, "rows": [0, 2, 1]}, {"shard": 1, "rows": [0, 2, 1]}],
+                    }
+                },
+            },
+            "do not cover it",
+        ),
+        (
+            {
+                "variables": {
+                    "w": {
+                        "shape": [4],
+                        "dtype": "float32",
+                        "parts": [{"shard": 0, "rows": [0, 4, 0]}],
+                    }
+                }
+            },
+            "do not fit",
+        ),
+        (
+            {"variables": {"w": {"shape": [-1], "dtype": "float32", "parts": [{"shard": 0}]}}},
+            "non-negative integers",
+        ),
+        ({"clocks": "../../etc/passwd"}, "clocks must be a list"),
+    ],
+)
 def test_bad_manifests_are_clear_errors(tmp_path, change, message):
     path = save(tmp_path, 1, values())
     edit_manifest(path, **change)

@@ -1,4 +1,5 @@
 """The command line as a user meets it (plain processes, no MPI launch)."""
+
 import h5py
 from conftest import ROOT, run_py
 
@@ -42,8 +43,9 @@ def test_data_synthetic(tmp_path):
 
 
 def test_data_converter_errors(tmp_path):
-    r = run_py(["-m", "mpips", "data", "fashion-mnist", "f.h5", "--src", str(tmp_path)],
-               cwd=tmp_path)
+    r = run_py(
+        ["-m", "mpips", "data", "fashion-mnist", "f.h5", "--src", str(tmp_path)], cwd=tmp_path
+    )
     assert r.returncode == 2 and "not found (apt-get install dataset-fashion-mnist)" in r.stderr
     assert not (tmp_path / "f.h5").exists()
 
@@ -52,14 +54,16 @@ def test_ckpt_list_inspect_export(tmp_path):
     import numpy as np
 
     from mpips import checkpoint
+
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     for step in (5, 9):  # two shards, as two PS tasks write them
         checkpoint.write_shard(tmp_path / "ck", step, 0, 2, {"dense_0/kernel": w * step})
         checkpoint.write_shard(tmp_path / "ck", step, 1, 2, {}, {"dense_0/kernel/m": w + 1})
         index = checkpoint.whole_index({"dense_0/kernel": w})
         slots = {"dense_0/kernel/m": checkpoint.Entry((2, 3), "float32", (checkpoint.Part(1),))}
-        checkpoint.commit(tmp_path / "ck", step, 2, index, slots,
-                          {"job": "j.toml", "clocks": [4, 5]})
+        checkpoint.commit(
+            tmp_path / "ck", step, 2, index, slots, {"job": "j.toml", "clocks": [4, 5]}
+        )
     r = run_py(["-m", "mpips", "ckpt", "list", "ck"], cwd=tmp_path)
     assert r.returncode == 0 and [line.split()[0] for line in r.stdout.splitlines()] == ["5", "9"]
     assert "ck/ckpt-9.json  2 shard(s)" in r.stdout
@@ -70,15 +74,18 @@ def test_ckpt_list_inspect_export(tmp_path):
     rows = [line.split()[:3] for line in r.stdout.splitlines()]
     assert ["dense_0/kernel", "2x3", "float32"] in rows
     assert ["dense_0/kernel/m", "2x3", "float32"] in rows
-    r = run_py(["-m", "mpips", "ckpt", "export", "ck/ckpt-5.json", "out.h5", "--slots"],
-               cwd=tmp_path)
+    r = run_py(
+        ["-m", "mpips", "ckpt", "export", "ck/ckpt-5.json", "out.h5", "--slots"], cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr
     with h5py.File(tmp_path / "out.h5") as f:
         assert f.attrs["global_step"] == 5
         np.testing.assert_array_equal(f["dense_0/kernel"][()], w * 5)
         np.testing.assert_array_equal(f["slots/m/dense_0/kernel"][()], w + 1)
-    for args, message in ((["inspect", "missing"], "missing: not found"),
-                          (["inspect", "."], "no checkpoint (ckpt-<step>.json) in this directory")):
+    for args, message in (
+        (["inspect", "missing"], "missing: not found"),
+        (["inspect", "."], "no checkpoint (ckpt-<step>.json) in this directory"),
+    ):
         r = run_py(["-m", "mpips", "ckpt", *args], cwd=tmp_path)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
@@ -97,11 +104,18 @@ def test_data_digits_needs_nothing_beyond_the_package(tmp_path):
     """The digits ship inside mpips: `data digits` copies them, with no scikit-learn (a
     stand-in module that fails on import proves it is not used)."""
     (tmp_path / "sklearn.py").write_text("raise ImportError('scikit-learn is not installed')\n")
-    r = run_py(["-c", "import sys; sys.path.insert(0, '.'); from mpips.cli import main; "
-                      "sys.exit(main(['data', 'digits', 'd.h5']))"], cwd=tmp_path)
+    r = run_py(
+        [
+            "-c",
+            "import sys; sys.path.insert(0, '.'); from mpips.cli import main; "
+            "sys.exit(main(['data', 'digits', 'd.h5']))",
+        ],
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert "1437 train + 360 test rows, 64 inputs, 10 classes" in r.stdout
     from mpips import data
+
     with h5py.File(tmp_path / "d.h5") as f, h5py.File(data.resolve_path("", "digits")) as g:
         for key in ("train/x", "train/y", "test/x", "test/y"):
             assert (f[key][()] == g[key][()]).all()
@@ -110,6 +124,7 @@ def test_data_digits_needs_nothing_beyond_the_package(tmp_path):
 def test_help_texts_name_only_what_the_repository_has():
     """--help must not send users to documents they do not have."""
     import re
+
     for cmd in ([], ["train"], ["layout"], ["data"], ["ckpt"]):
         r = run_py(["-m", "mpips", *cmd, "--help"], cwd=ROOT)
         assert r.returncode == 0
@@ -119,8 +134,9 @@ def test_help_texts_name_only_what_the_repository_has():
 
 
 def test_layout_of_a_sync_job(tmp_path):
-    (tmp_path / "sync.toml").write_text('[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\n'
-                                        'steps = 10\n')
+    (tmp_path / "sync.toml").write_text(
+        '[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 10\n'
+    )
     r = run_py(["-m", "mpips", "layout", "sync.toml", "-n", "8"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "0 ps, 8 workers, chief = rank 0" in r.stdout
@@ -136,6 +152,8 @@ def test_version_comes_from_the_package():
     import sys
 
     import mpips
-    r = subprocess.run([sys.executable, "-m", "mpips", "--version"], capture_output=True,
-                       text=True, timeout=60)
+
+    r = subprocess.run(
+        [sys.executable, "-m", "mpips", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.strip() == f"mpips {mpips.__version__}"

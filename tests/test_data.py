@@ -21,6 +21,7 @@ def test_shards_are_disjoint_and_cover():
 def test_batches_reshuffle_per_epoch_and_are_deterministic():
     x = np.arange(10, dtype=np.float32)[:, None]
     y = np.arange(10)
+
     def run():
         return [(e, b.tolist()) for e, _, b in data.batches(x, y, 4, seed=3, task=1, epochs=2)]
 
@@ -41,10 +42,12 @@ def test_builtin_digits():
 
 def write(path, **over):
     rng = np.random.default_rng(0)
-    parts = {"train/x": rng.integers(0, 255, (20, 4), dtype=np.uint8),
-             "train/y": rng.integers(0, 3, 20),
-             "test/x": rng.integers(0, 255, (5, 4), dtype=np.uint8),
-             "test/y": rng.integers(0, 3, 5)}
+    parts = {
+        "train/x": rng.integers(0, 255, (20, 4), dtype=np.uint8),
+        "train/y": rng.integers(0, 3, 20),
+        "test/x": rng.integers(0, 255, (5, 4), dtype=np.uint8),
+        "test/y": rng.integers(0, 3, 5),
+    }
     parts.update(over)
     with h5py.File(path, "w") as f:
         for k, v in parts.items():
@@ -54,14 +57,17 @@ def write(path, **over):
     return path
 
 
-@pytest.mark.parametrize("over,message", [
-    ({"test/y": None}, "missing dataset 'test/y'"),
-    ({"train/x": np.zeros((20, 2, 2), np.float64)}, None),  # rows of any shape: flattened
-    ({"train/x": np.full((20, 4), b"a")}, "must be rows of numbers"),
-    ({"train/y": np.zeros(20, np.float32)}, "1-D integer labels"),
-    ({"train/y": np.zeros(19, np.int64)}, "has 20 rows but dataset 'train/y' has 19"),
-    ({"test/x": np.zeros((5, 3), np.uint8)}, "different widths"),
-])
+@pytest.mark.parametrize(
+    "over,message",
+    [
+        ({"test/y": None}, "missing dataset 'test/y'"),
+        ({"train/x": np.zeros((20, 2, 2), np.float64)}, None),  # rows of any shape: flattened
+        ({"train/x": np.full((20, 4), b"a")}, "must be rows of numbers"),
+        ({"train/y": np.zeros(20, np.float32)}, "1-D integer labels"),
+        ({"train/y": np.zeros(19, np.int64)}, "has 20 rows but dataset 'train/y' has 19"),
+        ({"test/x": np.zeros((5, 3), np.uint8)}, "different widths"),
+    ],
+)
 def test_malformed_data_files(tmp_path, over, message):
     if message is None:
         info = data.open_dataset(str(write(tmp_path / "d.h5", **over)))

@@ -1,5 +1,6 @@
 """Property-based fuzzing of the job and layout parsers: any input gives a valid result or one
 ConfigError (what the CLI prints as a single line, exit 2), never another exception."""
+
 import dataclasses
 import json
 
@@ -10,11 +11,18 @@ from mpips.errors import ConfigError
 from mpips.job import Job, parse_job
 from mpips.layout import make_layout
 
-SECTIONS = {f.name: [g.name for g in dataclasses.fields(f.default_factory())]
-            for f in dataclasses.fields(Job) if f.default_factory is not dataclasses.MISSING}
-scalars = st.one_of(st.booleans(), st.integers(-3, 10**6),
-                    st.floats(-1e3, 1e3, allow_nan=False), st.text(max_size=8),
-                    st.sampled_from(["sgd", "adam", "sync", "async", "digits"]))
+SECTIONS = {
+    f.name: [g.name for g in dataclasses.fields(f.default_factory())]
+    for f in dataclasses.fields(Job)
+    if f.default_factory is not dataclasses.MISSING
+}
+scalars = st.one_of(
+    st.booleans(),
+    st.integers(-3, 10**6),
+    st.floats(-1e3, 1e3, allow_nan=False),
+    st.text(max_size=8),
+    st.sampled_from(["sgd", "adam", "sync", "async", "digits"]),
+)
 values = st.one_of(scalars, st.lists(st.one_of(st.booleans(), st.integers(-2, 9)), max_size=4))
 
 
@@ -37,8 +45,9 @@ def job_texts(draw):
         if not draw(st.booleans()):
             continue
         lines.append(f"[{draw(st.sampled_from([section, section, section + 'x']))}]")
-        for key in draw(st.lists(st.sampled_from(keys + ["bogus", "stpes"]), max_size=5,
-                                 unique=True)):
+        for key in draw(
+            st.lists(st.sampled_from(keys + ["bogus", "stpes"]), max_size=5, unique=True)
+        ):
             lines.append(f"{key} = {toml_value(draw(values))}")
     return "\n".join(lines) + "\n"
 
@@ -64,9 +73,13 @@ def test_arbitrary_text_parses_or_fails_cleanly(text):
         pass
 
 
-ps_specs = st.one_of(st.none(), st.booleans(), st.integers(-2, 12), st.text(max_size=3),
-                     st.lists(st.one_of(st.integers(-2, 12), st.booleans(), st.text(max_size=2)),
-                              max_size=6))
+ps_specs = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 12),
+    st.text(max_size=3),
+    st.lists(st.one_of(st.integers(-2, 12), st.booleans(), st.text(max_size=2)), max_size=6),
+)
 
 
 @settings(max_examples=500, deadline=None)

@@ -1,4 +1,5 @@
 """The chief's checkpoint hook, in one process with a stand-in for the run."""
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class FakeRun:
                 return None  # the PS tasks are still writing their shards
             self.committed.append(step)
             return Path(f"ckpt-{step}.json")
+
         return PendingSave(step, commit)
 
 

@@ -1,6 +1,7 @@
 """Hostile and corrupt files, in one process: HDF5 links and external storage are refused,
 declared sizes are checked against each other and against memory before any allocation,
 and no checkpoint ever holds NaN or infinity."""
+
 import json
 import warnings
 
@@ -45,9 +46,12 @@ def hostile(kind, f, name, tmp_path):
 
 
 KINDS = ["external link", "external storage", "soft link", "virtual dataset"]
-MESSAGE = {"external link": "is an external link", "soft link": "is a soft link",
-           "external storage": "keeps its data in an external file",
-           "virtual dataset": "is a virtual dataset"}
+MESSAGE = {
+    "external link": "is an external link",
+    "soft link": "is a soft link",
+    "external storage": "keeps its data in an external file",
+    "virtual dataset": "is a virtual dataset",
+}
 
 
 def crafted_checkpoint(tmp_path, kind):
@@ -114,14 +118,23 @@ def test_a_manifest_declaring_70_tib_is_refused_before_allocation(tmp_path):
 def test_partitions_of_a_huge_table_are_checked_without_allocating(tmp_path):
     """Coverage of 10^13 rows in two parts is arithmetic (the old check allocated a counter
     per row: a MemoryError); a gap or an overlap is still found."""
-    rows = 10 ** 13
-    d = manifest_declaring(tmp_path, [rows, 1], [{"shard": 0, "rows": [0, rows, 2]},
-                                                 {"shard": 1, "rows": [1, rows, 2]}])
+    rows = 10**13
+    d = manifest_declaring(
+        tmp_path,
+        [rows, 1],
+        [{"shard": 0, "rows": [0, rows, 2]}, {"shard": 1, "rows": [1, rows, 2]}],
+    )
     assert checkpoint.resolve(d).variables["w"].shape == (rows, 1)
-    for parts in ([[0, rows, 2], [2, rows, 2]], [[0, rows, 2], [0, rows, 2]],
-                  [[0, rows // 2, 1], [rows // 2 + 1, rows, 1]]):
-        d = manifest_declaring(tmp_path / str(len(list(tmp_path.iterdir()))), [rows, 1],
-                               [{"shard": k, "rows": p} for k, p in enumerate(parts)])
+    for parts in (
+        [[0, rows, 2], [2, rows, 2]],
+        [[0, rows, 2], [0, rows, 2]],
+        [[0, rows // 2, 1], [rows // 2 + 1, rows, 1]],
+    ):
+        d = manifest_declaring(
+            tmp_path / str(len(list(tmp_path.iterdir()))),
+            [rows, 1],
+            [{"shard": k, "rows": p} for k, p in enumerate(parts)],
+        )
         with pytest.raises(CheckpointError, match="do not cover it exactly once"):
             checkpoint.resolve(d)
 
@@ -146,6 +159,7 @@ def test_sizes_of_data_attributes_are_checked(tmp_path):
 def csr_file(tmp_path, **attrs):
     rng = np.random.default_rng(0)
     import scipy.sparse as sp
+
     x = sp.random(30, 50, density=0.1, format="csr", random_state=1, dtype=np.float32)
     y = rng.integers(0, 2, 30)
     path = tmp_path / "csr.h5"
@@ -160,11 +174,12 @@ def test_max_nnz_is_checked_against_indptr_at_open(tmp_path):
     info = data.open_dataset(path)
     with h5py.File(path, "a") as f:
         f.attrs["max_nnz"] = info.max_nnz - 1  # a lie that would overflow the PS inboxes
-    with pytest.raises(DataError, match=f"max_nnz = {info.max_nnz - 1}, but the longest row "
-                                        f"has {info.max_nnz}"):
+    with pytest.raises(
+        DataError, match=f"max_nnz = {info.max_nnz - 1}, but the longest row has {info.max_nnz}"
+    ):
         data.open_dataset(path)
     with h5py.File(path, "a") as f:
-        f.attrs["max_nnz"] = 10 ** 12  # absurd: it sizes every inbox
+        f.attrs["max_nnz"] = 10**12  # absurd: it sizes every inbox
     with pytest.raises(DataError, match="max_nnz = 1000000000000"):
         data.open_dataset(path)
     with h5py.File(path, "a") as f:
@@ -218,11 +233,13 @@ def test_no_checkpoint_holds_non_finite_values(tmp_path):
 
 def test_ctr_loss_has_no_overflow_warning_for_any_logit():
     from mpips.ctr import _sigmoid_loss
+
     z = np.array([-1000.0, -50.0, 0.0, 50.0, 1000.0], np.float32)
     y = np.array([1, 0, 1, 1, 0], np.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loss, p = _sigmoid_loss(z, y)
     np.testing.assert_allclose(p, [0.0, 0.0, 0.5, 1.0, 1.0], atol=1e-20)
-    assert np.isfinite(loss) and loss == pytest.approx((1000 + 0 + np.log(2) + 0 + 1000) / 5,
-                                                       rel=1e-5)
+    assert np.isfinite(loss) and loss == pytest.approx(
+        (1000 + 0 + np.log(2) + 0 + 1000) / 5, rel=1e-5
+    )

@@ -13,8 +13,12 @@ def test_the_builtin_default_job_is_what_the_readme_promises():
     steps, 2 PS + 6 workers on 8 ranks, checkpoints in runs/default; and jobs/default.toml,
     the copy users read, is the packaged file itself (a link), so the two cannot drift."""
     job = load_job(None)
-    assert (job.data.builtin, job.data.path, job.train.mode, job.train.steps) == \
-        ("digits", "", "async", 600)
+    assert (job.data.builtin, job.data.path, job.train.mode, job.train.steps) == (
+        "digits",
+        "",
+        "async",
+        600,
+    )
     assert job.checkpoint.dir == "runs/default" and job.checkpoint.restore
     layout = job_layout(job, 8)
     assert (layout.num_ps, layout.num_workers, layout.chief_rank) == (2, 6, 2)
@@ -32,21 +36,29 @@ def test_shipped_jobs_parse(path):
 MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
 
 
-@pytest.mark.parametrize("text,message", [
-    (MINIMAL + "bach_size = 3\n", r"unknown key 'bach_size' \(did you mean 'batch_size'\?\)"),
-    (MINIMAL + "[optimzer]\n", r"unknown key 'optimzer' \(did you mean 'optimizer'\?\)"),
-    (MINIMAL + "batch_size = 'x'\n", r"train.batch_size: expected an integer, got 'x'"),
-    (MINIMAL + "batch_size = 0\n", r"train.batch_size: must be > 0"),
-    (MINIMAL + "seed = 1.5\n", r"train.seed: expected an integer"),
-    (MINIMAL + "mode = 'semi'\n", r"train.mode: 'semi' is not one of 'async'"),
-    (MINIMAL + "[model]\nhidden = [64, 'x']\n", r"model.hidden: expected a list of integers"),
-    (MINIMAL + "[layout]\nps = 'two'\n",
-     r"layout.ps: 'two' is not a count, a list of ranks or \"per_node\""),
-    (MINIMAL + "[checkpoint]\nevery_secs = true\n", r"checkpoint.every_secs: expected a number"),
-    ('[data]\nbuiltin = "digits"\n', r"give train.steps or train.epochs"),
-    ('train = 3\n', r"train: expected a table"),
-    ('[train\n', r"invalid TOML"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (MINIMAL + "bach_size = 3\n", r"unknown key 'bach_size' \(did you mean 'batch_size'\?\)"),
+        (MINIMAL + "[optimzer]\n", r"unknown key 'optimzer' \(did you mean 'optimizer'\?\)"),
+        (MINIMAL + "batch_size = 'x'\n", r"train.batch_size: expected an integer, got 'x'"),
+        (MINIMAL + "batch_size = 0\n", r"train.batch_size: must be > 0"),
+        (MINIMAL + "seed = 1.5\n", r"train.seed: expected an integer"),
+        (MINIMAL + "mode = 'semi'\n", r"train.mode: 'semi' is not one of 'async'"),
+        (MINIMAL + "[model]\nhidden = [64, 'x']\n", r"model.hidden: expected a list of integers"),
+        (
+            MINIMAL + "[layout]\nps = 'two'\n",
+            r"layout.ps: 'two' is not a count, a list of ranks or \"per_node\"",
+        ),
+        (
+            MINIMAL + "[checkpoint]\nevery_secs = true\n",
+            r"checkpoint.every_secs: expected a number",
+        ),
+        ('[data]\nbuiltin = "digits"\n', r"give train.steps or train.epochs"),
+        ("train = 3\n", r"train: expected a table"),
+        ("[train\n", r"invalid TOML"),
+    ],
+)
 def test_job_errors_name_the_key(text, message):
     with pytest.raises(ConfigError, match=message):
         parse_job(text, "job.toml")

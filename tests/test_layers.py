@@ -1,6 +1,7 @@
 """The layer library: every layer's backward against central differences in float64 (run
 through Sequential, so the code that trains is the code checked), shapes, and a Sequential
 model that learns."""
+
 import numpy as np
 import pytest
 
@@ -36,17 +37,23 @@ def numeric_check(model, x, y, params, eps=1e-6, samples=25, tol=1e-5):
             old = flat[i]
             flat[i] = old + eps
             model.steps = 0
-            up = model.loss_and_grads(params, x, y,
-                                      {k: np.zeros_like(v) for k, v in params.items()})
+            up = model.loss_and_grads(
+                params, x, y, {k: np.zeros_like(v) for k, v in params.items()}
+            )
             flat[i] = old - eps
             model.steps = 0
-            down = model.loss_and_grads(params, x, y,
-                                        {k: np.zeros_like(v) for k, v in params.items()})
+            down = model.loss_and_grads(
+                params, x, y, {k: np.zeros_like(v) for k, v in params.items()}
+            )
             flat[i] = old
             numeric = (up - down) / (2 * eps)
             analytic = grads[name].reshape(-1)[i]
-            assert abs(numeric - analytic) <= tol * max(1.0, abs(numeric)), \
-                (name, int(i), numeric, analytic)
+            assert abs(numeric - analytic) <= tol * max(1.0, abs(numeric)), (
+                name,
+                int(i),
+                numeric,
+                analytic,
+            )
 
 
 CASES = {
@@ -54,14 +61,21 @@ CASES = {
     "dense+sigmoid, logistic": ([Dense(4), Sigmoid(), Dense(1)], (5,), "logistic"),
     "conv stride 1 pad 1 + relu + pool": (
         [Reshape((2, 6, 6)), Conv2D(3, 3, padding=1), ReLU(), MaxPool2D(2), Flatten(), Dense(4)],
-        (72,), "softmax_cross_entropy"),
+        (72,),
+        "softmax_cross_entropy",
+    ),
     "conv stride 2 no pad, odd size, pool drops a row": (
         [Reshape((1, 7, 7)), Conv2D(2, 3, stride=2), MaxPool2D(2), Flatten(), Dense(3)],
-        (49,), "softmax_cross_entropy"),
+        (49,),
+        "softmax_cross_entropy",
+    ),
     "embedding sum": ([Embedding(11, 4), Dense(3)], (6,), "softmax_cross_entropy"),
     "embedding mean": ([Embedding(11, 4, "mean"), ReLU(), Dense(1)], (6,), "logistic"),
-    "dropout (same mask each evaluation)": ([Dense(6), Dropout(0.5), Dense(3)], (5,),
-                                            "softmax_cross_entropy"),
+    "dropout (same mask each evaluation)": (
+        [Dense(6), Dropout(0.5), Dense(3)],
+        (5,),
+        "softmax_cross_entropy",
+    ),
 }
 
 
@@ -86,6 +100,7 @@ def test_a_broken_backward_fails_the_check():
     class Wrong(ReLU):
         def backward(self, xp, params, mask, dy, grads):
             return dy  # forgets the mask
+
     model = Sequential([Dense(6), Wrong(), Dense(3)], (5,))
     rng = np.random.default_rng(0)
     params = as64(model.initial_values(0))
@@ -94,12 +109,29 @@ def test_a_broken_backward_fails_the_check():
 
 
 def test_shapes_names_and_bad_stacks():
-    model = Sequential([Reshape((1, 28, 28)), Conv2D(8, 3, padding=1), ReLU(), MaxPool2D(2),
-                        Conv2D(16, 3, padding=1), ReLU(), MaxPool2D(2), Flatten(), Dense(10)],
-                       (784,))
+    model = Sequential(
+        [
+            Reshape((1, 28, 28)),
+            Conv2D(8, 3, padding=1),
+            ReLU(),
+            MaxPool2D(2),
+            Conv2D(16, 3, padding=1),
+            ReLU(),
+            MaxPool2D(2),
+            Flatten(),
+            Dense(10),
+        ],
+        (784,),
+    )
     assert model.output_shape == (10,)
-    assert [v.name for v in model.variables()] == ["conv_1/kernel", "conv_1/bias", "conv_4/kernel",
-                                                   "conv_4/bias", "dense_8/kernel", "dense_8/bias"]
+    assert [v.name for v in model.variables()] == [
+        "conv_1/kernel",
+        "conv_1/bias",
+        "conv_4/kernel",
+        "conv_4/bias",
+        "dense_8/kernel",
+        "dense_8/bias",
+    ]
     assert dict((v.name, v.shape) for v in model.variables())["dense_8/kernel"] == (784, 10)
     with pytest.raises(ValueError, match="Dense takes flat inputs"):
         Sequential([Reshape((1, 4, 4)), Dense(3)], (16,))
@@ -121,23 +153,27 @@ def test_dropout_is_seeded_by_worker_and_step_and_off_in_evaluation():
             model.loss_and_grads(params, x, y, grads)
             out.append(grads["dense_0/kernel"].copy())
         return out, model, params, x
+
     (a1, a2), model, params, x = masks(0)
     (b1, _), _, _, _ = masks(0)
     (c1, _), _, _, _ = masks(1)
-    assert np.array_equal(a1, b1)              # same worker, same step: same mask
-    assert not np.array_equal(a1, a2)          # the next step draws another
-    assert not np.array_equal(a1, c1)          # another worker draws another
+    assert np.array_equal(a1, b1)  # same worker, same step: same mask
+    assert not np.array_equal(a1, a2)  # the next step draws another
+    assert not np.array_equal(a1, c1)  # another worker draws another
     first = model.forward(params, x)[0]
     assert np.array_equal(first, model.forward(params, x)[0])  # evaluation: no dropout
 
 
 def test_a_small_cnn_learns_the_digits_in_one_process():
     from mpips.data import load_split, open_dataset, resolve_path
+
     info = open_dataset(resolve_path("", "digits"))
     x, y = load_split(info, "train")
     xt, yt = load_split(info, "test")
-    model = Sequential([Reshape((1, 8, 8)), Conv2D(8, 3, padding=1), ReLU(), MaxPool2D(2),
-                        Flatten(), Dense(10)], (64,))
+    model = Sequential(
+        [Reshape((1, 8, 8)), Conv2D(8, 3, padding=1), ReLU(), MaxPool2D(2), Flatten(), Dense(10)],
+        (64,),
+    )
     params = model.initial_values(0)
     grads = {k: np.zeros_like(v) for k, v in params.items()}
     rng = np.random.default_rng(0)

@@ -21,20 +21,23 @@ def test_explicit_ranks_and_roles():
     assert lay.rank_of("worker", 3) == 5 and lay.rank_of("ps", 1) == 4
 
 
-@pytest.mark.parametrize("world,ps,expected_world,message", [
-    (8, [0, 9], None, "ps rank 9 is out of range for 8 ranks"),
-    (8, [-1], None, "ps rank -1 is out of range"),
-    (8, [1, 1], None, "ps rank 1 is listed more than once"),
-    (3, [0, 1, 2], None, "at least one worker"),
-    (3, 3, None, "needs 1 <= ps < world size 3"),
-    (3, 0, None, "needs 1 <= ps < world size 3"),
-    (3, [], None, "names no PS rank"),
-    (3, True, None, "must be a count, a list of ranks or"),
-    (1, "per_node", None, "at least 2 ranks"),
-    (3, ["0"], None, "must be integers"),
-    (3, None, 8, "world_size = 8, but the job runs on 3 ranks"),
-    (1, None, None, "needs at least 2 ranks"),
-])
+@pytest.mark.parametrize(
+    "world,ps,expected_world,message",
+    [
+        (8, [0, 9], None, "ps rank 9 is out of range for 8 ranks"),
+        (8, [-1], None, "ps rank -1 is out of range"),
+        (8, [1, 1], None, "ps rank 1 is listed more than once"),
+        (3, [0, 1, 2], None, "at least one worker"),
+        (3, 3, None, "needs 1 <= ps < world size 3"),
+        (3, 0, None, "needs 1 <= ps < world size 3"),
+        (3, [], None, "names no PS rank"),
+        (3, True, None, "must be a count, a list of ranks or"),
+        (1, "per_node", None, "at least 2 ranks"),
+        (3, ["0"], None, "must be integers"),
+        (3, None, 8, "world_size = 8, but the job runs on 3 ranks"),
+        (1, None, None, "needs at least 2 ranks"),
+    ],
+)
 def test_invalid_layouts(world, ps, expected_world, message):
     with pytest.raises(ConfigError, match=message):
         make_layout(world, ps, expected_world)
@@ -56,6 +59,7 @@ def test_layout_file(tmp_path):
 
 def test_one_ps_per_node():
     from mpips.layout import block_nodes
+
     assert block_nodes(8, 2) == [0, 0, 0, 0, 4, 4, 4, 4]
     assert make_layout(8, "per_node", nodes=block_nodes(8, 2)).ps_ranks == (0, 4)
     # uneven nodes, as a heterogeneous allocation gives them

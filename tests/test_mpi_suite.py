@@ -1,6 +1,7 @@
 """Runs the in-process multi-rank tests (test_store_mpi.py) under mpiexec at two layouts (1 PS
 + 2 workers on 3 ranks, 2 PS + 2 workers on 4), and checks from each rank's JUnit XML report
 that every collected test ran and passed there."""
+
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -12,17 +13,25 @@ SUITE = "tests/test_store_mpi.py"
 @pytest.mark.launcher
 @pytest.mark.parametrize("ranks,ps", [(3, ""), (4, "2")])
 def test_store_contracts_under_mpiexec(tmp_path, ranks, ps):
-    collected = run_py(["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", SUITE],
-                       cwd=ROOT)
+    collected = run_py(
+        ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", SUITE], cwd=ROOT
+    )
     ids = [line for line in collected.stdout.splitlines() if line.startswith(SUITE + "::")]
     assert len(ids) >= 9, collected.stdout
     report = tmp_path / "junit.xml"
-    r = run_mpi(ranks, ["-m", "pytest", "-q", "-p", "no:cacheprovider", SUITE,
-                        f"--junitxml={report}"], cwd=ROOT, timeout=240, MPIPS_TEST_TIMEOUT="60",
-                MPIPS_TEST_PS=ps)
+    r = run_mpi(
+        ranks,
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", SUITE, f"--junitxml={report}"],
+        cwd=ROOT,
+        timeout=240,
+        MPIPS_TEST_TIMEOUT="60",
+        MPIPS_TEST_PS=ps,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     for rank in range(ranks):  # conftest gives each rank its own report
         suite = ET.parse(f"{report}.rank{rank}").getroot().find("testsuite")
         counts = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
-        assert counts == {"tests": len(ids), "failures": 0, "errors": 0, "skipped": 0}, \
-            (rank, counts)
+        assert counts == {"tests": len(ids), "failures": 0, "errors": 0, "skipped": 0}, (
+            rank,
+            counts,
+        )

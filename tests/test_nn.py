@@ -7,8 +7,9 @@ from mpips.optim import apply_sgd
 def test_gradients_match_finite_differences():
     model = MLP([5, 7, 3])
     params = {k: v.astype(np.float64) for k, v in model.initial_values(0).items()}
-    params = {k: v + 0.1 * np.random.default_rng(1).standard_normal(v.shape)
-              for k, v in params.items()}
+    params = {
+        k: v + 0.1 * np.random.default_rng(1).standard_normal(v.shape) for k, v in params.items()
+    }
     x = np.random.default_rng(2).standard_normal((6, 5))
     y = np.array([0, 1, 2, 1, 0, 2])
     grads = {k: np.zeros_like(v) for k, v in params.items()}
@@ -45,6 +46,7 @@ def test_the_mlp_reports_auc_on_two_classes():
     models), and none with more classes."""
     from mpips.metrics import auc
     from mpips.nn import MLP
+
     rng = np.random.default_rng(0)
     x = rng.standard_normal((200, 5)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64)

@@ -1,6 +1,7 @@
 """Seeing a run: metrics.jsonl and TensorBoard files read back by TensorBoard's own reader,
 the timeline of every task's phases, `mpips plot`, `ckpt list` with validation metrics, the
 sync loss averaged over replicas, and plain progress lines when stderr is not a terminal."""
+
 import json
 import re
 from collections import defaultdict
@@ -43,11 +44,18 @@ def test_summaries_timeline_and_plots_of_an_async_run(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     run_dir = tmp_path / "runs/obs"
     assert "summaries in runs/obs/worker-*/" in r.stdout
-    chief, other = records(run_dir / "worker-0/metrics.jsonl"), \
-        records(run_dir / "worker-1/metrics.jsonl")
+    chief, other = (
+        records(run_dir / "worker-0/metrics.jsonl"),
+        records(run_dir / "worker-1/metrics.jsonl"),
+    )
     for got in (chief, other):
-        for name in ("loss", "learning_rate", "examples_per_sec", "staleness/lead",
-                     "staleness/delay"):
+        for name in (
+            "loss",
+            "learning_rate",
+            "examples_per_sec",
+            "staleness/lead",
+            "staleness/delay",
+        ):
             steps = [s for s, _ in got[name]]
             assert steps and steps == sorted(steps) and len(set(steps)) == len(steps), name
         assert all(v == 0.1 for _, v in got["learning_rate"])  # the default job's lr
@@ -58,14 +66,22 @@ def test_summaries_timeline_and_plots_of_an_async_run(tmp_path):
     assert chief["checkpoint/pause_ms"]
     # TensorBoard's own reader sees the same scalars at the same steps
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(run_dir / "worker-0"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"loss", "learning_rate", "examples_per_sec", "staleness/delay",
-            "validation/accuracy", "global_steps_per_sec"} <= tags, tags
+    assert {
+        "loss",
+        "learning_rate",
+        "examples_per_sec",
+        "staleness/delay",
+        "validation/accuracy",
+        "global_steps_per_sec",
+    } <= tags, tags
     assert [e.step for e in events.Scalars("loss")] == [s for s, _ in chief["loss"]]
-    assert [round(e.value, 4) for e in events.Scalars("validation/accuracy")] == \
-        [round(v, 4) for _, v in chief["validation/accuracy"]]
+    assert [round(e.value, 4) for e in events.Scalars("validation/accuracy")] == [
+        round(v, 4) for _, v in chief["validation/accuracy"]
+    ]
     # the timeline: each task's phases, merged by `mpips plot` into one Chrome trace
     parts = sorted(p.name for p in (run_dir / "timeline").glob("*.json"))
     assert parts == ["ps-0.json", "worker-0.json", "worker-1.json"]
@@ -82,8 +98,9 @@ def test_summaries_timeline_and_plots_of_an_async_run(tmp_path):
             assert e["dur"] >= 0
             phases[names[e["pid"]]].add(e["name"])
     for worker in ("/job:worker/task:0", "/job:worker/task:1"):
-        assert {"ticket and staleness wait", "pull", "compute", "push and ack"} <= \
-            phases[worker], phases
+        assert {"ticket and staleness wait", "pull", "compute", "push and ack"} <= phases[worker], (
+            phases
+        )
     assert "checkpoint write" in phases["/job:ps/task:0"]
     pulls = sum(1 for e in trace if e["ph"] == "X" and e["name"] == "pull")
     assert pulls == r.result["global_step"]  # one per update of either worker
@@ -119,8 +136,14 @@ class _Role:
 
 def test_progress_is_plain_lines_with_an_eta_when_not_on_a_terminal(capsys):
     bar = ProgressBar(every_secs=0, terminal=False)
-    run = Run(job=None, role=_Role(), start_step=0, target_steps=400, global_step=lambda: 400,
-              start_save=None)
+    run = Run(
+        job=None,
+        role=_Role(),
+        start_step=0,
+        target_steps=400,
+        global_step=lambda: 400,
+        start_save=None,
+    )
     bar.begin(run)
     for step in (100, 200):
         bar.after_step(run, StepInfo(step, 0.5, 0, step))
@@ -128,8 +151,11 @@ def test_progress_is_plain_lines_with_an_eta_when_not_on_a_terminal(capsys):
     out = capsys.readouterr()
     lines = out.out.splitlines()
     assert len(lines) == 2 and "\r" not in out.out + out.err, out
-    assert re.fullmatch(r"\[/job:worker/task:0\] progress: global_step 200/400 \(50%\), "
-                        r"[0-9.]+ steps/s, ETA \d+ s", lines[1]), lines
+    assert re.fullmatch(
+        r"\[/job:worker/task:0\] progress: global_step 200/400 \(50%\), "
+        r"[0-9.]+ steps/s, ETA \d+ s",
+        lines[1],
+    ), lines
 
 
 def test_a_torn_metrics_line_is_skipped_by_plot_and_not_glued_to_the_next(tmp_path):
@@ -137,16 +163,25 @@ def test_a_torn_metrics_line_is_skipped_by_plot_and_not_glued_to_the_next(tmp_pa
     `mpips plot` skips the torn one and says so."""
     from mpips.plot import read_metrics
     from mpips.summaries import Summaries
+
     folder = tmp_path / "worker-0"
     folder.mkdir()
     good = '{"time": 1, "task": "/job:worker/task:0", "step": 20, "name": "loss", "value": 1.5}'
     (folder / "metrics.jsonl").write_text(good + "\n" + good[:30])
     hook = Summaries(tmp_path, every=1, tensorboard=False)
-    run = Run(job=None, role=_Role(), start_step=20, target_steps=0, global_step=lambda: 20,
-              start_save=None)
+    run = Run(
+        job=None,
+        role=_Role(),
+        start_step=20,
+        target_steps=0,
+        global_step=lambda: 20,
+        start_save=None,
+    )
     hook.begin(run)
     hook.record(40, {"loss": 0.5})
     hook.file.close()
     series, skipped = read_metrics(tmp_path)
     assert skipped == 1 and series["loss"]["/job:worker/task:0"] == [
-        (1.0, 20.0, 1.5), (pytest.approx(series["loss"]["/job:worker/task:0"][1][0]), 40.0, 0.5)]
+        (1.0, 20.0, 1.5),
+        (pytest.approx(series["loss"]["/job:worker/task:0"][1][0]), 40.0, 0.5),
+    ]

@@ -1,4 +1,5 @@
 """Update rules against independent textbook formulas; schedules; clipping."""
+
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,8 +10,16 @@ from mpips.optim import Optimizer, clip_by_global_norm, learning_rate
 RNG = np.random.default_rng(0)
 GRADS = [RNG.standard_normal(5) for _ in range(4)]
 VAR0 = RNG.standard_normal(5)
-HYPER = {"momentum": 0.9, "nesterov": False, "epsilon": 1e-7, "initial_accumulator_value": 0.1,
-         "beta1": 0.9, "beta2": 0.999, "l1": 0.05, "l2": 0.01}
+HYPER = {
+    "momentum": 0.9,
+    "nesterov": False,
+    "epsilon": 1e-7,
+    "initial_accumulator_value": 0.1,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "l1": 0.05,
+    "l2": 0.01,
+}
 
 
 def reference(kind, lr, hyper):
@@ -24,30 +33,41 @@ def reference(kind, lr, hyper):
             state["m"] = m
             var = var - lr * (g + hyper["momentum"] * m if hyper["nesterov"] else m)
         elif kind == "adagrad":
-            acc = state.get("acc", hyper["initial_accumulator_value"]) + g ** 2
+            acc = state.get("acc", hyper["initial_accumulator_value"]) + g**2
             state["acc"] = acc
             var = var - lr * g / (np.sqrt(acc) + hyper["epsilon"])
         elif kind == "adam":
             b1, b2 = hyper["beta1"], hyper["beta2"]
             m = b1 * state.get("m", 0) + (1 - b1) * g
-            v = b2 * state.get("v", 0) + (1 - b2) * g ** 2
+            v = b2 * state.get("v", 0) + (1 - b2) * g**2
             state.update(m=m, v=v)
-            mhat, vhat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+            mhat, vhat = m / (1 - b1**t), v / (1 - b2**t)
             # TF folds the bias correction into the step: epsilon scales by 1 / sqrt(1 - b2^t)
-            var = var - lr * mhat / (np.sqrt(vhat) + hyper["epsilon"] / np.sqrt(1 - b2 ** t))
+            var = var - lr * mhat / (np.sqrt(vhat) + hyper["epsilon"] / np.sqrt(1 - b2**t))
         elif kind == "ftrl":
             n_old = state.get("n", hyper["initial_accumulator_value"])
-            n = n_old + g ** 2
+            n = n_old + g**2
             z = state.get("z", 0) + g - (np.sqrt(n) - np.sqrt(n_old)) / lr * var
             state.update(n=n, z=z)
-            var = np.where(np.abs(z) <= hyper["l1"], 0.0,
-                           -(z - np.sign(z) * hyper["l1"]) / (np.sqrt(n) / lr + 2 * hyper["l2"]))
+            var = np.where(
+                np.abs(z) <= hyper["l1"],
+                0.0,
+                -(z - np.sign(z) * hyper["l1"]) / (np.sqrt(n) / lr + 2 * hyper["l2"]),
+            )
     return var, state
 
 
-@pytest.mark.parametrize("kind,nesterov", [("sgd", False), ("momentum", False),
-                                           ("momentum", True), ("adagrad", False),
-                                           ("adam", False), ("ftrl", False)])
+@pytest.mark.parametrize(
+    "kind,nesterov",
+    [
+        ("sgd", False),
+        ("momentum", False),
+        ("momentum", True),
+        ("adagrad", False),
+        ("adam", False),
+        ("ftrl", False),
+    ],
+)
 def test_rule_matches_textbook(kind, nesterov):
     hyper = dict(HYPER, nesterov=nesterov)
     opt = Optimizer(kind, hyper)
@@ -80,14 +100,15 @@ def test_slots_per_optimizer():
 
 
 def cfg(**kw):
-    base = dict(learning_rate=1.0, schedule="constant", decay_rate=0.5, decay_steps=10,
-                warmup_steps=0)
+    base = dict(
+        learning_rate=1.0, schedule="constant", decay_rate=0.5, decay_steps=10, warmup_steps=0
+    )
     return SimpleNamespace(**dict(base, **kw))
 
 
 def test_schedules():
     assert learning_rate(cfg(), 123) == 1.0
-    assert learning_rate(cfg(schedule="exponential"), 5) == pytest.approx(0.5 ** 0.5)
+    assert learning_rate(cfg(schedule="exponential"), 5) == pytest.approx(0.5**0.5)
     assert learning_rate(cfg(schedule="step"), 19) == 0.5
     assert learning_rate(cfg(schedule="step"), 20) == 0.25
     warm = cfg(warmup_steps=4)

@@ -1,5 +1,6 @@
 """Stateful optimizers end to end: one async worker equals a single-process reference;
 checkpoints keep slots; bounded staleness holds (plain pytest; each case launches mpiexec)."""
+
 import numpy as np
 import pytest
 from conftest import read_result, run_mpi
@@ -85,8 +86,9 @@ def test_one_async_worker_equals_single_process_reference(tmp_path, kind):
     assert len(slots) == sum(len(s) for s in want_slots.values())
     for name, per_slot in want_slots.items():
         for slot, value in per_slot.items():
-            np.testing.assert_allclose(slots[f"{name}/{slot}"], value, rtol=1e-5, atol=1e-6,
-                                       err_msg=f"{name}/{slot}")
+            np.testing.assert_allclose(
+                slots[f"{name}/{slot}"], value, rtol=1e-5, atol=1e-6, err_msg=f"{name}/{slot}"
+            )
 
 
 @pytest.mark.parametrize("kind", ["adam", "ftrl"])

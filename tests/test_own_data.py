@@ -1,5 +1,6 @@
 """Your own data: HDF5 files with dataset paths named in the job, .npz and .npy files, arrays
 handed to mpips.train, and a worker's part streamed from the file in chunks."""
+
 import json
 import subprocess
 import sys
@@ -27,8 +28,13 @@ def test_an_hdf5_file_of_any_layout_with_paths_from_the_job(tmp_path):
     with h5py.File(tmp_path / "mine.h5", "w") as f:  # no attributes, images not flattened
         f["images/train"], f["labels/train"] = x, y.astype(np.int32)
         f["images/test"], f["labels/test"] = xt, yt.astype(np.uint8)
-    config = DataConfig(path=str(tmp_path / "mine.h5"), train_x="images/train",
-                        train_y="labels/train", test_x="images/test", test_y="labels/test")
+    config = DataConfig(
+        path=str(tmp_path / "mine.h5"),
+        train_x="images/train",
+        train_y="labels/train",
+        test_x="images/test",
+        test_y="labels/test",
+    )
     info = data.open_data(config)
     assert (info.num_inputs, info.num_classes) == (64, 10)  # classes: largest label + 1
     assert info.rows == {"train": 1437, "test": 360}
@@ -36,8 +42,9 @@ def test_an_hdf5_file_of_any_layout_with_paths_from_the_job(tmp_path):
     assert np.array_equal(got_x, xt[5:9].reshape(4, 64)) and np.array_equal(got_y, yt[5:9])
     config.num_classes, config.x_scale = 12, 0.5
     info = data.open_data(config)
-    assert info.num_classes == 12 and data.load_split(info, "test", (0, 1))[0].max() == \
-        pytest.approx(xt[0].max() * 0.5)
+    assert info.num_classes == 12 and data.load_split(info, "test", (0, 1))[
+        0
+    ].max() == pytest.approx(xt[0].max() * 0.5)
     config.test_x = "images/nope"
     with pytest.raises(DataError, match="missing dataset 'images/nope' \\(the test split\\)"):
         data.open_data(config)
@@ -51,8 +58,10 @@ def test_npz_and_npy_files(tmp_path):
     assert np.array_equal(data.load_split(info, "train", (0, 3))[1], y[:3])
     for name, a in {"x": x, "y": y, "xt": xt, "yt": yt}.items():
         np.save(tmp_path / f"{name}.npy", a)
-    npy = {k: str(tmp_path / f"{v}.npy") for k, v in
-           {"train_x": "x", "train_y": "y", "test_x": "xt", "test_y": "yt"}.items()}
+    npy = {
+        k: str(tmp_path / f"{v}.npy")
+        for k, v in {"train_x": "x", "train_y": "y", "test_x": "xt", "test_y": "yt"}.items()
+    }
     info = data.open_data(DataConfig(**npy))
     assert info.kind == "npy" and info.num_inputs == 64
     assert np.array_equal(data.load_split(info, "train", (7, 9))[0], x[7:9].reshape(2, 64))
@@ -61,15 +70,20 @@ def test_npz_and_npy_files(tmp_path):
         data.open_data(DataConfig(**{**npy, "train_x": str(tmp_path / "objects.npy")}))
 
 
-@pytest.mark.parametrize("text,message", [
-    ('train_x = "a.npy"\n', "data.train_x, data.train_y: give both or neither"),
-    ('train_x = "a.npy"\ntrain_y = "b.npy"\n', ".npy files need data.train_x"),
-    ('train_x = "a.h5"\ntrain_y = "b.npy"\ntest_x = "c.npy"\ntest_y = "d.npy"\n',
-     "'a.h5' is not"),
-    ('builtin = "digits"\ntrain_x = "a"\ntrain_y = "b"\n', "its arrays are fixed"),
-    ('path = "d.h5"\nchunk_rows = -1\n', "data.chunk_rows: must be >= 0"),
-    ('path = "d.h5"\nprefetch = 0\n', "data.prefetch: must be > 0"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('train_x = "a.npy"\n', "data.train_x, data.train_y: give both or neither"),
+        ('train_x = "a.npy"\ntrain_y = "b.npy"\n', ".npy files need data.train_x"),
+        (
+            'train_x = "a.h5"\ntrain_y = "b.npy"\ntest_x = "c.npy"\ntest_y = "d.npy"\n',
+            "'a.h5' is not",
+        ),
+        ('builtin = "digits"\ntrain_x = "a"\ntrain_y = "b"\n', "its arrays are fixed"),
+        ('path = "d.h5"\nchunk_rows = -1\n', "data.chunk_rows: must be >= 0"),
+        ('path = "d.h5"\nprefetch = 0\n', "data.prefetch: must be > 0"),
+    ],
+)
 def test_data_keys_are_checked(text, message):
     with pytest.raises(ConfigError, match=message):
         mpips.parse_job(f"[data]\n{text}[train]\nsteps = 1\n")
@@ -90,8 +104,12 @@ def test_arrays_for_the_python_api_are_checked():
 def streamed(tmp_path, rows=1000, chunk_rows=64, **config):
     x = np.arange(rows, dtype=np.float32)[:, None].repeat(3, axis=1)
     with h5py.File(tmp_path / "s.h5", "w") as f:
-        f["train/x"], f["train/y"], f["test/x"], f["test/y"] = x, np.arange(rows) % 4, x[:5], \
-            np.arange(5) % 4
+        f["train/x"], f["train/y"], f["test/x"], f["test/y"] = (
+            x,
+            np.arange(rows) % 4,
+            x[:5],
+            np.arange(5) % 4,
+        )
     info = data.open_data(DataConfig(path=str(tmp_path / "s.h5"), **config))
     return data.train_part(info, (100, rows - 50), chunk_rows=chunk_rows, prefetch=2)
 
@@ -112,15 +130,17 @@ def test_a_streamed_part_visits_every_row_once_an_epoch_in_a_new_order(tmp_path)
     assert epochs[0][:64] != list(range(100, 164))  # shuffled, not file order
     sizes = [len(r) for e, r in got if e == 0]
     assert sizes.count(32) == len(sizes) - 1 and sum(sizes) == 850  # one short batch
-    assert rows_of(part.batches(32, seed=2, task=2, epochs=1)) != got[:len(sizes)]
+    assert rows_of(part.batches(32, seed=2, task=2, epochs=1)) != got[: len(sizes)]
 
 
 def test_a_streamed_part_resumes_at_a_data_position_and_makes_full_batches(tmp_path):
     part = streamed(tmp_path)
     straight = rows_of(part.batches(32, seed=1, task=0, epochs=2))
     for start in (0, 5, 26, 27, 40):
-        assert rows_of(part.batches(32, seed=1, task=0, epochs=2, start_batch=start)) == \
-            straight[start:]
+        assert (
+            rows_of(part.batches(32, seed=1, task=0, epochs=2, start_batch=start))
+            == straight[start:]
+        )
     full = rows_of(part.batches(32, seed=1, task=0, epochs=2, per_epoch=20))
     assert len(full) == 40 and all(len(r) == 32 for _, r in full)  # sync: equal batches
     assert [e for e, _ in full] == [0] * 20 + [1] * 20
@@ -158,13 +178,18 @@ def test_streaming_a_part_larger_than_its_memory_budget(tmp_path):
     with h5py.File(tmp_path / "big.h5", "w") as f:
         x = f.create_dataset("train/x", (rows, width), np.float32, chunks=(256, width))
         for i in range(0, rows, 8192):
-            x[i:i + 8192] = np.random.default_rng(i).standard_normal((8192, width), np.float32)
+            x[i : i + 8192] = np.random.default_rng(i).standard_normal((8192, width), np.float32)
         f["train/y"] = np.arange(rows) % 10
         f["test/x"], f["test/y"] = np.zeros((10, width), np.float32), np.arange(10)
     script = tmp_path / "stream.py"
     script.write_text(STREAM_RSS)
-    r = subprocess.run([sys.executable, str(script), str(tmp_path / "big.h5"), "1024"],
-                       capture_output=True, text=True, timeout=300, env=clean_env())
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "big.h5"), "1024"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+    )
     assert r.returncode == 0, r.stderr
     seen, grew_mb = map(int, r.stdout.split())
     assert seen == rows
@@ -229,21 +254,32 @@ steps = 400
 [checkpoint]
 dir = "runs/mine"
 """)
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
-                cwd=tmp_path, timeout=120)
+    r = run_mpi(
+        3,
+        ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["global_step"] == 400 and result["test_accuracy"] > 0.9, result
     assert "streamed in chunks of 96 rows" in r.stdout
     # the checkpoint evaluates from the same file, in one process
-    ev = subprocess.run([sys.executable, "-m", "mpips", "eval", "job.toml"], cwd=tmp_path,
-                        capture_output=True, text=True, timeout=60, env=clean_env())
+    ev = subprocess.run(
+        [sys.executable, "-m", "mpips", "eval", "job.toml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
     assert ev.returncode == 0 and "accuracy" in ev.stdout, ev.stderr
 
 
 def test_the_readme_data_example_is_a_valid_job():
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("**Your own data**"):readme.index("Synchronous replicas, all")]
+    section = readme[readme.index("**Your own data**") : readme.index("Synchronous replicas, all")]
     import re
+
     for block in re.findall(r"```toml\n(.*?)```", section, re.S):
         mpips.parse_job(block + "[train]\nsteps = 1\n")

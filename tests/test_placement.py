@@ -26,8 +26,12 @@ def test_offsets_are_aligned_and_disjoint(strategy):
 
 
 def test_greedy_balances_bytes():
-    big = [VariableSpec("a", (1000,)), VariableSpec("b", (10,)), VariableSpec("c", (10,)),
-           VariableSpec("d", (990,))]
+    big = [
+        VariableSpec("a", (1000,)),
+        VariableSpec("b", (10,)),
+        VariableSpec("c", (10,)),
+        VariableSpec("d", (990,)),
+    ]
     p = greedy_by_bytes(big, 2)
     assert [e.ps_task for e in p] == [0, 1, 1, 1]
 
@@ -48,10 +52,11 @@ def test_duplicate_names_rejected():
 
 def test_pinned_variables_go_to_their_ps_task_and_the_rest_follow_the_rule():
     from mpips.placement import greedy_by_bytes, round_robin
+
     specs = [VariableSpec(f"v{i}", (10 * (i + 1),)) for i in range(5)]
     rr = round_robin(specs, 2, {"v1": 1, "v2": 1})
     assert [e.ps_task for e in rr] == [0, 1, 1, 1, 0]  # v0, v3, v4: the 0th, 1st, 2nd free
-    greedy = greedy_by_bytes(specs, 2, {"v4": 0})        # v4 (200 B) counts on ps:0 first
+    greedy = greedy_by_bytes(specs, 2, {"v4": 0})  # v4 (200 B) counts on ps:0 first
     assert [e.ps_task for e in greedy] == [1, 1, 1, 0, 0]
 
 
@@ -59,24 +64,33 @@ def test_pins_from_the_job_are_checked():
     import mpips
     from mpips.errors import ConfigError
     from mpips.job import job_placement
+
     specs = [VariableSpec("w", (4, 4)), VariableSpec("b", (4,))]
     base = '[data]\nbuiltin = "digits"\n[train]\nsteps = 1\n[layout.pin]\n'
     job = mpips.parse_job(base + '"b" = 1\n')
     assert [e.ps_task for e in job_placement(job, specs, 2)] == [0, 1]
     with pytest.raises(ConfigError, match="layout.pin: the model has no variable 'x'"):
-        job_placement(mpips.parse_job(base + 'x = 0\n'), specs, 2)
+        job_placement(mpips.parse_job(base + "x = 0\n"), specs, 2)
     with pytest.raises(ConfigError, match=r"layout.pin.b: 2 is not a ps task .*\(0..1\)"):
-        job_placement(mpips.parse_job(base + 'b = 2\n'), specs, 2)
+        job_placement(mpips.parse_job(base + "b = 2\n"), specs, 2)
 
 
 def test_an_unbalanced_placement_is_named_with_what_would_fix_it():
     from mpips.placement import greedy_by_bytes, imbalance, round_robin
-    fmnist = [VariableSpec("k0", (784, 256)), VariableSpec("b0", (256,)),
-              VariableSpec("k1", (256, 128)), VariableSpec("b1", (128,))]
+
+    fmnist = [
+        VariableSpec("k0", (784, 256)),
+        VariableSpec("b0", (256,)),
+        VariableSpec("k1", (256, 128)),
+        VariableSpec("b1", (128,)),
+    ]
     said = imbalance(round_robin(fmnist, 2), "round_robin")
     assert "ps:0 0.93 MB, ps:1 0.00 MB" in said and "k0" in said and "splitting" in said
-    even = [VariableSpec(n, (256, 256) if n[0] == "k" else (4,))  # kernels all on ps:0
-            for i in range(4) for n in (f"k{i}", f"b{i}")]
+    even = [
+        VariableSpec(n, (256, 256) if n[0] == "k" else (4,))  # kernels all on ps:0
+        for i in range(4)
+        for n in (f"k{i}", f"b{i}")
+    ]
     said = imbalance(round_robin(even, 2), "round_robin")
     assert 'layout.placement = "greedy"' in said
     assert imbalance(greedy_by_bytes(even, 2), "greedy") == ""

@@ -1,4 +1,5 @@
 """Sparse input, CTR models and row partitions, in one process."""
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -27,8 +28,10 @@ def test_tables_are_placed_after_the_whole_variables():
     dense = round_robin([VariableSpec("b", (1,))], 2)
     placement = place_tables(dense, [VariableSpec("emb", (5, 3))], "div")
     parts = placement.parts("emb")
-    assert [(e.ps_task, e.rows, e.spec.shape) for e in parts] == [(0, (0, 3, 1), (3, 3)),
-                                                                   (1, (3, 5, 1), (2, 3))]
+    assert [(e.ps_task, e.rows, e.spec.shape) for e in parts] == [
+        (0, (0, 3, 1), (3, 3)),
+        (1, (3, 5, 1), (2, 3)),
+    ]
     assert placement.dense_bytes(0) == 64 and parts[0].offset == 64
     assert {e.name for e in placement} == {"b", "emb"}
 
@@ -36,8 +39,14 @@ def test_tables_are_placed_after_the_whole_variables():
 def random_batch(rng, rows, features, nnz):
     """A batch whose rows share ids (duplicates across rows and within the batch)."""
     ids = rng.integers(0, features, (rows, nnz))
-    x = sp.csr_matrix((rng.uniform(0.5, 1.5, rows * nnz).astype(np.float32), ids.ravel(),
-                       np.arange(0, rows * nnz + 1, nnz)), shape=(rows, features))
+    x = sp.csr_matrix(
+        (
+            rng.uniform(0.5, 1.5, rows * nnz).astype(np.float32),
+            ids.ravel(),
+            np.arange(0, rows * nnz + 1, nnz),
+        ),
+        shape=(rows, features),
+    )
     x.sum_duplicates()
     return x, rng.integers(0, 2, rows).astype(np.float32)
 
@@ -59,8 +68,10 @@ def test_row_gradients_equal_the_dense_gradient(hidden):
 
     local, ids = model.prepare(x)
     rows = {name: table[ids] for name, table in full.items()}
-    got = {**{k: np.zeros_like(v) for k, v in dense.items()},
-           **{k: np.zeros_like(v) for k, v in rows.items()}}
+    got = {
+        **{k: np.zeros_like(v) for k, v in dense.items()},
+        **{k: np.zeros_like(v) for k, v in rows.items()},
+    }
     assert model.loss_and_grads({**dense, **rows}, local, y, got) == pytest.approx(want_loss)
     for name in full:
         np.testing.assert_allclose(got[name], want[name][ids], rtol=1e-5, atol=1e-7)
@@ -110,6 +121,7 @@ def test_bad_sparse_files(tmp_path):
     y = np.array([0, 1, 0, 1])
     sparse.write_csr(tmp_path / "ok.h5", (x, y), (x, y), 4)
     import h5py
+
     with h5py.File(tmp_path / "ok.h5", "a") as f:
         f.attrs["num_features"] = 3  # ids go up to 3
     info = open_dataset(str(tmp_path / "ok.h5"))

@@ -2,6 +2,7 @@
 every wait has a deadline that names the task that did not arrive, idle waits sleep, every
 rank honours preemption (SIGINT too), a loss that is not finite stops the job, and a
 checkpoint directory that cannot be used is found before training."""
+
 import json
 import re
 import signal
@@ -61,8 +62,9 @@ def write_shard(d, step, shard, num_shards, *a, **k):
 ck.write_shard = write_shard
 """
     r, took = run_patched(tmp_path, 3, patch, MPIPS_STALL_TIMEOUT="3")
-    ended_once(r, "/job:ps/task:0 (rank 0) did not write its shard of the checkpoint at "
-                  "global_step", 1)
+    ended_once(
+        r, "/job:ps/task:0 (rank 0) did not write its shard of the checkpoint at global_step", 1
+    )
     assert took < PROMPT
 
 
@@ -78,10 +80,13 @@ RunControl.raise_ready = raise_ready
     assert took < PROMPT
 
 
-@pytest.mark.parametrize("rank,said", [
-    (2, "rank(s) 2 did not reach window creation within 3 s"),
-    (0, "rank 0 did not confirm within 8 s that every rank reached window creation"),
-])
+@pytest.mark.parametrize(
+    "rank,said",
+    [
+        (2, "rank(s) 2 did not reach window creation within 3 s"),
+        (0, "rank 0 did not confirm within 8 s that every rank reached window creation"),
+    ],
+)
 def test_a_rank_stuck_before_window_creation_is_named(tmp_path, rank, said):
     """Window creation is a blocking collective: every rank checks in first, so a rank that
     never gets there is named and nobody is left inside MPI_Win_allocate."""
@@ -130,8 +135,10 @@ def test_replicas_waiting_on_a_hung_peer_sleep(tmp_path):
     assert r.returncode == 1 and "did not complete within 6 s" in r.stderr, r.stderr[-3000:]
     hung_at = float((tmp_path / "hang.txt").read_text())
     for rank in (0, 1, 3):  # rank 2 is the hung replica (sync mode: no PS)
-        samples = [tuple(map(float, line.split()))
-                   for line in (tmp_path / f"cpu-{rank}.txt").read_text().splitlines()]
+        samples = [
+            tuple(map(float, line.split()))
+            for line in (tmp_path / f"cpu-{rank}.txt").read_text().splitlines()
+        ]
         waiting = [(t, cpu) for t, cpu in samples if t > hung_at + 1.0]
         assert len(waiting) >= 10, samples[-5:]
         (t0, c0), (t1, c1) = waiting[0], waiting[-1]
@@ -139,8 +146,10 @@ def test_replicas_waiting_on_a_hung_peer_sleep(tmp_path):
         assert share < 0.10, f"rank {rank} used {share:.0%} of a core while waiting"
 
 
-SYNC_JOB = ('[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 1000000000\n'
-            '[checkpoint]\ndir = "runs/sync"\nevery_steps = 100\n')
+SYNC_JOB = (
+    '[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 1000000000\n'
+    '[checkpoint]\ndir = "runs/sync"\nevery_steps = 100\n'
+)
 
 
 def test_a_signal_on_a_ps_rank_in_sync_mode_stops_the_job_with_exit_3(tmp_path):
@@ -152,6 +161,7 @@ def test_a_signal_on_a_ps_rank_in_sync_mode_stops_the_job_with_exit_3(tmp_path):
     ps = job.pid_of("/job:ps/task:0")
     job.wait_for(r"saved checkpoint")  # training is under way
     import os
+
     os.kill(ps, signal.SIGTERM)
     assert job.end() == 3, job.text()[-3000:]
     m = re.search(r"stopped early by SIGTERM: checkpoint at global_step (\d+)", job.text())
@@ -161,15 +171,15 @@ def test_a_signal_on_a_ps_rank_in_sync_mode_stops_the_job_with_exit_3(tmp_path):
 def test_ctrl_c_checkpoints_and_exits_3_like_sigterm(tmp_path):
     """Ctrl-C reaches mpiexec, which forwards SIGINT to every rank: the same clean stop as
     SIGTERM (a checkpoint, exit 3), and the rerun resumes from it."""
-    job = BackgroundJob(tmp_path, 3, "--steps", str(10 ** 9))
+    job = BackgroundJob(tmp_path, 3, "--steps", str(10**9))
     job.wait_for(r"saved checkpoint")
     job.proc.send_signal(signal.SIGINT)
     assert job.end() == 3, job.text()[-3000:]
-    step = int(job.wait_for(r"stopped early by SIGINT: checkpoint at global_step (\d+)")
-               .group(1))
+    step = int(job.wait_for(r"stopped early by SIGINT: checkpoint at global_step (\d+)").group(1))
     assert (tmp_path / f"runs/default/ckpt-{step}.json").exists()
-    again = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--steps", str(step + 20)],
-                    cwd=tmp_path)
+    again = run_mpi(
+        3, ["-m", "mpips", "train", "--no-progress", "--steps", str(step + 20)], cwd=tmp_path
+    )
     assert again.returncode == 0 and f"restored global_step {step}" in again.stdout, again.stderr
 
 
@@ -244,8 +254,9 @@ every_steps = {every}
 """
 
 
-@pytest.mark.parametrize("mode,ranks,every", [("async", 4, 0), ("sync", 3, 0), ("async", 4, 3),
-                                              ("sync", 3, 3)])
+@pytest.mark.parametrize(
+    "mode,ranks,every", [("async", 4, 0), ("sync", 3, 0), ("async", 4, 3), ("sync", 3, 3)]
+)
 def test_a_loss_that_is_not_finite_stops_the_job(tmp_path, mode, ranks, every):
     """TensorFlow's NanTensorHook: a learning rate of 1e6 makes the loss NaN or infinite; the
     job stops at once with one message naming the worker and the global step (exit 1), and
@@ -254,17 +265,24 @@ def test_a_loss_that_is_not_finite_stops_the_job(tmp_path, mode, ranks, every):
     checkpoint guard may see the non-finite variables first."""
     # first a sane run commits checkpoints, then the diverging one restores and goes on
     (tmp_path / "job.toml").write_text(DIVERGE.format(mode=mode, lr=0.01, every=3))
-    sane = run_mpi(ranks, ["-m", "mpips", "train", "job.toml", "--steps", "12"],
-                   cwd=tmp_path, timeout=120)
+    sane = run_mpi(
+        ranks, ["-m", "mpips", "train", "job.toml", "--steps", "12"], cwd=tmp_path, timeout=120
+    )
     (tmp_path / "job.toml").write_text(DIVERGE.format(mode=mode, lr=1e6, every=every))
     assert sane.returncode == 0, sane.stderr[-3000:]
     r = run_mpi(ranks, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path, timeout=120)
     assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
     assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    said = re.search(r"the loss of /job:worker/task:\d+ is (nan|inf|-inf|not finite) at "
-                     r"global_step \d+: training stopped", r.stderr)
-    guard = re.search(r"'[\w/]+' holds NaN or infinite values at global_step \d+: not "
-                      r"checkpointed", r.stderr)
+    said = re.search(
+        r"the loss of /job:worker/task:\d+ is (nan|inf|-inf|not finite) at "
+        r"global_step \d+: training stopped",
+        r.stderr,
+    )
+    guard = re.search(
+        r"'[\w/]+' holds NaN or infinite values at global_step \d+: not "
+        r"checkpointed",
+        r.stderr,
+    )
     assert said or (guard and every), r.stderr[-3000:]
     committed = checkpoint.list_checkpoints(tmp_path / "runs/nan")
     assert committed
@@ -276,8 +294,12 @@ def test_a_loss_that_is_not_finite_stops_the_job(tmp_path, mode, ranks, every):
 
 def test_a_checkpoint_dir_that_cannot_be_written_is_found_before_training(tmp_path):
     (tmp_path / "afile").write_text("not a directory")
-    r = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--ckpt-dir", "afile/ck"],
-                cwd=tmp_path, timeout=60)
+    r = run_mpi(
+        3,
+        ["-m", "mpips", "train", "--no-progress", "--ckpt-dir", "afile/ck"],
+        cwd=tmp_path,
+        timeout=60,
+    )
     ended_once(r, "checkpoint.dir afile/ck: cannot write checkpoints there", 2)
     assert "train rows [" not in r.stdout and "step" not in r.stdout  # nothing trained
 
@@ -289,14 +311,35 @@ def test_a_fresh_start_never_mixes_with_another_run(tmp_path):
     assert first.returncode == 0, first.stderr
     d = tmp_path / "runs/default"
     before = {p.name: p.read_bytes() for p in d.iterdir()}
-    r = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--steps", "100", "--no-restore"],
-                cwd=tmp_path, timeout=60)
-    ended_once(r, "checkpoint.dir runs/default already holds 2 checkpoint(s) of an earlier run, "
-                  "the latest at global_step 250", 2)
+    r = run_mpi(
+        3,
+        ["-m", "mpips", "train", "--no-progress", "--steps", "100", "--no-restore"],
+        cwd=tmp_path,
+        timeout=60,
+    )
+    ended_once(
+        r,
+        "checkpoint.dir runs/default already holds 2 checkpoint(s) of an earlier run, "
+        "the latest at global_step 250",
+        2,
+    )
     assert "--ckpt-dir" in r.stderr
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
-    fresh = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--steps", "100",
-                        "--no-restore", "--ckpt-dir", "runs/other"], cwd=tmp_path)
+    fresh = run_mpi(
+        3,
+        [
+            "-m",
+            "mpips",
+            "train",
+            "--no-progress",
+            "--steps",
+            "100",
+            "--no-restore",
+            "--ckpt-dir",
+            "runs/other",
+        ],
+        cwd=tmp_path,
+    )
     assert fresh.returncode == 0 and "final: global_step 100" in fresh.stdout, fresh.stderr
 
 
@@ -315,9 +358,13 @@ ck.write_shard = write_shard
 """
     r, _ = run_patched(tmp_path, 3, patch, steps=100000, every=5000)  # ~10k steps/s
     assert r.returncode == 0, r.stderr[-3000:]
-    saved = [(int(t), int(p)) for t, p in re.findall(
-        r"saved checkpoint \S+ \(global_step \d+, (\d+) ms; the chief paused (\d+) ms\)",
-        r.stdout)]
+    saved = [
+        (int(t), int(p))
+        for t, p in re.findall(
+            r"saved checkpoint \S+ \(global_step \d+, (\d+) ms; the chief paused (\d+) ms\)",
+            r.stdout,
+        )
+    ]
     slow = [(took, paused) for took, paused in saved if took >= 3000]
     assert len(slow) == 1, r.stdout[-3000:]
     took, paused = slow[0]
@@ -326,8 +373,12 @@ ck.write_shard = write_shard
 
 def test_the_chiefs_share_of_updates_is_logged_and_checkpointed(tmp_path):
     """``train --result FILE``: the run's result as JSON, read here instead of log lines."""
-    r = run_mpi(8, ["-m", "mpips", "train", "--no-progress", "--result", "result.json"],
-                cwd=tmp_path, timeout=120)
+    r = run_mpi(
+        8,
+        ["-m", "mpips", "train", "--no-progress", "--result", "result.json"],
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["task"] == "/job:worker/task:0" and result["global_step"] == 600

@@ -4,6 +4,7 @@ value is computed from the layout, so the same tests check multi-PS routing.
 
 Under plain pytest these are run by test_mpi_suite.py in an mpiexec subprocess, at both.
 """
+
 import os
 import time
 
@@ -17,8 +18,12 @@ from mpips.placement import VariableSpec, round_robin
 pytestmark = pytest.mark.mpi(ranks=3)
 
 PS = int(os.environ["MPIPS_TEST_PS"]) if os.environ.get("MPIPS_TEST_PS") else None
-SPECS = [VariableSpec("a", (1000,)), VariableSpec("b", (3, 7)), VariableSpec("c", (5,), "float64"),
-         VariableSpec("d", (2,))]
+SPECS = [
+    VariableSpec("a", (1000,)),
+    VariableSpec("b", (3, 7)),
+    VariableSpec("c", (5,), "float64"),
+    VariableSpec("d", (2,)),
+]
 
 
 class Store:
@@ -29,6 +34,7 @@ class Store:
 
         from mpips.placement import slot_placement
         from mpips.store import Cluster, StoreClient, Windows
+
         self.comm = MPI.COMM_WORLD
         self.cluster = Cluster(self.comm, make_layout(self.comm.size, PS))
         self.placement = round_robin(specs, self.cluster.layout.num_ps)
@@ -42,6 +48,7 @@ class Store:
         """End of run: the workers finish, the chief ends the run (a serving PS stops), then
         every rank frees the windows."""
         from mpips.store import barrier
+
         if not self.cluster.is_ps:
             barrier(self.cluster.workers, "the test")
             if self.cluster.is_chief:
@@ -54,6 +61,7 @@ class Store:
 def test_pushes_of_ones_sum_exactly():
     s = Store()
     from mpips.store import barrier
+
     pushes = 200
     init = {spec.name: np.full(spec.shape, 0.5, spec.dtype) for spec in SPECS}
     if s.cluster.is_chief:
@@ -75,6 +83,7 @@ def test_pushes_of_ones_sum_exactly():
 
 def test_global_steps_are_unique_and_gapless():
     from mpips.store import allgather_json
+
     s = Store()
     per_worker = 300
     if s.cluster.is_chief:
@@ -93,6 +102,7 @@ def test_global_steps_are_unique_and_gapless():
 
 def test_tickets_stop_exactly_at_target():
     from mpips.store import allgather_json
+
     s = Store()
     start, target = 40, 137
     if s.cluster.is_chief:
@@ -106,6 +116,7 @@ def test_tickets_stop_exactly_at_target():
             made += 1
         assert sum(allgather_json(s.cluster.workers, made)) == target - start
         from mpips.store import barrier
+
         barrier(s.cluster.workers, "the test")
         assert s.control.global_step() == target
     s.close()
@@ -113,8 +124,10 @@ def test_tickets_stop_exactly_at_target():
 
 def test_workers_wait_for_the_ready_flag():
     s = Store()
-    init = {spec.name: np.arange(np.prod(spec.shape), dtype=spec.dtype).reshape(spec.shape)
-            for spec in SPECS}
+    init = {
+        spec.name: np.arange(np.prod(spec.shape), dtype=spec.dtype).reshape(spec.shape)
+        for spec in SPECS
+    }
     if s.cluster.is_chief:
         time.sleep(0.5)  # a slow chief: the others must wait for the flag, not a fixed sleep
         s.client.initialise(init)
@@ -133,6 +146,7 @@ def test_placement_mismatch_names_the_first_differing_variable():
 
     from mpips.errors import PlacementMismatch
     from mpips.store import Cluster
+
     comm = MPI.COMM_WORLD
     cluster = Cluster(comm, make_layout(comm.size, PS))
     specs = list(SPECS)
@@ -153,6 +167,7 @@ def test_an_error_on_one_rank_is_agreed_by_all():
     from mpi4py import MPI
 
     from mpips.store import agreed
+
     comm = MPI.COMM_WORLD
 
     def prepare():
@@ -169,6 +184,7 @@ def test_an_unexpected_start_up_error_is_said_once_with_exit_1():
     from mpi4py import MPI
 
     from mpips.store import agreed
+
     comm = MPI.COMM_WORLD
 
     def prepare():
@@ -185,6 +201,7 @@ def test_adagrad_on_the_ps_loses_no_update():
     """Accumulator = initial value + sum of the squares of every gradient any worker pushed."""
     from mpips.optim import Optimizer
     from mpips.store import allgather_json, serve
+
     specs = [VariableSpec("w", (64,)), VariableSpec("b", (3,), "float64")]
     opt = Optimizer("adagrad", {"epsilon": 1e-7, "initial_accumulator_value": 0.1})
     s = Store(specs, opt)
@@ -195,8 +212,10 @@ def test_adagrad_on_the_ps_loses_no_update():
     else:
         if s.cluster.is_chief:
             init = {sp.name: np.zeros(sp.shape, sp.dtype) for sp in specs}
-            s.client.initialise(init, {f"{k}/accumulator": opt.init_slots(v)["accumulator"]
-                                       for k, v in init.items()})
+            s.client.initialise(
+                init,
+                {f"{k}/accumulator": opt.init_slots(v)["accumulator"] for k, v in init.items()},
+            )
             s.control.raise_ready()
         s.control.wait_ready(timeout=30)
         rng = np.random.default_rng(s.cluster.role.task)
@@ -208,6 +227,7 @@ def test_adagrad_on_the_ps_loses_no_update():
             s.client.push(lr=0.01)
         totals = allgather_json(s.cluster.workers, {k: v.tolist() for k, v in mine.items()})
         from mpips.store import barrier
+
         barrier(s.cluster.workers, "the test")
         got = s.client.pull_slots()
         for sp in specs:
@@ -219,6 +239,7 @@ def test_adagrad_on_the_ps_loses_no_update():
 
 def test_sum_of_pushed_sgd_deltas_equals_the_change():
     from mpips.store import allgather_json, barrier
+
     s = Store()
     pushes = 50
     if s.cluster.is_chief:
@@ -251,6 +272,7 @@ def test_each_variable_lives_on_the_ps_task_its_placement_names():
         s.client.initialise(init)
         s.control.raise_ready()
     from mpips.store import barrier
+
     barrier(s.comm, "the test")
     if s.cluster.is_ps:
         task = s.cluster.role.task
@@ -272,12 +294,14 @@ def test_table_rows_come_from_and_go_to_their_owners(rule):
 
     from mpips.placement import partition_rows, place_tables
     from mpips.store import Cluster, StoreClient, Windows, barrier
+
     comm = MPI.COMM_WORLD
     cluster = Cluster(comm, make_layout(comm.size, PS))
     rows = 1001
     table = VariableSpec("t", (rows, 2))
-    placement = place_tables(round_robin([VariableSpec("bias", (1,))], cluster.layout.num_ps),
-                             [table], rule)
+    placement = place_tables(
+        round_robin([VariableSpec("bias", (1,))], cluster.layout.num_ps), [table], rule
+    )
     windows = Windows(comm, cluster.layout, placement)
     if cluster.is_ps:
         task = cluster.role.task
@@ -295,6 +319,7 @@ def test_table_rows_come_from_and_go_to_their_owners(rule):
         client.push()
     barrier(comm, "the test")
     from mpips.store import allgather_json
+
     pushed = allgather_json(comm, [] if cluster.is_ps else ids.tolist())
     if cluster.is_ps:
         task = cluster.role.task

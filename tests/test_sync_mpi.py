@@ -1,5 +1,6 @@
 """mode = "sync": W replicas with batch b equal one process with batch W*b; replicas stay
 bitwise identical; the divergence check fires; shutdown never hangs (plain pytest)."""
+
 import re
 import time
 
@@ -50,8 +51,10 @@ def one_process(job, workers, steps):
     b = job.train.batch_size
     shards = [worker_rows(info.rows["train"], workers, k) for k in range(workers)]
     per_epoch = min((stop - start) // b for start, stop in shards)
-    streams = [batches(*load_split(info, "train", rows), b, job.train.seed, k,
-                       per_epoch=per_epoch) for k, rows in enumerate(shards)]
+    streams = [
+        batches(*load_split(info, "train", rows), b, job.train.seed, k, per_epoch=per_epoch)
+        for k, rows in enumerate(shards)
+    ]
     model = MLP([64, *job.model.hidden, 10])
     params = model.initial_values(job.model.init_seed)
     opt = build_optimizer(job.optimizer)
@@ -74,8 +77,9 @@ def test_w_replicas_equal_one_process_with_w_times_the_batch(tmp_path, kind, wor
     r = run_train(tmp_path, workers, "job.toml")
     assert r.returncode == 0, r.stderr
     res = r.result
-    assert res["global_step"] == 20 and res["updates"] == 20, \
+    assert res["global_step"] == 20 and res["updates"] == 20, (
         "global_step advanced once per aggregated step"
+    )
     assert res["total_examples"] == 20 * 16 * workers, "every replica made every step"
     done = CRC.findall(r.stdout)
     assert sorted(t for t, _ in done) == [str(k) for k in range(workers)]

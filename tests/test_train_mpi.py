@@ -1,4 +1,5 @@
 """End-to-end runs of `python -m mpips train` under mpiexec (plain pytest only)."""
+
 import re
 import time
 
@@ -61,14 +62,17 @@ def assert_clean_error(r, message, code=2):
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("layout,message", [
-    ("ps = [0, 9]\n", "ps rank 9 is out of range for 3 ranks"),
-    ("ps = [1, 1]\n", "ps rank 1 is listed more than once"),
-    ("ps = [0, 1, 2]\n", "at least one worker"),
-    ("ps = 1\nworld_size = 8\n", "world_size = 8, but the job runs on 3 ranks"),
-    ("ps = 1\nranks = 3\n", "unknown key 'ranks'"),
-    ("ps = [0,\n", "invalid TOML"),
-])
+@pytest.mark.parametrize(
+    "layout,message",
+    [
+        ("ps = [0, 9]\n", "ps rank 9 is out of range for 3 ranks"),
+        ("ps = [1, 1]\n", "ps rank 1 is listed more than once"),
+        ("ps = [0, 1, 2]\n", "at least one worker"),
+        ("ps = 1\nworld_size = 8\n", "world_size = 8, but the job runs on 3 ranks"),
+        ("ps = 1\nranks = 3\n", "unknown key 'ranks'"),
+        ("ps = [0,\n", "invalid TOML"),
+    ],
+)
 def test_bad_layout_fails_fast_on_every_rank(tmp_path, layout, message):
     (tmp_path / "layout.toml").write_text(layout)
     t0 = time.monotonic()
@@ -79,14 +83,19 @@ def test_bad_layout_fails_fast_on_every_rank(tmp_path, layout, message):
 
 def test_bad_job_and_missing_data(tmp_path):
     (tmp_path / "job.toml").write_text(
-        '[data]\npath = "nope.h5"\n[train]\nsteps = 5\nbach_size = 3\n')
-    assert_clean_error(run_train(tmp_path, 3, "job.toml", timeout=90),
-                       "unknown key 'bach_size' (did you mean 'batch_size'?)")
+        '[data]\npath = "nope.h5"\n[train]\nsteps = 5\nbach_size = 3\n'
+    )
+    assert_clean_error(
+        run_train(tmp_path, 3, "job.toml", timeout=90),
+        "unknown key 'bach_size' (did you mean 'batch_size'?)",
+    )
     (tmp_path / "job.toml").write_text('[data]\npath = "nope.h5"\n[train]\nsteps = 5\n')
-    assert_clean_error(run_train(tmp_path, 3, "job.toml", timeout=90),
-                       "data file nope.h5: not found")
-    assert_clean_error(run_train(tmp_path, 3, "missing.toml", timeout=90),
-                       "job file missing.toml: not found")
+    assert_clean_error(
+        run_train(tmp_path, 3, "job.toml", timeout=90), "data file nope.h5: not found"
+    )
+    assert_clean_error(
+        run_train(tmp_path, 3, "missing.toml", timeout=90), "job file missing.toml: not found"
+    )
 
 
 def test_corrupt_checkpoint_is_a_clear_error_and_left_alone(tmp_path):
@@ -113,7 +122,7 @@ def test_single_process_trains_as_one_replica_and_says_how_to_launch(tmp_path):
     assert r.result["global_step"] == 50 and r.result["test_accuracy"] is not None
 
 
-BOOM = '''
+BOOM = """
 import sys, mpips
 class Boom(mpips.Hook):
     def after_step(self, run, info):
@@ -123,7 +132,7 @@ with mpips.abort_on_error():
     job = mpips.load_job(None)
     job.train.progress, job.checkpoint.dir, job.train.steps = False, "", 10**9
     mpips.train(job, hooks=[Boom()])
-'''
+"""
 
 
 def test_exception_on_one_worker_ends_the_job(tmp_path):
@@ -139,18 +148,25 @@ def test_exception_on_one_worker_ends_the_job(tmp_path):
 FASHION = "/usr/share/datasets/fashion-mnist"
 
 
-@pytest.mark.parametrize("job,target", [("fashion_mnist.toml", 0.85),
-                                        ("fashion_mnist_sync.toml", 0.85),
-                                        ("cnn_fashion_mnist.toml", 0.89)])
+@pytest.mark.parametrize(
+    "job,target",
+    [
+        ("fashion_mnist.toml", 0.85),
+        ("fashion_mnist_sync.toml", 0.85),
+        ("cnn_fashion_mnist.toml", 0.89),
+    ],
+)
 def test_fashion_mnist_job_reaches_its_target(tmp_path, job, target):
     """The shipped jobs, as a user runs them (the CNN is a model of your own: jobs/cnn.py)."""
     import os
+
     if not os.path.isdir(FASHION):
         if under_ci():
             pytest.fail(f"{FASHION} missing: .ci/run must apt-get install dataset-fashion-mnist")
         pytest.skip("apt-get install dataset-fashion-mnist")
-    r = run_py(["-m", "mpips", "data", "fashion-mnist", "data/fashion_mnist.h5"], cwd=tmp_path,
-               timeout=120)
+    r = run_py(
+        ["-m", "mpips", "data", "fashion-mnist", "data/fashion_mnist.h5"], cwd=tmp_path, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     r = run_train(tmp_path, 8, str(ROOT / "jobs" / job), timeout=600)
     assert r.returncode == 0, r.stderr
@@ -159,7 +175,8 @@ def test_fashion_mnist_job_reaches_its_target(tmp_path, job, target):
 
 def test_run_ends_when_every_worker_has_exhausted_its_epochs(tmp_path):
     (tmp_path / "job.toml").write_text(
-        '[data]\nbuiltin = "digits"\n[train]\nepochs = 2\nbatch_size = 100\nlog_every = 1\n')
+        '[data]\nbuiltin = "digits"\n[train]\nepochs = 2\nbatch_size = 100\nlog_every = 1\n'
+    )
     r = run_train(tmp_path, 3, "job.toml")
     assert r.returncode == 0, r.stderr
     # parts of 719 and 718 rows: 8 batches an epoch each (the last one short), 2 epochs
@@ -180,6 +197,7 @@ def under_way(tmp_path, ranks, *args):
 def signal_and_wait(job, task, sig, within=PROMPT):
     """Send ``sig`` to ``task``; the launcher's exit code, which must come within ``within`` s."""
     import os
+
     pid = job.pid_of(task)
     t0 = time.monotonic()
     os.kill(pid, sig)
@@ -191,23 +209,25 @@ def signal_and_wait(job, task, sig, within=PROMPT):
 @pytest.mark.parametrize("victim", ["/job:worker/task:1", "/job:ps/task:0"])
 def test_kill_9_of_a_worker_or_ps_ends_the_job(tmp_path, victim):
     import signal
+
     job = under_way(tmp_path, 4, "--steps", str(10**9))
     rc = signal_and_wait(job, victim, signal.SIGKILL)
     assert rc != 0
     assert "signal 9" in job.text()  # said by the launcher; the start lines map pids to tasks
 
 
-@pytest.mark.parametrize("victim,sig", [("/job:worker/task:1", "SIGUSR1"),
-                                        ("/job:ps/task:0", "SIGTERM")])
+@pytest.mark.parametrize(
+    "victim,sig", [("/job:worker/task:1", "SIGUSR1"), ("/job:ps/task:0", "SIGTERM")]
+)
 def test_preemption_signal_checkpoints_and_resume_continues(tmp_path, victim, sig):
     import signal
+
     job = under_way(tmp_path, 4, "--steps", str(10**9), "--result", RESULT)
     assert signal_and_wait(job, victim, getattr(signal, sig)) == 3
     res = read_result(tmp_path)
     assert res and res["stopped_by"] == sig, job.text()[-3000:]
     step = res["global_step"]
-    assert f"stopped early by {sig}: checkpoint at global_step {step} in runs/default" \
-        in job.text()
+    assert f"stopped early by {sig}: checkpoint at global_step {step} in runs/default" in job.text()
     assert (tmp_path / f"runs/default/ckpt-{step}.json").exists()
     again = run_train(tmp_path, 3, "--steps", str(step + 50))
     assert again.returncode == 0, again.stderr
@@ -217,16 +237,17 @@ def test_preemption_signal_checkpoints_and_resume_continues(tmp_path, victim, si
 
 def test_preemption_in_sync_mode(tmp_path):
     import signal
+
     (tmp_path / "sync.toml").write_text(
         '[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 1000000000\n'
-        '[checkpoint]\ndir = "runs/sync"\nevery_steps = 100\n')
+        '[checkpoint]\ndir = "runs/sync"\nevery_steps = 100\n'
+    )
     job = under_way(tmp_path, 3, "sync.toml", "--result", RESULT)
     assert signal_and_wait(job, "/job:worker/task:2", signal.SIGUSR1) == 3
     res = read_result(tmp_path)
     assert res and res["stopped_by"] == "SIGUSR1", job.text()[-3000:]
     step = res["global_step"]
-    assert f"stopped early by SIGUSR1: checkpoint at global_step {step} in runs/sync" \
-        in job.text()
+    assert f"stopped early by SIGUSR1: checkpoint at global_step {step} in runs/sync" in job.text()
     assert (tmp_path / f"runs/sync/ckpt-{step}.json").exists()
 
 
@@ -241,11 +262,14 @@ with mpips.abort_on_error():
 """
 
 
-@pytest.mark.parametrize("rank,message", [
-    (2, "error on rank 0: rank(s) 2 did not reach start-up within 2 s"),
-    # rank 0 itself stuck: rank 1 gives up, naming it (the others would later)
-    (0, "error on rank 1: rank 0 did not confirm within 7 s that every rank reached start-up"),
-])
+@pytest.mark.parametrize(
+    "rank,message",
+    [
+        (2, "error on rank 0: rank(s) 2 did not reach start-up within 2 s"),
+        # rank 0 itself stuck: rank 1 gives up, naming it (the others would later)
+        (0, "error on rank 1: rank 0 did not confirm within 7 s that every rank reached start-up"),
+    ],
+)
 def test_a_rank_that_never_starts_ends_the_job(tmp_path, rank, message):
     (tmp_path / "stuck.py").write_text(STUCK.format(rank=rank))
     t0 = time.monotonic()
@@ -270,11 +294,14 @@ with mpips.abort_on_error():
 """
 
 
-@pytest.mark.parametrize("task,kind,bound,mode,said", [
-    (1, "sgd", None, "async", "/job:worker/task:1 (rank 2) made no update for 3 s"),
-    (0, "adam", 2, "async", "/job:worker/task:0 (rank 1) made no update for 3 s"),
-    (2, "sgd", None, "sync", "the gradient allreduce did not complete within 3 s"),
-])
+@pytest.mark.parametrize(
+    "task,kind,bound,mode,said",
+    [
+        (1, "sgd", None, "async", "/job:worker/task:1 (rank 2) made no update for 3 s"),
+        (0, "adam", 2, "async", "/job:worker/task:0 (rank 1) made no update for 3 s"),
+        (2, "sgd", None, "sync", "the gradient allreduce did not complete within 3 s"),
+    ],
+)
 def test_a_worker_hung_mid_run_ends_the_job(tmp_path, task, kind, bound, mode, said):
     """The others finish (or wait for the slowest, bounded staleness, or for the replica
     in the next collective) and notice it: said once, exit 1."""

@@ -1,5 +1,6 @@
 """A model of your own: the public interface, naming it from a job file or passing it to
 mpips.train, the errors a bad factory gives, and hooks that stop the run and read variables."""
+
 import json
 import shutil
 import sys
@@ -29,27 +30,36 @@ def test_a_factory_that_is_not_a_model_is_one_clear_error(tmp_path, monkeypatch)
         "    def variables(self): return [mpips.Variable('w', (2,)), mpips.Variable('w', (3,))]\n"
         "    initial_values = loss_and_grads = evaluate = lambda *a: None\n"
         "def twice(data): return Twice()\n"
-        "not_callable = 3\n")
+        "not_callable = 3\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    cases = {"bad_models:plain": "returned object, not a model: subclass mpips.Model",
-             "bad_models:boom": "raised ValueError: width 5 is too small",
-             "bad_models:half": "Half does not implement initial_values, loss_and_grads, evaluate",
-             "bad_models:twice": "two variables share a name",
-             "bad_models:missing": "bad_models has no missing",
-             "bad_models:not_callable": "not_callable is not callable",
-             "no_such_module:build": "cannot import no_such_module (ModuleNotFoundError"}
+    cases = {
+        "bad_models:plain": "returned object, not a model: subclass mpips.Model",
+        "bad_models:boom": "raised ValueError: width 5 is too small",
+        "bad_models:half": "Half does not implement initial_values, loss_and_grads, evaluate",
+        "bad_models:twice": "two variables share a name",
+        "bad_models:missing": "bad_models has no missing",
+        "bad_models:not_callable": "not_callable is not callable",
+        "no_such_module:build": "cannot import no_such_module (ModuleNotFoundError",
+    }
     for kind, said in cases.items():
         with pytest.raises(ConfigError, match=f"model.kind = '{kind}'.*{said}".replace("(", r"\(")):
-            build_from_factory(import_factory(kind), Info(), np, {"width": 5} if "boom" in kind
-                               else {}, f"model.kind = {kind!r}")
+            build_from_factory(
+                import_factory(kind),
+                Info(),
+                np,
+                {"width": 5} if "boom" in kind else {},
+                f"model.kind = {kind!r}",
+            )
     sys.modules.pop("bad_models", None)
 
 
 def test_the_readme_example_is_the_shipped_file():
     import re
+
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Your own model"):readme.index("## Python API")]
+    section = readme[readme.index("## Your own model") : readme.index("## Python API")]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert code in (ROOT / "jobs/my_model.py").read_text()
 
@@ -57,6 +67,7 @@ def test_the_readme_example_is_the_shipped_file():
 def test_the_built_in_models_are_models():
     from mpips.ctr import WideDeep
     from mpips.nn import MLP
+
     check_model(MLP([4, 8, 3]), "mlp")
     check_model(WideDeep(100, [8]), "wide_deep")
 
@@ -70,6 +81,7 @@ def test_the_job_file_names_a_model_of_your_own():
     with pytest.raises(ConfigError, match="model.args: only for a model of your own"):
         from mpips.data import open_dataset, resolve_path
         from mpips.nn import build_model
+
         job = mpips.parse_job(data + '[model]\nkind = "mlp"\n[model.args]\nwidth = 3\n')
         build_model(job.model, open_dataset(resolve_path("", "digits")))
 
@@ -83,8 +95,11 @@ def run_job(tmp_path, ranks=3, *args, timeout=180):
 
 def user_job(tmp_path, mode="async", extra=""):
     shutil.copy(ROOT / "jobs/my_model.py", tmp_path / "my_model.py")
-    text = (ROOT / "jobs/my_model.toml").read_text().replace("[train]\n",
-                                                             f'[train]\nmode = "{mode}"\n{extra}')
+    text = (
+        (ROOT / "jobs/my_model.toml")
+        .read_text()
+        .replace("[train]\n", f'[train]\nmode = "{mode}"\n{extra}')
+    )
     (tmp_path / "job.toml").write_text(text)
 
 
@@ -110,10 +125,10 @@ def test_one_process_without_mpirun_trains_as_one_replica(tmp_path):
 @pytest.mark.launcher
 def test_a_factory_that_raises_is_said_once_on_every_rank(tmp_path):
     user_job(tmp_path)
-    (tmp_path / "my_model.py").write_text("def build(data, l2=0.0):\n"
-                                          "    raise RuntimeError('no GPU kernel for this')\n")
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path,
-                timeout=90)
+    (tmp_path / "my_model.py").write_text(
+        "def build(data, l2=0.0):\n    raise RuntimeError('no GPU kernel for this')\n"
+    )
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path, timeout=90)
     assert r.returncode == 2, r.stderr[-3000:]
     said = "model.kind = 'my_model:build' raised RuntimeError: no GPU kernel for this"
     assert r.stderr.count(said) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -144,8 +159,9 @@ def test_variables_created_in_another_order_on_one_rank_are_caught(tmp_path):
     (tmp_path / "disorder.py").write_text(DISORDER)
     r = run_mpi(3, ["disorder.py"], cwd=tmp_path, timeout=90)
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "variable #0" in r.stderr and "rank 2 (/job:worker/task:1): b [10] float32" in \
-        r.stderr, r.stderr[-3000:]
+    assert (
+        "variable #0" in r.stderr and "rank 2 (/job:worker/task:1): b [10] float32" in r.stderr
+    ), r.stderr[-3000:]
 
 
 HOOKED = """
@@ -206,8 +222,11 @@ def test_a_hook_stops_the_run_and_reads_the_variables(tmp_path, mode):
 
 @pytest.mark.launcher
 def test_a_result_file_that_cannot_be_written_is_found_before_training(tmp_path):
-    r = run_py(["-m", "mpips", "train", "--no-progress", "--result", "no/such/dir/r.json"],
-               cwd=tmp_path, timeout=60)
+    r = run_py(
+        ["-m", "mpips", "train", "--no-progress", "--result", "no/such/dir/r.json"],
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--result no/such/dir/r.json: cannot write there" in r.stderr
     assert "step" not in r.stdout and not (tmp_path / "runs").exists()
@@ -221,7 +240,8 @@ def test_the_shipped_cnn_trains_in_both_modes(tmp_path, mode):
     (tmp_path / "job.toml").write_text(
         f'[model]\nkind = "cnn:build"\n[model.args]\nhidden = 32\n[data]\nbuiltin = "digits"\n'
         f'[optimizer]\nlearning_rate = 0.1\n[train]\nmode = "{mode}"\nsteps = 300\n'
-        f'batch_size = 32\nlog_every = 0\n')
+        f"batch_size = 32\nlog_every = 0\n"
+    )
     _, result = run_job(tmp_path)
     assert result["global_step"] == 300 and result["test_accuracy"] >= 0.85, result
 
@@ -235,13 +255,15 @@ def test_validation_every_n_steps_by_the_chief(tmp_path, mode):
     import h5py
 
     from mpips.data import resolve_path
+
     shutil.copy(resolve_path("", "digits"), tmp_path / "d.h5")
     with h5py.File(tmp_path / "d.h5", "a") as f:
         f["val/x"] = f["test/x"][()]
         f["val/y"] = np.random.default_rng(0).permutation(f["test/y"][()])
     (tmp_path / "job.toml").write_text(
         f'[data]\npath = "d.h5"\n[train]\nmode = "{mode}"\nsteps = 300\neval_every = 100\n'
-        f'log_every = 0\n')
+        f"log_every = 0\n"
+    )
     r, result = run_job(tmp_path)
     steps = [v["global_step"] for v in result["validation"]]
     if mode == "sync":
@@ -262,19 +284,31 @@ def test_your_own_arrays_become_a_data_file_and_train(tmp_path):
     y = (x.reshape(600, -1) @ rng.normal(size=10) > 0).astype(np.int64)
     np.savez(tmp_path / "train.npz", x=x[:500], y=y[:500])
     np.savez(tmp_path / "val.npz", x=x[500:], y=y[500:])
-    r = run_py(["-m", "mpips", "data", "arrays", "mine.h5", "--src", "train.npz",
-                "--val-src", "val.npz"], cwd=tmp_path, timeout=60)
-    assert r.returncode == 0 and "400 train + 100 test rows, 10 inputs, 2 classes" in r.stdout, \
+    r = run_py(
+        ["-m", "mpips", "data", "arrays", "mine.h5", "--src", "train.npz", "--val-src", "val.npz"],
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "400 train + 100 test rows, 10 inputs, 2 classes" in r.stdout, (
         r.stdout + r.stderr
-    (tmp_path / "job.toml").write_text('[data]\npath = "mine.h5"\n[train]\nsteps = 300\n'
-                                       'eval_every = 300\nlog_every = 0\n')
-    r = run_py(["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
-               cwd=tmp_path, timeout=120)
+    )
+    (tmp_path / "job.toml").write_text(
+        '[data]\npath = "mine.h5"\n[train]\nsteps = 300\neval_every = 300\nlog_every = 0\n'
+    )
+    r = run_py(
+        ["-m", "mpips", "train", "job.toml", "--no-progress", "--result", "r.json"],
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["test_accuracy"] > 0.85 and result["validation"][0]["accuracy"] > 0.85
     np.savez(tmp_path / "bad.npz", x=np.array([{"a": 1}], dtype=object), y=np.zeros(1, int))
-    r = run_py(["-m", "mpips", "data", "arrays", "bad.h5", "--src", "bad.npz"], cwd=tmp_path,
-               timeout=60)
-    assert r.returncode == 2 and "bad.npz: not a readable .npz file" in r.stderr \
-        and "Traceback" not in r.stderr, r.stderr
+    r = run_py(
+        ["-m", "mpips", "data", "arrays", "bad.h5", "--src", "bad.npz"], cwd=tmp_path, timeout=60
+    )
+    assert (
+        r.returncode == 2
+        and "bad.npz: not a readable .npz file" in r.stderr
+        and "Traceback" not in r.stderr
+    ), r.stderr

@@ -2,6 +2,7 @@
 cluster collectives and arrival checks, the windows, pull/push/initialise, the control
 counters (RunControl), the mailbox protocol, PS serving and the hung-task watchdog. The rest
 of mpips uses what is exported here and touches no ``MPI.Win``."""
+
 from .client import StoreClient
 from .cluster import (
     STALL_TIMEOUT,
@@ -22,7 +23,25 @@ from .server import serve
 from .watchdog import Watchdog
 from .window import TICKETS, WindowPlan, Windows
 
-__all__ = ["NO_MORE_TICKETS", "STALL_TIMEOUT", "START_TIMEOUT", "TICKETS", "Cluster",
-           "RunControl", "StoreClient", "Watchdog", "WindowPlan", "Windows", "agreed",
-           "allgather_json", "barrier", "node_of_each_rank", "serve", "stall_limit",
-           "start_limit", "unreachable", "wait", "watched_barrier"]
+__all__ = [
+    "NO_MORE_TICKETS",
+    "STALL_TIMEOUT",
+    "START_TIMEOUT",
+    "TICKETS",
+    "Cluster",
+    "RunControl",
+    "StoreClient",
+    "Watchdog",
+    "WindowPlan",
+    "Windows",
+    "agreed",
+    "allgather_json",
+    "barrier",
+    "node_of_each_rank",
+    "serve",
+    "stall_limit",
+    "start_limit",
+    "unreachable",
+    "wait",
+    "watched_barrier",
+]

@@ -6,6 +6,7 @@ PS and their push one ``Accumulate`` (or one ``Put``) per PS and dtype run, what
 number of variables. Table rows move with one ``Get`` / ``Accumulate`` per PS and table too:
 an indexed datatype names every row the batch needs from that PS's partition.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,9 +29,9 @@ class Table:
     name: str
     parts: list[Placed]
     num_rows: int
-    width: int            # elements per row
+    width: int  # elements per row
     dtype: np.dtype
-    rule: str             # "mod" or "div"
+    rule: str  # "mod" or "div"
 
     @cached_property
     def base(self) -> MPI.Datatype:
@@ -107,8 +108,13 @@ class StoreClient:
                 assert rows is not None  # every part of a table has its rows
                 rule = "mod" if len(parts) > 1 and rows[2] > 1 else "div"
                 self.tables[e.whole.name] = Table(
-                    e.whole.name, parts, e.whole.shape[0], int(np.prod(e.whole.shape[1:])),
-                    np.dtype(e.whole.dtype), rule)
+                    e.whole.name,
+                    parts,
+                    e.whole.shape[0],
+                    int(np.prod(e.whole.shape[1:])),
+                    np.dtype(e.whole.dtype),
+                    rule,
+                )
         self.mail = WorkerMail(windows, task)  # the mailbox protocol (stateful push)
         self._row_grads: dict[str, np.ndarray] = {}
         self._routed: list[Routed] = []
@@ -142,8 +148,11 @@ class StoreClient:
             for r in self._routed:
                 table = r.table
                 staged = np.empty((len(r.at), table.width), table.dtype)
-                win.Get([staged, table.base],
-                        self.ps_ranks[r.ps_task], [table.parts[r.ps_task].offset, 1, r.mpi_type])
+                win.Get(
+                    [staged, table.base],
+                    self.ps_ranks[r.ps_task],
+                    [table.parts[r.ps_task].offset, 1, r.mpi_type],
+                )
                 fetched.append((out[table.name], r.at, staged))
         for _p, rank, _ in self._targets:
             win.Flush(rank)
@@ -174,27 +183,35 @@ class StoreClient:
         it (so the next pull sees this update, and the inbox is free again).
         """
         if self.stateful:
-            self.mail.post(self._grad_bufs, self._row_grads,
-                           ((r.table.name, r.ps_task, r.at, r.local) for r in self._routed), lr)
+            self.mail.post(
+                self._grad_bufs,
+                self._row_grads,
+                ((r.table.name, r.ps_task, r.at, r.local) for r in self._routed),
+                lr,
+            )
             self.mail.wait_applied()
             return
         win = self.windows.params
         for p, rank, _ in self._targets:
             for start, nbytes, dtype in self._runs[p]:
-                data = self._grad_bufs[p][start:start + nbytes].view(dtype)
+                data = self._grad_bufs[p][start : start + nbytes].view(dtype)
                 mpi_type = MPI.Datatype.fromcode(dtype.char)  # predefined: fast path
                 win.Accumulate([data, mpi_type], rank, [start, data.size, mpi_type], MPI.SUM)
         staged = []  # alive until the Flush
         for r in self._routed:
             staged.append(np.ascontiguousarray(self._row_grads[r.table.name][r.at]))
-            win.Accumulate([staged[-1], r.table.base],
-                           self.ps_ranks[r.ps_task], [r.table.parts[r.ps_task].offset, 1,
-                                                      r.mpi_type], MPI.SUM)
+            win.Accumulate(
+                [staged[-1], r.table.base],
+                self.ps_ranks[r.ps_task],
+                [r.table.parts[r.ps_task].offset, 1, r.mpi_type],
+                MPI.SUM,
+            )
         for _p, rank, _ in self._targets:
             win.Flush(rank)
 
-    def initialise(self, values: dict[str, np.ndarray],
-                   slots: dict[str, np.ndarray] | None = None) -> None:
+    def initialise(
+        self, values: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
+    ) -> None:
         """Overwrite every whole variable and its slots on the PS (chief initialisation).
         Table partitions and their slots are initialised by their PS tasks."""
         for name, view in self.params.items():
@@ -204,8 +221,11 @@ class StoreClient:
         for e in self.windows.slots or ():
             if e.rows is None:
                 staged.append(np.ascontiguousarray((slots or {})[e.spec.name], e.spec.dtype))
-                win.Put([staged[-1].view(np.uint8).ravel(), MPI.BYTE], self.ps_ranks[e.ps_task],
-                        [e.offset, e.spec.nbytes, MPI.BYTE])
+                win.Put(
+                    [staged[-1].view(np.uint8).ravel(), MPI.BYTE],
+                    self.ps_ranks[e.ps_task],
+                    [e.offset, e.spec.nbytes, MPI.BYTE],
+                )
         for _p, rank, buf in self._targets:
             if buf.size:
                 win.Put([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
@@ -217,8 +237,11 @@ class StoreClient:
         for e in self.windows.slots or ():
             if e.rows is None:
                 out[e.spec.name] = np.empty(e.spec.shape, e.spec.dtype)
-                win.Get([out[e.spec.name].view(np.uint8).ravel(), MPI.BYTE],
-                        self.ps_ranks[e.ps_task], [e.offset, e.spec.nbytes, MPI.BYTE])
+                win.Get(
+                    [out[e.spec.name].view(np.uint8).ravel(), MPI.BYTE],
+                    self.ps_ranks[e.ps_task],
+                    [e.offset, e.spec.nbytes, MPI.BYTE],
+                )
         for _, rank, _ in self._targets:
             win.Flush(rank)
         return out

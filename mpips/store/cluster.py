@@ -3,6 +3,7 @@
 Idle ranks never spin: every wait is a non-blocking request polled with a short sleep
 (MPICH ranks blocked in Barrier busy-poll and slow the computing ranks down 4x on 2 cores).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,13 +45,22 @@ def stall_limit(index: int) -> float:
     return STALL_TIMEOUT + stagger(index)
 
 
-def wait(request: MPI.Request, what: str, timeout: float,
-         meanwhile: Callable[[], None] | None = None, spin: float = 0.0) -> None:
+def wait(
+    request: MPI.Request,
+    what: str,
+    timeout: float,
+    meanwhile: Callable[[], None] | None = None,
+    spin: float = 0.0,
+) -> None:
     """Complete a request without burning a core; past ``timeout`` s raise StartTimeout
     naming ``what`` (``math.inf`` only with a ``meanwhile`` watchdog that raises)."""
+
     def late(waited: float) -> NoReturn:
-        raise StartTimeout(f"waited {waited:.0f} s for {what} (a rank stuck or gone? "
-                           f"MPIPS_START_TIMEOUT / MPIPS_STALL_TIMEOUT set the limits)")
+        raise StartTimeout(
+            f"waited {waited:.0f} s for {what} (a rank stuck or gone? "
+            f"MPIPS_START_TIMEOUT / MPIPS_STALL_TIMEOUT set the limits)"
+        )
+
     poll(request.Test, timeout, late, meanwhile, spin)
 
 
@@ -84,12 +94,18 @@ def check_arrival(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> 
         go = np.zeros(1, np.uint8)
 
         def silent(waited: float) -> NoReturn:
-            raise StartTimeout(f"rank 0 did not confirm within {waited:.0f} s that every rank "
-                               f"reached {what} (rank 0, or a rank it waits for, is stuck or "
-                               f"gone; MPIPS_START_TIMEOUT sets the limit)")
+            raise StartTimeout(
+                f"rank 0 did not confirm within {waited:.0f} s that every rank "
+                f"reached {what} (rank 0, or a rank it waits for, is stuck or "
+                f"gone; MPIPS_START_TIMEOUT sets the limit)"
+            )
+
         # later ranks wait longer, so that one of them (rank 1) says it
-        poll(comm.Irecv(go, source=0, tag=_ARRIVAL_TAG + 1).Test,
-             timeout + 5 + stagger(comm.rank - 1), silent)
+        poll(
+            comm.Irecv(go, source=0, tag=_ARRIVAL_TAG + 1).Test,
+            timeout + 5 + stagger(comm.rank - 1),
+            silent,
+        )
         return
     buffers = [np.zeros(1, np.uint8) for _ in range(comm.size)]
     pending = {r: comm.Irecv(buffers[r], source=r, tag=_ARRIVAL_TAG) for r in range(1, comm.size)}
@@ -100,9 +116,12 @@ def check_arrival(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> 
         return not pending
 
     def late(waited: float) -> NoReturn:
-        raise StartTimeout(f"rank(s) {', '.join(map(str, sorted(pending)))} did not reach "
-                           f"{what} within {timeout:.0f} s (stuck or never started; "
-                           f"MPIPS_START_TIMEOUT sets the limit)")
+        raise StartTimeout(
+            f"rank(s) {', '.join(map(str, sorted(pending)))} did not reach "
+            f"{what} within {timeout:.0f} s (stuck or never started; "
+            f"MPIPS_START_TIMEOUT sets the limit)"
+        )
+
     poll(arrived, timeout, late)
     for r in range(1, comm.size):
         comm.Isend(_TOKEN, dest=r, tag=_ARRIVAL_TAG + 1).Free()
@@ -114,8 +133,12 @@ def barrier(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> None:
     check_arrival(comm, what, timeout)
 
 
-def allgather_json(comm: MPI.Comm, obj: Any, what: str = "an exchange between ranks",
-                   timeout: float = START_TIMEOUT) -> list[Any]:
+def allgather_json(
+    comm: MPI.Comm,
+    obj: Any,
+    what: str = "an exchange between ranks",
+    timeout: float = START_TIMEOUT,
+) -> list[Any]:
     """Allgather JSON-able values (no pickle): bytes via Iallgatherv, waited on with sleeps."""
     data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
     counts = np.zeros(comm.size, dtype=np.int64)
@@ -123,7 +146,7 @@ def allgather_json(comm: MPI.Comm, obj: Any, what: str = "an exchange between ra
     out = np.empty(int(counts.sum()), dtype=np.uint8)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
     wait(comm.Iallgatherv(data, [out, counts, displs, MPI.BYTE]), what, timeout)
-    return [json.loads(out[d:d + c].tobytes()) for d, c in zip(displs, counts, strict=True)]
+    return [json.loads(out[d : d + c].tobytes()) for d, c in zip(displs, counts, strict=True)]
 
 
 def agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
@@ -139,8 +162,10 @@ def agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
     except MpipsError as e:
         error = [str(e), e.exit_code]
     except Exception as e:
-        error = ["unexpected error during start-up:\n" +
-                 "".join(traceback.format_exception(e)).rstrip(), 1]
+        error = [
+            "unexpected error during start-up:\n" + "".join(traceback.format_exception(e)).rstrip(),
+            1,
+        ]
     check_arrival(comm, "start-up")
     errors = allgather_json(comm, error, "every rank to reach start-up", START_TIMEOUT + 5)
     bad = [(r, e) for r, e in enumerate(errors) if e]
@@ -157,8 +182,9 @@ def node_of_each_rank(comm: MPI.Comm) -> list[int]:
     """Each rank's node (host), named by the lowest rank on it. The first start-up step, so
     a rank that never gets here is named, not waited for."""
     check_arrival(comm, "start-up")
-    hosts = allgather_json(comm, socket.gethostname(), "every rank to reach start-up",
-                           START_TIMEOUT + 5)
+    hosts = allgather_json(
+        comm, socket.gethostname(), "every rank to reach start-up", START_TIMEOUT + 5
+    )
     first: dict[str, int] = {}
     return [first.setdefault(host, rank) for rank, host in enumerate(hosts)]
 
@@ -179,8 +205,11 @@ class Cluster:
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.rank, node.size
         ranks = np.zeros(node.size, np.int64)
-        wait(node.Iallgather(np.array([self.rank], np.int64), ranks), "the node's ranks",
-             START_TIMEOUT)
+        wait(
+            node.Iallgather(np.array([self.rank], np.int64), ranks),
+            "the node's ranks",
+            START_TIMEOUT,
+        )
         self.node_ranks: tuple[int, ...] = tuple(int(r) for r in ranks)  # world ranks here
         node.Free()
 
@@ -198,15 +227,19 @@ class Cluster:
         if all(d == mine for d in everyone):
             return
         n = max(len(d) for d in everyone)
-        index = next(i for i in range(n)
-                     if len({tuple(d[i:i + 1]) for d in everyone}) > 1)
+        index = next(i for i in range(n) if len({tuple(d[i : i + 1]) for d in everyone}) > 1)
         described = allgather_json(
-            self.comm, placement.entries[index].describe() if index < len(placement.entries)
-            else "<no variable>", "the placement check")
+            self.comm,
+            placement.entries[index].describe()
+            if index < len(placement.entries)
+            else "<no variable>",
+            "the placement check",
+        )
         lines = [f"  rank {r} ({self.layout.role(r)}): {d}" for r, d in enumerate(described)]
         raise PlacementMismatch(
             f"placement differs across ranks at variable #{index} (were variables created in "
-            f"a different order on some rank?):\n" + "\n".join(lines))
+            f"a different order on some rank?):\n" + "\n".join(lines)
+        )
 
     def free(self) -> None:
         self.workers.Free()

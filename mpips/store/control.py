@@ -5,6 +5,7 @@ per worker.
 
 Every wait on them has a deadline and names the task that did not arrive (waits.poll).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,9 @@ class RunControl:
     def _read(self, index: int, count: int) -> np.ndarray:
         """``count`` consecutive counters, read atomically (Get_accumulate NO_OP) in one call."""
         out = np.zeros(count, dtype=np.int64)
-        self.win.Get_accumulate([out, MPI.LONG], [out, MPI.LONG], self.target,
-                                [index, count, MPI.LONG], MPI.NO_OP)
+        self.win.Get_accumulate(
+            [out, MPI.LONG], [out, MPI.LONG], self.target, [index, count, MPI.LONG], MPI.NO_OP
+        )
         self.win.Flush(self.target)
         return out
 
@@ -130,10 +132,14 @@ class RunControl:
     def wait_shards(self, number: int, step: int, timeout: float = STALL_TIMEOUT) -> None:
         """Chief: sleep until every PS task has written its shard for request ``number``;
         Stalled naming the ones that did not within ``timeout`` s."""
+
         def late(waited: float) -> NoReturn:
-            raise Stalled(f"{self._names('ps', self.shards_missing(number))} did not write its "
-                          f"shard of the checkpoint at global_step {step} in time: hung? "
-                          f"(MPIPS_STALL_TIMEOUT sets the limit); aborting the job")
+            raise Stalled(
+                f"{self._names('ps', self.shards_missing(number))} did not write its "
+                f"shard of the checkpoint at global_step {step} in time: hung? "
+                f"(MPIPS_STALL_TIMEOUT sets the limit); aborting the job"
+            )
+
         poll(lambda: not self.shards_missing(number), timeout, late)
 
     # -- start and end of the run ------------------------------------------------------------
@@ -144,15 +150,20 @@ class RunControl:
     def is_ready(self) -> bool:
         return self._op(READY, _ONE, MPI.NO_OP) != 0
 
-    def wait_ready(self, timeout: float = START_TIMEOUT,
-                   meanwhile: Callable[[], None] | None = None) -> None:
+    def wait_ready(
+        self, timeout: float = START_TIMEOUT, meanwhile: Callable[[], None] | None = None
+    ) -> None:
         """Wait (sleeping) until the chief has initialised or restored the variables;
         StartTimeout naming the chief after ``timeout`` s (stagger it by the waiter: see
         start_limit)."""
+
         def late(waited: float) -> NoReturn:
-            raise StartTimeout(f"{self._names('worker', [0])} (the chief) did not raise the "
-                               f"ready flag within {waited:.0f} s: stuck initialising? "
-                               f"(MPIPS_START_TIMEOUT sets the limit)")
+            raise StartTimeout(
+                f"{self._names('worker', [0])} (the chief) did not raise the "
+                f"ready flag within {waited:.0f} s: stuck initialising? "
+                f"(MPIPS_START_TIMEOUT sets the limit)"
+            )
+
         poll(self.is_ready, timeout, late, meanwhile)
 
     def end_run(self) -> None:
@@ -173,7 +184,7 @@ class RunControl:
     def clocks(self) -> tuple[np.ndarray, np.ndarray]:
         """(clock, done) of every worker, read atomically in one call."""
         out = self._read(self.clocks_at, 2 * self.num_workers)
-        return out[:self.num_workers], out[self.num_workers:].astype(bool)
+        return out[: self.num_workers], out[self.num_workers :].astype(bool)
 
     def lead(self, clock: int) -> int:
         """How many updates ``clock`` is ahead of the slowest worker still running."""
@@ -181,8 +192,7 @@ class RunControl:
         running = clocks[~done]
         return clock - int(running.min()) if running.size else 0
 
-    def wait_for_slowest(self, clock: int, bound: int | None, watchdog: Callable[[], None]
-                         ) -> int:
+    def wait_for_slowest(self, clock: int, bound: int | None, watchdog: Callable[[], None]) -> int:
         """This worker's lead over the slowest running worker, after waiting (sleeping) until
         it is at most ``bound`` (None: no bound, plain async; 0: lock-step). The wait is
         policed by ``watchdog``, which raises if the slowest worker is hung."""
@@ -193,9 +203,9 @@ class RunControl:
         def caught_up() -> bool:
             lead[0] = self.lead(clock)
             return lead[0] <= bound
+
         poll(caught_up, math.inf, unreachable, watchdog, fast=0.02)
         return lead[0]
 
     def _names(self, job: str, tasks: list[int]) -> str:
-        return ", ".join(f"/job:{job}/task:{t} (rank {self.layout.rank_of(job, t)})"
-                         for t in tasks)
+        return ", ".join(f"/job:{job}/task:{t} (rank {self.layout.rank_of(job, t)})" for t in tasks)

@@ -14,6 +14,7 @@ the gradient (``Win.Sync``), applies it, and clears the flag. The worker waits u
 PS has cleared its flag: then the next pull sees the update and the inbox is free again. One
 update in flight per worker, so the inboxes never need more than one slot.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -50,16 +51,18 @@ class RowBox:
     def __init__(self, part: Placed, start: int, capacity: int):
         self.part, self.capacity = part, capacity
         self.width = int(np.prod(part.spec.shape[1:]))
-        self.count = start                     # int64
-        self.rows = align(start + 8)          # int64 x capacity
+        self.count = start  # int64
+        self.rows = align(start + 8)  # int64 x capacity
         self.grads = align(self.rows + 8 * capacity)
         self.end = align(self.grads + capacity * self.width * np.dtype(part.spec.dtype).itemsize)
 
     def arrays(self, inbox: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(count, rows, grads) views into an inbox's bytes."""
-        n = inbox[self.count:self.count + 8].view(np.int64)
-        rows = inbox[self.rows:self.rows + 8 * self.capacity].view(np.int64)
-        grads = inbox[self.grads:self.end].view(self.part.spec.dtype)[:self.capacity * self.width]
+        n = inbox[self.count : self.count + 8].view(np.int64)
+        rows = inbox[self.rows : self.rows + 8 * self.capacity].view(np.int64)
+        grads = inbox[self.grads : self.end].view(self.part.spec.dtype)[
+            : self.capacity * self.width
+        ]
         return n, rows, grads.reshape(self.capacity, self.width)
 
 
@@ -79,12 +82,14 @@ class Inbox:
                 start = box.end
         self.nbytes = start
 
-    def views(self, inbox: np.ndarray) -> tuple[dict[str, np.ndarray],
-                                                 list[tuple[str, RowBox, tuple]]]:
+    def views(
+        self, inbox: np.ndarray
+    ) -> tuple[dict[str, np.ndarray], list[tuple[str, RowBox, tuple]]]:
         """Typed views into an inbox's bytes: whole-variable gradients by name, and
         (table, box, (count, rows, grads)) of every row box."""
-        return views(self.dense, [inbox] * self.num_ps), \
-            [(name, box, box.arrays(inbox)) for name, box in self.boxes.items()]
+        return views(self.dense, [inbox] * self.num_ps), [
+            (name, box, box.arrays(inbox)) for name, box in self.boxes.items()
+        ]
 
 
 class WorkerMail:
@@ -99,8 +104,13 @@ class WorkerMail:
         # still gets its count, 0)
         self.boxes = [(p, boxes) for p in range(num_ps) if (boxes := windows.inbox(p).boxes)]
 
-    def post(self, dense: list[np.ndarray], rows: dict[str, np.ndarray],
-             routed: Iterable[RoutedRows], lr: float) -> None:
+    def post(
+        self,
+        dense: list[np.ndarray],
+        rows: dict[str, np.ndarray],
+        routed: Iterable[RoutedRows],
+        lr: float,
+    ) -> None:
         """Put ``dense[p]`` (the whole variables' gradients of PS task ``p``, as bytes) and
         the gradient ``rows`` of each table (by position in the step's ids; ``routed`` says
         which go to which PS and row) into this worker's inboxes, then raise the flags with
@@ -118,8 +128,9 @@ class WorkerMail:
                     at, local = to.get((name, p), (_NO_ROWS, _NO_ROWS))
                     n = len(at)
                     if n > box.capacity:
-                        raise ValueError(f"{n} rows of {name} for one PS exceed the inbox's "
-                                         f"{box.capacity}")
+                        raise ValueError(
+                            f"{n} rows of {name} for one PS exceed the inbox's {box.capacity}"
+                        )
                     count = np.array([n], np.int64)
                     staged.append(count)
                     win.Put([count, MPI.BYTE], rank, [inbox + box.count, 8, MPI.BYTE])
@@ -127,10 +138,10 @@ class WorkerMail:
                         local = np.ascontiguousarray(local, np.int64)
                         grads = np.ascontiguousarray(rows[name][at])
                         staged += [local, grads]
-                        win.Put([local, MPI.BYTE], rank, [inbox + box.rows, local.nbytes,
-                                                          MPI.BYTE])
-                        win.Put([grads, MPI.BYTE], rank, [inbox + box.grads, grads.nbytes,
-                                                          MPI.BYTE])
+                        win.Put([local, MPI.BYTE], rank, [inbox + box.rows, local.nbytes, MPI.BYTE])
+                        win.Put(
+                            [grads, MPI.BYTE], rank, [inbox + box.grads, grads.nbytes, MPI.BYTE]
+                        )
         for rank in self.ps_ranks:
             win.Flush(rank)  # the gradient is in place before the flag goes up
         base = MAIL_WORDS * self.task
@@ -160,9 +171,12 @@ class WorkerMail:
 
         def late(waited: float) -> NoReturn:
             names = ", ".join(f"/job:ps/task:{self.ps_ranks.index(r)} (rank {r})" for r in pending)
-            raise Stalled(f"{names} did not apply this worker's update within "
-                          f"{STALL_TIMEOUT:.0f} s: hung? (MPIPS_STALL_TIMEOUT sets the "
-                          f"limit); aborting the job")
+            raise Stalled(
+                f"{names} did not apply this worker's update within "
+                f"{STALL_TIMEOUT:.0f} s: hung? (MPIPS_STALL_TIMEOUT sets the "
+                f"limit); aborting the job"
+            )
+
         # 50 us sleeps while an apply usually completes (the PS needs the core), then longer
         poll(applied, stall_limit(self.task), late, fast=ACK_FAST_SECONDS)
 
@@ -185,7 +199,7 @@ class PsMail:
         self.inboxes = []
         for k in range(windows.layout.num_workers):
             start = windows.inbox_offset(task, k)
-            self.inboxes.append(layout.views(memory[start:start + layout.nbytes]))
+            self.inboxes.append(layout.views(memory[start : start + layout.nbytes]))
 
     def take(self, worker: int) -> Posted | None:
         """``worker``'s posted update, its gradient visible in the inbox; None if it has
@@ -208,6 +222,7 @@ class PsMail:
     def applied(self, worker: int) -> None:
         """``worker``'s update is applied (and visible): clear its flag."""
         self.windows.params.Sync()
-        self.windows.mail.Fetch_and_op(self._zero, self._flag, self.rank,
-                                       MAIL_WORDS * worker + MAIL_FLAG, MPI.REPLACE)
+        self.windows.mail.Fetch_and_op(
+            self._zero, self._flag, self.rank, MAIL_WORDS * worker + MAIL_FLAG, MPI.REPLACE
+        )
         self.windows.mail.Flush(self.rank)

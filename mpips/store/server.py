@@ -13,6 +13,7 @@ watches the workers' clocks: a worker hung mid-run, or a chief that never ends t
 the job with a message naming it (the PS waits for the whole run, so its wait is policed by
 this watchdog rather than a fixed deadline).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,19 +30,24 @@ from .mailbox import PsMail
 from .watchdog import Watchdog
 from .window import Windows
 
-BUSY_POLL_SECONDS = 5e-5   # right after an update
-WARM_POLL_SECONDS = 2e-4   # busy within the last WARM_SECONDS: the next push is coming soon
+BUSY_POLL_SECONDS = 5e-5  # right after an update
+WARM_POLL_SECONDS = 2e-4  # busy within the last WARM_SECONDS: the next push is coming soon
 WARM_SECONDS = 0.1
-CHORE_SECONDS = 5e-3       # how often a PS looks for a checkpoint request or the end of the run
+CHORE_SECONDS = 5e-3  # how often a PS looks for a checkpoint request or the end of the run
 
 WriteShard = Callable[[int, dict[str, np.ndarray], dict[str, np.ndarray]], None]
 # a stateful optimizer's rule: apply(variable, gradient, slots by name, lr, t), in place
 Apply = Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray], float, int], None]
 
 
-def serve(cluster: Cluster, windows: Windows, apply: Apply | None = None,
-          slot_names: Sequence[str] = (), write_shard: WriteShard | None = None,
-          stop_requested: Callable[[], int] = lambda: 0) -> int:
+def serve(
+    cluster: Cluster,
+    windows: Windows,
+    apply: Apply | None = None,
+    slot_names: Sequence[str] = (),
+    write_shard: WriteShard | None = None,
+    stop_requested: Callable[[], int] = lambda: 0,
+) -> int:
     """Serve this PS task from the chief's ready flag until the chief ends the run
     (RunControl.end_run); returns the updates applied.
 
@@ -54,10 +60,11 @@ def serve(cluster: Cluster, windows: Windows, apply: Apply | None = None,
     """
     control = RunControl(windows)
     task = cluster.role.task
-    watchdog = Watchdog(control, cluster.layout, cluster.layout.num_workers + task,
-                        chief_ends=True)
-    control.wait_ready(start_limit(cluster.layout.num_workers + task),
-                        lambda: _forward_signal(control, stop_requested))
+    watchdog = Watchdog(control, cluster.layout, cluster.layout.num_workers + task, chief_ends=True)
+    control.wait_ready(
+        start_limit(cluster.layout.num_workers + task),
+        lambda: _forward_signal(control, stop_requested),
+    )
     chores = _Chores(control, windows, task, write_shard, watchdog, stop_requested)
     if apply is None:
         poll(chores.run, math.inf, unreachable)  # policed by the watchdog in chores.run
@@ -76,14 +83,20 @@ class _Chores:
     """What a PS does between updates: forward a signal it received to the whole job, write
     checkpoint shards, watch the workers, and notice the end of the run."""
 
-    def __init__(self, control: RunControl, windows: Windows, task: int,
-                 write_shard: WriteShard | None, watchdog: Watchdog,
-                 stop_requested: Callable[[], int]):
+    def __init__(
+        self,
+        control: RunControl,
+        windows: Windows,
+        task: int,
+        write_shard: WriteShard | None,
+        watchdog: Watchdog,
+        stop_requested: Callable[[], int],
+    ):
         self.control, self.windows, self.task = control, windows, task
         self.stop_requested = stop_requested
         self.write_shard = write_shard
         self.watchdog = watchdog
-        self.served = 0          # checkpoint requests answered
+        self.served = 0  # checkpoint requests answered
         self.next_look = 0.0
 
     def run(self) -> bool:
@@ -111,8 +124,15 @@ class _Chores:
         return False
 
 
-def _apply_rows(apply: Apply, var: np.ndarray, slots: dict[str, np.ndarray],
-                rows: np.ndarray, grad: np.ndarray, lr: float, t: int) -> None:
+def _apply_rows(
+    apply: Apply,
+    var: np.ndarray,
+    slots: dict[str, np.ndarray],
+    rows: np.ndarray,
+    grad: np.ndarray,
+    lr: float,
+    t: int,
+) -> None:
     """The rule on the touched rows of a table partition and of its slots only (sparse
     update: untouched rows and their accumulators stay as they are)."""
     if not rows.size:
@@ -125,8 +145,9 @@ def _apply_rows(apply: Apply, var: np.ndarray, slots: dict[str, np.ndarray],
         a[rows] = s[k]
 
 
-def _apply_loop(cluster: Cluster, windows: Windows, apply: Apply, slot_names: Sequence[str],
-                chores: _Chores) -> int:
+def _apply_loop(
+    cluster: Cluster, windows: Windows, apply: Apply, slot_names: Sequence[str], chores: _Chores
+) -> int:
     task = cluster.role.task
     t = chores.control.global_step()  # t continues from the restored global_step
     variables, slot_views = windows.held(task)

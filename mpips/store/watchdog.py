@@ -8,6 +8,7 @@ whole run) raises Stalled, naming the task and rank, when the slowest running wo
 has not moved for MPIPS_STALL_TIMEOUT seconds (default 600). The error aborts the whole job
 like any other.
 """
+
 from __future__ import annotations
 
 import time
@@ -51,17 +52,23 @@ class Watchdog:
         # waiting workers do not move either, but they are ahead of the one they wait for
         running = [t for t in range(len(self.moved)) if not done[t]]
         slowest = min((self.last[t] for t in running), default=0)
-        stuck = [t for t in running
-                 if self.last[t] == slowest and now - self.moved[t] > self.timeout]
+        stuck = [
+            t for t in running if self.last[t] == slowest and now - self.moved[t] > self.timeout
+        ]
         if self.chief_ends and not running:
             self.all_done = self.all_done or now
             if now - self.all_done > self.timeout:
-                raise Stalled(f"every worker finished {now - self.all_done:.0f} s ago, but "
-                              f"/job:worker/task:0 (rank {self.layout.chief_rank}), the chief, "
-                              f"did not end the run: hung in its last checkpoint or evaluation? "
-                              f"(MPIPS_STALL_TIMEOUT sets the limit); aborting the job")
+                raise Stalled(
+                    f"every worker finished {now - self.all_done:.0f} s ago, but "
+                    f"/job:worker/task:0 (rank {self.layout.chief_rank}), the chief, "
+                    f"did not end the run: hung in its last checkpoint or evaluation? "
+                    f"(MPIPS_STALL_TIMEOUT sets the limit); aborting the job"
+                )
         if stuck:
-            names = ", ".join(f"/job:worker/task:{t} (rank {self.layout.rank_of('worker', t)})"
-                              for t in stuck)
-            raise Stalled(f"{names} made no update for {STALL_TIMEOUT:.0f} s while the others "
-                          f"wait: hung? (MPIPS_STALL_TIMEOUT sets the limit); aborting the job")
+            names = ", ".join(
+                f"/job:worker/task:{t} (rank {self.layout.rank_of('worker', t)})" for t in stuck
+            )
+            raise Stalled(
+                f"{names} made no update for {STALL_TIMEOUT:.0f} s while the others "
+                f"wait: hung? (MPIPS_STALL_TIMEOUT sets the limit); aborting the job"
+            )

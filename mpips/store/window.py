@@ -10,6 +10,7 @@ Every rank opens one ``Lock_all`` epoch per window for the whole run and complet
 operation with ``Flush``: with MPICH a Lock/Unlock per operation waits for the (sleeping)
 PS to make an MPI call, 300-500 us per op instead of ~2 us.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,8 +30,7 @@ class WindowPlan:
     """What the windows hold and where, from the placement alone (no MPI): sizes and offsets
     every rank computes identically, and what each rank will allocate."""
 
-    def __init__(self, placement: Placement, slots: Placement | None = None,
-                 row_capacity: int = 0):
+    def __init__(self, placement: Placement, slots: Placement | None = None, row_capacity: int = 0):
         self.placement = placement
         self.slots = slots
         self.row_capacity = row_capacity
@@ -57,15 +57,26 @@ class WindowPlan:
         """What each rank allocates for the store: a PS its window, a worker its pull and
         push buffers (two copies of every whole variable)."""
         dense = sum(self.placement.dense_bytes(p) for p in range(self.placement.num_ps))
-        return [self.window_bytes(role.task, layout.num_workers, inboxes) if role.job == "ps"
-                else 2 * dense for role in map(layout.role, range(layout.world_size))]
+        return [
+            self.window_bytes(role.task, layout.num_workers, inboxes)
+            if role.job == "ps"
+            else 2 * dense
+            for role in map(layout.role, range(layout.world_size))
+        ]
 
 
 class Windows(WindowPlan):
     """The parameter, mailbox and control windows; created and freed collectively."""
 
-    def __init__(self, comm: MPI.Intracomm, layout: Layout, placement: Placement,
-                 slots: Placement | None = None, inboxes: bool = False, row_capacity: int = 0):
+    def __init__(
+        self,
+        comm: MPI.Intracomm,
+        layout: Layout,
+        placement: Placement,
+        slots: Placement | None = None,
+        inboxes: bool = False,
+        row_capacity: int = 0,
+    ):
         super().__init__(placement, slots, row_capacity)
         self.layout = layout
         role = layout.role(comm.rank)
@@ -99,8 +110,9 @@ class Windows(WindowPlan):
         """PS ``task`` (this rank): views of the variables and slots in its own memory, by
         variable name (a partition by its whole variable's name)."""
         bufs = [self.local(self.params)] * self.placement.num_ps
-        return views(self.placement, bufs, only_ps=task, by_name=True), \
-            views(self.slots, bufs, only_ps=task, by_name=True) if self.slots else {}
+        return views(self.placement, bufs, only_ps=task, by_name=True), views(
+            self.slots, bufs, only_ps=task, by_name=True
+        ) if self.slots else {}
 
     def fill_own(self, task: int, values: dict[str, np.ndarray]) -> None:
         """PS ``task`` (this rank): write ``values`` (by variable or slot name) into its own
