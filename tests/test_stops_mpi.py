@@ -310,7 +310,8 @@ def test_a_fresh_start_never_mixes_with_another_run(tmp_path):
     first = run_mpi(3, ["-m", "mpips", "train", "--no-progress", "--steps", "250"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     d = tmp_path / "runs/default"
-    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    before = {str(p): p.read_bytes() for p in d.rglob("*") if p.is_file()}  # summaries too
+    assert any("metrics.jsonl" in name for name in before)
     r = run_mpi(
         3,
         ["-m", "mpips", "train", "--no-progress", "--steps", "100", "--no-restore"],
@@ -324,7 +325,7 @@ def test_a_fresh_start_never_mixes_with_another_run(tmp_path):
         2,
     )
     assert "--ckpt-dir" in r.stderr
-    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert {str(p): p.read_bytes() for p in d.rglob("*") if p.is_file()} == before
     fresh = run_mpi(
         3,
         [
