@@ -15,6 +15,7 @@ import numpy as np
 
 from . import checkpoint, preemption
 from .backend import Device
+from .data import worker_rows
 from .errors import AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
@@ -67,12 +68,13 @@ def train_async(
     if warning and cluster.is_chief:
         log(cluster.role, warning)
     slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
+    replicas = job.train.mode == "sync_replicas"  # every push goes through the inboxes
     windows = Windows(
         cluster.comm,
         cluster.layout,
         placement,
         slots,
-        optimizer.stateful,
+        optimizer.stateful or replicas,
         row_capacity=job.train.batch_size * max(1, prep.info.max_nnz),
     )
     if prep.local:  # a PS task: restored state or fresh table partitions
@@ -86,7 +88,7 @@ def train_async(
             )
 
         timeline = job_timeline(job, "ps", cluster.role.task)
-        apply = optimizer.apply if optimizer.stateful else None
+        apply = optimizer.apply if optimizer.stateful or replicas else None
         if timeline is not None:
             apply = apply and timeline.timed("apply", apply)
             write_shard = timeline.timed("checkpoint write", write_shard)
@@ -97,12 +99,16 @@ def train_async(
             optimizer.slots,
             write_shard if job.checkpoint.dir else None,
             preemption.requested,
+            aggregate=(job.train.replicas_to_aggregate or cluster.layout.num_workers)
+            if replicas
+            else 0,
         )
         if timeline is not None:
             timeline.write()
         result = TrainResult(cluster.role, 0, 0)
     else:
-        result = AsyncWorker(job, cluster, windows, model, optimizer, prep, device).train(hooks)
+        kind = ReplicasWorker if replicas else AsyncWorker
+        result = kind(job, cluster, windows, model, optimizer, prep, device).train(hooks)
     # the chief has ended the run (its last checkpoint and evaluation are done); a backstop
     # only: a hung chief is named first by the PS tasks' watchdogs
     barrier(cluster.comm, "the end of the run", stall_limit(cluster.comm.size) + 5)
@@ -127,7 +133,8 @@ class AsyncWorker:
         self.job, self.cluster, self.windows, self.device = job, cluster, windows, device
         self.model, self.optimizer, self.prep = model, optimizer, prep
         self.role, self.tc, self.oc = cluster.role, job.train, job.optimizer
-        self.client = StoreClient(windows, self.role.task, optimizer.stateful)
+        replicas = job.train.mode == "sync_replicas"
+        self.client = StoreClient(windows, self.role.task, optimizer.stateful or replicas)
         self.control = self.client.control
         self.stats = Staleness()
         self.watchdog = Watchdog(self.control, cluster.layout, self.role.task)
@@ -304,8 +311,11 @@ class AsyncWorker:
                 else ""
             ),
         )
+        dropped = [s.get("dropped", 0) for s in result.staleness]
+        if self.job.train.mode == "sync_replicas":
+            log(role, "gradients dropped as late, per worker task: " + " ".join(map(str, dropped)))
         for task, s in enumerate(result.staleness):
-            if s["updates"]:
+            if s["updates"] and self.job.train.mode == "async":
                 log(role, f"staleness of /job:worker/task:{task}: {Staleness.describe(s)}")
         assert self.prep.test is not None
         x_test, ids = self.model.prepare(self.prep.test[0])
@@ -321,6 +331,67 @@ class AsyncWorker:
         self.control.end_run()  # the PS tasks may stop serving
 
 
+class ReplicasWorker(AsyncWorker):
+    """A worker of ``train.mode = "sync_replicas"``, TensorFlow's SyncReplicasOptimizer
+    through the PS: each step it pulls the variables of the PS tasks' current step, posts
+    its gradient tagged with that step, and waits until every PS task has aggregated the
+    step (the first ``train.replicas_to_aggregate`` gradients for it, averaged and applied
+    once). A gradient that comes after its step was aggregated is dropped, so with backup
+    workers (replicas_to_aggregate below the number of workers) a slow worker no longer
+    slows every step: it catches up on the next one."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.dropped = 0
+        workers = self.cluster.layout.num_workers
+        total = self.prep.info.rows["train"]
+        # equal full batches on every worker, as sync replicas make them
+        self.per_epoch = min(
+            (b - a) // self.tc.batch_size
+            for a, b in (worker_rows(total, workers, k) for k in range(workers))
+        )
+
+    def batches(self) -> Iterable[tuple[int, Any, Any]]:
+        assert self.prep.train is not None
+        return self.prep.train.batches(
+            self.tc.batch_size,
+            self.tc.seed,
+            self.role.task,
+            0,  # ends at train.steps
+            start_batch=self.clock,
+            per_epoch=max(1, self.per_epoch),
+        )
+
+    def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
+        """Post a gradient for the PS tasks' current step and wait until they move on."""
+        control, client, model, device = self.control, self.client, self.model, self.device
+        if preemption.requested():
+            control.request_stop(preemption.requested())
+            return None
+        if control.tickets_ended():  # a stop (a signal or a hook's) ends the tickets
+            return None
+        tags = client.ps_steps()
+        if tags[0] >= self.tc.steps:
+            return None
+        x, _ = model.prepare(x)
+        params = device.stage_in(client.pull())
+        x, y = device.to_device(x), device.to_device(y)
+        grads = device.mirrors(client.gradients())
+        loss = model.loss_and_grads(params, x, y, grads)
+        if not math.isfinite(loss):
+            message = loss_not_finite(self.role.task, loss, tags[0])
+            raise NonFinite(message) if control.claim_failure() else AlreadyReported(message)
+        device.stage_out(grads, client.gradients())
+        if not client.push(learning_rate(self.oc, tags[0]), tags):
+            self.dropped += 1
+        client.wait_steps(tags, control.tickets_ended)
+        self.clock, self.updates = self.clock + 1, self.updates + 1
+        control.publish_clock(self.role.task, self.clock)
+        self.stats.add(0, 0)
+        self.stats.dropped = self.dropped
+        return StepInfo(tags[0] + 1, loss, epoch, self.updates)
+
+
 class Staleness:
     """Per-worker distribution of two staleness measures of its updates.
 
@@ -332,13 +403,14 @@ class Staleness:
     def __init__(self) -> None:
         self.leads: list[int] = []
         self.delays: list[int] = []
+        self.dropped = 0  # sync_replicas: gradients the PS dropped as too late
 
     def add(self, lead: int, delay: int) -> None:
         self.leads.append(lead)
         self.delays.append(delay)
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"updates": len(self.leads)}
+        out: dict[str, Any] = {"updates": len(self.leads), "dropped": self.dropped}
         for name, values in (("lead", self.leads), ("delay", self.delays)):
             if values:
                 a = np.asarray(values)

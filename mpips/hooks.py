@@ -94,11 +94,18 @@ class StepLogger(Hook):
         self.every = every
 
     def after_step(self, run: Run, info: StepInfo) -> None:
-        if run.job.train.mode == "sync" and not run.is_chief:
+        mode = run.job.train.mode
+        if mode != "async" and not run.is_chief:
             return  # every replica makes the same step: the chief says it once
         if not self.every or info.local_updates % self.every:
             return
-        if run.job.train.mode == "sync":
+        if mode == "sync_replicas":
+            log(
+                run.role,
+                f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} (the chief's "
+                f"batch; the PS tasks average the step's first replicas_to_aggregate gradients)",
+            )
+        elif mode == "sync":
             log(
                 run.role,
                 f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "

@@ -82,6 +82,9 @@ class TrainConfig:
     progress: bool = True  # tqdm bar on the chief
     device: str = "cpu"  # "cpu" (numpy) or "gpu" (cupy, one device per local rank)
     max_staleness: int | None = None  # bounded staleness: lead over the slowest worker
+    # sync_replicas: gradients the PS averages per step (0: every worker; fewer: the
+    # others are backup workers, and their late gradients are dropped)
+    replicas_to_aggregate: int = 0
     # (0: lock-step)
     bucket_bytes: int = 1 << 20  # sync: gradients fused into allreduce buckets of about this size
     check_every: int = 100  # sync: verify replicas are bitwise identical every N steps (0: off)
@@ -131,13 +134,14 @@ CHOICES = {
     "model.partition": ("mod", "div"),
     "optimizer.kind": ("sgd", "momentum", "adagrad", "adam", "ftrl"),
     "optimizer.schedule": ("constant", "exponential", "step"),
-    "train.mode": ("async", "sync"),
+    "train.mode": ("async", "sync", "sync_replicas"),
     "train.device": ("cpu", "gpu"),
     "data.builtin": ("", "digits"),
     "layout.placement": ("round_robin", "greedy"),
 }
 NON_NEGATIVE = (
     "train.steps",
+    "train.replicas_to_aggregate",
     "train.epochs",
     "train.log_every",
     "checkpoint.every_steps",
@@ -265,8 +269,12 @@ def validate(job: Job) -> Job:
             f"model.kind: {job.model.kind!r} keeps its tables on the PS tasks; "
             f'it trains in mode = "async"'
         )
-    if job.train.mode == "sync" and job.train.max_staleness is not None:
+    if job.train.mode != "async" and job.train.max_staleness is not None:
         raise ConfigError('train.max_staleness: only for mode = "async" (sync is lock-step)')
+    if job.train.replicas_to_aggregate and job.train.mode != "sync_replicas":
+        raise ConfigError('train.replicas_to_aggregate: only for mode = "sync_replicas"')
+    if job.train.mode == "sync_replicas":
+        _check_sync_replicas(job)
     if job.train.max_staleness is not None and job.train.max_staleness < 0:
         raise ConfigError(f"train.max_staleness: must be >= 0, got {job.train.max_staleness}")
     if job.optimizer.kind == "ftrl" and job.optimizer.initial_accumulator_value <= 0:
@@ -283,6 +291,22 @@ def validate(job: Job) -> Job:
     if job.train.steps == 0 and job.train.epochs == 0:
         raise ConfigError("train: give train.steps or train.epochs (or both) so the run can end")
     return job
+
+
+def _check_sync_replicas(job: Job) -> None:
+    """What mode = "sync_replicas" (SyncReplicasOptimizer through the PS) does not take."""
+    if not job.train.steps:
+        raise ConfigError(
+            'train.steps: mode = "sync_replicas" ends at a step target (give '
+            "train.steps; each worker cycles through its part of the data)"
+        )
+    if job.optimizer.clip_norm:
+        raise ConfigError(
+            'optimizer.clip_norm: not with mode = "sync_replicas" (each PS '
+            "applies the mean of its own variables' gradients)"
+        )
+    if job.model.kind in ("logreg", "wide_deep") or job.train.device != "cpu":
+        raise ConfigError('train.mode = "sync_replicas": dense models on the CPU only, for now')
 
 
 def _check_data(d: DataConfig) -> None:

@@ -78,8 +78,9 @@ def _check_memory(
     else:
         placement = job_placement(job, model.variables(), layout.num_ps, model.tables())
         slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
+        inboxes = optimizer.stateful or job.train.mode == "sync_replicas"
         plan = WindowPlan(placement, slots, job.train.batch_size * max(1, info.max_nnz))
-        per_rank = plan.rank_bytes(layout, optimizer.stateful)
+        per_rank = plan.rank_bytes(layout, inboxes)
     largest = max(model.variables() + model.tables(), key=lambda s: s.nbytes)
     check_fits(
         sum(per_rank[r] for r in here),
@@ -115,7 +116,13 @@ def prepare(
         prep.start_step, prep.restored, prep.clocks = ckpt.step, latest, ckpt.clocks
     model = prep.model = build_model(job.model, info, xp, job.source, factory)
     model.worker = cluster.role.task if not cluster.is_ps else 0
-    if job.train.mode == "sync" and model.tables():
+    aggregate, workers = job.train.replicas_to_aggregate, cluster.layout.num_workers
+    if job.train.mode == "sync_replicas" and aggregate > workers:
+        raise ConfigError(
+            f"train.replicas_to_aggregate = {aggregate}: more than the {workers} worker(s) "
+            f"of this layout"
+        )
+    if job.train.mode != "async" and model.tables():
         raise ConfigError(
             f"{type(model).__name__} keeps row-partitioned tables on the PS "
             f'tasks: it trains in mode = "async" (with mpirun -n 2 or more)'

@@ -9,6 +9,7 @@ an indexed datatype names every row the batch needs from that PS's partition.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import groupby
@@ -174,13 +175,15 @@ class StoreClient:
         every table for the ids of the last pull."""
         return {**self.grads, **self._row_grads} if self._row_grads else self.grads
 
-    def push(self, lr: float = 0.0) -> None:
+    def push(self, lr: float = 0.0, tags: list[int] | None = None) -> bool:
         """Send ``gradients()`` to the PS.
 
         Plain SGD: the grads already hold deltas (``-lr * grad``); Accumulate adds them,
-        atomically per element. Stateful optimizers: Put the gradient into this worker's
-        inbox on each PS, raise its mail flag with ``lr``, and wait until every PS has applied
-        it (so the next pull sees this update, and the inbox is free again).
+        atomically per element. Stateful optimizers (and sync_replicas): Put the gradient into
+        this worker's inbox on each PS, raise its mail flag with ``lr`` (and ``tags[p]``, the
+        step of PS ``p`` it is for), and wait until every PS has taken it (so the next pull
+        sees this update, and the inbox is free again). Returns False if a PS dropped it as
+        too late for its step (sync_replicas), else True.
         """
         if self.stateful:
             self.mail.post(
@@ -188,9 +191,9 @@ class StoreClient:
                 self._row_grads,
                 ((r.table.name, r.ps_task, r.at, r.local) for r in self._routed),
                 lr,
+                tags,
             )
-            self.mail.wait_applied()
-            return
+            return self.mail.wait_applied()
         win = self.windows.params
         for p, rank, _ in self._targets:
             for start, nbytes, dtype in self._runs[p]:
@@ -208,6 +211,15 @@ class StoreClient:
             )
         for _p, rank, _ in self._targets:
             win.Flush(rank)
+        return True
+
+    def ps_steps(self) -> list[int]:
+        """Each PS task's aggregated step (sync_replicas)."""
+        return self.mail.ps_steps()
+
+    def wait_steps(self, tags: list[int], stopping: Callable[[], bool]) -> bool:
+        """Until every PS task ``p`` is past step ``tags[p]`` or ``stopping()`` (then False)."""
+        return self.mail.wait_steps(tags, stopping)
 
     def initialise(
         self, values: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None

@@ -99,6 +99,10 @@ class RunControl:
         the target, so every worker stops at its next ticket; no signal is recorded."""
         self._set(TICKETS, NO_MORE_TICKETS)
 
+    def tickets_ended(self) -> bool:
+        """A stop (a signal, or a hook's request) has ended the tickets: every worker stops."""
+        return self._op(TICKETS, _ONE, MPI.NO_OP) >= NO_MORE_TICKETS
+
     def stop_signal(self) -> int:
         """The signal that stopped the job early (0: none)."""
         return self._op(STOP, _ONE, MPI.NO_OP)

@@ -17,7 +17,7 @@ update in flight per worker, so the inboxes never need more than one slot.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
@@ -40,8 +40,12 @@ RoutedRows = tuple[str, int, np.ndarray, np.ndarray]
 
 
 def mail_words(workers: int) -> int:
-    """int64 words of a PS's mail window."""
-    return MAIL_WORDS * workers
+    """int64 words of a PS's mail window: each worker's, then the PS's aggregated step
+    (train.mode = "sync_replicas")."""
+    return MAIL_WORDS * workers + 1
+
+
+DROPPED = -1  # a PS's answer to a gradient that came too late for its step (sync_replicas)
 
 
 class RowBox:
@@ -110,11 +114,13 @@ class WorkerMail:
         rows: dict[str, np.ndarray],
         routed: Iterable[RoutedRows],
         lr: float,
+        tags: list[int] | None = None,
     ) -> None:
         """Put ``dense[p]`` (the whole variables' gradients of PS task ``p``, as bytes) and
         the gradient ``rows`` of each table (by position in the step's ids; ``routed`` says
         which go to which PS and row) into this worker's inboxes, then raise the flags with
-        ``lr``."""
+        ``lr``. ``tags[p]``: the step of PS ``p`` this gradient is for (sync_replicas; the
+        flag carries it, plus one)."""
         win, mail = self.windows.params, self.windows.mail
         for p, buf in enumerate(dense):
             if buf.size:
@@ -146,27 +152,32 @@ class WorkerMail:
             win.Flush(rank)  # the gradient is in place before the flag goes up
         base = MAIL_WORDS * self.task
         lr_word = np.array([lr], dtype=np.float64).view(np.int64)
-        one, old = np.ones(1, np.int64), np.zeros(1, np.int64)
-        for rank in self.ps_ranks:
+        old = np.zeros(1, np.int64)
+        flags = [np.array([t + 1 if tags else 1], np.int64) for t in (tags or self.ps_ranks)]
+        for rank, flag in zip(self.ps_ranks, flags, strict=True):
             mail.Fetch_and_op(lr_word, old, rank, base + MAIL_LR, MPI.REPLACE)
             mail.Flush(rank)
-            mail.Fetch_and_op(one, old, rank, base + MAIL_FLAG, MPI.REPLACE)
+            mail.Fetch_and_op(flag, old, rank, base + MAIL_FLAG, MPI.REPLACE)
         for rank in self.ps_ranks:
             mail.Flush(rank)
 
-    def wait_applied(self) -> None:
-        """Until every PS has applied this worker's update (its mail flag is clear again);
-        Stalled naming the PS tasks that did not within the stall limit."""
+    def wait_applied(self) -> bool:
+        """Until every PS has taken this worker's update (its mail flag is clear again);
+        Stalled naming the PS tasks that did not within the stall limit. Returns whether
+        every PS used it (False: one dropped it as too late for its step)."""
         mail, flag = self.windows.mail, MAIL_WORDS * self.task + MAIL_FLAG
         pending = list(self.ps_ranks)
         out, dummy = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        used = True
 
         def applied() -> bool:
+            nonlocal used
             for rank in list(pending):
                 mail.Fetch_and_op(dummy, out, rank, flag, MPI.NO_OP)
                 mail.Flush(rank)
-                if out[0] == 0:
+                if out[0] <= 0:
                     pending.remove(rank)
+                    used = used and out[0] == 0
             return not pending
 
         def late(waited: float) -> NoReturn:
@@ -179,6 +190,38 @@ class WorkerMail:
 
         # 50 us sleeps while an apply usually completes (the PS needs the core), then longer
         poll(applied, stall_limit(self.task), late, fast=ACK_FAST_SECONDS)
+        return used
+
+    def ps_steps(self) -> list[int]:
+        """Each PS task's aggregated step (sync_replicas)."""
+        mail, word = self.windows.mail, mail_words(self.windows.layout.num_workers) - 1
+        out, dummy, steps = np.zeros(1, np.int64), np.zeros(1, np.int64), []
+        for rank in self.ps_ranks:
+            mail.Fetch_and_op(dummy, out, rank, word, MPI.NO_OP)
+            mail.Flush(rank)
+            steps.append(int(out[0]))
+        return steps
+
+    def wait_steps(self, tags: list[int], stopping: Callable[[], bool]) -> bool:
+        """Until every PS task ``p`` has aggregated past step ``tags[p]`` (sync_replicas),
+        or ``stopping()``; returns False if it stopped. Stalled naming the PS tasks still
+        at their step after the stall limit (too few workers pushing?)."""
+        behind: list[int] = []
+
+        def done() -> bool:
+            behind[:] = [p for p, s in enumerate(self.ps_steps()) if s <= tags[p]]
+            return not behind or stopping()
+
+        def late(waited: float) -> NoReturn:
+            names = ", ".join(f"/job:ps/task:{p} (step {tags[p]})" for p in behind)
+            raise Stalled(
+                f"{names} did not aggregate a step within {STALL_TIMEOUT:.0f} s: too few "
+                f"workers pushing for train.replicas_to_aggregate? (MPIPS_STALL_TIMEOUT sets "
+                f"the limit); aborting the job"
+            )
+
+        poll(done, stall_limit(self.task), late, fast=ACK_FAST_SECONDS)
+        return not behind
 
 
 # what the PS reads of one posted update: the learning rate, the whole variables' gradients
@@ -195,6 +238,8 @@ class PsMail:
         self._flag = np.zeros(1, np.int64)
         self._lr = np.zeros(1, np.int64)
         self._zero = np.zeros(1, np.int64)
+        self._dropped = np.array([DROPPED], np.int64)
+        self.tag = 0
         memory, layout = windows.local(windows.params), windows.inbox(task)
         self.inboxes = []
         for k in range(windows.layout.num_workers):
@@ -207,8 +252,9 @@ class PsMail:
         mail, base = self.windows.mail, MAIL_WORDS * worker
         mail.Fetch_and_op(self._zero, self._flag, self.rank, base + MAIL_FLAG, MPI.NO_OP)
         mail.Flush(self.rank)
-        if self._flag[0] == 0:
+        if self._flag[0] <= 0:  # none posted (0), or the last one was dropped (DROPPED)
             return None
+        self.tag = int(self._flag[0]) - 1  # the step it is for (sync_replicas)
         mail.Fetch_and_op(self._zero, self._lr, self.rank, base + MAIL_LR, MPI.NO_OP)
         mail.Flush(self.rank)
         self.windows.params.Sync()  # see the worker's Put of the gradient
@@ -219,10 +265,20 @@ class PsMail:
             rows.append((name, local[:n], grads[:n]))
         return float(self._lr.view(np.float64)[0]), dense, rows
 
-    def applied(self, worker: int) -> None:
-        """``worker``'s update is applied (and visible): clear its flag."""
+    def applied(self, worker: int, dropped: bool = False) -> None:
+        """``worker``'s update is applied (and visible), or ``dropped``: clear its flag."""
         self.windows.params.Sync()
+        answer = self._dropped if dropped else self._zero
         self.windows.mail.Fetch_and_op(
-            self._zero, self._flag, self.rank, MAIL_WORDS * worker + MAIL_FLAG, MPI.REPLACE
+            answer, self._flag, self.rank, MAIL_WORDS * worker + MAIL_FLAG, MPI.REPLACE
         )
+        self.windows.mail.Flush(self.rank)
+
+    def publish_step(self, step: int) -> None:
+        """This PS task has aggregated up to ``step`` (sync_replicas); its variables are
+        visible first."""
+        self.windows.params.Sync()
+        word = mail_words(self.windows.layout.num_workers) - 1
+        value = np.array([step], np.int64)
+        self.windows.mail.Fetch_and_op(value, self._flag, self.rank, word, MPI.REPLACE)
         self.windows.mail.Flush(self.rank)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..errors import AlreadyReported, NonFinite
+from ..log import log
 from ..waits import poll
 from .cluster import POLL_SECONDS, Cluster, start_limit, unreachable
 from .control import RunControl
@@ -47,6 +48,7 @@ def serve(
     slot_names: Sequence[str] = (),
     write_shard: WriteShard | None = None,
     stop_requested: Callable[[], int] = lambda: 0,
+    aggregate: int = 0,
 ) -> int:
     """Serve this PS task from the chief's ready flag until the chief ends the run
     (RunControl.end_run); returns the updates applied.
@@ -56,7 +58,9 @@ def serve(
     slots ``slot_names`` of each variable (``<variable>/<slot>`` in the window).
     ``write_shard(step, variables, slots)`` writes this PS's checkpoint shard when the chief
     asks for one; ``stop_requested()``, a signal number (0: none), is passed on to the whole
-    job as a stop at the next step (preemption).
+    job as a stop at the next step (preemption). ``aggregate`` > 0 (train.mode =
+    "sync_replicas"): average that many gradients posted for this PS's current step, apply
+    the mean once, advance the step, and drop gradients that come later for an older step.
     """
     control = RunControl(windows)
     task = cluster.role.task
@@ -69,6 +73,8 @@ def serve(
     if apply is None:
         poll(chores.run, math.inf, unreachable)  # policed by the watchdog in chores.run
         return 0
+    if aggregate:
+        return _aggregate_loop(cluster, windows, apply, slot_names, chores, aggregate)
     return _apply_loop(cluster, windows, apply, slot_names, chores)
 
 
@@ -178,3 +184,64 @@ def _apply_loop(
             sleep = min(cap, sleep * 2)
         time.sleep(sleep)
     return applied
+
+
+def _aggregate_loop(
+    cluster: Cluster,
+    windows: Windows,
+    apply: Apply,
+    slot_names: Sequence[str],
+    chores: _Chores,
+    n: int,
+) -> int:
+    """SyncReplicasOptimizer's PS: the first ``n`` gradients posted for this PS's current
+    step are summed; the mean is applied once and the step advances (PS task 0 also
+    advances global_step); a gradient for an older step is dropped (and counted). Returns
+    the steps aggregated; logs the gradients dropped per worker at the end."""
+    task = cluster.role.task
+    step = chores.control.global_step()  # continues from the restored global_step
+    variables, slot_views = windows.held(task)
+    slots = {name: {s: slot_views[f"{name}/{s}"] for s in slot_names} for name in variables}
+    total = {name: np.zeros_like(v) for name, v in variables.items()}
+    mail, count, steps = PsMail(windows, task, cluster.rank), 0, 0
+    dropped = [0] * cluster.layout.num_workers
+    mail.publish_step(step)
+    sleep, last_busy = BUSY_POLL_SECONDS, 0.0
+    while not chores.run():
+        busy = False
+        for k in range(cluster.layout.num_workers):
+            posted = mail.take(k)
+            if posted is None:
+                continue
+            busy = True
+            if mail.tag != step:  # late: this PS has moved on
+                dropped[k] += 1
+                mail.applied(k, dropped=True)
+                continue
+            lr, grads, _ = posted
+            for name, grad in grads.items():
+                total[name] += grad
+            mail.applied(k)
+            count += 1
+            if count == n:
+                for name, var in variables.items():
+                    total[name] /= n
+                    apply(var, total[name], slots[name], lr, step + 1)
+                    total[name][...] = 0
+                step, count, steps = step + 1, 0, steps + 1
+                if task == 0:
+                    chores.control.advance_step()
+                mail.publish_step(step)
+        now = time.monotonic()
+        if busy:
+            sleep, last_busy = BUSY_POLL_SECONDS, now
+        else:
+            cap = WARM_POLL_SECONDS if now - last_busy < WARM_SECONDS else POLL_SECONDS
+            sleep = min(cap, sleep * 2)
+        time.sleep(sleep)
+    late = ", ".join(f"worker {k}: {d}" for k, d in enumerate(dropped) if d) or "none"
+    log(
+        cluster.role,
+        f"aggregated {steps} steps of {n} gradients each; late gradients dropped: {late}",
+    )
+    return steps

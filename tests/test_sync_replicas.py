@@ -1,0 +1,128 @@
+"""train.mode = "sync_replicas": TensorFlow's SyncReplicasOptimizer through the PS. With no
+backup worker it trains exactly like allreduce sync mode; with one, a slowed worker no
+longer sets the pace, its late gradients are dropped, and every step averages exactly
+replicas_to_aggregate gradients."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import run_mpi, run_train
+
+import mpips
+from mpips import checkpoint
+from mpips.errors import ConfigError
+
+pytestmark = pytest.mark.launcher
+
+JOB = """
+[model]
+hidden = [32]
+[data]
+builtin = "digits"
+[optimizer]
+kind = "{optimizer}"
+learning_rate = {lr}
+[train]
+mode = "{mode}"
+steps = 20
+batch_size = 32
+[checkpoint]
+dir = "runs/{mode}"
+"""
+
+
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 0.01)])
+def test_without_backup_workers_it_equals_allreduce_sync_mode(tmp_path, optimizer, lr):
+    """2 workers through 1 PS, every gradient aggregated, == 2 allreduce replicas."""
+    final = {}
+    for mode, ranks in (("sync_replicas", 3), ("sync", 2)):
+        (tmp_path / "job.toml").write_text(JOB.format(mode=mode, optimizer=optimizer, lr=lr))
+        r = run_train(tmp_path, ranks, "job.toml", timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.result["global_step"] == 20
+        manifest = checkpoint.latest_checkpoint(tmp_path / f"runs/{mode}")
+        final[mode] = checkpoint.Checkpoint(manifest).read_all()
+    (ours, our_slots), (theirs, their_slots) = final["sync_replicas"], final["sync"]
+    assert set(ours) == set(theirs) and set(our_slots) == set(their_slots)
+    for name in ours:
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    for name in our_slots:
+        np.testing.assert_allclose(our_slots[name], their_slots[name], rtol=1e-5, atol=1e-6)
+
+
+SLOWED = """
+import json, time
+import mpips
+from mpips.nn import MLP
+
+class SlowOnTask2(MLP):  # worker task 2 computes slowly: a straggler
+    def loss_and_grads(self, *args, **kwargs):
+        if self.worker == 2:
+            time.sleep(0.02)
+        return super().loss_and_grads(*args, **kwargs)
+
+with mpips.abort_on_error():
+    job = mpips.parse_job('''
+[data]
+builtin = "digits"
+[train]
+mode = "sync_replicas"
+replicas_to_aggregate = {aggregate}
+steps = 100
+batch_size = 32
+progress = false
+''')
+    result = mpips.train(job, model=lambda data: SlowOnTask2([data.num_inputs, 32,
+                                                              data.num_classes]))
+    if result.role.is_chief:
+        json.dump(result.to_json(), open("r.json", "w"))
+"""
+
+
+def test_a_backup_worker_keeps_a_straggler_from_setting_the_pace(tmp_path):
+    """1 PS + 3 workers, 2 gradients a step: the straggler's gradients come after their
+    step and are dropped; the two others carry the run."""
+    (tmp_path / "slowed.py").write_text(SLOWED.format(aggregate=2))
+    r = run_mpi(4, ["slowed.py"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["global_step"] == 100
+    posted = [s["updates"] for s in result["staleness"]]
+    dropped = [s["dropped"] for s in result["staleness"]]
+    # every step averaged exactly 2 gradients for that step: the others were dropped
+    assert sum(posted) - sum(dropped) == 100 * 2, (posted, dropped)
+    assert "aggregated 100 steps of 2 gradients each" in r.stdout
+    assert posted[2] * 2 <= min(posted[0], posted[1]), posted  # 20 ms a step vs ~1 ms
+    assert dropped[2] >= 1, (posted, dropped)
+    said = f"gradients dropped as late, per worker task: {' '.join(map(str, dropped))}"
+    assert said in r.stdout
+
+
+def test_without_a_backup_the_straggler_sets_the_pace(tmp_path):
+    """The same straggler with every gradient aggregated: every worker posts every step,
+    none is dropped (each step waits for the slowest)."""
+    (tmp_path / "slowed.py").write_text(SLOWED.format(aggregate=3))
+    r = run_mpi(4, ["slowed.py"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert [s["updates"] for s in result["staleness"]] == [100, 100, 100]
+    assert [s["dropped"] for s in result["staleness"]] == [0, 0, 0]
+
+
+def test_sync_replicas_settings_are_checked(tmp_path):
+    base = '[data]\nbuiltin = "digits"\n'
+    with pytest.raises(ConfigError, match='only for mode = "sync_replicas"'):
+        mpips.parse_job(base + "[train]\nsteps = 5\nreplicas_to_aggregate = 2\n")
+    with pytest.raises(ConfigError, match="ends at a step target"):
+        mpips.parse_job(base + '[train]\nmode = "sync_replicas"\nepochs = 2\n')
+    with pytest.raises(ConfigError, match="clip_norm"):
+        mpips.parse_job(
+            base + '[optimizer]\nclip_norm = 1.0\n[train]\nmode = "sync_replicas"\nsteps = 5\n'
+        )
+    (tmp_path / "job.toml").write_text(
+        base + '[train]\nmode = "sync_replicas"\nsteps = 5\nreplicas_to_aggregate = 3\n'
+    )
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("replicas_to_aggregate = 3: more than the 2 worker(s)") == 1
