@@ -113,9 +113,15 @@ def check_finite(arrays: dict[str, np.ndarray], step: int) -> None:
             )
 
 
-def check_writable(directory: str | Path) -> None:
+def check_writable(
+    directory: str | Path,
+    what: str = "checkpoint.dir",
+    hint: str = "choose another with --ckpt-dir",
+    files: str = "checkpoints",
+) -> None:
     """Create ``directory`` if needed and prove a file can be written, fsynced and removed
-    there: at start-up, by every rank that will write checkpoints, before any training."""
+    there: at start-up, by every rank that will write checkpoints (or summaries, ``what``),
+    before any training."""
     d = Path(directory)
     probe = temporary_name(d / ".write-probe")
     try:
@@ -129,8 +135,7 @@ def check_writable(directory: str | Path) -> None:
             probe.unlink(missing_ok=True)
     except OSError as e:
         raise CheckpointError(
-            f"checkpoint.dir {d}: cannot write checkpoints there "
-            f"({e.strerror or e}); choose another with --ckpt-dir"
+            f"{what} {d}: cannot write {files} there ({e.strerror or e}); {hint}"
         ) from None
 
 

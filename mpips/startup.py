@@ -21,6 +21,7 @@ from .nn import build_model
 from .optim import Optimizer
 from .placement import slot_placement
 from .store import Cluster, WindowPlan
+from .summaries import summary_root
 
 
 @dataclass
@@ -62,6 +63,19 @@ def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
     writes = cluster.is_chief or (cluster.is_ps and job.train.mode == "async")
     if writes:
         checkpoint.check_writable(c.dir)
+
+
+def _check_summary_dir(job: Job, cluster: Cluster) -> None:
+    """The summaries' directory, checked like the checkpoints' by every rank that writes
+    there (the chief, every worker with summary.all_workers, every task with a timeline)."""
+    root, s = summary_root(job), job.summary
+    if not root or not (s.every_steps or s.timeline):
+        return
+    writes = cluster.is_chief or s.timeline or (s.all_workers and not cluster.is_ps)
+    if writes:
+        checkpoint.check_writable(
+            root, "summary.dir", "set summary.dir to another directory", "summaries"
+        )
 
 
 def _check_memory(
@@ -107,6 +121,7 @@ def prepare(
     model.kind; ``arrays``: the data as arrays from the Python API, instead of job.data.
     """
     _check_checkpoint_dir(job, cluster)
+    _check_summary_dir(job, cluster)
     info = open_data(job.data, arrays)
     prep = Prepared(info)
     c = job.checkpoint

@@ -185,3 +185,15 @@ def test_a_torn_metrics_line_is_skipped_by_plot_and_not_glued_to_the_next(tmp_pa
         (1.0, 20.0, 1.5),
         (pytest.approx(series["loss"]["/job:worker/task:0"][1][0]), 40.0, 0.5),
     ]
+
+
+@pytest.mark.launcher
+def test_a_summary_dir_that_cannot_be_written_is_found_before_training(tmp_path):
+    (tmp_path / "afile").write_text("not a directory")
+    (tmp_path / "job.toml").write_text(
+        '[data]\nbuiltin = "digits"\n[train]\nsteps = 50\n[summary]\ndir = "afile/s"\n'
+    )
+    r = run_train(tmp_path, 3, "job.toml", timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("summary.dir afile/s: cannot write summaries there") == 1, r.stderr
+    assert "train rows [" not in r.stdout  # nothing trained
