@@ -15,7 +15,7 @@ import numpy as np
 
 from . import checkpoint, preemption
 from .backend import Device
-from .data import worker_rows
+from .data import full_batches
 from .errors import AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
@@ -43,6 +43,7 @@ from .store import (
     Watchdog,
     Windows,
     barrier,
+    publish_start_step,
     serve,
     stall_limit,
     start_limit,
@@ -79,6 +80,8 @@ def train_async(
     )
     if prep.local:  # a PS task: restored state or fresh table partitions
         windows.fill_own(cluster.role.task, prep.local)
+    if replicas and cluster.is_ps:  # the PS tasks' steps are set before any worker reads one
+        publish_start_step(windows, cluster.role.task, cluster.rank, prep.start_step)
     barrier(cluster.comm, "the start of training")  # filled before the chief raises ready
     if cluster.is_ps:
 
@@ -343,12 +346,9 @@ class ReplicasWorker(AsyncWorker):
     def __init__(self, *args: Any):
         super().__init__(*args)
         self.dropped = 0
-        workers = self.cluster.layout.num_workers
-        total = self.prep.info.rows["train"]
-        # equal full batches on every worker, as sync replicas make them
-        self.per_epoch = min(
-            (b - a) // self.tc.batch_size
-            for a, b in (worker_rows(total, workers, k) for k in range(workers))
+        # equal full batches on every worker, as sync replicas make them (checked > 0)
+        self.per_epoch = full_batches(
+            self.prep.info.rows["train"], self.cluster.layout.num_workers, self.tc.batch_size
         )
 
     def batches(self) -> Iterable[tuple[int, Any, Any]]:
@@ -359,12 +359,14 @@ class ReplicasWorker(AsyncWorker):
             self.role.task,
             0,  # ends at train.steps
             start_batch=self.clock,
-            per_epoch=max(1, self.per_epoch),
+            per_epoch=self.per_epoch,
         )
 
     def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
         """Post a gradient for the PS tasks' current step and wait until they move on."""
         control, client, model, device = self.control, self.client, self.model, self.device
+        tl = self.timeline
+        t = tl.now() if tl else 0.0
         if preemption.requested():
             control.request_stop(preemption.requested())
             return None
@@ -377,14 +379,22 @@ class ReplicasWorker(AsyncWorker):
         params = device.stage_in(client.pull())
         x, y = device.to_device(x), device.to_device(y)
         grads = device.mirrors(client.gradients())
+        if tl:
+            t = tl.span("pull", t)
         loss = model.loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):
             message = loss_not_finite(self.role.task, loss, tags[0])
             raise NonFinite(message) if control.claim_failure() else AlreadyReported(message)
         device.stage_out(grads, client.gradients())
+        if tl:
+            t = tl.span("compute", t)
         if not client.push(learning_rate(self.oc, tags[0]), tags):
             self.dropped += 1
+        if tl:
+            t = tl.span("push and ack", t)
         client.wait_steps(tags, control.tickets_ended)
+        if tl:
+            tl.span("wait for the step", t)
         self.clock, self.updates = self.clock + 1, self.updates + 1
         control.publish_clock(self.role.task, self.clock)
         self.stats.add(0, 0)

@@ -228,7 +228,7 @@ def _open(
                 raise DataError(f"{where}: x_scale must be a positive number, got {x_scale}")
     except DataError:
         raise
-    except (OSError, KeyError, ValueError, TypeError, AttributeError) as e:
+    except (OSError, KeyError, ValueError, TypeError, AttributeError, MemoryError) as e:
         kind = {"hdf5": "mpips HDF5", "npz": ".npz", "npy": ".npy"}.get(info.kind, "")
         raise DataError(f"{where}: not a readable {kind} dataset ({e})") from None
     return DatasetInfo(
@@ -257,7 +257,8 @@ def _count_classes(y: Any) -> int:
     """The largest label + 1, the labels read a chunk at a time (little memory)."""
     top = -1
     for start in range(0, y.shape[0], LABEL_CHUNK):
-        top = max(top, int(np.max(y[start : start + LABEL_CHUNK], initial=-1)))
+        chunk = np.asarray(y[start : start + LABEL_CHUNK])
+        top = max(top, int(chunk.max()) if chunk.size else -1)
     return max(2, top + 1)
 
 
@@ -270,6 +271,14 @@ def worker_rows(num_rows: int, num_parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(num_rows, num_parts)
     start = index * base + min(index, extra)
     return start, start + base + (index < extra)
+
+
+def full_batches(num_rows: int, num_parts: int, batch_size: int) -> int:
+    """Full batches every part can make (the same count on every worker: sync replicas)."""
+    return min(
+        (b - a) // batch_size
+        for a, b in (worker_rows(num_rows, num_parts, k) for k in range(num_parts))
+    )
 
 
 def row_bytes(info: DatasetInfo) -> int:
@@ -308,7 +317,7 @@ def _read(
     try:
         x = np.asarray(get(x_name)[start:stop]).reshape(stop - start, -1).astype(np.float32)
         y = np.asarray(get(y_name)[start:stop]).astype(np.int64)
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError, MemoryError) as e:
         raise DataError(
             f"{_where(info)}: cannot read {split} rows [{start}, {stop}) ({e})"
         ) from None

@@ -126,8 +126,6 @@ class Session:
     def loop(self, steps: Steps) -> None:
         """The training loop (run_steps), counted."""
         self.updates, self.examples, self.seconds = run_steps(steps, self.run, self.hooks)
-        if self.timeline is not None:
-            self.timeline.write()
 
     def done(self, note: str = "") -> None:
         """This worker's last line about its loop, ``note`` (the mode's) at its end."""
@@ -144,7 +142,9 @@ class Session:
         Returns (result, the gathered summaries, in worker task order)."""
         gathered = allgather_json(comm, [self.examples, self.seconds, *summary], what)
         for h in self.hooks:
-            h.end(self.run)
+            h.end(self.run)  # the final checkpoint first: the timeline is only a trace
+        if self.timeline is not None:
+            self.timeline.write()
         out = TrainResult(
             self.run.role,
             start_step,

@@ -12,14 +12,23 @@ from typing import Any
 import numpy as np
 
 from . import checkpoint
-from .data import DatasetInfo, Part, StreamedPart, load_split, open_data, train_part, worker_rows
+from .data import (
+    DatasetInfo,
+    Part,
+    StreamedPart,
+    full_batches,
+    load_split,
+    open_data,
+    train_part,
+    worker_rows,
+)
 from .errors import CheckpointError, ConfigError, DataError
 from .job import Job, job_placement
 from .log import log
 from .memory import check_fits
 from .nn import build_model
 from .optim import Optimizer
-from .placement import slot_placement
+from .placement import round_robin, slot_placement
 from .store import Cluster, WindowPlan
 from .summaries import summary_root
 
@@ -60,9 +69,31 @@ def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
                 f"the two runs. Resume it (drop --no-restore), delete {c.dir}, or start afresh "
                 f"in a new directory with --ckpt-dir DIR"
             )
-    writes = cluster.is_chief or (cluster.is_ps and job.train.mode == "async")
+    writes = cluster.is_chief or (cluster.is_ps and job.train.mode != "sync")
     if writes:
         checkpoint.check_writable(c.dir)
+
+
+def _check_sync_replicas(job: Job, cluster: Cluster, info: DatasetInfo) -> None:
+    """What sync_replicas needs of the layout and the data: no more gradients a step than
+    workers; backup workers only with one PS task (several would aggregate different
+    workers' gradients and drift apart); a full batch a step on every worker."""
+    aggregate, workers = job.train.replicas_to_aggregate, cluster.layout.num_workers
+    if aggregate > workers:
+        raise ConfigError(
+            f"train.replicas_to_aggregate = {aggregate}: more than the {workers} worker(s) "
+            f"of this layout"
+        )
+    if 0 < aggregate < workers and cluster.layout.num_ps > 1:
+        raise ConfigError(
+            f"train.replicas_to_aggregate = {aggregate} of {workers} workers (backup workers) "
+            f"needs a single PS task for now; this layout has {cluster.layout.num_ps}"
+        )
+    if full_batches(info.rows["train"], workers, job.train.batch_size) == 0:
+        raise DataError(
+            f"{info.path}: {info.rows['train']} train rows make no full batch of "
+            f"{job.train.batch_size} on each of {workers} workers (sync_replicas)"
+        )
 
 
 def _check_summary_dir(job: Job, cluster: Cluster) -> None:
@@ -75,6 +106,13 @@ def _check_summary_dir(job: Job, cluster: Cluster) -> None:
     if writes:
         checkpoint.check_writable(
             root, "summary.dir", "set summary.dir to another directory", "summaries"
+        )
+    if s.timeline:
+        checkpoint.check_writable(
+            f"{root}/timeline",
+            "summary.dir",
+            "set summary.dir to another directory",
+            "the timeline",
         )
 
 
@@ -131,12 +169,8 @@ def prepare(
         prep.start_step, prep.restored, prep.clocks = ckpt.step, latest, ckpt.clocks
     model = prep.model = build_model(job.model, info, xp, job.source, factory)
     model.worker = cluster.role.task if not cluster.is_ps else 0
-    aggregate, workers = job.train.replicas_to_aggregate, cluster.layout.num_workers
-    if job.train.mode == "sync_replicas" and aggregate > workers:
-        raise ConfigError(
-            f"train.replicas_to_aggregate = {aggregate}: more than the {workers} worker(s) "
-            f"of this layout"
-        )
+    if job.train.mode == "sync_replicas":
+        _check_sync_replicas(job, cluster, info)
     if job.train.mode != "async" and model.tables():
         raise ConfigError(
             f"{type(model).__name__} keeps row-partitioned tables on the PS "
@@ -145,7 +179,7 @@ def prepare(
     _check_memory(job, cluster, model, optimizer, info)
     specs = model.variables()
     if cluster.is_ps:
-        if job.train.mode == "async":
+        if job.train.mode != "sync":  # the PS tasks hold the variables
             prep.local = _ps_fill(job, cluster, model, optimizer, ckpt)
         return prep
     task, workers = cluster.role.task, cluster.layout.num_workers
@@ -166,7 +200,7 @@ def prepare(
         if job.train.eval_every:
             prep.val_split = "val" if "val" in info.rows else "test"
             prep.val = load_split(info, "val") if prep.val_split == "val" else prep.test
-        slot_specs = [e.spec for e in slot_placement(job_placement(job, specs, 1), optimizer.slots)]
+        slot_specs = [e.spec for e in slot_placement(round_robin(specs, 1), optimizer.slots)]
         if ckpt is None:
             prep.values = model.initial_values(job.model.init_seed)
             prep.slots = {

@@ -29,7 +29,7 @@ from .allreduce import (
     stop_from_ps,
 )
 from .backend import Device
-from .data import worker_rows
+from .data import full_batches
 from .errors import AgreedError, AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
@@ -94,15 +94,11 @@ def train_sync(
 
 def _batches_per_epoch(job: Job, rows: int, workers: int) -> int:
     """Full batches every worker can make each epoch (the same count on all replicas)."""
-    b = job.train.batch_size
-    per = min(
-        (stop - start) // b
-        for start, stop in (worker_rows(rows, workers, k) for k in range(workers))
-    )
+    per = full_batches(rows, workers, job.train.batch_size)
     if per == 0:
         raise AgreedError(
             f"{rows} train rows give some of the {workers} workers less than "
-            f"one batch of {b}: lower train.batch_size"
+            f"one batch of {job.train.batch_size}: lower train.batch_size"
         )
     return per
 

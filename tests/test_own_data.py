@@ -283,3 +283,17 @@ def test_the_readme_data_example_is_a_valid_job():
 
     for block in re.findall(r"```toml\n(.*?)```", section, re.S):
         mpips.parse_job(block + "[train]\nsteps = 1\n")
+
+
+def test_small_unsigned_labels_are_counted(tmp_path):
+    """Keras' mnist.npz keeps its labels as uint8: the class count comes out right."""
+    x, y, xt, yt = digits_arrays()
+    np.savez(
+        tmp_path / "u8.npz",
+        x_train=x,
+        y_train=y.astype(np.uint8),
+        x_test=xt,
+        y_test=yt.astype(np.uint8),
+    )
+    info = data.open_data(DataConfig(path=str(tmp_path / "u8.npz")))
+    assert info.num_classes == 10

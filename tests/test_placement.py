@@ -95,3 +95,23 @@ def test_an_unbalanced_placement_is_named_with_what_would_fix_it():
     assert 'layout.placement = "greedy"' in said
     assert imbalance(greedy_by_bytes(even, 2), "greedy") == ""
     assert imbalance(round_robin(even, 1), "round_robin") == ""
+
+
+@pytest.mark.launcher
+def test_a_job_with_pins_trains_and_places_them(tmp_path):
+    """A pin to ps:1 holds in a real run (both modes that keep variables on the PS)."""
+    from conftest import run_train
+
+    from mpips import checkpoint
+
+    for mode in ("async", "sync_replicas"):
+        (tmp_path / "job.toml").write_text(
+            f'[data]\nbuiltin = "digits"\n[train]\nmode = "{mode}"\nsteps = 30\n'
+            f'[checkpoint]\ndir = "runs/{mode}"\n[layout]\nps = 2\n'
+            '[layout.pin]\n"dense_0/kernel" = 1\n"dense_1/kernel" = 1\n'
+        )
+        r = run_train(tmp_path, 4, "job.toml", timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        manifest = checkpoint.Checkpoint(checkpoint.latest_checkpoint(tmp_path / f"runs/{mode}"))
+        shards = {name: [p.shard for p in e.parts] for name, e in manifest.variables.items()}
+        assert shards["dense_0/kernel"] == [1] and shards["dense_1/kernel"] == [1], shards

@@ -126,3 +126,48 @@ def test_sync_replicas_settings_are_checked(tmp_path):
     r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("replicas_to_aggregate = 3: more than the 2 worker(s)") == 1
+
+
+def test_a_resumed_run_continues_from_the_checkpoint(tmp_path):
+    """Stop at 10, resume to 20 (2 PS tasks, Adam): the same variables and slots as a
+    straight run to 20 (the PS tasks restore their shards; every PS step word is set before
+    any worker reads it)."""
+    job = JOB.format(mode="sync_replicas", optimizer="adam", lr=0.01) + "[layout]\nps = 2\n"
+    (tmp_path / "job.toml").write_text(job)
+    for args in (["--steps", "10"], []):
+        r = run_train(tmp_path, 4, "job.toml", *args, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert r.result["start_step"] == 10 and r.result["global_step"] == 20
+    (tmp_path / "job.toml").write_text(
+        job.replace('dir = "runs/sync_replicas"', 'dir = "runs/straight"')
+    )
+    r = run_train(tmp_path, 4, "job.toml", timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = checkpoint.Checkpoint(checkpoint.latest_checkpoint(tmp_path / "runs/sync_replicas"))
+    straight = checkpoint.Checkpoint(checkpoint.latest_checkpoint(tmp_path / "runs/straight"))
+    assert resumed.step == straight.step == 20
+    (a, a_slots), (b, b_slots) = resumed.read_all(), straight.read_all()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert np.abs(a[name]).sum() > 0, name  # not zeroed
+    for name in a_slots:
+        np.testing.assert_allclose(a_slots[name], b_slots[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "extra,ranks,said",
+    [
+        (
+            "replicas_to_aggregate = 1\n[layout]\nps = 2\n",
+            4,
+            "(backup workers) needs a single PS task for now; this layout has 2",
+        ),
+        ("batch_size = 1024\n", 3, "make no full batch of 1024 on each of 2 workers"),
+    ],
+)
+def test_layouts_and_data_sync_replicas_cannot_run_are_one_message(tmp_path, extra, ranks, said):
+    (tmp_path / "job.toml").write_text(
+        '[data]\nbuiltin = "digits"\n[train]\nmode = "sync_replicas"\nsteps = 5\n' + extra
+    )
+    r = run_mpi(ranks, ["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count(said) == 1, r.stderr

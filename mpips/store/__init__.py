@@ -19,6 +19,7 @@ from .cluster import (
     watched_barrier,
 )
 from .control import NO_MORE_TICKETS, RunControl
+from .mailbox import publish_start_step
 from .server import serve
 from .watchdog import Watchdog
 from .window import TICKETS, WindowPlan, Windows
@@ -38,6 +39,7 @@ __all__ = [
     "allgather_json",
     "barrier",
     "node_of_each_rank",
+    "publish_start_step",
     "serve",
     "stall_limit",
     "start_limit",

@@ -282,3 +282,9 @@ class PsMail:
         value = np.array([step], np.int64)
         self.windows.mail.Fetch_and_op(value, self._flag, self.rank, word, MPI.REPLACE)
         self.windows.mail.Flush(self.rank)
+
+
+def publish_start_step(windows: Windows, task: int, rank: int, step: int) -> None:
+    """PS ``task`` (this rank): its aggregated step before training starts (sync_replicas),
+    set before the start-of-training barrier, so no worker reads a step word not yet set."""
+    PsMail(windows, task, rank).publish_step(step)

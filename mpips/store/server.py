@@ -204,8 +204,7 @@ def _aggregate_loop(
     slots = {name: {s: slot_views[f"{name}/{s}"] for s in slot_names} for name in variables}
     total = {name: np.zeros_like(v) for name, v in variables.items()}
     mail, count, steps = PsMail(windows, task, cluster.rank), 0, 0
-    dropped = [0] * cluster.layout.num_workers
-    mail.publish_step(step)
+    dropped = [0] * cluster.layout.num_workers  # the step word was published before ready
     sleep, last_busy = BUSY_POLL_SECONDS, 0.0
     while not chores.run():
         busy = False
