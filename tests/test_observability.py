@@ -134,16 +134,21 @@ class _Role:
         return "/job:worker/task:0"
 
 
-def test_progress_is_plain_lines_with_an_eta_when_not_on_a_terminal(capsys):
-    bar = ProgressBar(every_secs=0, terminal=False)
-    run = Run(
+def _chief_run(start_step, target_steps, global_step):
+    """A Run as the chief's hooks see it, without a job or a store behind it."""
+    return Run(
         job=None,
         role=_Role(),
-        start_step=0,
-        target_steps=400,
-        global_step=lambda: 400,
+        start_step=start_step,
+        target_steps=target_steps,
+        global_step=lambda: global_step,
         start_save=None,
     )
+
+
+def test_progress_is_plain_lines_with_an_eta_when_not_on_a_terminal(capsys):
+    bar = ProgressBar(every_secs=0, terminal=False)
+    run = _chief_run(0, 400, 400)
     bar.begin(run)
     for step in (100, 200):
         bar.after_step(run, StepInfo(step, 0.5, 0, step))
@@ -169,14 +174,7 @@ def test_a_torn_metrics_line_is_skipped_by_plot_and_not_glued_to_the_next(tmp_pa
     good = '{"time": 1, "task": "/job:worker/task:0", "step": 20, "name": "loss", "value": 1.5}'
     (folder / "metrics.jsonl").write_text(good + "\n" + good[:30])
     hook = Summaries(tmp_path, every=1, tensorboard=False)
-    run = Run(
-        job=None,
-        role=_Role(),
-        start_step=20,
-        target_steps=0,
-        global_step=lambda: 20,
-        start_save=None,
-    )
+    run = _chief_run(20, 0, 20)
     hook.begin(run)
     hook.record(40, {"loss": 0.5})
     hook.file.close()
