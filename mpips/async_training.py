@@ -49,7 +49,7 @@ from .store import (
     start_limit,
     watched_barrier,
 )
-from .summaries import job_timeline
+from .summaries import job_timeline, ps_summaries
 
 
 def train_async(
@@ -92,6 +92,9 @@ def train_async(
 
         timeline = job_timeline(job, "ps", cluster.role.task)
         apply = optimizer.apply if optimizer.stateful or replicas else None
+        rate = None  # this PS's apply rate, when it applies and summaries are on
+        if apply is not None and (rate := ps_summaries(job, cluster.role.task)):
+            apply = rate.timed(apply)
         if timeline is not None:
             apply = apply and timeline.timed("apply", apply)
             write_shard = timeline.timed("checkpoint write", write_shard)
@@ -105,7 +108,10 @@ def train_async(
             aggregate=(job.train.replicas_to_aggregate or cluster.layout.num_workers)
             if replicas
             else 0,
+            on_applied=rate.applied if rate else None,
         )
+        if rate is not None:
+            rate.close()
         if timeline is not None:
             timeline.write()
         result = TrainResult(cluster.role, 0, 0)

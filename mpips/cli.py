@@ -339,11 +339,11 @@ def cmd_layout(args: argparse.Namespace) -> int:
     )
     for e in placement:
         shape = "x".join(map(str, e.spec.shape))
-        rows = (
-            f"{e.rows[0]}:{e.rows[1]}:{e.rows[2]} of {e.name} ({job.model.partition})"
-            if e.rows
-            else ""
-        )
+        rows = ""
+        if e.rows and e.table:
+            rows = f"{e.rows[0]}:{e.rows[1]}:{e.rows[2]} of {e.name} ({job.model.partition})"
+        elif e.rows:
+            rows = f"{e.rows[0]}:{e.rows[1]} of {e.name} (layout.partition)"
         print(
             f"{e.spec.name:<24} {shape:<12} {e.spec.dtype:<8} {e.spec.nbytes:>10}  "
             f"/job:ps/task:{e.ps_task:<4} {e.offset:>10}  {rows}"

@@ -34,6 +34,7 @@ class Placed:
     offset: int
     rows: tuple[int, int, int] | None = None  # a partition: range(*rows) of the full variable
     whole: VariableSpec | None = None  # the partitioned variable this is a part of
+    table: bool = False  # a table's partition (moved by rows a batch touches), not a dense block
 
     @property
     def name(self) -> str:
@@ -42,11 +43,11 @@ class Placed:
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.spec.shape)) or "scalar"
-        part = (
-            f" rows {self.rows[0]}:{self.rows[1]}:{self.rows[2]} of {self.name}"
-            if self.rows
-            else ""
-        )
+        part = ""
+        if self.rows and self.table:
+            part = f" rows {self.rows[0]}:{self.rows[1]}:{self.rows[2]} of {self.name}"
+        elif self.rows:
+            part = f" rows {self.rows[0]}:{self.rows[1]} of {self.name} (layout.partition)"
         return f"{self.spec.name} [{shape}] {self.spec.dtype}{part} on /job:ps/task:{self.ps_task}"
 
 
@@ -69,26 +70,36 @@ class Placement:
         return max(ends, default=0)
 
     def dense_bytes(self, task: int) -> int:
-        """Bytes of PS ``task``'s whole (not partitioned) variables: they come first, and a
-        pull reads them in one Get; partitions are read row by row."""
-        ends = [align(e.offset + e.spec.nbytes) for e in self.on_ps(task) if e.rows is None]
+        """Bytes of PS ``task``'s dense variables (whole ones, then row blocks of split ones):
+        they come first, and every pull reads all of them; table partitions follow, read
+        row by row."""
+        ends = [align(e.offset + e.spec.nbytes) for e in self.on_ps(task) if not e.table]
+        return max(ends, default=0)
+
+    def whole_bytes(self, task: int) -> int:
+        """Bytes of PS ``task``'s whole (unsplit) variables, the start of its window."""
+        ends = [align(e.offset + e.spec.nbytes) for e in self.on_ps(task) if e.whole is None]
         return max(ends, default=0)
 
     @property
     def dense(self) -> list[Placed]:
-        return [e for e in self.entries if e.rows is None]
+        """Every entry but table partitions: whole variables and row blocks of split ones."""
+        return [e for e in self.entries if not e.table]
 
-    def parts(self, table: str) -> list[Placed]:
-        """The partitions of ``table``, by PS task."""
+    def parts(self, name: str) -> list[Placed]:
+        """The partitions of table or split variable ``name``, by PS task."""
         return sorted(
-            (e for e in self.entries if e.whole and e.whole.name == table), key=lambda e: e.ps_task
+            (e for e in self.entries if e.whole and e.whole.name == name), key=lambda e: e.ps_task
         )
 
     def entry_digests(self) -> list[int]:
         """One 63-bit hash per variable of (name, shape, dtype, ps task, offset)."""
         out = []
         for e in self.entries:
-            key = f"{e.spec.name}|{e.spec.shape}|{e.spec.dtype}|{e.ps_task}|{e.offset}|{e.rows}"
+            key = (
+                f"{e.spec.name}|{e.spec.shape}|{e.spec.dtype}|{e.ps_task}|{e.offset}|{e.rows}"
+                f"|{e.table}"
+            )
             out.append(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1)
         return out
 
@@ -166,7 +177,7 @@ def imbalance(placement: Placement, strategy: str) -> str:
     num_ps = placement.num_ps
     if num_ps < 2:
         return ""
-    held = [sum(e.spec.nbytes for e in placement.on_ps(t) if e.rows is None) for t in range(num_ps)]
+    held = [sum(e.spec.nbytes for e in placement.on_ps(t) if not e.table) for t in range(num_ps)]
     share = sum(held) / num_ps
     top = max(range(num_ps), key=lambda t: held[t])
     if held[top] < 1.5 * share or held[top] - share < 256 * 1024:
@@ -176,8 +187,8 @@ def imbalance(placement: Placement, strategy: str) -> str:
     if largest.spec.nbytes > share:
         fix = (
             f"its largest variable {largest.name} ({largest.spec.nbytes / 1e6:.2f} MB) "
-            f"alone is more than an even share, so only splitting it over the PS tasks "
-            f"would balance them (row-partitioned dense variables are not supported yet)"
+            f"alone is more than an even share: split it by rows over the PS tasks with "
+            f'layout.partition = ["{largest.name}"] (or layout.partition_min_bytes)'
         )
     elif strategy != "greedy":
         fix = 'layout.placement = "greedy" balances them (or pin variables with layout.pin)'
@@ -227,7 +238,26 @@ def place_tables(placement: Placement, tables: list[VariableSpec], rule: str) ->
         for p, rows in enumerate(partition_rows(table.shape[0], num_ps, rule)):
             shape = (len(range(*rows)),) + table.shape[1:]
             spec = VariableSpec(f"{table.name}:part{p}", shape, table.dtype)
-            entries.append(Placed(spec, p, fill[p], rows, table))
+            entries.append(Placed(spec, p, fill[p], rows, table, table=True))
+            fill[p] = align(fill[p] + spec.nbytes)
+    return Placement(tuple(entries), num_ps)
+
+
+def place_blocks(placement: Placement, split: list[VariableSpec]) -> Placement:
+    """Dense variables split by rows over every PS task (TensorFlow's partitioned
+    variables): task p holds the p-th contiguous block of rows, after its whole variables.
+    Every pull reads all blocks, each straight into its rows of the worker's full array."""
+    _check_names([e.spec for e in placement] + split)
+    num_ps = placement.num_ps
+    fill = [placement.ps_bytes(p) for p in range(num_ps)]
+    entries = list(placement.entries)
+    for var in split:
+        n = var.shape[0]
+        for p in range(num_ps):
+            rows = (p * n // num_ps, (p + 1) * n // num_ps, 1)  # sizes differ by at most one
+            shape = (rows[1] - rows[0],) + var.shape[1:]
+            spec = VariableSpec(f"{var.name}:part{p}", shape, var.dtype)
+            entries.append(Placed(spec, p, fill[p], rows, var))
             fill[p] = align(fill[p] + spec.nbytes)
     return Placement(tuple(entries), num_ps)
 
@@ -248,6 +278,6 @@ def slot_placement(placement: Placement, slots: tuple[str, ...]) -> Placement:
                 if e.whole
                 else None
             )
-            entries.append(Placed(spec, e.ps_task, fill[e.ps_task], e.rows, whole))
+            entries.append(Placed(spec, e.ps_task, fill[e.ps_task], e.rows, whole, e.table))
             fill[e.ps_task] = align(fill[e.ps_task] + spec.nbytes)
     return Placement(tuple(entries), placement.num_ps)

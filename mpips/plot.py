@@ -1,5 +1,6 @@
 """``python -m mpips plot RUN_DIR``: PNG figures of a run from its summaries (metrics.jsonl of
-each worker) and, if one was recorded, its timeline (merged into RUN_DIR/timeline.json)."""
+each worker and PS task) and, if one was recorded, its timeline (merged into
+RUN_DIR/timeline.json)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,25 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DataError
-from .summaries import DELAY, EXAMPLES_PER_SEC, LOSS, VALIDATION
+from .summaries import (
+    DELAY,
+    EXAMPLES_PER_SEC,
+    LOSS,
+    PS_APPLY_BUSY,
+    PS_UPDATES_PER_SEC,
+    VALIDATION,
+)
 from .timeline import merge
 
 Series = dict[str, dict[str, list[tuple[float, float, float]]]]  # name -> task -> (t, step, v)
 
 
 def read_metrics(run_dir: str | Path) -> tuple[Series, int]:
-    """Every worker's metrics.jsonl under ``run_dir``: (name -> task -> [(time, step,
-    value)], the number of unreadable lines skipped: a run killed mid-write leaves half a
-    line)."""
+    """Every worker's and PS task's metrics.jsonl under ``run_dir``: (name -> task ->
+    [(time, step, value)], the number of unreadable lines skipped: a run killed mid-write
+    leaves half a line)."""
     files = sorted(Path(run_dir).glob("worker-*/metrics.jsonl"))
+    files += sorted(Path(run_dir).glob("ps-*/metrics.jsonl"))
     if not files:
         raise DataError(
             f"{run_dir}: no worker-*/metrics.jsonl (summaries are written where "
@@ -106,6 +115,17 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
         for task, points in sorted(series[DELAY].items()):
             ax.hist([p[2] for p in points], bins=20, alpha=0.5, label=task)
         written.append(_save(fig, ax, out / "staleness.png"))
+    if PS_UPDATES_PER_SEC in series:
+        fig, ax = _figure("PS apply rate", "global step", "updates applied/s (solid)")
+        busy_ax = ax.twinx()
+        busy_ax.set_ylabel("% of the time applying (dashed)")
+        for task, points in sorted(series[PS_UPDATES_PER_SEC].items()):
+            (line,) = ax.plot([p[1] for p in points], [p[2] for p in points], label=task)
+            busy = series.get(PS_APPLY_BUSY, {}).get(task, [])
+            busy_ax.plot(
+                [p[1] for p in busy], [100 * p[2] for p in busy], "--", color=line.get_color()
+            )
+        written.append(_save(fig, ax, out / "ps_apply.png"))
     timeline = merge(run_dir)
     if timeline is not None:
         written += [timeline, _plot_phases(timeline, out / "phases.png")]

@@ -98,11 +98,18 @@ def _check_sync_replicas(job: Job, cluster: Cluster, info: DatasetInfo) -> None:
 
 def _check_summary_dir(job: Job, cluster: Cluster) -> None:
     """The summaries' directory, checked like the checkpoints' by every rank that writes
-    there (the chief, every worker with summary.all_workers, every task with a timeline)."""
+    there (the chief, every worker with summary.all_workers, every task with a timeline,
+    every PS task that applies updates itself)."""
     root, s = summary_root(job), job.summary
     if not root or not (s.every_steps or s.timeline):
         return
-    writes = cluster.is_chief or s.timeline or (s.all_workers and not cluster.is_ps)
+    ps_applies = job.optimizer.kind != "sgd" or job.train.mode == "sync_replicas"
+    writes = (
+        cluster.is_chief
+        or s.timeline
+        or (s.all_workers and not cluster.is_ps)
+        or (cluster.is_ps and ps_applies and s.every_steps > 0)
+    )
     if writes:
         checkpoint.check_writable(
             root, "summary.dir", "set summary.dir to another directory", "summaries"
@@ -219,7 +226,8 @@ def _ps_fill(
     job: Job, cluster: Cluster, model: Any, optimizer: Optimizer, ckpt: checkpoint.Checkpoint | None
 ) -> dict[str, np.ndarray]:
     """What PS ``task`` writes into its own memory before training, by variable name:
-    restoring, all it holds; afresh, its table partitions and their slots."""
+    restoring, all it holds (split variables' row blocks re-sliced from any partitioning);
+    afresh, its table partitions and their slots (the chief writes the dense variables)."""
     task = cluster.role.task
     placement = job_placement(job, model.variables(), cluster.layout.num_ps, model.tables())
     mine = placement.on_ps(task)
@@ -227,7 +235,7 @@ def _ps_fill(
     if ckpt is None:
         out = {}
         for e in mine:
-            if e.whole is not None:
+            if e.table:
                 out[e.name] = model.initial_rows(e.name, e.rows, job.model.init_seed)
                 for slot, value in optimizer.init_slots(out[e.name]).items():
                     out[f"{e.name}/{slot}"] = value

@@ -1,18 +1,21 @@
-"""Scalars of a run, as JSON lines and TensorBoard event files, written by a hook.
+"""Scalars of a run, as JSON lines and TensorBoard event files.
 
 Each worker that writes (the chief, or every worker with ``summary.all_workers``) has a
 folder ``<summary.dir>/worker-K/`` holding ``metrics.jsonl`` (one object per scalar:
 ``time``, ``task``, ``step``, ``name``, ``value``; easy to load with pandas) and TensorBoard
 event files (tensorboardX), so ``tensorboard --logdir <summary.dir>`` shows each worker as a
-run. A resumed run appends to the same files.
+run; a hook writes them. A PS task that applies updates itself (stateful optimizers,
+sync_replicas) writes its apply rate to ``<summary.dir>/ps-K/`` the same way. A resumed run
+appends to the same files.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from .hooks import Hook, Run, StepInfo
 from .log import log
@@ -28,6 +31,8 @@ LEAD = "staleness/lead"  # async: mean lead over the slowest worker
 DELAY = "staleness/delay"  # async: mean global steps between pull and push
 CHECKPOINT_PAUSE = "checkpoint/pause_ms"  # chief: time the last checkpoint took from it
 VALIDATION = "validation/"  # prefix of the validation metrics (chief)
+PS_UPDATES_PER_SEC = "ps/updates_per_sec"  # a PS task: updates it applied per second
+PS_APPLY_BUSY = "ps/apply_busy"  # a PS task: share of that time spent applying them
 
 
 def summary_root(job: Any) -> str:
@@ -39,6 +44,15 @@ def summary_root(job: Any) -> str:
 def job_timeline(job: Any, job_name: str, task: int) -> Timeline | None:
     """The task's timeline if the job asks for one (summary.timeline), else None."""
     return Timeline(summary_root(job), job_name, task) if job.summary.timeline else None
+
+
+def ps_summaries(job: Any, task: int) -> PsSummaries | None:
+    """PS ``task``'s apply-rate summaries, if the job's summaries are on (the caller asks
+    only when this PS applies updates itself)."""
+    root = summary_root(job)
+    if not root or not job.summary.every_steps:
+        return None
+    return PsSummaries(root, task, job.summary.every_steps, job.summary.tensorboard)
 
 
 def summary_dir(run_dir: str | Path, task: int) -> Path:
@@ -88,6 +102,46 @@ def _ends_mid_line(path: Path) -> bool:
         return False
 
 
+class MetricsWriter:
+    """One task's scalars: appended to ``<folder>/metrics.jsonl`` and, with ``tensorboard``,
+    to TensorBoard event files in the same folder."""
+
+    def __init__(self, folder: Path, task: str, tensorboard: bool):
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "metrics.jsonl"
+        torn = _ends_mid_line(path)
+        self.file = open(path, "a", buffering=1)  # line-buffered
+        if torn:  # a killed run's half line stays a line of its own (plot skips it)
+            self.file.write("\n")
+        self.writer: Any = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # imported only when summaries are on
+
+            self.writer = SummaryWriter(str(folder), flush_secs=10)
+        self.task = task
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        """Write scalars at a global step (both formats)."""
+        now = time.time()
+        self.file.write(
+            "".join(
+                json.dumps(
+                    {"time": round(now, 3), "task": self.task, "step": step, "name": k, "value": v}
+                )
+                + "\n"
+                for k, v in values.items()
+            )
+        )
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, step, walltime=now)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.file.close()
+
+
 class Summaries(Hook):
     """Every ``every`` local updates of this worker: its scalars to metrics.jsonl and
     TensorBoard. Validation results and checkpoint pauses are recorded when they happen."""
@@ -97,8 +151,7 @@ class Summaries(Hook):
     ):
         self.directory, self.every = Path(directory), every
         self.all_workers, self.tensorboard = all_workers, tensorboard
-        self.file: IO[str] | None = None
-        self.writer: Any = None
+        self.out: MetricsWriter | None = None
         self._reset(time.perf_counter(), 0)
         self.validations = 0
         self.save_seconds = 0.0
@@ -117,54 +170,22 @@ class Summaries(Hook):
         if not self._writes(run):
             return
         folder = summary_dir(self.directory, run.role.task)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "metrics.jsonl"
-        torn = _ends_mid_line(path)
-        self.file = open(path, "a", buffering=1)  # line-buffered
-        if torn:  # a killed run's half line stays a line of its own (plot skips it)
-            self.file.write("\n")
-        if self.tensorboard:
-            from tensorboardX import SummaryWriter  # imported only when summaries are on
-
-            self.writer = SummaryWriter(str(folder), flush_secs=10)
-        self.task = str(run.role)
+        self.out = MetricsWriter(folder, str(run.role), self.tensorboard)
         self._reset(time.perf_counter(), run.start_step)
 
     def record(self, step: int, values: dict[str, float]) -> None:
-        """Write scalars at a global step (both formats)."""
-        if self.file is None:
-            return
-        now = time.time()
-        self.file.write(
-            "".join(
-                json.dumps(
-                    {"time": round(now, 3), "task": self.task, "step": step, "name": k, "value": v}
-                )
-                + "\n"
-                for k, v in values.items()
-            )
-        )
-        if self.writer is not None:
-            for k, v in values.items():
-                self.writer.add_scalar(k, v, step, walltime=now)
+        """Write scalars at a global step (both formats), if this worker writes."""
+        if self.out is not None:
+            self.out.record(step, values)
 
     def after_step(self, run: Run, info: StepInfo) -> None:
-        if self.file is None:
+        if self.out is None:
             return
         self.losses.append(info.loss)
         self.leads.append(info.lead)
         self.delays.append(info.delay)
         self.examples += run.job.train.batch_size
-        if len(run.validation) > self.validations:
-            for v in run.validation[self.validations :]:
-                self.record(
-                    v["global_step"],
-                    {VALIDATION + k: float(x) for k, x in v.items() if k != "global_step"},
-                )
-            self.validations = len(run.validation)
-        if run.save_seconds > self.save_seconds:
-            self.record(info.step, {CHECKPOINT_PAUSE: 1e3 * (run.save_seconds - self.save_seconds)})
-            self.save_seconds = run.save_seconds
+        self._events(run, info.step)
         if not self.every or info.local_updates % self.every:
             return
         now = time.perf_counter()
@@ -182,11 +203,63 @@ class Summaries(Hook):
         self.record(info.step, values)
         self._reset(now, info.step)
 
+    def _events(self, run: Run, step: int) -> None:
+        """Record validations and checkpoint pauses that happened since the last look."""
+        if len(run.validation) > self.validations:
+            for v in run.validation[self.validations :]:
+                self.record(
+                    v["global_step"],
+                    {VALIDATION + k: float(x) for k, x in v.items() if k != "global_step"},
+                )
+            self.validations = len(run.validation)
+        if run.save_seconds > self.save_seconds:
+            self.record(step, {CHECKPOINT_PAUSE: 1e3 * (run.save_seconds - self.save_seconds)})
+            self.save_seconds = run.save_seconds
+
     def end(self, run: Run) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        if self.out is not None:
+            # a checkpoint committed at the end (the last one, or one still pending when
+            # the loop ended): the saver's end ran before this one
+            self._events(run, run.global_step())
+            self.out.close()
+            self.out = None
             if run.is_chief:
                 log(run.role, where_to_look(self.directory))
+
+
+class PsSummaries:
+    """A PS task's apply rate: every ``every`` updates it applied, the updates per second
+    and the share of that time spent in the optimizer's rule (the rest is waiting for
+    pushes, reading them and acknowledging)."""
+
+    def __init__(self, directory: str | Path, task: int, every: int, tensorboard: bool = True):
+        self.out = MetricsWriter(
+            Path(directory) / f"ps-{task}", f"/job:ps/task:{task}", tensorboard
+        )
+        self.every = every
+        self.updates, self.busy, self.t0 = 0, 0.0, time.perf_counter()
+
+    def timed(self, apply: Callable[..., None]) -> Callable[..., None]:
+        """``apply``, adding the seconds it takes to the busy time."""
+
+        def run(*args: Any) -> None:
+            t = time.perf_counter()
+            apply(*args)
+            self.busy += time.perf_counter() - t
+
+        return run
+
+    def applied(self, step: int) -> None:
+        """One update applied; ``step``: the global step it made."""
+        self.updates += 1
+        if self.updates % self.every == 0:
+            now = time.perf_counter()
+            seconds = max(now - self.t0, 1e-9)
+            self.out.record(
+                step,
+                {PS_UPDATES_PER_SEC: self.every / seconds, PS_APPLY_BUSY: self.busy / seconds},
+            )
+            self.busy, self.t0 = 0.0, now
+
+    def close(self) -> None:
+        self.out.close()

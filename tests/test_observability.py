@@ -82,6 +82,7 @@ def test_summaries_timeline_and_plots_of_an_async_run(tmp_path):
     assert [round(e.value, 4) for e in events.Scalars("validation/accuracy")] == [
         round(v, 4) for _, v in chief["validation/accuracy"]
     ]
+    assert not (run_dir / "ps-0").exists()  # plain SGD: the PS applies nothing itself
     # the timeline: each task's phases, merged by `mpips plot` into one Chrome trace
     parts = sorted(p.name for p in (run_dir / "timeline").glob("*.json"))
     assert parts == ["ps-0.json", "worker-0.json", "worker-1.json"]
@@ -110,6 +111,34 @@ def test_summaries_timeline_and_plots_of_an_async_run(tmp_path):
     last = [ln for ln in c.stdout.splitlines() if "ckpt-300.json" in ln]
     assert last and re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", last[0])
     assert "validation accuracy" in last[0] and "tensorboard --logdir runs/obs" in c.stdout
+
+
+@pytest.mark.launcher
+def test_ps_tasks_that_apply_updates_record_their_apply_rate(tmp_path):
+    """Adam: each PS applies every update; ps-K/ holds its rate, read back by TensorBoard,
+    and `mpips plot` draws it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (tmp_path / "job.toml").write_text(
+        '[data]\nbuiltin = "digits"\n[optimizer]\nkind = "adam"\nlearning_rate = 0.005\n'
+        '[train]\nsteps = 200\n[summary]\ndir = "runs/ps"\nevery_steps = 25\n'
+        "[layout]\nps = 2\npartition_min_bytes = 1\n"
+    )
+    r = run_train(tmp_path, 4, "job.toml", timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for task in (0, 1):
+        got = records(tmp_path / f"runs/ps/ps-{task}/metrics.jsonl")
+        # every PS task applies all 200 updates (every variable is split over both)
+        assert [s for s, _ in got["ps/updates_per_sec"]] == list(range(25, 201, 25))
+        assert all(v > 0 for _, v in got["ps/updates_per_sec"])
+        assert all(0 < v < 1 for _, v in got["ps/apply_busy"])
+        events = EventAccumulator(str(tmp_path / f"runs/ps/ps-{task}"))
+        events.Reload()
+        assert {"ps/updates_per_sec", "ps/apply_busy"} <= set(events.Tags()["scalars"])
+        assert [e.step for e in events.Scalars("ps/apply_busy")] == list(range(25, 201, 25))
+    p = run_py(["-m", "mpips", "plot", "runs/ps"], cwd=tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "runs/ps/ps_apply.png").stat().st_size > 5000
 
 
 @pytest.mark.launcher
@@ -177,7 +206,7 @@ def test_a_torn_metrics_line_is_skipped_by_plot_and_not_glued_to_the_next(tmp_pa
     run = _chief_run(20, 0, 20)
     hook.begin(run)
     hook.record(40, {"loss": 0.5})
-    hook.file.close()
+    hook.end(run)
     series, skipped = read_metrics(tmp_path)
     assert skipped == 1 and series["loss"]["/job:worker/task:0"] == [
         (1.0, 20.0, 1.5),

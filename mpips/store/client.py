@@ -84,26 +84,22 @@ class StoreClient:
         self.control = RunControl(windows)
         self.ps_ranks = windows.layout.ps_ranks
         num_ps = placement.num_ps
-        self._param_bufs = [np.zeros(placement.dense_bytes(p), np.uint8) for p in range(num_ps)]
+        # whole variables of each PS: one buffer laid out like the start of its window
+        self._param_bufs = [np.zeros(placement.whole_bytes(p), np.uint8) for p in range(num_ps)]
         self._grad_bufs = [np.zeros_like(b) for b in self._param_bufs]
-        # (ps task, rank, whole-variable buffer) of every PS: walked by every pull and push
-        self._targets = [(p, self.ps_ranks[p], buf) for p, buf in enumerate(self._param_bufs)]
-        self.params = views(placement.dense, self._param_bufs)
-        self.grads = views(placement.dense, self._grad_bufs)
-        # contiguous same-dtype runs per PS: one typed Accumulate each
-        self._runs: list[list[tuple[int, int, np.dtype]]] = []
-        for p in range(num_ps):
-            runs = []
-            dense = [e for e in placement.on_ps(p) if e.rows is None]
-            for dtype, group in groupby(dense, key=lambda e: e.spec.dtype):
-                members = list(group)
-                start = members[0].offset
-                end = members[-1].offset + members[-1].spec.nbytes
-                runs.append((start, end - start, np.dtype(dtype)))
-            self._runs.append(runs)
+        whole = [e for e in placement.dense if e.whole is None]
+        self.params = views(whole, self._param_bufs)
+        self.grads = views(whole, self._grad_bufs)
+        # split variables (layout.partition): one full array each, whose row blocks move
+        # straight to and from their PS tasks
+        for e in placement.dense:
+            if e.whole is not None and e.name not in self.params:
+                self.params[e.name] = np.zeros(e.whole.shape, e.whole.dtype)
+                self.grads[e.name] = np.zeros(e.whole.shape, e.whole.dtype)
+        self._segments = _segments(self)
         self.tables: dict[str, Table] = {}
         for e in placement:
-            if e.whole is not None and e.whole.name not in self.tables:
+            if e.table and e.name not in self.tables:
                 parts = placement.parts(e.whole.name)
                 rows = parts[0].rows
                 assert rows is not None  # every part of a table has its rows
@@ -122,8 +118,8 @@ class StoreClient:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of whole variables moved by one pull (and by one push)."""
-        return sum(b.size for b in self._param_bufs)
+        """Bytes of dense variables moved by one pull (and by one push)."""
+        return sum(s.params.size for s in self._segments)
 
     @property
     def pulled_bytes(self) -> int:
@@ -132,12 +128,12 @@ class StoreClient:
         return self.nbytes + sum(r.mpi_type.Get_size() for r in self._routed)
 
     def pull(self, ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """Read every whole variable (one Get per PS) and, given unique row ``ids``, those rows
-        of every table (one Get per PS and table); returns them by name."""
+        """Read every dense variable (one Get per PS and dtype, and per row block of a split
+        variable) and, given unique row ``ids``, those rows of every table (one Get per PS
+        and table); returns them by name."""
         win = self.windows.params
-        for _p, rank, buf in self._targets:
-            if buf.size:
-                win.Get([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
+        for seg in self._segments:
+            win.Get([seg.params, MPI.BYTE], seg.rank, [seg.offset, seg.params.size, MPI.BYTE])
         out = self.params
         fetched = []
         if ids is not None and self.tables:
@@ -155,7 +151,7 @@ class StoreClient:
                     [table.parts[r.ps_task].offset, 1, r.mpi_type],
                 )
                 fetched.append((out[table.name], r.at, staged))
-        for _p, rank, _ in self._targets:
+        for rank in self.ps_ranks:
             win.Flush(rank)
         for rows, at, staged in fetched:
             rows[at] = staged
@@ -187,7 +183,7 @@ class StoreClient:
         """
         if self.stateful:
             self.mail.post(
-                self._grad_bufs,
+                ((s.ps_task, s.offset, s.grads) for s in self._segments),
                 self._row_grads,
                 ((r.table.name, r.ps_task, r.at, r.local) for r in self._routed),
                 lr,
@@ -195,11 +191,10 @@ class StoreClient:
             )
             return self.mail.wait_applied()
         win = self.windows.params
-        for p, rank, _ in self._targets:
-            for start, nbytes, dtype in self._runs[p]:
-                data = self._grad_bufs[p][start : start + nbytes].view(dtype)
-                mpi_type = MPI.Datatype.fromcode(dtype.char)  # predefined: fast path
-                win.Accumulate([data, mpi_type], rank, [start, data.size, mpi_type], MPI.SUM)
+        for seg in self._segments:
+            data = seg.grads.view(seg.dtype)
+            mpi_type = MPI.Datatype.fromcode(seg.dtype.char)  # predefined: fast path
+            win.Accumulate([data, mpi_type], seg.rank, [seg.offset, data.size, mpi_type], MPI.SUM)
         staged = []  # alive until the Flush
         for r in self._routed:
             staged.append(np.ascontiguousarray(self._row_grads[r.table.name][r.at]))
@@ -209,7 +204,7 @@ class StoreClient:
                 [r.table.parts[r.ps_task].offset, 1, r.mpi_type],
                 MPI.SUM,
             )
-        for _p, rank, _ in self._targets:
+        for rank in self.ps_ranks:
             win.Flush(rank)
         return True
 
@@ -224,36 +219,91 @@ class StoreClient:
     def initialise(
         self, values: dict[str, np.ndarray], slots: dict[str, np.ndarray] | None = None
     ) -> None:
-        """Overwrite every whole variable and its slots on the PS (chief initialisation).
+        """Overwrite every dense variable and its slots on the PS (chief initialisation).
         Table partitions and their slots are initialised by their PS tasks."""
-        for name, view in self.params.items():
-            view[...] = values[name]
+        for name, array in self.params.items():
+            array[...] = values[name]
         win = self.windows.params
         staged = []  # alive until the Flush below
         for e in self.windows.slots or ():
-            if e.rows is None:
-                staged.append(np.ascontiguousarray((slots or {})[e.spec.name], e.spec.dtype))
+            if not e.table:
+                value = (slots or {})[e.name]
+                if e.rows:
+                    value = value[e.rows[0] : e.rows[1]]
+                staged.append(np.ascontiguousarray(value, e.spec.dtype))
                 win.Put(
                     [staged[-1].view(np.uint8).ravel(), MPI.BYTE],
                     self.ps_ranks[e.ps_task],
                     [e.offset, e.spec.nbytes, MPI.BYTE],
                 )
-        for _p, rank, buf in self._targets:
-            if buf.size:
-                win.Put([buf, MPI.BYTE], rank, [0, buf.size, MPI.BYTE])
+        for seg in self._segments:
+            win.Put([seg.params, MPI.BYTE], seg.rank, [seg.offset, seg.params.size, MPI.BYTE])
+        for rank in self.ps_ranks:
             win.Flush(rank)
 
     def pull_slots(self) -> dict[str, np.ndarray]:
-        """Read the optimizer slots of every whole variable (``<variable>/<slot>``)."""
-        win, out = self.windows.params, {}
+        """Read the optimizer slots of every dense variable (``<variable>/<slot>``)."""
+        win, out = self.windows.params, dict[str, np.ndarray]()
         for e in self.windows.slots or ():
-            if e.rows is None:
-                out[e.spec.name] = np.empty(e.spec.shape, e.spec.dtype)
+            if not e.table:
+                whole = e.whole or e.spec
+                full = out.setdefault(e.name, np.empty(whole.shape, whole.dtype))
+                block = full[e.rows[0] : e.rows[1]] if e.rows else full
                 win.Get(
-                    [out[e.spec.name].view(np.uint8).ravel(), MPI.BYTE],
+                    [block.reshape(-1).view(np.uint8), MPI.BYTE],
                     self.ps_ranks[e.ps_task],
                     [e.offset, e.spec.nbytes, MPI.BYTE],
                 )
-        for _, rank, _ in self._targets:
+        for rank in self.ps_ranks:
             win.Flush(rank)
         return out
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous same-dtype run of a PS's dense variables: where it starts in the PS
+    window, and the worker's bytes a pull fills and a push sends."""
+
+    ps_task: int
+    rank: int
+    offset: int
+    params: np.ndarray  # uint8
+    grads: np.ndarray  # uint8
+    dtype: np.dtype
+
+
+def _segments(client: StoreClient) -> list[Segment]:
+    """Per PS task: its whole variables in one segment per dtype run (zero-copy views of the
+    per-PS buffers), then each row block of a split variable (views of those rows of the
+    worker's full array)."""
+    out = []
+    for p, rank in enumerate(client.ps_ranks):
+        on_ps = client.placement.on_ps(p)
+        whole = [e for e in on_ps if e.whole is None]
+        for dtype, group in groupby(whole, key=lambda e: e.spec.dtype):
+            members = list(group)
+            start, end = members[0].offset, members[-1].offset + members[-1].spec.nbytes
+            out.append(
+                Segment(
+                    p,
+                    rank,
+                    start,
+                    client._param_bufs[p][start:end],
+                    client._grad_bufs[p][start:end],
+                    np.dtype(dtype),
+                )
+            )
+        for e in on_ps:
+            if e.rows and not e.table and e.spec.nbytes:
+                a, b = e.rows[:2]
+                out.append(
+                    Segment(
+                        p,
+                        rank,
+                        e.offset,
+                        client.params[e.name][a:b].reshape(-1).view(np.uint8),
+                        client.grads[e.name][a:b].reshape(-1).view(np.uint8),
+                        np.dtype(e.spec.dtype),
+                    )
+                )
+    return out

@@ -75,12 +75,12 @@ class Inbox:
     variables' gradients, then a row box per table partition, by table name."""
 
     def __init__(self, placement: Placement, task: int, row_capacity: int):
-        self.dense = [e for e in placement.on_ps(task) if e.rows is None]
+        self.dense = [e for e in placement.on_ps(task) if not e.table]
         self.num_ps = placement.num_ps
         start = placement.dense_bytes(task)
         self.boxes: dict[str, RowBox] = {}
         for e in placement.on_ps(task):
-            if e.rows is not None:
+            if e.table:
                 box = RowBox(e, start, max(1, min(e.spec.shape[0], row_capacity)))
                 self.boxes[e.name] = box
                 start = box.end
@@ -89,9 +89,10 @@ class Inbox:
     def views(
         self, inbox: np.ndarray
     ) -> tuple[dict[str, np.ndarray], list[tuple[str, RowBox, tuple]]]:
-        """Typed views into an inbox's bytes: whole-variable gradients by name, and
-        (table, box, (count, rows, grads)) of every row box."""
-        return views(self.dense, [inbox] * self.num_ps), [
+        """Typed views into an inbox's bytes: dense variables' gradients by variable name (a
+        row block of a split variable by its variable's), and (table, box, (count, rows,
+        grads)) of every row box."""
+        return views(self.dense, [inbox] * self.num_ps, by_name=True), [
             (name, box, box.arrays(inbox)) for name, box in self.boxes.items()
         ]
 
@@ -110,21 +111,22 @@ class WorkerMail:
 
     def post(
         self,
-        dense: list[np.ndarray],
+        dense: Iterable[tuple[int, int, np.ndarray]],
         rows: dict[str, np.ndarray],
         routed: Iterable[RoutedRows],
         lr: float,
         tags: list[int] | None = None,
     ) -> None:
-        """Put ``dense[p]`` (the whole variables' gradients of PS task ``p``, as bytes) and
+        """Put each ``dense`` (PS task, byte offset, bytes) of the dense gradients and
         the gradient ``rows`` of each table (by position in the step's ids; ``routed`` says
         which go to which PS and row) into this worker's inboxes, then raise the flags with
         ``lr``. ``tags[p]``: the step of PS ``p`` this gradient is for (sync_replicas; the
         flag carries it, plus one)."""
         win, mail = self.windows.params, self.windows.mail
-        for p, buf in enumerate(dense):
-            if buf.size:
-                win.Put([buf, MPI.BYTE], self.ps_ranks[p], [self.offsets[p], buf.size, MPI.BYTE])
+        for p, offset, buf in dense:
+            win.Put(
+                [buf, MPI.BYTE], self.ps_ranks[p], [self.offsets[p] + offset, buf.size, MPI.BYTE]
+            )
         if self.boxes:
             to = {(name, p): (at, local) for name, p, at, local in routed}
             staged = []  # alive until the Flush

@@ -49,6 +49,7 @@ def serve(
     write_shard: WriteShard | None = None,
     stop_requested: Callable[[], int] = lambda: 0,
     aggregate: int = 0,
+    on_applied: Callable[[int], None] | None = None,
 ) -> int:
     """Serve this PS task from the chief's ready flag until the chief ends the run
     (RunControl.end_run); returns the updates applied.
@@ -61,6 +62,7 @@ def serve(
     job as a stop at the next step (preemption). ``aggregate`` > 0 (train.mode =
     "sync_replicas"): average that many gradients posted for this PS's current step, apply
     the mean once, advance the step, and drop gradients that come later for an older step.
+    ``on_applied(step)`` is called after each update this PS applies (summaries).
     """
     control = RunControl(windows)
     task = cluster.role.task
@@ -74,8 +76,14 @@ def serve(
         poll(chores.run, math.inf, unreachable)  # policed by the watchdog in chores.run
         return 0
     if aggregate:
-        return _aggregate_loop(cluster, windows, apply, slot_names, chores, aggregate)
-    return _apply_loop(cluster, windows, apply, slot_names, chores)
+        return _aggregate_loop(
+            cluster, windows, apply, slot_names, chores, aggregate, on_applied or _nothing
+        )
+    return _apply_loop(cluster, windows, apply, slot_names, chores, on_applied or _nothing)
+
+
+def _nothing(step: int) -> None:
+    pass
 
 
 def _forward_signal(control: RunControl, stop_requested: Callable[[], int]) -> None:
@@ -152,7 +160,12 @@ def _apply_rows(
 
 
 def _apply_loop(
-    cluster: Cluster, windows: Windows, apply: Apply, slot_names: Sequence[str], chores: _Chores
+    cluster: Cluster,
+    windows: Windows,
+    apply: Apply,
+    slot_names: Sequence[str],
+    chores: _Chores,
+    on_applied: Callable[[int], None],
 ) -> int:
     task = cluster.role.task
     t = chores.control.global_step()  # t continues from the restored global_step
@@ -174,6 +187,7 @@ def _apply_loop(
             for name, local, grad in rows:
                 _apply_rows(apply, variables[name], slots[name], local, grad, lr, t)
             mail.applied(k)
+            on_applied(t)
             applied += 1
             busy = True
         now = time.monotonic()
@@ -193,6 +207,7 @@ def _aggregate_loop(
     slot_names: Sequence[str],
     chores: _Chores,
     n: int,
+    on_applied: Callable[[int], None],
 ) -> int:
     """SyncReplicasOptimizer's PS: the first ``n`` gradients posted for this PS's current
     step are summed; the mean is applied once and the step advances (PS task 0 also
@@ -231,6 +246,7 @@ def _aggregate_loop(
                 if task == 0:
                     chores.control.advance_step()
                 mail.publish_step(step)
+                on_applied(step)
         now = time.monotonic()
         if busy:
             sleep, last_busy = BUSY_POLL_SECONDS, now
