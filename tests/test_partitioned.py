@@ -74,7 +74,6 @@ def test_the_imbalance_warning_says_which_variable_to_split():
     assert 'layout.partition = ["k0"]' in said
 
 
-
 def split_job(tmp_path, kind, steps, ckpt, ps, split="partition_min_bytes = 1"):
     """The optimizer test's job on 1 worker and ``ps`` PS tasks, every variable split."""
     job = write_job(tmp_path, kind, steps, ckpt)
