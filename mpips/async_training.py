@@ -15,7 +15,7 @@ import numpy as np
 
 from . import checkpoint, preemption
 from .backend import Device
-from .data import full_batches
+from .data import epoch_batches, full_batches
 from .errors import AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
@@ -32,6 +32,7 @@ from .run import (
     say_nothing_to_train,
     say_preempted,
     say_restored,
+    target_steps,
 )
 from .startup import Prepared
 from .store import (
@@ -153,11 +154,14 @@ class AsyncWorker:
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
         control = self.control
+        per_epoch = epoch_batches(
+            self.prep.info.rows["train"], self.cluster.layout.num_workers, self.tc.batch_size
+        )
         run = Run(
             self.job,
             self.role,
             self.prep.start_step,
-            self.tc.steps,
+            target_steps(self.tc.steps, self.tc.epochs, per_epoch),
             control.global_step,
             self.start_save,
             lambda: {k: v.copy() for k, v in self.client.pull().items()},

@@ -281,6 +281,16 @@ def full_batches(num_rows: int, num_parts: int, batch_size: int) -> int:
     )
 
 
+def epoch_batches(num_rows: int, workers: int, batch_size: int) -> int:
+    """Batches all async workers together make in one epoch of their parts (a part's last
+    batch may be short; streamed chunks hold whole batches, so the count is the same): the
+    global steps of an epoch."""
+    return sum(
+        -(-(b - a) // batch_size)
+        for a, b in (worker_rows(num_rows, workers, k) for k in range(workers))
+    )
+
+
 def row_bytes(info: DatasetInfo) -> int:
     """Host memory one dense row takes while read: as stored (<= 8 B an input) and as
     float32; its label as stored and as int64."""

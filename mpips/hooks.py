@@ -149,6 +149,12 @@ class ProgressBar(Hook):
         else:
             self.plain, self.step0 = True, run.start_step
             self.t0 = self.last = time.monotonic()
+            target = f" of {run.target_steps}" if run.target_steps else ""
+            log(
+                run.role,
+                f"progress: from global_step {run.start_step}{target}, a line every "
+                f"{self.every_secs:.0f} s",
+            )
 
     def after_step(self, run: Run, info: StepInfo) -> None:
         if self.bar is not None and info.step > self.bar.n:

@@ -87,6 +87,13 @@ def run_steps(steps: Steps, run: Run, hooks: Sequence[Hook]) -> tuple[int, int, 
     return updates, examples, time.perf_counter() - t0
 
 
+def target_steps(steps: int, epochs: int, per_epoch: int) -> int:
+    """The global step a run ends at, as far as it is known before it starts (the progress
+    bar's total and ETA): train.steps, or train.epochs times the global steps of an epoch,
+    whichever comes first; 0 if neither is set."""
+    return min((t for t in (steps, epochs * per_epoch) if t), default=0)
+
+
 def standard_hooks(job: Job, extra: Iterable[Hook] = ()) -> list[Hook]:
     """The hooks every job gets (step logging, validation every train.eval_every steps, the
     chief's progress bar, checkpoints, summaries), then the caller's."""

@@ -46,6 +46,7 @@ from .run import (
     say_nothing_to_train,
     say_preempted,
     say_restored,
+    target_steps,
 )
 from .startup import Prepared
 from .store import Cluster
@@ -150,7 +151,7 @@ class Replica:
             self.job,
             self.role,
             start_step,
-            self.tc.steps,
+            target_steps(self.tc.steps, self.tc.epochs, self.per_epoch),
             lambda: self.step_count,
             self.save,
             lambda: {k: v.copy() for k, v in self.params.items()},

@@ -184,11 +184,12 @@ def test_progress_is_plain_lines_with_an_eta_when_not_on_a_terminal(capsys):
     bar.end(run)
     out = capsys.readouterr()
     lines = out.out.splitlines()
-    assert len(lines) == 2 and "\r" not in out.out + out.err, out
+    assert len(lines) == 3 and "\r" not in out.out + out.err, out
+    assert lines[0].endswith("progress: from global_step 0 of 400, a line every 0 s")
     assert re.fullmatch(
         r"\[/job:worker/task:0\] progress: global_step 200/400 \(50%\), "
         r"[0-9.]+ steps/s, ETA \d+ s",
-        lines[1],
+        lines[2],
     ), lines
 
 

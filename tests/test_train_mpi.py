@@ -187,6 +187,22 @@ def test_run_ends_when_every_worker_has_exhausted_its_epochs(tmp_path):
     assert sorted(int(s) for _, s in STEP.findall(r.stdout)) == list(range(1, 33))
 
 
+@pytest.mark.parametrize("mode, ranks, target", [("async", 3, 32), ("sync", 2, 14)])
+def test_an_epochs_only_run_knows_its_last_step(tmp_path, mode, ranks, target):
+    """The progress total (and ETA) of a run given only train.epochs: async, the workers'
+    batches of 719 and 718 rows (8 an epoch each, the last short) x 2; sync, the replicas'
+    common full batches (7) x 2. The run ends exactly there."""
+    (tmp_path / "job.toml").write_text(
+        f'[data]\nbuiltin = "digits"\n[train]\nmode = "{mode}"\nepochs = 2\n'
+        "batch_size = 100\nlog_every = 0\n"
+    )
+    r = run_mpi(ranks, ["-m", "mpips", "train", "--result", "result.json", "job.toml"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = r.stdout + r.stderr
+    assert f"progress: from global_step 0 of {target}, a line every 30 s" in said, said[-2000:]
+    assert read_result(tmp_path)["global_step"] == target
+
+
 def under_way(tmp_path, ranks, *args):
     """A background job with a periodic checkpoint behind it: training is under way."""
     job = BackgroundJob(tmp_path, ranks, *args)
