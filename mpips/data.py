@@ -292,8 +292,11 @@ def epoch_batches(num_rows: int, workers: int, batch_size: int) -> int:
 
 
 def row_bytes(info: DatasetInfo) -> int:
-    """Host memory one dense row takes while read: as stored (<= 8 B an input) and as
-    float32; its label as stored and as int64."""
+    """Host memory one row takes while read. Dense: as stored (<= 8 B an input) and as
+    float32; its label as stored and as int64. Sparse: at most max_nnz (id, value) pairs,
+    as stored and converted (28 B a pair, as load_csr counts), plus indptr and label."""
+    if info.sparse:
+        return max(1, info.max_nnz) * 28 + 28
     return info.num_inputs * 12 + 16
 
 
@@ -457,10 +460,14 @@ class StreamedPart:
                         break
                 epoch += 1
 
-        def read(item: tuple[int, int, int, int]) -> tuple[int, np.ndarray, np.ndarray]:
+        def read(item: tuple[int, int, int, int]) -> tuple[int, Any, np.ndarray]:
             e, c, _, _ = item
             lo = start + c * chunk
-            x, y = _read(self.info, get, "train", lo, min(stop, lo + chunk))
+            hi = min(stop, lo + chunk)
+            if self.info.sparse:
+                x, y = sparse.load_csr(self.info.path, "train", (lo, hi), self.info.num_inputs)
+            else:
+                x, y = _read(self.info, get, "train", lo, hi)
             order = np.random.default_rng([seed, task, e, c]).permutation(len(y))
             return e, x[order], y[order]
 
@@ -518,8 +525,9 @@ def _read_ahead(
 def train_part(
     info: DatasetInfo, rows: tuple[int, int], chunk_rows: int = 0, prefetch: int = 2
 ) -> Part:
-    """A worker's part: streamed in chunks of ``chunk_rows`` (dense data), else read whole."""
-    if chunk_rows and not info.sparse:
+    """A worker's part: streamed in chunks of ``chunk_rows`` (dense or sparse rows), else
+    read whole."""
+    if chunk_rows:
         check_fits(
             (prefetch + 2) * min(chunk_rows, rows[1] - rows[0]) * row_bytes(info),
             f"{_where(info)}: {prefetch + 2} chunks of {chunk_rows} rows (data.prefetch + 2)",

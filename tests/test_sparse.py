@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from mpips import sparse
+from mpips import ctr_convert, sparse
 from mpips.ctr import EMBEDDING, WIDE, WideDeep
 from mpips.data import open_dataset
 from mpips.errors import DataError
@@ -101,18 +101,18 @@ def test_auc_matches_the_pair_count():
 
 def test_libsvm_and_libffm_converters(tmp_path):
     (tmp_path / "a.svm").write_text("1 3:0.5 7:1\n-1 1:2 # comment\n\n+1 7:1 7:2\n0 2:1\n")
-    sparse.convert_libsvm(tmp_path / "a.h5", tmp_path / "a.svm", test_src=tmp_path / "a.svm")
+    ctr_convert.convert_libsvm(tmp_path / "a.h5", tmp_path / "a.svm", test_src=tmp_path / "a.svm")
     info = open_dataset(str(tmp_path / "a.h5"))
     assert info.sparse and info.num_inputs == 8 and info.rows == {"train": 4, "test": 4}
     x, y = sparse.load_csr(info.path, "train", (0, 4), info.num_inputs)
     np.testing.assert_array_equal(y, [1, 0, 1, 0])
     np.testing.assert_allclose(x.toarray()[2], [0, 0, 0, 0, 0, 0, 0, 3])  # duplicates summed
     (tmp_path / "b.ffm").write_text("1 0:3:0.5 1:7:1\n0 2:1:2\n")
-    sparse.convert_libsvm(tmp_path / "b.h5", tmp_path / "b.ffm", test_fraction=0.5, ffm=True)
+    ctr_convert.convert_libsvm(tmp_path / "b.h5", tmp_path / "b.ffm", test_fraction=0.5, ffm=True)
     assert open_dataset(str(tmp_path / "b.h5")).rows == {"train": 1, "test": 1}
     (tmp_path / "bad.svm").write_text("1 3:0.5\n1 3\n")
     with pytest.raises(DataError, match=r"bad.svm:2: not a libsvm line"):
-        sparse.convert_libsvm(tmp_path / "bad.h5", tmp_path / "bad.svm")
+        ctr_convert.convert_libsvm(tmp_path / "bad.h5", tmp_path / "bad.svm")
     assert not (tmp_path / "bad.h5").exists()
 
 
@@ -134,7 +134,7 @@ def test_bad_sparse_files(tmp_path):
 
 
 def test_zipf_ids_are_skewed_and_in_range(tmp_path):
-    sparse.make_zipf(tmp_path / "z.h5", rows=2000, num_features=1_000_000, nnz=8)
+    ctr_convert.make_zipf(tmp_path / "z.h5", rows=2000, num_features=1_000_000, nnz=8)
     info = open_dataset(str(tmp_path / "z.h5"))
     x, y = sparse.load_csr(info.path, "train", (0, 2000), info.num_inputs)
     counts = np.bincount(x.indices)
