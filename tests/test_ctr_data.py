@@ -2,13 +2,11 @@
 streaming its part of a CSR file in chunks, each with bounded memory."""
 
 import math
-import subprocess
-import sys
 import zlib
 
 import numpy as np
 import pytest
-from conftest import clean_env
+from conftest import run_py
 
 from mpips import ctr_convert, data, sparse
 from mpips.errors import DataError
@@ -66,14 +64,7 @@ def test_a_bad_criteo_line_is_named_and_writes_nothing(tmp_path, line, message):
 
 def test_the_criteo_converter_from_the_command_line(tmp_path):
     (tmp_path / "day.txt").write_text("".join(criteo_row(k % 2, [k], ["ab"]) for k in range(20)))
-    r = subprocess.run(
-        [sys.executable, "-m", "mpips", "data", "criteo", "c.h5", "--src", "day.txt"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=clean_env(),
-    )
+    r = run_py(["-m", "mpips", "data", "criteo", "c.h5", "--src", "day.txt"], tmp_path)
     assert r.returncode == 0, r.stderr
     assert "16 train + 4 test rows, sparse, ids < 1048576, up to 2 per row" in r.stdout
 
@@ -106,14 +97,7 @@ def test_text_converts_in_memory_that_does_not_grow_with_the_file(tmp_path):
     grew = {}
     for rows in (30_000, 120_000):
         write_libsvm(tmp_path / f"{rows}.svm", rows)
-        r = subprocess.run(
-            [sys.executable, str(script), f"{rows}.svm", f"{rows}.h5"],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=clean_env(),
-        )
+        r = run_py([str(script), f"{rows}.svm", f"{rows}.h5"], tmp_path, timeout=300)
         assert r.returncode == 0, r.stderr
         grew[rows] = int(r.stdout)
         info = data.open_dataset(str(tmp_path / f"{rows}.h5"))
@@ -174,14 +158,7 @@ def test_a_worker_streams_a_csr_part_larger_than_its_memory(tmp_path):
     grows by a small fraction of that."""
     info = zipf_file(tmp_path, 300_000, nnz=32)
     (tmp_path / "stream.py").write_text(STREAM_RSS)
-    r = subprocess.run(
-        [sys.executable, "stream.py", info.path, "2048"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(),
-    )
+    r = run_py(["stream.py", info.path, "2048"], tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     seen, nnz, grew_mb = map(int, r.stdout.split())
     assert seen == 300_000 and nnz * 28 > 150e6  # the part read whole: > 150 MB

@@ -101,9 +101,14 @@ def test_checkpoint_round_trip_keeps_slots_and_data_position(tmp_path, kind):
     r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "restored global_step 10" in r.stdout and "resuming at batch 10" in r.stdout
-    a = read_ckpt(tmp_path / "runs/straight/ckpt-20.json")
-    b = read_ckpt(tmp_path / "runs/resumed/ckpt-20.json")
-    for got, want in zip(b[:2], a[:2], strict=True):
+    assert_same_checkpoints(
+        tmp_path / "runs/resumed/ckpt-20.json", tmp_path / "runs/straight/ckpt-20.json"
+    )
+
+
+def assert_same_checkpoints(got_path, want_path):
+    """The variables and slots of two checkpoints are the same, bit for bit."""
+    for got, want in zip(read_ckpt(got_path)[:2], read_ckpt(want_path)[:2], strict=True):
         assert got.keys() == want.keys() and got
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
