@@ -18,7 +18,7 @@ from .backend import Device
 from .data import epoch_batches, full_batches
 from .errors import AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo
-from .job import Job, job_placement
+from .job import Job, store_placement
 from .log import log
 from .optim import Optimizer, clip_by_global_norm, learning_rate
 from .placement import imbalance, slot_placement
@@ -64,7 +64,22 @@ def train_async(
 ) -> TrainResult:
     """Every rank: create the windows, then PS tasks serve and workers train until the
     chief ends the run."""
-    placement = job_placement(job, model.variables(), cluster.layout.num_ps, model.tables())
+    windows = open_store(job, cluster, model, optimizer, prep)
+    if cluster.is_ps:
+        result = run_ps(job, cluster, windows, optimizer, cluster.layout.num_ps)
+    else:
+        replicas = job.train.mode == "sync_replicas"
+        kind = ReplicasWorker if replicas else AsyncWorker
+        result = kind(job, cluster, windows, model, optimizer, prep, device).train(hooks)
+    return close_store(cluster, windows, result)
+
+
+def open_store(
+    job: Job, cluster: Cluster, model: Any, optimizer: Optimizer, prep: Prepared
+) -> Windows:
+    """Every rank: the windows of what the PS tasks hold (store_placement), each PS task's
+    memory filled (restored state, fresh table partitions), up to the start barrier."""
+    placement = store_placement(job, model, cluster.layout.num_ps)
     cluster.check_placement(placement)
     warning = imbalance(placement, job.layout.placement)
     if warning and cluster.is_chief:
@@ -84,43 +99,52 @@ def train_async(
     if replicas and cluster.is_ps:  # the PS tasks' steps are set before any worker reads one
         publish_start_step(windows, cluster.role.task, cluster.rank, prep.start_step)
     barrier(cluster.comm, "the start of training")  # filled before the chief raises ready
-    if cluster.is_ps:
+    return windows
 
-        def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
-            checkpoint.write_shard(
-                job.checkpoint.dir, step, cluster.role.task, cluster.layout.num_ps, variables, slots
-            )
 
-        timeline = job_timeline(job, "ps", cluster.role.task)
-        apply = optimizer.apply if optimizer.stateful or replicas else None
-        rate = None  # this PS's apply rate, when it applies and summaries are on
-        if apply is not None and (rate := ps_summaries(job, cluster.role.task)):
-            apply = rate.timed(apply)
-        if timeline is not None:
-            apply = apply and timeline.timed("apply", apply)
-            write_shard = timeline.timed("checkpoint write", write_shard)
-        serve(
-            cluster,
-            windows,
-            apply,
-            optimizer.slots,
-            write_shard if job.checkpoint.dir else None,
-            preemption.requested,
-            aggregate=(job.train.replicas_to_aggregate or cluster.layout.num_workers)
-            if replicas
-            else 0,
-            on_applied=rate.applied if rate else None,
-        )
-        if rate is not None:
-            rate.close()
-        if timeline is not None:
-            timeline.write()
-        result = TrainResult(cluster.role, 0, 0)
-    else:
-        kind = ReplicasWorker if replicas else AsyncWorker
-        result = kind(job, cluster, windows, model, optimizer, prep, device).train(hooks)
-    # the chief has ended the run (its last checkpoint and evaluation are done); a backstop
-    # only: a hung chief is named first by the PS tasks' watchdogs
+def run_ps(
+    job: Job, cluster: Cluster, windows: Windows, optimizer: Optimizer, num_shards: int
+) -> TrainResult:
+    """A PS task: serve until the chief ends the run (applying updates itself for stateful
+    optimizers and sync_replicas), writing its checkpoint shard (one of ``num_shards``)
+    when asked."""
+    task = cluster.role.task
+
+    def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
+        checkpoint.write_shard(job.checkpoint.dir, step, task, num_shards, variables, slots)
+
+    replicas = job.train.mode == "sync_replicas"
+    timeline = job_timeline(job, "ps", task)
+    apply = optimizer.apply if optimizer.stateful or replicas else None
+    rate = None  # this PS's apply rate, when it applies and summaries are on
+    if apply is not None and (rate := ps_summaries(job, task)):
+        apply = rate.timed(apply)
+    if timeline is not None:
+        apply = apply and timeline.timed("apply", apply)
+        write_shard = timeline.timed("checkpoint write", write_shard)
+    serve(
+        cluster,
+        windows,
+        apply,
+        optimizer.slots,
+        write_shard if job.checkpoint.dir else None,
+        preemption.requested,
+        aggregate=(job.train.replicas_to_aggregate or cluster.layout.num_workers)
+        if replicas
+        else 0,
+        on_applied=rate.applied if rate else None,
+    )
+    if rate is not None:
+        rate.close()
+    if timeline is not None:
+        timeline.write()
+    return TrainResult(cluster.role, 0, 0)
+
+
+def close_store(cluster: Cluster, windows: Windows, result: TrainResult) -> TrainResult:
+    """Every rank, once the chief has ended the run (its last checkpoint and evaluation are
+    done): the end barrier (a backstop only: a hung chief is named first by the PS tasks'
+    watchdogs), the signal that stopped the run, the windows freed."""
     barrier(cluster.comm, "the end of the run", stall_limit(cluster.comm.size) + 5)
     result.stopped_by = RunControl(windows).stop_signal()
     windows.free()  # collective, so never in a finally: a failing rank must reach Abort

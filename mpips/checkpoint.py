@@ -180,9 +180,9 @@ def index_of(
     return entries(placement), entries(slots)
 
 
-def whole_index(arrays: dict[str, np.ndarray]) -> dict[str, Entry]:
-    """The index of whole arrays all held by shard 0."""
-    return {n: Entry(tuple(a.shape), str(a.dtype), (Part(0),)) for n, a in arrays.items()}
+def whole_index(arrays: dict[str, np.ndarray], shard: int = 0) -> dict[str, Entry]:
+    """The index of whole arrays all held by one shard."""
+    return {n: Entry(tuple(a.shape), str(a.dtype), (Part(shard),)) for n, a in arrays.items()}
 
 
 def job_digest(job: Any) -> str:

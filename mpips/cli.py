@@ -307,7 +307,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     from .data import open_data
-    from .job import job_layout, job_placement
+    from .job import job_layout, store_placement
     from .layout import block_nodes
     from .nn import build_model
     from .placement import imbalance
@@ -339,7 +339,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
                 f"{spec.nbytes:>10}"
             )
         return 0
-    placement = job_placement(job, model.variables(), layout.num_ps, model.tables())
+    placement = store_placement(job, model, layout.num_ps)
     print(f"\nplacement ({job.layout.placement}):")
     print(
         f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}  {'ps task':<14} "

@@ -138,7 +138,7 @@ CHOICES = {
     "model.partition": ("mod", "div"),
     "optimizer.kind": ("sgd", "momentum", "adagrad", "adam", "ftrl"),
     "optimizer.schedule": ("constant", "exponential", "step"),
-    "train.mode": ("async", "sync", "sync_replicas"),
+    "train.mode": ("async", "sync", "sync_replicas", "hybrid"),
     "train.device": ("cpu", "gpu"),
     "data.builtin": ("", "digits"),
     "layout.placement": ("round_robin", "greedy"),
@@ -280,6 +280,11 @@ def validate(job: Job) -> Job:
         raise ConfigError('train.replicas_to_aggregate: only for mode = "sync_replicas"')
     if job.train.mode == "sync_replicas":
         _check_sync_replicas(job)
+    if job.train.mode == "hybrid" and job.optimizer.clip_norm:
+        raise ConfigError(
+            'optimizer.clip_norm: not with mode = "hybrid" (the dense mean and the table '
+            "rows are applied in different places)"
+        )
     if job.train.max_staleness is not None and job.train.max_staleness < 0:
         raise ConfigError(f"train.max_staleness: must be >= 0, got {job.train.max_staleness}")
     if job.optimizer.kind == "ftrl" and job.optimizer.initial_accumulator_value <= 0:
@@ -379,6 +384,13 @@ def job_layout(job: Job, world_size: int, nodes: list[int] | None = None) -> Lay
         sync=job.train.mode == "sync",
         nodes=nodes,
     )
+
+
+def store_placement(job: Job, model: Any, num_ps: int) -> Placement:
+    """What the PS tasks hold: every variable and table of the model; in train.mode =
+    "hybrid" only the tables (the workers hold the dense variables as sync replicas)."""
+    dense = [] if job.train.mode == "hybrid" else model.variables()
+    return job_placement(job, dense, num_ps, model.tables())
 
 
 def job_placement(

@@ -23,7 +23,7 @@ from .data import (
     worker_rows,
 )
 from .errors import CheckpointError, ConfigError, DataError
-from .job import Job, job_placement
+from .job import Job, store_placement
 from .log import log
 from .memory import check_fits
 from .nn import build_model
@@ -131,15 +131,19 @@ def _check_memory(
     Sizes come from the data file's attributes and the job: a corrupt or hostile file must
     give one message, not an OOM kill."""
     layout, here = cluster.layout, cluster.node_ranks
+    replica = sum(s.nbytes for s in model.variables()) * (2 + len(optimizer.slots))
     if job.train.mode == "sync":
-        nbytes = sum(s.nbytes for s in model.variables()) * (2 + len(optimizer.slots))
-        per_rank = [0 if layout.role(r).job == "ps" else nbytes for r in range(layout.world_size)]
+        per_rank = [0 if layout.role(r).job == "ps" else replica for r in range(layout.world_size)]
     else:
-        placement = job_placement(job, model.variables(), layout.num_ps, model.tables())
+        placement = store_placement(job, model, layout.num_ps)
         slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
         inboxes = optimizer.stateful or job.train.mode == "sync_replicas"
         plan = WindowPlan(placement, slots, job.train.batch_size * max(1, info.max_nnz))
         per_rank = plan.rank_bytes(layout, inboxes)
+        if job.train.mode == "hybrid":  # the workers are replicas of the dense part too
+            per_rank = [
+                n + (0 if layout.role(r).job == "ps" else replica) for r, n in enumerate(per_rank)
+            ]
     largest = max(model.variables() + model.tables(), key=lambda s: s.nbytes)
     check_fits(
         sum(per_rank[r] for r in here),
@@ -178,10 +182,15 @@ def prepare(
     model.worker = cluster.role.task if not cluster.is_ps else 0
     if job.train.mode == "sync_replicas":
         _check_sync_replicas(job, cluster, info)
-    if job.train.mode != "async" and model.tables():
+    if job.train.mode == "hybrid" and not model.tables():
+        raise ConfigError(
+            f'train.mode = "hybrid": {type(model).__name__} has no tables to keep on the PS '
+            f'tasks; train its dense variables with mode = "sync" (or "async")'
+        )
+    if job.train.mode not in ("async", "hybrid") and model.tables():
         raise ConfigError(
             f"{type(model).__name__} keeps row-partitioned tables on the PS "
-            f'tasks: it trains in mode = "async" (with mpirun -n 2 or more)'
+            f'tasks: it trains in mode = "async" or "hybrid" (with mpirun -n 2 or more)'
         )
     _check_memory(job, cluster, model, optimizer, info)
     specs = model.variables()
@@ -215,7 +224,7 @@ def prepare(
                 for name, v in prep.values.items()
                 for slot, array in optimizer.init_slots(v).items()
             }
-        elif job.train.mode == "sync":
+        elif job.train.mode in ("sync", "hybrid"):  # the chief holds the dense variables
             values = ckpt.read(specs, slot_specs)
             prep.values = {s.name: values[s.name] for s in specs}
             prep.slots = {s.name: values[s.name] for s in slot_specs}
@@ -229,7 +238,7 @@ def _ps_fill(
     restoring, all it holds (split variables' row blocks re-sliced from any partitioning);
     afresh, its table partitions and their slots (the chief writes the dense variables)."""
     task = cluster.role.task
-    placement = job_placement(job, model.variables(), cluster.layout.num_ps, model.tables())
+    placement = store_placement(job, model, cluster.layout.num_ps)
     mine = placement.on_ps(task)
     slots = slot_placement(placement, optimizer.slots).on_ps(task)
     if ckpt is None:

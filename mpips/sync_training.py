@@ -107,6 +107,10 @@ def _batches_per_epoch(job: Job, rows: int, workers: int) -> int:
 class Replica:
     """One worker as a synchronous replica: compute, average, apply, once per batch."""
 
+    # agree on stopping before the dense allreduce completes, not after (hybrid: the
+    # agreement orders every replica's pull of a step before any push of its rows)
+    agree_first = False
+
     def __init__(
         self,
         job: Job,
@@ -172,11 +176,43 @@ class Replica:
         if self.cluster.is_chief:
             if self.stopped:
                 say_preempted(self.role, self.stopped, self.job)
-            assert self.prep.test is not None
-            report(
-                self.cluster, self.model, self.device, self.params, self.prep.test, result, gathered
-            )
+            self._report(result, gathered)
         return result
+
+    def _report(self, result: TrainResult, gathered: list[Any]) -> None:
+        """Chief: the test split's metrics and the final line."""
+        assert self.prep.test is not None
+        report(self.cluster, self.model, self.device, self.params, self.prep.test, result, gathered)
+
+    def _inputs(self, x: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """The batch as the model takes it, the parameters it reads and where its gradients
+        go (the allreduce buckets)."""
+        return x, self.params, self.buckets.grads
+
+    def _signal(self) -> int:
+        """A stop signal this replica knows of: its own, or one a PS rank forwarded."""
+        return preemption.requested() or (
+            stop_from_ps(self.cluster.comm) if self.listen_to_ps else 0
+        )
+
+    def _agree(self, loss: float, step: int) -> bool:
+        """One small allreduce a step: a signal on any replica (or forwarded by a PS rank),
+        the first replica whose loss is not finite (NonFinite, said by the chief), and a
+        hook's request to stop, so all act on it together. True: go on with this step."""
+        stopped, bad, asked = agree_max(
+            self.comm,
+            [self._signal(), 0 if math.isfinite(loss) else self.role.task + 1, self.stop_asked],
+        )
+        if bad:
+            message = loss_not_finite(
+                bad - 1, loss if bad - 1 == self.role.task else "not finite", step
+            )
+            raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
+        self.stopped = stopped
+        return not (stopped or asked)
+
+    def _push_rows(self, grads: dict[str, Any], step: int) -> None:
+        """Hybrid mode sends its table rows' gradients to the PS tasks (sync has none)."""
 
     def _start(self) -> int:
         """The chief's initial or restored state, broadcast: every replica starts identical.
@@ -239,33 +275,31 @@ class Replica:
         buckets, tl = self.buckets, self.timeline
         t = tl.now() if tl else 0.0  # the timeline's phases (summary.timeline), if on
         buckets.start_step()
-        loss = self.model.loss_and_grads(self.params, x, y, buckets.grads, ready=buckets.ready)
+        x, params, grads = self._inputs(x)
+        if tl and params is not self.params:
+            t = tl.span("pull", t)
+        loss = self.model.loss_and_grads(params, x, y, grads, ready=buckets.ready)
         if tl:
             t = tl.span("compute", t)
         buckets.grads[LOSS_SLOT][0] = loss
         buckets.ready(LOSS_SLOT)
+        if self.agree_first:  # hybrid: every replica has pulled; now the rows may be pushed
+            go = self._agree(loss, step)
+            if tl:
+                t = tl.span("agreement", t)
+            if go:
+                self._push_rows(grads, step)
+                if tl:
+                    t = tl.span("push and ack", t)
         mean = buckets.finish()
         if tl:
             t = tl.span("allreduce wait", t)
-        # one small allreduce a step: a signal on any replica (or forwarded by a PS rank),
-        # the first replica whose loss is not finite, and a hook's request to stop, so all
-        # act on it together
-        signal = preemption.requested() or (
-            stop_from_ps(self.cluster.comm) if self.listen_to_ps else 0
-        )
-        stopped, bad, asked = agree_max(
-            self.comm, [signal, 0 if math.isfinite(loss) else self.role.task + 1, self.stop_asked]
-        )
-        if tl:
-            t = tl.span("agreement", t)
-        if bad:
-            message = loss_not_finite(
-                bad - 1, loss if bad - 1 == self.role.task else "not finite", step
-            )
-            raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
-        if stopped or asked:
-            self.stopped = stopped
-            return None  # this step's update is not applied: the checkpoint is exact at `step`
+        if not self.agree_first:
+            go = self._agree(loss, step)
+            if tl:
+                t = tl.span("agreement", t)
+        if not go:
+            return None  # the update is not applied: the checkpoint is exact at `step`
         clip_by_global_norm([mean[name] for name in self.params], self.oc.clip_norm)
         lr = learning_rate(self.oc, step)
         for name, var in self.params.items():

@@ -1,5 +1,5 @@
 """``train``: map the ranks to tasks, check everything at start-up, then hand over to the
-job's training mode (async_training or sync_training)."""
+job's training mode (async_training, sync_training or hybrid_training)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .async_training import train_async
 from .backend import Device, pin_blas_threads
 from .failure import set_role
 from .hooks import Hook
+from .hybrid_training import train_hybrid
 from .job import Job, job_layout
 from .log import log
 from .model import Model, factory_name
@@ -96,5 +97,5 @@ def _train(
     )
     if not cluster.is_ps:
         pin_blas_threads(cluster.local_size)
-    mode = train_sync if job.train.mode == "sync" else train_async
+    mode = {"sync": train_sync, "hybrid": train_hybrid}.get(job.train.mode, train_async)
     return mode(job, cluster, prep.model, optimizer, prep, hooks, device)

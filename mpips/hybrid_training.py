@@ -1,0 +1,165 @@
+"""``train.mode = "hybrid"`` (PERSIA-style): the embedding tables stay on the PS tasks and
+move row by row, asynchronously, as in async mode; the dense part of the model (wide &
+deep's MLP, biases) is trained by the workers as synchronous replicas with allreduce, as
+in sync mode.
+
+A step of every worker: pull the rows of its batch's ids from the PS tasks, forward and
+backward, start the allreduce of the dense gradients, agree on stopping (so every replica
+has pulled), push its rows' gradients to the PS tasks (Accumulate for SGD, the inbox for
+stateful optimizers; applied before the push returns), complete the allreduce (so every
+push has landed before any replica's next pull) and apply the dense mean. The tables thus
+see the workers' gradients in lockstep, each worker's applied on its own (as in async
+mode), while every replica's dense variables stay identical (checked every
+``train.check_every`` steps); one step is one global step.
+
+A checkpoint holds the tables' partitions in the PS tasks' shards and the dense variables
+(with their slots) in one more shard the chief writes, so it restores in any mode.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import checkpoint, preemption
+from .async_training import close_store, open_store, run_ps
+from .backend import Device
+from .errors import ConfigError
+from .hooks import Hook, PendingSave
+from .job import Job
+from .optim import Optimizer, learning_rate
+from .run import TrainResult, evaluate_on, manifest_meta, report
+from .startup import Prepared
+from .store import STALL_TIMEOUT, Cluster, StoreClient, Windows, start_limit
+from .sync_training import Replica
+
+
+def train_hybrid(
+    job: Job,
+    cluster: Cluster,
+    model: Any,
+    optimizer: Optimizer,
+    prep: Prepared,
+    hooks: list[Hook],
+    device: Device,
+) -> TrainResult:
+    """Every rank: the windows of the tables; PS tasks serve them, workers train as
+    synchronous replicas of the dense part until the chief ends the run."""
+    windows = open_store(job, cluster, model, optimizer, prep)
+    num_shards = cluster.layout.num_ps + 1  # the PS tasks' tables, the chief's dense part
+    if cluster.is_ps:
+        result = run_ps(job, cluster, windows, optimizer, num_shards)
+    else:
+        result = HybridReplica(job, cluster, model, optimizer, prep, device, windows).train(hooks)
+    return close_store(cluster, windows, result)
+
+
+class HybridReplica(Replica):
+    """A synchronous replica of the dense variables that pulls and pushes table rows."""
+
+    agree_first = True
+
+    def __init__(
+        self,
+        job: Job,
+        cluster: Cluster,
+        model: Any,
+        optimizer: Optimizer,
+        prep: Prepared,
+        device: Device,
+        windows: Windows,
+    ):
+        super().__init__(job, cluster, model, optimizer, prep, device)
+        if device.xp is not np:
+            raise ConfigError('train.mode = "hybrid" runs on the CPU (numpy and scipy.sparse)')
+        self.windows = windows
+        self.client = StoreClient(windows, self.role.task, optimizer.stateful)
+        self.control = self.client.control
+
+    def train(self, extra_hooks: list[Hook]) -> TrainResult:
+        result = super().train(extra_hooks)
+        self.control.publish_clock(self.role.task, self.clock, done=True)
+        if self.cluster.is_chief:
+            self.control.end_run()  # after the last checkpoint and evaluation: PS tasks stop
+        return result
+
+    def _start(self) -> int:
+        """The PS tasks hold their tables (restored or fresh): the chief sets the counters
+        and raises ready, the others wait for it; then the dense part is broadcast."""
+        control = self.control
+        if self.cluster.is_chief:
+            control.set_counters(self.prep.start_step)
+            control.raise_ready()
+        else:
+            control.wait_ready(start_limit(self.role.task))
+        return super()._start()
+
+    def _inputs(self, x: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        x, ids = self.model.prepare(x)
+        rows = self.client.pull(ids)
+        return x, {**self.params, **rows}, {**self.buckets.grads, **self.client.gradients()}
+
+    def _signal(self) -> int:
+        """Its own signal, or one any task (a PS task included) set in the control window."""
+        return preemption.requested() or self.control.stop_signal()
+
+    def _push_rows(self, grads: dict[str, Any], step: int) -> None:
+        """This worker's gradient rows (deltas for SGD) to the PS tasks, applied there before
+        this returns (and so before the dense allreduce completes, and before any replica's
+        next pull); the step's clock, for the PS tasks' watchdogs."""
+        lr = learning_rate(self.oc, step)
+        if not self.optimizer.stateful:
+            for table in self.client.tables:
+                grads[table] *= -lr
+        self.client.push(lr)
+        self.control.publish_clock(self.role.task, self.clock + 1)
+
+    def _validate(self) -> dict[str, float]:
+        assert self.prep.val is not None
+        return self._evaluate(self.prep.val)
+
+    def _evaluate(self, split: tuple[Any, Any]) -> dict[str, float]:
+        x, ids = self.model.prepare(split[0])
+        return evaluate_on(
+            self.model, self.device, {**self.params, **self.client.pull(ids)}, (x, split[1])
+        )
+
+    def _report(self, result: TrainResult, gathered: list[Any]) -> None:
+        assert self.prep.test is not None
+        x, ids = self.model.prepare(self.prep.test[0])
+        params = {**self.params, **self.client.pull(ids)}
+        report(
+            self.cluster, self.model, self.device, params, (x, self.prep.test[1]), result, gathered
+        )
+
+    def save(self) -> PendingSave:
+        """Ask every PS task for its shard of the tables, write the dense variables and
+        their slots as the last shard, and commit once all are written."""
+        control, job, num_ps = self.control, self.job, self.windows.placement.num_ps
+        step, clocks = self.step_count, [self.clock] * self.workers
+        number, asked = control.request_checkpoint(step), time.monotonic()
+        slots = {f"{n}/{k}": a for n, s in self.slots.items() for k, a in s.items()}
+        checkpoint.write_shard(job.checkpoint.dir, step, num_ps, num_ps + 1, self.params, slots)
+
+        def commit(block: bool) -> Path | None:
+            if block:
+                control.wait_shards(number, step, STALL_TIMEOUT - (time.monotonic() - asked))
+            elif control.shards_missing(number):
+                if time.monotonic() - asked > STALL_TIMEOUT:
+                    control.wait_shards(number, step, 0)  # raises, naming the PS tasks
+                return None
+            tables, table_slots = checkpoint.index_of(self.windows.placement, self.windows.slots)
+            return checkpoint.commit(
+                job.checkpoint.dir,
+                step,
+                num_ps + 1,
+                {**tables, **checkpoint.whole_index(self.params, num_ps)},
+                {**table_slots, **checkpoint.whole_index(slots, num_ps)},
+                manifest_meta(job, self.cluster, clocks),
+                job.checkpoint.max_to_keep,
+            )
+
+        return PendingSave(step, commit)

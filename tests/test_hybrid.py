@@ -1,0 +1,115 @@
+"""train.mode = "hybrid": tables on the PS tasks (rows pulled and pushed), the dense part
+trained by the workers as synchronous replicas. With one worker it equals one process; with
+two, every replica's dense variables stay bit-for-bit the same and the tables equal a
+lockstep reference; its checkpoints restore onto another PS count."""
+
+import re
+
+import numpy as np
+import pytest
+from conftest import run_mpi
+from test_ctr_mpi import JOB, small_dataset
+
+from mpips.checkpoint import Checkpoint
+from mpips.data import batches, full_batches, load_split, open_dataset, worker_rows
+from mpips.errors import ConfigError
+from mpips.job import parse_job
+from mpips.nn import build_model
+from mpips.optim import build_optimizer, learning_rate
+
+pytestmark = pytest.mark.launcher
+CRC = re.compile(r"replica crc32 ([0-9a-f]{8})")
+
+
+def hybrid_job(tmp_path, model, opt, lr, steps):
+    small_dataset(tmp_path / "s.h5")
+    text = JOB.format(model=model, rule="mod", opt=opt, lr=lr, steps=steps)
+    text = text.replace("[train]\n", '[train]\nmode = "hybrid"\n')
+    (tmp_path / "job.toml").write_text(text)
+    return parse_job(text.replace('"s.h5"', f'"{tmp_path / "s.h5"}"'))
+
+
+def lockstep(job, steps, workers):
+    """One process: each step every worker's gradient at the same parameters (whole
+    tables); each worker's table gradient applied in turn, the dense mean once."""
+    info = open_dataset(job.data.path)
+    model = build_model(job.model, info)
+    opt = build_optimizer(job.optimizer)
+    params = model.initial_values(job.model.init_seed)
+    tables = [t.name for t in model.tables()]
+    for t in model.tables():
+        params[t.name] = model.initial_rows(t.name, (0, t.shape[0], 1), job.model.init_seed)
+    slots = {k: opt.init_slots(v) for k, v in params.items()}
+    x, y = load_split(info, "train")
+    b, n = job.train.batch_size, info.rows["train"]
+    per_epoch = full_batches(n, workers, b)
+    streams = []
+    for w in range(workers):
+        a, z = worker_rows(n, workers, w)
+        streams.append(batches(x[a:z], y[a:z], b, job.train.seed, w, per_epoch=per_epoch))
+    for step in range(steps):
+        lr = learning_rate(job.optimizer, step)
+        grads = []
+        for stream in streams:
+            _, bx, by = next(stream)
+            g = {k: np.zeros_like(v) for k, v in params.items()}
+            model.loss_and_grads(params, bx, by, g)
+            grads.append(g)
+        for g in grads:
+            for t in tables:
+                opt.apply(params[t], g[t], slots[t], lr, step + 1)
+        for k in params:
+            if k not in tables:
+                mean = sum(g[k] for g in grads) / workers
+                opt.apply(params[k], mean.astype(params[k].dtype), slots[k], lr, step + 1)
+    return params
+
+
+def assert_close(variables, want):
+    assert variables.keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_allclose(variables[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("model,opt,lr", [("wide_deep", "adagrad", 0.3), ("logreg", "ftrl", 0.3)])
+def test_one_hybrid_worker_equals_one_process(tmp_path, model, opt, lr):
+    job = hybrid_job(tmp_path, model, opt, lr, 30)
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    variables, _ = Checkpoint(tmp_path / "runs/s/ckpt-30.json").read_all()
+    assert_close(variables, lockstep(job, 30, 1))
+    assert np.any(variables["wide/weights"])
+
+
+def test_two_hybrid_workers_keep_identical_dense_replicas_and_lockstep_tables(tmp_path):
+    job = hybrid_job(tmp_path, "wide_deep", "sgd", 0.5, 24)
+    r = run_mpi(4, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    crcs = CRC.findall(r.stdout)
+    assert len(crcs) == 2 and crcs[0] == crcs[1], r.stdout[-2000:]  # bit for bit
+    ckpt = Checkpoint(tmp_path / "runs/s/ckpt-24.json")
+    shards = {name: [p.shard for p in e.parts] for name, e in ckpt.variables.items()}
+    assert shards["deep/embedding"] == [0, 1] and shards["wide/bias"] == [2]  # the chief's
+    variables, _ = ckpt.read_all()
+    assert_close(variables, lockstep(job, 24, 2))
+
+
+def test_a_hybrid_checkpoint_resumes_on_another_ps_count(tmp_path):
+    """10 steps on 2 PS tasks, then to 20 on 3: the same as 20 straight (one worker)."""
+    for steps, ranks, ps in ((10, 3, "2"), (20, 4, "3")):
+        job = hybrid_job(tmp_path, "wide_deep", "adagrad", 0.3, steps)
+        r = run_mpi(ranks, ["-m", "mpips", "train", "job.toml", "--ps", ps], cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "restored global_step 10" in r.stdout and "resuming at batch 10" in r.stdout
+    variables, _ = Checkpoint(tmp_path / "runs/s/ckpt-20.json").read_all()
+    assert_close(variables, lockstep(job, 20, 1))
+
+
+def test_hybrid_needs_tables_and_no_clip_norm(tmp_path):
+    with pytest.raises(ConfigError, match='optimizer.clip_norm: not with mode = "hybrid"'):
+        parse_job('[optimizer]\nclip_norm = 1.0\n[train]\nmode = "hybrid"\nsteps = 5\n')
+    (tmp_path / "job.toml").write_text(
+        '[data]\nbuiltin = "digits"\n[train]\nmode = "hybrid"\nsteps = 5\n'
+    )
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    assert r.returncode == 2 and "MLP has no tables to keep on the PS" in r.stderr + r.stdout
