@@ -171,3 +171,37 @@ def test_layouts_and_data_sync_replicas_cannot_run_are_one_message(tmp_path, ext
     )
     r = run_mpi(ranks, ["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count(said) == 1, r.stderr
+
+
+SLOW_PS = """
+import sys, time
+from mpi4py import MPI
+from mpips.store import server
+
+original = server._aggregate_loop
+
+
+def late(*args, **kwargs):
+    if MPI.COMM_WORLD.rank == 1:  # /job:ps/task:1 starts serving after ps:0 aggregated
+        time.sleep(3)
+    return original(*args, **kwargs)
+
+
+server._aggregate_loop = late
+from mpips.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_ps_task_that_starts_serving_late_aggregates_the_same_steps(tmp_path):
+    """ps:0 aggregates (and advances global_step) before ps:1 even looks: ps:1 must still
+    take its first step from the step it published, not from global_step (it dropped every
+    gradient as late, and the run hung)."""
+    (tmp_path / "job.toml").write_text(
+        JOB.format(mode="sync_replicas", optimizer="sgd", lr=0.1) + "[layout]\nps = 2\n"
+    )
+    (tmp_path / "slow_ps.py").write_text(SLOW_PS)
+    r = run_mpi(4, ["slow_ps.py", "train", "--no-progress", "job.toml"], cwd=tmp_path, timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[/job:ps/task:1] aggregated 20 steps of 2 gradients each; late gradients " in r.stdout

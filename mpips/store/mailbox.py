@@ -276,6 +276,13 @@ class PsMail:
         )
         self.windows.mail.Flush(self.rank)
 
+    def published_step(self) -> int:
+        """The aggregated step this PS task last published (sync_replicas)."""
+        word = mail_words(self.windows.layout.num_workers) - 1
+        self.windows.mail.Fetch_and_op(self._zero, self._flag, self.rank, word, MPI.NO_OP)
+        self.windows.mail.Flush(self.rank)
+        return int(self._flag[0])
+
     def publish_step(self, step: int) -> None:
         """This PS task has aggregated up to ``step`` (sync_replicas); its variables are
         visible first."""

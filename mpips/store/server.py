@@ -214,11 +214,13 @@ def _aggregate_loop(
     advances global_step); a gradient for an older step is dropped (and counted). Returns
     the steps aggregated; logs the gradients dropped per worker at the end."""
     task = cluster.role.task
-    step = chores.control.global_step()  # continues from the restored global_step
     variables, slot_views = windows.held(task)
     slots = {name: {s: slot_views[f"{name}/{s}"] for s in slot_names} for name in variables}
     total = {name: np.zeros_like(v) for name, v in variables.items()}
     mail, count, steps = PsMail(windows, task, cluster.rank), 0, 0
+    # the step this task published before the start barrier (the restored global_step):
+    # not global_step, which another PS task may already have advanced
+    step = mail.published_step()
     dropped = [0] * cluster.layout.num_workers  # the step word was published before ready
     sleep, last_busy = BUSY_POLL_SECONDS, 0.0
     while not chores.run():
