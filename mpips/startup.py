@@ -4,7 +4,9 @@ buffer exists, so that a problem is one message and nothing has been trained or 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -49,7 +51,9 @@ class Prepared:
     val_split: str = ""  # its name: "val" if the file has one, else "test"
     values: dict[str, np.ndarray] = field(default_factory=dict)  # chief: variables to write
     slots: dict[str, np.ndarray] = field(default_factory=dict)  # chief: their slots
-    local: dict[str, np.ndarray] = field(default_factory=dict)  # PS: what it fills itself
+    # PS: what it fills itself, by name: restored arrays, or fillers of fresh table
+    # partitions (called with the window's view, they write it a chunk of rows at a time)
+    local: dict[str, Any] = field(default_factory=dict)
 
 
 def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
@@ -231,26 +235,61 @@ def prepare(
     return prep
 
 
+FILL_ELEMENTS = 1 << 20  # a fresh table partition is written this many elements at a time
+
+
+def _fill_rows(
+    model: Any,
+    optimizer: Optimizer,
+    table: str,
+    rows: tuple[int, int, int],
+    seed: int,
+    slot: str,
+    view: np.ndarray,
+) -> None:
+    """Write the initial values of ``rows`` of ``table`` (``slot``: of that slot) into a PS's
+    own window ``view``, a chunk of rows at a time: memory for one chunk, whatever the size
+    of the partition (a 100M-row table's values are never all in memory outside the
+    window)."""
+    start, stop, step = rows
+    chunk = max(1, FILL_ELEMENTS // max(1, int(np.prod(view.shape[1:]))))
+    for lo in range(0, len(view), chunk):
+        hi = min(len(view), lo + chunk)
+        values = model.initial_rows(table, (start + lo * step, start + hi * step, step), seed)
+        view[lo:hi] = optimizer.init_slots(values)[slot] if slot else values
+
+
 def _ps_fill(
     job: Job, cluster: Cluster, model: Any, optimizer: Optimizer, ckpt: checkpoint.Checkpoint | None
 ) -> dict[str, np.ndarray]:
     """What PS ``task`` writes into its own memory before training, by variable name:
     restoring, all it holds (split variables' row blocks re-sliced from any partitioning);
     afresh, its table partitions and their slots (the chief writes the dense variables)."""
-    task = cluster.role.task
+    task, seed = cluster.role.task, job.model.init_seed
     placement = store_placement(job, model, cluster.layout.num_ps)
     mine = placement.on_ps(task)
     slots = slot_placement(placement, optimizer.slots).on_ps(task)
     if ckpt is None:
-        out = {}
+        out: dict[str, Any] = {}
         for e in mine:
             if e.table:
-                out[e.name] = model.initial_rows(e.name, e.rows, job.model.init_seed)
-                for slot, value in optimizer.init_slots(out[e.name]).items():
-                    out[f"{e.name}/{slot}"] = value
+                assert e.rows is not None
+                out[e.name] = partial(_fill_rows, model, optimizer, e.name, e.rows, seed, "")
+                for slot in optimizer.slots:
+                    out[f"{e.name}/{slot}"] = partial(
+                        _fill_rows, model, optimizer, e.name, e.rows, seed, slot
+                    )
         return out
-    return ckpt.read(
+    t0 = time.perf_counter()
+    out = ckpt.read(
         [e.whole or e.spec for e in mine],
         [e.whole or e.spec for e in slots],
         rows={e.name: e.rows for e in mine + slots if e.rows},
     )
+    mb, seconds = sum(a.nbytes for a in out.values()) / 1e6, time.perf_counter() - t0
+    log(
+        cluster.role,
+        f"read its {mb:.1f} MB of {ckpt.path.name} in {seconds:.2f} s "
+        f"({mb / max(seconds, 1e-9):.0f} MB/s)",
+    )
+    return out

@@ -181,3 +181,23 @@ def test_a_ctr_job_streams_its_parts_and_learns(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "streamed in chunks of 1000" in r.stdout
     assert r.result["global_step"] == 400 and r.result["test_auc"] > 0.6, r.result
+
+
+def test_a_fresh_table_partition_is_filled_a_chunk_of_rows_at_a_time(monkeypatch):
+    """A PS writes its partition's initial rows (and slots) into its window in chunks; the
+    result equals the partition made whole, for both partition rules."""
+    from mpips import startup
+    from mpips.ctr import EMBEDDING, WideDeep
+    from mpips.job import OptimizerConfig
+    from mpips.optim import build_optimizer
+
+    monkeypatch.setattr(startup, "FILL_ELEMENTS", 40)  # 5 rows of 8 a chunk
+    model = WideDeep(1000, [4], embedding_dim=8)
+    ftrl = build_optimizer(OptimizerConfig(kind="ftrl", initial_accumulator_value=0.25))
+    for rows in ((1, 1000, 3), (500, 1000, 1)):
+        whole = model.initial_rows(EMBEDDING, rows, 7)
+        view = np.full_like(whole, np.nan)
+        startup._fill_rows(model, ftrl, EMBEDDING, rows, 7, "", view)
+        np.testing.assert_array_equal(view, whole)
+        startup._fill_rows(model, ftrl, EMBEDDING, rows, 7, "n", view)
+        assert (view == 0.25).all()

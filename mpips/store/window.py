@@ -13,6 +13,8 @@ PS to make an MPI call, 300-500 us per op instead of ~2 us.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from mpi4py import MPI
 
@@ -114,12 +116,17 @@ class Windows(WindowPlan):
             self.slots, bufs, only_ps=task, by_name=True
         ) if self.slots else {}
 
-    def fill_own(self, task: int, values: dict[str, np.ndarray]) -> None:
-        """PS ``task`` (this rank): write ``values`` (by variable or slot name) into its own
-        memory before training, made visible to every later access."""
+    def fill_own(self, task: int, values: dict[str, Any]) -> None:
+        """PS ``task`` (this rank): write ``values`` (by variable or slot name: an array, or
+        a callable that fills the view it is given) into its own memory before training,
+        made visible to every later access."""
         for held in self.held(task):
             for name, view in held.items():
-                if name in values:
+                if name not in values:
+                    continue
+                if callable(values[name]):
+                    values[name](view)
+                else:
                     view[...] = values[name]
         self.params.Sync()
 
