@@ -93,6 +93,7 @@ def open_store(
         slots,
         optimizer.stateful or replicas,
         row_capacity=job.train.batch_size * max(1, prep.info.max_nnz),
+        shared=job.train.zero_copy,
     )
     if prep.local:  # a PS task: restored state or fresh table partitions
         windows.fill_own(cluster.role.task, prep.local)
@@ -299,6 +300,11 @@ class AsyncWorker:
             f"train rows [{start}, {stop}) of {prep.info.rows['train']}, "
             f"batch {tc.batch_size}, pulls {self.client.nbytes / 1e6:.2f} MB per step "
             f"from {self.windows.placement.num_ps} ps task(s)"
+            + (
+                f", reads {self.client.in_place_bytes / 1e6:.2f} MB in place (zero copy)"
+                if self.client.in_place
+                else ""
+            )
             + (f", resuming at batch {self.clock}" if self.clock else ""),
         )
         return prep.start_step  # global_step itself may have moved on: others are pushing

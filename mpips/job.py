@@ -89,6 +89,9 @@ class TrainConfig:
     bucket_bytes: int = 1 << 20  # sync: gradients fused into allreduce buckets of about this size
     check_every: int = 100  # sync: verify replicas are bitwise identical every N steps (0: off)
     eval_every: int = 0  # the chief evaluates on the validation split every N global steps
+    # async: workers read the PS tasks' memory in place (MPI shared memory, every rank on
+    # one node) instead of copying it each step: Hogwild-style reads, opt-in
+    zero_copy: bool = False
 
 
 @dataclass
@@ -280,6 +283,13 @@ def validate(job: Job) -> Job:
         raise ConfigError('train.replicas_to_aggregate: only for mode = "sync_replicas"')
     if job.train.mode == "sync_replicas":
         _check_sync_replicas(job)
+    if job.train.zero_copy and job.train.mode != "async":
+        raise ConfigError(
+            f'train.zero_copy: only for mode = "async" (mode = "{job.train.mode}" reads '
+            f"consistent copies of the variables)"
+        )
+    if job.train.zero_copy and job.train.device != "cpu":
+        raise ConfigError("train.zero_copy: only on the CPU (a GPU worker copies anyway)")
     if job.train.mode == "hybrid" and job.optimizer.clip_norm:
         raise ConfigError(
             'optimizer.clip_norm: not with mode = "hybrid" (the dense mean and the table '

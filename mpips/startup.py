@@ -175,6 +175,12 @@ def prepare(
     """
     _check_checkpoint_dir(job, cluster)
     _check_summary_dir(job, cluster)
+    if job.train.zero_copy and len(cluster.node_ranks) != cluster.comm.size:
+        raise ConfigError(
+            "train.zero_copy: every rank must run on one node (the workers read the PS "
+            f"tasks' memory in place); this job has {len(cluster.node_ranks)} of its "
+            f"{cluster.comm.size} ranks here"
+        )
     info = open_data(job.data, arrays)
     prep = Prepared(info)
     c = job.checkpoint

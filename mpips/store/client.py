@@ -85,10 +85,23 @@ class StoreClient:
         self.ps_ranks = windows.layout.ps_ranks
         num_ps = placement.num_ps
         # whole variables of each PS: one buffer laid out like the start of its window
-        self._param_bufs = [np.zeros(placement.whole_bytes(p), np.uint8) for p in range(num_ps)]
-        self._grad_bufs = [np.zeros_like(b) for b in self._param_bufs]
+        self._param_bufs = [
+            np.zeros(0 if windows.shared else placement.whole_bytes(p), np.uint8)
+            for p in range(num_ps)
+        ]
+        self._grad_bufs = [np.zeros(placement.whole_bytes(p), np.uint8) for p in range(num_ps)]
         whole = [e for e in placement.dense if e.whole is None]
-        self.params = views(whole, self._param_bufs)
+        # zero copy (shared windows): the whole variables are read in place, in PS memory
+        self.in_place = windows.shared
+        live = (
+            [
+                windows.shared_memory(r)[: placement.whole_bytes(p)]
+                for p, r in enumerate(self.ps_ranks)
+            ]
+            if self.in_place
+            else self._param_bufs
+        )
+        self.params = views(whole, live)
         self.grads = views(whole, self._grad_bufs)
         # split variables (layout.partition): one full array each, whose row blocks move
         # straight to and from their PS tasks
@@ -118,8 +131,13 @@ class StoreClient:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of dense variables moved by one pull (and by one push)."""
-        return sum(s.params.size for s in self._segments)
+        """Bytes of dense variables one pull copies (zero copy: only split variables)."""
+        return sum(s.params.size for s in self._segments if not s.in_place)
+
+    @property
+    def in_place_bytes(self) -> int:
+        """Bytes of dense variables read in place, in PS memory (zero copy)."""
+        return sum(s.params.size for s in self._segments if s.in_place)
 
     @property
     def pulled_bytes(self) -> int:
@@ -133,7 +151,10 @@ class StoreClient:
         and table); returns them by name."""
         win = self.windows.params
         for seg in self._segments:
-            win.Get([seg.params, MPI.BYTE], seg.rank, [seg.offset, seg.params.size, MPI.BYTE])
+            if not seg.in_place:
+                win.Get([seg.params, MPI.BYTE], seg.rank, [seg.offset, seg.params.size, MPI.BYTE])
+        if self.in_place:
+            win.Sync()  # loads from the PS's memory see every update that has landed
         out = self.params
         fetched = []
         if ids is not None and self.tables:
@@ -237,9 +258,12 @@ class StoreClient:
                     [e.offset, e.spec.nbytes, MPI.BYTE],
                 )
         for seg in self._segments:
-            win.Put([seg.params, MPI.BYTE], seg.rank, [seg.offset, seg.params.size, MPI.BYTE])
+            if not seg.in_place:  # (in place: written above, straight into PS memory)
+                win.Put([seg.params, MPI.BYTE], seg.rank, [seg.offset, seg.params.size, MPI.BYTE])
         for rank in self.ps_ranks:
             win.Flush(rank)
+        if self.in_place:
+            win.Sync()
 
     def pull_slots(self) -> dict[str, np.ndarray]:
         """Read the optimizer slots of every dense variable (``<variable>/<slot>``)."""
@@ -270,6 +294,7 @@ class Segment:
     params: np.ndarray  # uint8
     grads: np.ndarray  # uint8
     dtype: np.dtype
+    in_place: bool = False  # params is the PS's own memory (zero copy): nothing to pull
 
 
 def _segments(client: StoreClient) -> list[Segment]:
@@ -280,6 +305,7 @@ def _segments(client: StoreClient) -> list[Segment]:
     for p, rank in enumerate(client.ps_ranks):
         on_ps = client.placement.on_ps(p)
         whole = [e for e in on_ps if e.whole is None]
+        live = client.windows.shared_memory(rank) if client.in_place else client._param_bufs[p]
         for dtype, group in groupby(whole, key=lambda e: e.spec.dtype):
             members = list(group)
             start, end = members[0].offset, members[-1].offset + members[-1].spec.nbytes
@@ -288,9 +314,10 @@ def _segments(client: StoreClient) -> list[Segment]:
                     p,
                     rank,
                     start,
-                    client._param_bufs[p][start:end],
+                    live[start:end],
                     client._grad_bufs[p][start:end],
                     np.dtype(dtype),
+                    client.in_place,
                 )
             )
         for e in on_ps:

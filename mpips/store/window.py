@@ -78,15 +78,20 @@ class Windows(WindowPlan):
         slots: Placement | None = None,
         inboxes: bool = False,
         row_capacity: int = 0,
+        shared: bool = False,
     ):
+        """``shared``: the parameter windows are MPI shared memory (every rank of ``comm``
+        on one node), so a worker can read a PS task's memory in place (``shared_memory``)."""
         super().__init__(placement, slots, row_capacity)
         self.layout = layout
+        self.shared = shared
         role = layout.role(comm.rank)
         workers = layout.num_workers
         is_ps = role.job == "ps"
         size = self.window_bytes(role.task, workers, inboxes) if is_ps else 0
         check_arrival(comm, "window creation")  # Allocate is a blocking collective
-        self.params = MPI.Win.Allocate(size, disp_unit=1, comm=comm)
+        allocate = MPI.Win.Allocate_shared if shared else MPI.Win.Allocate
+        self.params = allocate(size, disp_unit=1, comm=comm)
         mail = mail_words(workers) * 8 if is_ps and inboxes else 0
         self.mail = MPI.Win.Allocate(mail, disp_unit=8, comm=comm)
         self.clocks_at = SHARDS + layout.num_ps  # index of worker 0's clock
@@ -107,6 +112,13 @@ class Windows(WindowPlan):
         """This rank's own memory of ``win`` as bytes (empty where it holds none)."""
         # mpi4py's stub gives MPI.buffer its __buffer__ only for Python >= 3.12
         return np.frombuffer(win.tomemory(), dtype=np.uint8)  # type: ignore[call-overload]
+
+    def shared_memory(self, rank: int) -> np.ndarray:
+        """The bytes of ``rank``'s parameter window, in this process's address space
+        (shared windows only): loads and stores there reach that rank's memory."""
+        assert self.shared
+        buf, _ = self.params.Shared_query(rank)
+        return np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
 
     def held(self, task: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """PS ``task`` (this rank): views of the variables and slots in its own memory, by
