@@ -142,6 +142,49 @@ def run_ps(
     return TrainResult(cluster.role, 0, 0)
 
 
+def save_from_ps(
+    job: Job,
+    cluster: Cluster,
+    windows: Windows,
+    step: int,
+    clocks: list[int],
+    chief_part: tuple[dict[str, Any], dict[str, Any]] | None = None,
+) -> PendingSave:
+    """Chief: ask every PS task to write its shard of a checkpoint at ``step`` (in parallel,
+    while the chief trains on); ``chief_part`` (variables, slots): what the chief holds
+    itself, written now as one more shard (hybrid mode's dense part). The manifest is
+    committed once every shard is written (PendingSave.commit)."""
+    control, c = RunControl(windows), job.checkpoint
+    num_ps = windows.placement.num_ps
+    number, asked = control.request_checkpoint(step), time.monotonic()
+    variables, slots = checkpoint.index_of(windows.placement, windows.slots)
+    shards = num_ps
+    if chief_part is not None:
+        shards += 1
+        checkpoint.write_shard(c.dir, step, num_ps, shards, *chief_part)
+        variables.update(checkpoint.whole_index(chief_part[0], num_ps))
+        slots.update(checkpoint.whole_index(chief_part[1], num_ps))
+
+    def commit(block: bool) -> Path | None:
+        if block:
+            control.wait_shards(number, step, STALL_TIMEOUT - (time.monotonic() - asked))
+        elif control.shards_missing(number):
+            if time.monotonic() - asked > STALL_TIMEOUT:
+                control.wait_shards(number, step, 0)  # raises, naming the PS tasks
+            return None
+        return checkpoint.commit(
+            c.dir,
+            step,
+            shards,
+            variables,
+            slots,
+            manifest_meta(job, cluster, clocks),
+            c.max_to_keep,
+        )
+
+    return PendingSave(step, commit)
+
+
 def close_store(cluster: Cluster, windows: Windows, result: TrainResult) -> TrainResult:
     """Every rank, once the chief has ended the run (its last checkpoint and evaluation are
     done): the end barrier (a backstop only: a hung chief is named first by the PS tasks'
@@ -312,28 +355,9 @@ class AsyncWorker:
     def start_save(self) -> PendingSave:
         """Ask every PS task to write its shard (in parallel, while the chief trains on);
         the chief commits the manifest when all are written."""
-        control, job = self.control, self.job
+        control = self.control
         step, clocks = control.global_step(), [int(c) for c in control.clocks()[0]]
-        number, asked = control.request_checkpoint(step), time.monotonic()
-
-        def commit(block: bool) -> Path | None:
-            if block:
-                control.wait_shards(number, step, STALL_TIMEOUT - (time.monotonic() - asked))
-            elif control.shards_missing(number):
-                if time.monotonic() - asked > STALL_TIMEOUT:
-                    control.wait_shards(number, step, 0)  # raises, naming the PS tasks
-                return None
-            index = checkpoint.index_of(self.windows.placement, self.windows.slots)
-            return checkpoint.commit(
-                job.checkpoint.dir,
-                step,
-                self.windows.placement.num_ps,
-                *index,
-                manifest_meta(job, self.cluster, clocks),
-                job.checkpoint.max_to_keep,
-            )
-
-        return PendingSave(step, commit)
+        return save_from_ps(self.job, self.cluster, self.windows, step, clocks)
 
     def _conclude(self, result: TrainResult, gathered: list[Any]) -> None:
         """Chief: who made how many updates, staleness, evaluation; then end the run."""

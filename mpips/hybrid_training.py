@@ -18,22 +18,20 @@ A checkpoint holds the tables' partitions in the PS tasks' shards and the dense 
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import checkpoint, preemption
-from .async_training import close_store, open_store, run_ps
+from . import preemption
+from .async_training import close_store, open_store, run_ps, save_from_ps
 from .backend import Device
 from .errors import ConfigError
 from .hooks import Hook, PendingSave
 from .job import Job
 from .optim import Optimizer, learning_rate
-from .run import TrainResult, evaluate_on, manifest_meta, report
+from .run import TrainResult, evaluate_on, report
 from .startup import Prepared
-from .store import STALL_TIMEOUT, Cluster, StoreClient, Windows, start_limit
+from .store import Cluster, StoreClient, Windows, start_limit
 from .sync_training import Replica
 
 
@@ -137,29 +135,9 @@ class HybridReplica(Replica):
 
     def save(self) -> PendingSave:
         """Ask every PS task for its shard of the tables, write the dense variables and
-        their slots as the last shard, and commit once all are written."""
-        control, job, num_ps = self.control, self.job, self.windows.placement.num_ps
-        step, clocks = self.step_count, [self.clock] * self.workers
-        number, asked = control.request_checkpoint(step), time.monotonic()
+        their slots as one more shard, and commit once all are written."""
         slots = {f"{n}/{k}": a for n, s in self.slots.items() for k, a in s.items()}
-        checkpoint.write_shard(job.checkpoint.dir, step, num_ps, num_ps + 1, self.params, slots)
-
-        def commit(block: bool) -> Path | None:
-            if block:
-                control.wait_shards(number, step, STALL_TIMEOUT - (time.monotonic() - asked))
-            elif control.shards_missing(number):
-                if time.monotonic() - asked > STALL_TIMEOUT:
-                    control.wait_shards(number, step, 0)  # raises, naming the PS tasks
-                return None
-            tables, table_slots = checkpoint.index_of(self.windows.placement, self.windows.slots)
-            return checkpoint.commit(
-                job.checkpoint.dir,
-                step,
-                num_ps + 1,
-                {**tables, **checkpoint.whole_index(self.params, num_ps)},
-                {**table_slots, **checkpoint.whole_index(slots, num_ps)},
-                manifest_meta(job, self.cluster, clocks),
-                job.checkpoint.max_to_keep,
-            )
-
-        return PendingSave(step, commit)
+        clocks = [self.clock] * self.workers
+        return save_from_ps(
+            self.job, self.cluster, self.windows, self.step_count, clocks, (self.params, slots)
+        )

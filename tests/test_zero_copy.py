@@ -27,15 +27,20 @@ def test_one_zero_copy_worker_equals_one_process(tmp_path, kind):
 
 
 def test_zero_copy_workers_learn_as_well(tmp_path):
-    """3 workers reading and updating 1 PS task's memory at once: the digits job still
-    reaches the accuracy of copied pulls (0.95+ after 600 steps)."""
-    (tmp_path / "job.toml").write_text(
-        '[data]\nbuiltin = "digits"\n[train]\nsteps = 600\nzero_copy = true\n[layout]\nps = 1\n'
-    )
-    r = run_train(tmp_path, 4, "job.toml", timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.result["global_step"] == 600 and r.result["test_accuracy"] > 0.95, r.result
+    """3 workers reading and updating 1 PS task's memory at once: the digits job reaches
+    about the accuracy of copied pulls after 600 steps (within 0.03; both above 0.9)."""
+    accuracy = {}
+    for zero_copy in ("false", "true"):
+        (tmp_path / "job.toml").write_text(
+            f'[data]\nbuiltin = "digits"\n[train]\nsteps = 600\nzero_copy = {zero_copy}\n'
+            "[layout]\nps = 1\n"
+        )
+        r = run_train(tmp_path, 4, "job.toml", timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.result["global_step"] == 600, r.result
+        accuracy[zero_copy] = r.result["test_accuracy"]
     assert "pulls 0.00 MB per step from 1 ps task(s), reads 0.02 MB in place" in r.stdout
+    assert accuracy["false"] > 0.9 and accuracy["true"] > accuracy["false"] - 0.03, accuracy
 
 
 @pytest.mark.parametrize("mode", ["sync", "sync_replicas", "hybrid"])
