@@ -159,6 +159,25 @@ def _apply_rows(
         a[rows] = s[k]
 
 
+class _Pace:
+    """How a PS waits between two looks at its mail: right after an update it looks again
+    soon (the next push is coming), backing off to WARM_POLL_SECONDS while pushes keep
+    coming and to POLL_SECONDS (1 ms) when none came for WARM_SECONDS. (Yielding the core
+    instead of sleeping while warm was measured: the CTR job lost 15%.)"""
+
+    def __init__(self) -> None:
+        self.sleep, self.last_busy = BUSY_POLL_SECONDS, 0.0
+
+    def wait(self, busy: bool) -> None:
+        now = time.monotonic()
+        if busy:
+            self.sleep, self.last_busy = BUSY_POLL_SECONDS, now
+        else:
+            cap = WARM_POLL_SECONDS if now - self.last_busy < WARM_SECONDS else POLL_SECONDS
+            self.sleep = min(cap, self.sleep * 2)
+        time.sleep(self.sleep)
+
+
 def _apply_loop(
     cluster: Cluster,
     windows: Windows,
@@ -173,7 +192,7 @@ def _apply_loop(
     slots = {name: {s: slot_views[f"{name}/{s}"] for s in slot_names} for name in variables}
     mail, applied = PsMail(windows, task, cluster.rank), 0
     workers = range(cluster.layout.num_workers)
-    sleep, last_busy = BUSY_POLL_SECONDS, 0.0
+    pace = _Pace()
     while not chores.run():
         busy = False
         for k in workers:
@@ -190,13 +209,7 @@ def _apply_loop(
             on_applied(t)
             applied += 1
             busy = True
-        now = time.monotonic()
-        if busy:
-            sleep, last_busy = BUSY_POLL_SECONDS, now
-        else:  # back off; sleep 1 ms only when no push came for WARM_SECONDS
-            cap = WARM_POLL_SECONDS if now - last_busy < WARM_SECONDS else POLL_SECONDS
-            sleep = min(cap, sleep * 2)
-        time.sleep(sleep)
+        pace.wait(busy)
     return applied
 
 
@@ -222,7 +235,7 @@ def _aggregate_loop(
     # not global_step, which another PS task may already have advanced
     step = mail.published_step()
     dropped = [0] * cluster.layout.num_workers  # the step word was published before ready
-    sleep, last_busy = BUSY_POLL_SECONDS, 0.0
+    pace = _Pace()
     while not chores.run():
         busy = False
         for k in range(cluster.layout.num_workers):
@@ -249,13 +262,7 @@ def _aggregate_loop(
                     chores.control.advance_step()
                 mail.publish_step(step)
                 on_applied(step)
-        now = time.monotonic()
-        if busy:
-            sleep, last_busy = BUSY_POLL_SECONDS, now
-        else:
-            cap = WARM_POLL_SECONDS if now - last_busy < WARM_SECONDS else POLL_SECONDS
-            sleep = min(cap, sleep * 2)
-        time.sleep(sleep)
+        pace.wait(busy)
     late = ", ".join(f"worker {k}: {d}" for k, d in enumerate(dropped) if d) or "none"
     log(
         cluster.role,
