@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from mpi4py import MPI
 
 from ..errors import AlreadyReported, NonFinite
 from ..log import log
@@ -34,6 +35,7 @@ from .window import Windows
 BUSY_POLL_SECONDS = 5e-5  # right after an update
 WARM_POLL_SECONDS = 2e-4  # busy within the last WARM_SECONDS: the next push is coming soon
 WARM_SECONDS = 0.1
+_PROGRESS_TAG = 7999  # never sent: an Iprobe for it only lets MPI make progress
 CHORE_SECONDS = 5e-3  # how often a PS looks for a checkpoint request or the end of the run
 
 WriteShard = Callable[[int, dict[str, np.ndarray], dict[str, np.ndarray]], None]
@@ -73,7 +75,22 @@ def serve(
     )
     chores = _Chores(control, windows, task, write_shard, watchdog, stop_requested)
     if apply is None:
-        poll(chores.run, math.inf, unreachable)  # policed by the watchdog in chores.run
+        # plain SGD: the workers' Gets and Accumulates need no PS code, but across nodes
+        # (no shared memory) MPICH moves them only while the PS is inside MPI: enter it
+        # every WARM_POLL_SECONDS (an Iprobe), not only at the chores' 5 ms (measured
+        # over TCP at 10 Gbit/s, one worker: 2,855 -> 10,154 examples/s; docs/scaling.md)
+        remote = len(cluster.node_ranks) < cluster.comm.size
+
+        def progress() -> None:
+            cluster.comm.Iprobe(MPI.ANY_SOURCE, _PROGRESS_TAG)
+
+        poll(
+            chores.run,
+            math.inf,
+            unreachable,  # policed by the watchdog in chores.run
+            progress if remote else None,
+            max_sleep=WARM_POLL_SECONDS if remote else POLL_SECONDS,
+        )
         return 0
     if aggregate:
         return _aggregate_loop(
