@@ -3,6 +3,7 @@ timed mpips run (examples/s as the chief reports it)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -53,8 +54,9 @@ def one_process_rate(
     return steps * batch / (time.perf_counter() - t0)
 
 
-def mpips_rate(ranks: int, job: Path, workdir: Path) -> float:
-    """Run `mpiexec -n RANKS python -m mpips train JOB`; the examples/s its chief reports."""
+def mpips_rate(ranks: int, job: Path, workdir: Path, env: dict[str, str] | None = None) -> float:
+    """Run `mpiexec -n RANKS python -m mpips train JOB`; the examples/s its chief reports.
+    ``env``: variables to set for the run (e.g. MPIPS_FUSED_KERNELS=0)."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     r = subprocess.run(
         [
@@ -71,6 +73,7 @@ def mpips_rate(ranks: int, job: Path, workdir: Path) -> float:
         capture_output=True,
         text=True,
         timeout=600,
+        env=dict(os.environ, **(env or {})),
     )
     m = re.search(r"([0-9]+) examples/s\)", r.stdout)
     if r.returncode or not m:

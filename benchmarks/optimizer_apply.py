@@ -1,25 +1,32 @@
-"""Apply throughput of each optimizer through mpips vs a numpy in-place update in one process,
-and the two ways a stateful update can reach PS memory over one-sided MPI.
+"""Apply throughput of each optimizer through mpips vs the fastest in-place update in one
+process, and the two ways a stateful update can reach PS memory over one-sided MPI.
 
 Run:  mpiexec -n 3 python benchmarks/optimizer_apply.py     (rank 0 = PS, ranks 1-2 = workers)
 
 Model: the reference MLP's variables (784-512-512-10, 0.67 M float32 parameters).
-* limit       : Optimizer.apply on the same arrays, in place, in one process (rank 0 alone).
+* limit       : the rule on the same arrays, in place, in one process (rank 0 alone, the
+                others sleep), by each implementation: numpy (mpips' reference rules), fused
+                (mpips' numba kernels, what Optimizer.apply runs), and two it does not ship:
+                fastmath (the same loops compiled with fastmath=True: other rounding, a
+                bound) and numexpr (when installed). The limit is the fastest of them.
 * ps-applies  : mpips' path. Workers Put the gradient into their inbox on the PS and raise a
                 mail flag; the PS applies the rule to its own memory and clears the flag.
+                Measured with the numpy rules (the kernels off) and with the fused kernels.
 * worker-lock : the alternative. A worker takes a spin lock on the PS (Compare_and_swap),
-                Gets variable + slots, applies the rule locally, Puts them back, unlocks.
+                Gets variable + slots, applies the rule locally (fused), Puts them back, unlocks.
 Figures: parameters updated per second (aggregate over the active workers), median of --reps.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import numpy as np
 from mpi4py import MPI
 
+from mpips import optim
 from mpips.layout import make_layout
 from mpips.nn import MLP
 from mpips.optim import Optimizer
@@ -57,7 +64,8 @@ def write_start(client: StoreClient, opt: Optimizer, specs) -> None:
     client.initialise(params, {f"{k}/{s}": v for k, d in slots.items() for s, v in d.items()})
 
 
-def limit(opt: Optimizer, specs, reps: int, iters: int) -> float:
+def limit(apply, opt: Optimizer, specs, reps: int, iters: int) -> float:
+    """Parameters per second of ``apply(var, grad, slots, lr, t)`` over the model, in place."""
     params, slots = start_values(opt, specs)
     rng = np.random.default_rng(100)
     grads = {k: gradient(rng, v.shape) for k, v in params.items()}
@@ -66,9 +74,105 @@ def limit(opt: Optimizer, specs, reps: int, iters: int) -> float:
         t0 = time.perf_counter()
         for t in range(iters):
             for k in params:
-                opt.apply(params[k], grads[k], slots[k], 1e-3, t + 1)
+                apply(params[k], grads[k], slots[k], 1e-3, t + 1)
         samples.append((time.perf_counter() - t0) / iters)
     return sum(v.size for v in params.values()) / float(np.median(samples))
+
+
+def numpy_rule(opt: Optimizer):
+    def apply(var, grad, slots, lr, t):
+        with_kernels = optim.set_fused_kernels(False)
+        opt.apply(var, grad, slots, lr, t)
+        optim.set_fused_kernels(with_kernels)
+
+    return apply
+
+
+def fastmath(opt: Optimizer):
+    """mpips' loops compiled with fastmath=True (reassociation, approximate division and
+    square root where LLVM likes): not the same bits, a bound for the shipped kernels."""
+    import numba
+
+    name = optim.kernel_name(opt.kind, opt.hyper)
+    kernel = numba.njit(optim._KERNELS[name][0], fastmath=True, error_model="numpy")
+
+    def apply(var, grad, slots, lr, t):
+        arrays = [a.reshape(-1) for a in (var, grad, *(slots[s] for s in opt.slots))]
+        kernel(*arrays, *optim.kernel_scalars(opt.kind, opt.hyper, lr, t))
+
+    return apply
+
+
+def numexpr_rule(opt: Optimizer):
+    """The rule as numexpr expressions (one pass per array written, one thread, the same
+    float32 operations), or None without numexpr."""
+    try:
+        import numexpr
+    except ImportError:
+        return None
+    numexpr.set_num_threads(1)
+    f32, h = np.float32, opt.hyper
+
+    def ev(expr, out, **names):
+        numexpr.evaluate(expr, local_dict=names, out=out, casting="same_kind")
+
+    def apply(var, grad, s, lr, t):
+        if opt.kind == "momentum":
+            m, mu, lr = s["momentum"], f32(h["momentum"]), f32(lr)
+            ev("m * mu + g", m, m=m, mu=mu, g=grad)
+            step = "lr * (g + mu * m)" if h["nesterov"] else "lr * m"
+            ev(f"w - {step}", var, w=var, lr=lr, g=grad, mu=mu, m=m)
+        elif opt.kind == "adagrad":
+            acc = s["accumulator"]
+            ev("a + g * g", acc, a=acc, g=grad)
+            ev(
+                "w - lr * g / (sqrt(a) + e)",
+                var,
+                w=var,
+                lr=f32(lr),
+                g=grad,
+                a=acc,
+                e=f32(h["epsilon"]),
+            )
+        elif opt.kind == "adam":
+            m, v, b1, b2 = s["m"], s["v"], h["beta1"], h["beta2"]
+            lr_t = f32(lr * math.sqrt(1 - b2**t) / (1 - b1**t))
+            ev("m * b1 + g * c1", m, m=m, b1=f32(b1), g=grad, c1=f32(1 - b1))
+            ev("v * b2 + g * c2 * g", v, v=v, b2=f32(b2), g=grad, c2=f32(1 - b2))
+            ev("w - m * lr_t / (sqrt(v) + e)", var, w=var, m=m, lr_t=lr_t, v=v, e=f32(h["epsilon"]))
+        elif opt.kind == "ftrl":
+            z, n, lr, l1 = s["z"], s["n"], f32(lr), f32(h["l1"])
+            ev("z + (g - (sqrt(n + g * g) - sqrt(n)) / lr * w)", z, z=z, g=grad, n=n, lr=lr, w=var)
+            ev("n + g * g", n, n=n, g=grad)
+            clip = "where(z < -l1, -l1, where(z > l1, l1, z))"
+            ev(
+                f"({clip} - z) / (sqrt(n) / lr + l2x2)",
+                var,
+                z=z,
+                l1=l1,
+                n=n,
+                lr=lr,
+                l2x2=f32(2 * h["l2"]),
+            )
+        else:
+            opt.apply(var, grad, s, lr, t)
+
+    return apply
+
+
+def limits(opt: Optimizer, specs, reps: int, iters: int) -> dict[str, float]:
+    """Each single-process implementation's rate (rank 0 alone); NaN where it does not run."""
+    name = optim.kernel_name(opt.kind, opt.hyper)
+    if name is None:  # plain SGD: one numpy expression, no kernel
+        rate = limit(opt.apply, opt, specs, reps, iters)
+        return {"numpy": rate, "fused": rate, "fastmath": float("nan"), "numexpr": float("nan")}
+    impls = {"numpy": numpy_rule(opt), "fused": opt.apply}
+    if optim.fused_kernel(name) is not None:
+        impls["fastmath"] = fastmath(opt)
+    if (ne := numexpr_rule(opt)) is not None:
+        impls["numexpr"] = ne
+    rates = {k: limit(f, opt, specs, reps, iters) for k, f in impls.items()}
+    return {k: rates.get(k, float("nan")) for k in ("numpy", "fused", "fastmath", "numexpr")}
 
 
 def timed_pushes(cluster, push, active: bool, reps: int, iters: int) -> float:
@@ -161,49 +265,54 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma list of optimizers")
+    ap.add_argument("--no-worker-lock", action="store_true", help="skip the worker-lock path")
     args = ap.parse_args()
     cluster = Cluster(comm, make_layout(comm.size, 1))
     specs = MLP([784, 512, 512, 10]).variables()
     placement = round_robin(specs, 1)
     nparams = sum(int(np.prod(s.shape)) for s in specs)
     rows = []
-    for kind in KINDS:
+    for kind in args.kinds.split(","):
         opt = Optimizer(kind, HYPER)
-        lim = limit(opt, specs, args.reps, args.iters) if comm.rank == 0 else 0.0
+        if (name := optim.kernel_name(kind, HYPER)) is not None:
+            optim.fused_kernel(name)  # compiled (or loaded) on every rank before any timing
+        lims = limits(opt, specs, args.reps, args.iters) if comm.rank == 0 else {}
         barrier(comm, "the benchmark")  # the others sleep while rank 0 measures the limit alone
-        lim = comm.bcast(lim)
+        lims = comm.bcast(lims)
         for workers in (1, 2):
-            t_ps = ps_applies(cluster, placement, opt, workers, args.reps, args.iters)
-            t_lock = (
-                worker_lock(cluster, placement, opt, workers, args.reps, args.iters)
-                if opt.stateful
-                else 0.0
-            )
-            t_ps = comm.allreduce(t_ps, MPI.MAX)
-            t_lock = comm.allreduce(t_lock, MPI.MAX)
-            rows.append(
-                (
-                    kind,
-                    workers,
-                    lim,
-                    workers * nparams / t_ps,
-                    workers * nparams / t_lock if t_lock else float("nan"),
-                )
-            )
+            rates = {}
+            for rule in ("numpy", "fused") if opt.stateful else ("numpy",):
+                optim.set_fused_kernels(rule == "fused")
+                t_ps = ps_applies(cluster, placement, opt, workers, args.reps, args.iters)
+                rates[rule] = workers * nparams / comm.allreduce(t_ps, MPI.MAX)
+            optim.set_fused_kernels(True)
+            if opt.stateful and not args.no_worker_lock:
+                t_lock = worker_lock(cluster, placement, opt, workers, args.reps, args.iters)
+                rates["lock"] = workers * nparams / comm.allreduce(t_lock, MPI.MAX)
+            rows.append((kind, workers, lims, rates))
     if comm.rank == 0:
         print(
             f"# optimizer_apply | {MPI.Get_library_version().splitlines()[0]} | 1 ps + "
-            f"{comm.size - 1} workers | {nparams} float32 params | median of {args.reps}"
+            f"{comm.size - 1} workers | {nparams} float32 params | median of {args.reps} | "
+            "Mparam/s"
         )
         print(
-            f"{'optimizer':<10}{'workers':>8}{'limit Mparam/s':>16}{'ps-applies':>12}"
-            f"{'ratio':>7}{'worker-lock':>13}{'ratio':>7}"
+            f"{'optimizer':<10}{'workers':>8}{'numpy':>8}{'fused':>8}{'fastmath':>9}"
+            f"{'numexpr':>8}{'limit':>8} |{'ps numpy':>9}{'/limit':>7}{'ps fused':>9}"
+            f"{'/limit':>7}{'/numpy':>7} |{'worker-lock':>12}{'/limit':>7}"
         )
-        for kind, w, lim, ps, lock in rows:
-            note = " (Accumulate)" if kind == "sgd" else ""
+        nan = float("nan")
+        for kind, w, lims, rates in rows:
+            lim = max(v for v in lims.values() if v == v)
+            ps_np, ps_fused, lock = (rates.get(k, nan) for k in ("numpy", "fused", "lock"))
+            note = " (Accumulate, no PS code)" if kind == "sgd" else ""
             print(
-                f"{kind:<10}{w:>8}{lim / 1e6:>16.1f}{ps / 1e6:>12.1f}{ps / lim:>7.2f}"
-                f"{lock / 1e6:>13.1f}{lock / lim:>7.2f}{note}"
+                f"{kind:<10}{w:>8}{lims['numpy'] / 1e6:>8.0f}{lims['fused'] / 1e6:>8.0f}"
+                f"{lims['fastmath'] / 1e6:>9.0f}{lims['numexpr'] / 1e6:>8.0f}{lim / 1e6:>8.0f} |"
+                f"{ps_np / 1e6:>9.0f}{ps_np / lim:>7.2f}{ps_fused / 1e6:>9.0f}"
+                f"{ps_fused / lim:>7.2f}{ps_fused / ps_np:>7.2f} |{lock / 1e6:>12.0f}"
+                f"{lock / lim:>7.2f}{note}"
             )
     cluster.free()
 

@@ -1,10 +1,14 @@
-"""Update rules against independent textbook formulas; schedules; clipping."""
+"""Update rules against independent textbook formulas; the fused kernels against the numpy
+rules; schedules; clipping."""
 
+import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from mpips import optim
 from mpips.optim import Optimizer, clip_by_global_norm, learning_rate
 
 RNG = np.random.default_rng(0)
@@ -97,6 +101,158 @@ def test_slots_per_optimizer():
     assert Optimizer("adam", HYPER).slots == ("m", "v")
     init = Optimizer("adagrad", HYPER).init_slots(np.zeros(3, np.float32))
     assert init["accumulator"].dtype == np.float32 and (init["accumulator"] == 0.1).all()
+
+
+# -- the fused kernels (numba) against the numpy rules ------------------------------------
+
+FUSED = [
+    ("momentum", {"nesterov": False}),
+    ("momentum", {"nesterov": True}),
+    ("adagrad", {}),
+    ("adam", {}),
+    ("ftrl", {"l1": 5.0, "l2": 0.01}),  # l1 about the median |z|: some weights 0, not all
+]
+
+
+def numpy_rule(kind, hyper, var, grad, slots, lr, t):
+    """The numpy reference functions, called directly (never through a kernel)."""
+    h = hyper
+    if kind == "momentum":
+        optim.apply_momentum(var, grad, slots["momentum"], lr, h["momentum"], h["nesterov"])
+    elif kind == "adagrad":
+        optim.apply_adagrad(var, grad, slots["accumulator"], lr, h["epsilon"])
+    elif kind == "adam":
+        optim.apply_adam(
+            var, grad, slots["m"], slots["v"], lr, t, h["beta1"], h["beta2"], h["epsilon"]
+        )
+    else:
+        optim.apply_ftrl(var, grad, slots["z"], slots["n"], lr, h["l1"], h["l2"])
+
+
+def random_state(opt, shape, seed=1):
+    """A float32 variable, the rule's initial slots, and gradients of several scales."""
+    rng = np.random.default_rng(seed)
+    var = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    slots = opt.init_slots(var)
+    grads = [
+        (rng.standard_normal(shape) * s).astype(np.float32) for s in (1.0, 1e-2, 1e-4, 0.3, 3.0)
+    ]
+    return var, slots, grads
+
+
+@pytest.mark.parametrize(
+    "kind,extra", FUSED, ids=["momentum", "nesterov", "adagrad", "adam", "ftrl"]
+)
+def test_fused_kernel_equals_the_numpy_rule(kind, extra):
+    pytest.importorskip("numba")
+    hyper = dict(HYPER, **extra)
+    opt = Optimizer(kind, hyper)
+    var, slots, grads = random_state(opt, (37, 29))  # not a multiple of any vector width
+    ref_var, ref_slots = var.copy(), {k: v.copy() for k, v in slots.items()}
+    for t, g in enumerate(grads, start=1):  # t > 1: Adam's bias correction moves
+        lr = 0.01 * t
+        assert optim.fused_apply(kind, hyper, var, g, slots, lr, t), "the kernel did not run"
+        numpy_rule(kind, hyper, ref_var, g, ref_slots, lr, t)
+        assert var.dtype == np.float32 and all(s.dtype == np.float32 for s in slots.values())
+        np.testing.assert_allclose(var, ref_var, rtol=1e-6, atol=1e-9, err_msg=f"step {t}")
+        for name in slots:
+            np.testing.assert_allclose(slots[name], ref_slots[name], rtol=1e-6, err_msg=name)
+    assert not np.array_equal(var, random_state(opt, (37, 29))[0])  # it did update
+    if kind == "ftrl":
+        assert 0 < np.count_nonzero(var == 0) < var.size  # both sides of the L1 threshold
+    # the same bits, not just close: a process switches from the numpy rule to the kernel
+    # once it has compiled, and sync replicas or a resumed run must not see the switch
+    np.testing.assert_array_equal(var, ref_var)
+    for name in slots:
+        np.testing.assert_array_equal(slots[name], ref_slots[name])
+
+
+def test_optimizer_apply_goes_through_the_kernel_once_it_is_compiled(monkeypatch):
+    pytest.importorskip("numba")
+    opt = Optimizer("adam", HYPER)
+    kernel = optim.fused_kernel("adam")  # compiled (or loaded from the cache) here
+    assert kernel is not None
+    calls = []
+    monkeypatch.setitem(optim._ready, "adam", lambda *a: calls.append(a) or kernel(*a))
+    var, slots, grads = random_state(opt, (5, 3))
+    opt.apply(var, grads[0], slots, 0.1, 1)
+    assert len(calls) == 1 and calls[0][0].base is var  # in place, through a flat view
+
+
+def test_first_updates_run_the_numpy_rule_while_the_kernel_compiles(monkeypatch):
+    opt = Optimizer("adam", HYPER)
+    release = threading.Event()
+    compiling = threading.Thread(target=release.wait)  # a compile that takes its time
+    compiling.start()
+    monkeypatch.setattr(optim, "_ready", {})
+    monkeypatch.setattr(optim, "_loaders", {"adam": compiling})
+    try:
+        var, slots, grads = random_state(opt, (8, 6))
+        want, want_slots = var.copy(), {k: v.copy() for k, v in slots.items()}
+        numpy_rule("adam", HYPER, want, grads[0], want_slots, 0.1, 1)
+        opt.apply(var, grads[0], slots, 0.1, 1)  # returns without waiting for it
+        assert compiling.is_alive()
+        np.testing.assert_array_equal(var, want)
+        np.testing.assert_array_equal(slots["m"], want_slots["m"])
+    finally:
+        release.set()
+        compiling.join()
+
+
+@pytest.mark.parametrize(
+    "why",
+    [
+        "float64",
+        "strided",
+        "read-only slot",
+        "read-only gradient",
+        "shapes differ",
+        "kernels off",
+        "numba missing",
+    ],
+)
+def test_numpy_rule_runs_where_no_kernel_fits(monkeypatch, why):
+    opt = Optimizer("adam", HYPER)
+    var, slots, grads = random_state(opt, (8, 6))
+    grad = grads[0]
+    if why == "float64":
+        var, grad = var.astype(np.float64), grad.astype(np.float64)
+        slots = opt.init_slots(var)
+    elif why == "strided":
+        var, grad = var[:, ::2], grad[:, ::2]
+        slots = {k: v[:, ::2] for k, v in slots.items()}
+    elif why == "read-only slot":
+        slots["m"].flags.writeable = False
+    elif why == "read-only gradient":  # the kernels are compiled for writable arrays only
+        grad.flags.writeable = False
+    elif why == "shapes differ":
+        grad = grad.reshape(6, 8)
+    elif why == "kernels off":
+        monkeypatch.setattr(optim, "_fused_enabled", False)
+    else:  # numba cannot be imported: the kernel never becomes ready, with one warning
+        monkeypatch.setitem(sys.modules, "numba", None)
+        monkeypatch.setattr(optim, "_ready", {})
+        monkeypatch.setattr(optim, "_loaders", {})
+        with pytest.warns(UserWarning, match="numba is not available"):
+            assert optim.fused_kernel("adam") is None
+    before = var.copy()
+    assert not optim.fused_apply("adam", HYPER, var, grad, slots, 0.1, 1)
+    np.testing.assert_array_equal(var, before)  # untouched: the numpy rule's to do
+    if why in ("read-only slot", "shapes differ"):
+        return  # the numpy rule refuses these too
+    want, want_slots = var.copy(), {k: v.copy() for k, v in slots.items()}
+    numpy_rule("adam", HYPER, want, grad, want_slots, 0.1, 1)
+    opt.apply(var, grad, slots, 0.1, 1)  # falls back to the numpy rule
+    np.testing.assert_array_equal(var, want)
+    np.testing.assert_array_equal(slots["v"], want_slots["v"])
+
+
+def test_sgd_has_no_kernel_and_prepare_is_harmless():
+    assert optim.kernel_name("sgd", {}) is None
+    assert optim.kernel_name("momentum", {"nesterov": True}) == "nesterov"
+    Optimizer("sgd").prepare()  # nothing to compile
+    var = np.ones(3, np.float32)
+    assert not optim.fused_apply("sgd", {}, var, var.copy(), {}, 0.1, 1)
 
 
 def cfg(**kw):
