@@ -79,6 +79,8 @@ def open_store(
 ) -> Windows:
     """Every rank: the windows of what the PS tasks hold (store_placement), each PS task's
     memory filled (restored state, fresh table partitions), up to the start barrier."""
+    if cluster.is_ps and (optimizer.stateful or job.train.mode == "sync_replicas"):
+        optimizer.prepare()  # its fused kernel compiles meanwhile, not at the first update
     placement = store_placement(job, model, cluster.layout.num_ps)
     cluster.check_placement(placement)
     warning = imbalance(placement, job.layout.placement)

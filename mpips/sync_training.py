@@ -148,6 +148,7 @@ class Replica:
         self.stopped = 0  # the signal every replica agreed to stop on (0: none)
         self.stop_asked = 0  # a hook on this replica asked to stop the run
         self.timeline = job_timeline(job, "worker", self.role.task)
+        optimizer.prepare()  # a replica applies every update itself: compile its kernel now
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
         start_step = self._start()
