@@ -84,24 +84,18 @@ class StoreClient:
         self.control = RunControl(windows)
         self.ps_ranks = windows.layout.ps_ranks
         num_ps = placement.num_ps
-        # whole variables of each PS: one buffer laid out like the start of its window
-        self._param_bufs = [
-            np.zeros(0 if windows.shared else placement.whole_bytes(p), np.uint8)
-            for p in range(num_ps)
+        whole = [e for e in placement.dense if e.whole is None]
+        # whole variables of each PS, laid out like the start of its window: this worker's
+        # buffers, or (zero copy, shared windows) the PS's own memory, read in place
+        self.in_place = windows.shared
+        self._live = [
+            windows.shared_memory(r)[: placement.whole_bytes(p)]
+            if self.in_place
+            else np.zeros(placement.whole_bytes(p), np.uint8)
+            for p, r in enumerate(self.ps_ranks)
         ]
         self._grad_bufs = [np.zeros(placement.whole_bytes(p), np.uint8) for p in range(num_ps)]
-        whole = [e for e in placement.dense if e.whole is None]
-        # zero copy (shared windows): the whole variables are read in place, in PS memory
-        self.in_place = windows.shared
-        live = (
-            [
-                windows.shared_memory(r)[: placement.whole_bytes(p)]
-                for p, r in enumerate(self.ps_ranks)
-            ]
-            if self.in_place
-            else self._param_bufs
-        )
-        self.params = views(whole, live)
+        self.params = views(whole, self._live)
         self.grads = views(whole, self._grad_bufs)
         # split variables (layout.partition): one full array each, whose row blocks move
         # straight to and from their PS tasks
@@ -305,7 +299,7 @@ def _segments(client: StoreClient) -> list[Segment]:
     for p, rank in enumerate(client.ps_ranks):
         on_ps = client.placement.on_ps(p)
         whole = [e for e in on_ps if e.whole is None]
-        live = client.windows.shared_memory(rank) if client.in_place else client._param_bufs[p]
+        live = client._live[p]
         for dtype, group in groupby(whole, key=lambda e: e.spec.dtype):
             members = list(group)
             start, end = members[0].offset, members[-1].offset + members[-1].spec.nbytes
