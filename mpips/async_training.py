@@ -6,6 +6,7 @@ initialises or restores the variables, commits checkpoints and evaluates at the 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -34,7 +35,7 @@ from .run import (
     say_restored,
     target_steps,
 )
-from .startup import Prepared
+from .startup import Prepared, table_initial
 from .store import (
     NO_MORE_TICKETS,
     STALL_TIMEOUT,
@@ -66,7 +67,7 @@ def train_async(
     chief ends the run."""
     windows = open_store(job, cluster, model, optimizer, prep)
     if cluster.is_ps:
-        result = run_ps(job, cluster, windows, optimizer, cluster.layout.num_ps)
+        result = run_ps(job, cluster, windows, optimizer, cluster.layout.num_ps, model)
     else:
         replicas = job.train.mode == "sync_replicas"
         kind = ReplicasWorker if replicas else AsyncWorker
@@ -106,15 +107,22 @@ def open_store(
 
 
 def run_ps(
-    job: Job, cluster: Cluster, windows: Windows, optimizer: Optimizer, num_shards: int
+    job: Job,
+    cluster: Cluster,
+    windows: Windows,
+    optimizer: Optimizer,
+    num_shards: int,
+    model: Any = None,
 ) -> TrainResult:
     """A PS task: serve until the chief ends the run (applying updates itself for stateful
     optimizers and sync_replicas), writing its checkpoint shard (one of ``num_shards``)
-    when asked."""
+    when asked: its table partitions sparsely where that pays (with ``model``, whose
+    initial rows the untouched ones are)."""
     task = cluster.role.task
+    tables = sparse_tables(job, windows, task, model, optimizer)
 
     def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
-        checkpoint.write_shard(job.checkpoint.dir, step, task, num_shards, variables, slots)
+        checkpoint.write_shard(job.checkpoint.dir, step, task, num_shards, variables, slots, tables)
 
     replicas = job.train.mode == "sync_replicas"
     timeline = job_timeline(job, "ps", task)
@@ -142,6 +150,18 @@ def run_ps(
     if timeline is not None:
         timeline.write()
     return TrainResult(cluster.role, 0, 0)
+
+
+def sparse_tables(
+    job: Job, windows: Windows, task: int, model: Any, optimizer: Optimizer
+) -> checkpoint.SparseTables | None:
+    """What PS ``task`` needs to write its table partitions sparsely: their rows, the seed
+    and the model's initial values; None (every array whole) without a model or tables, or
+    with MPIPS_SPARSE_CHECKPOINTS=0."""
+    rows = {e.name: e.rows for e in windows.placement.on_ps(task) if e.table and e.rows}
+    if model is None or not rows or os.environ.get("MPIPS_SPARSE_CHECKPOINTS", "1") == "0":
+        return None
+    return checkpoint.SparseTables(rows, job.model.init_seed, table_initial(model, optimizer))
 
 
 def save_from_ps(

@@ -23,17 +23,18 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
-from .errors import CheckpointError, NonFinite
+from .errors import CheckpointError, MpipsError, NonFinite
 from .files import atomic_write, temporary_name
 from .hdf5 import open_plain
+from .initial import CHUNK_ELEMENTS, InitialValues, from_job, row_chunks
 from .memory import ABSURD_BYTES, check_fits, human
 from .placement import Placement, VariableSpec
 
@@ -43,6 +44,9 @@ _SHARD = re.compile(r"^ckpt-(\d+)\.shard-(\d+)-of-(\d+)\.h5$")
 _TEMPORARY = re.compile(r"^\.ckpt-\d+\..*\.tmp-")
 _DTYPE_KINDS = "biufc"  # numbers only: an object dtype would mean pickled data
 MAX_SHARDS = 1 << 20  # one shard per PS task: more is a corrupt or hostile manifest
+SPARSE = "sparse"  # the layout attribute of a part stored as (index, values)
+SPARSE_MIN_BYTES = 1 << 16  # smaller partitions are written whole: sparse saves too little
+SPARSE_MAX_FRACTION = 0.5  # sparse only if it writes at most this fraction of the bytes
 
 Rows = tuple[int, int, int]  # range(start, stop, step) of axis 0
 
@@ -139,6 +143,156 @@ def check_writable(
         ) from None
 
 
+@dataclass(frozen=True)
+class SparseTables:
+    """What a PS knows to write its table partitions sparsely: each partition's rows by
+    table name, the seed of their initial values, and how to compute those."""
+
+    rows: dict[str, Rows]
+    seed: int
+    initial: InitialValues
+
+
+@dataclass
+class _Changed:
+    """Rows of one array of a table partition found to differ from their initial values,
+    gathered a chunk at a time while storing them sparsely still pays."""
+
+    array: np.ndarray
+    limit: int  # more changed rows than this: the whole array is smaller
+    index_dtype: np.dtype[Any]
+    found: list[np.ndarray] = field(default_factory=list)
+    count: int = 0
+    constant: np.ndarray | None = None  # the bits every initial row holds, if one value
+    varies: bool = False  # the initial rows are not one value
+
+    def add(self, lo: int, initial: np.ndarray) -> bool:
+        """Compare rows [lo, lo + len(initial)) with their ``initial`` values, bit for bit
+        (-0.0 is not 0.0: a restore must give the same bits); False once sparse no longer
+        pays, or if ``initial`` is not rows of this array."""
+        current = self.array[lo : lo + len(initial)]
+        if initial.shape != current.shape or initial.dtype != current.dtype:
+            return False
+        old = _bits(initial)
+        changed = np.flatnonzero((_bits(current) != old).any(axis=1))
+        self.count += len(changed)
+        if self.count > self.limit:
+            return False
+        if len(changed):
+            self.found.append((changed + lo).astype(self.index_dtype))
+        if old.dtype.itemsize != current.dtype.itemsize:
+            self.varies = True  # compared as bytes: no one value to name
+        if not self.varies and old.size:
+            self.constant = old.flat[0] if self.constant is None else self.constant
+            self.varies = bool((old != self.constant).any())
+        return True
+
+    def index(self) -> np.ndarray:
+        """Positions of the changed rows in the partition, ascending."""
+        return np.concatenate(self.found) if self.found else np.zeros(0, self.index_dtype)
+
+    def base(self) -> np.ndarray | None:
+        """The one value every untouched row holds (a 0-d array of the array's dtype), or
+        None: they hold the model's initial rows."""
+        if self.varies or self.constant is None:
+            return None
+        return np.asarray(self.constant).view(self.array.dtype).reshape(())
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """``a`` as rows of unsigned integers of the same bits, for exact comparison."""
+    rows = a.reshape(len(a), -1)
+    size = rows.dtype.itemsize
+    return rows.view(f"u{size}") if size in (1, 2, 4, 8) else rows.view(np.uint8)
+
+
+def _may_be_sparse(array: np.ndarray) -> bool:
+    """Worth comparing with its initial rows: a numeric array with rows, large enough."""
+    return (
+        array.ndim >= 1
+        and array.dtype.kind in _DTYPE_KINDS
+        and array.size * array.dtype.itemsize >= SPARSE_MIN_BYTES
+    )
+
+
+def _changed_rows(
+    table: str, rows: Rows, arrays: dict[str, np.ndarray], tables: SparseTables
+) -> dict[str, _Changed]:
+    """For each array of one table partition (the table itself as "", its slots by slot
+    name) that pays to write sparsely: its rows that differ from their initial values. One
+    pass over the partition, a chunk of rows at a time; the initial values of each chunk are
+    computed once for the table and all its slots, and the pass stops early once no array
+    pays."""
+    part = range(*rows)
+    pending: dict[str, _Changed] = {}
+    for key, a in arrays.items():
+        if _may_be_sparse(a) and len(a) == len(part):
+            row_bytes = a[:1].nbytes
+            index_dtype = np.dtype(np.uint32 if len(a) <= 1 << 32 else np.int64)
+            limit = int(SPARSE_MAX_FRACTION * len(a) * row_bytes) // (
+                row_bytes + index_dtype.itemsize
+            )
+            pending[key] = _Changed(a, limit, index_dtype)
+    width = max((a[:1].size for a in arrays.values()), default=1)
+    for lo, hi in row_chunks(len(part), width, tables.initial.chunk_elements):
+        if not pending:
+            break
+        sub = part[lo:hi]
+        initial = tables.initial.compute(table, (sub.start, sub.stop, sub.step), tables.seed)
+        for key in list(pending):
+            values = initial.get(key)
+            if values is None or not pending[key].add(lo, np.asarray(values)):
+                del pending[key]
+    return pending
+
+
+def _sparse_parts(
+    variables: dict[str, np.ndarray], slots: dict[str, np.ndarray], tables: SparseTables | None
+) -> dict[str, _Changed]:
+    """The arrays of a shard that are written sparsely, by their path in it, with their
+    changed rows: those of the table partitions (and their slots) where sparse pays."""
+    out: dict[str, _Changed] = {}
+    for table, rows in (tables.rows if tables else {}).items():
+        assert tables is not None
+        found = _changed_rows(table, rows, _table_arrays(table, variables, slots), tables)
+        out.update({h5_path(f"{table}/{k}" if k else table, bool(k)): c for k, c in found.items()})
+    return out
+
+
+def _write_sparse(f: h5py.File, path: str, changed: _Changed, tables: SparseTables) -> None:
+    """One array of a table partition as a group: ``index`` (positions of the rows that
+    differ from their initial values, ascending), ``values`` (those rows), and attributes
+    saying what the other rows hold: ``base`` "constant" (``value``) or "initial" (the
+    model's initial rows of ``seed``)."""
+    a, index = changed.array, changed.index()
+    g = f.create_group(path)
+    g.attrs["layout"] = SPARSE
+    g.attrs["rows"] = len(a)
+    base = changed.base()
+    if base is not None:
+        g.attrs["base"] = "constant"
+        g.attrs["value"] = base
+    else:
+        g.attrs["base"] = "initial"
+        g.attrs["seed"] = tables.seed
+    g.create_dataset("index", data=index)
+    values = g.create_dataset("values", (len(index),) + a.shape[1:], a.dtype)
+    for lo, hi in row_chunks(len(index), a[:1].size, tables.initial.chunk_elements):
+        values[lo:hi] = a[index[lo:hi]]
+
+
+def _table_arrays(
+    table: str, variables: dict[str, np.ndarray], slots: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """A table's partition ("") and its slots' (by slot name) among a shard's arrays."""
+    out = {"": variables[table]} if table in variables else {}
+    for name, a in slots.items():
+        var, slot = name.rsplit("/", 1)
+        if var == table:
+            out[slot] = a
+    return out
+
+
 def write_shard(
     directory: str | Path,
     step: int,
@@ -146,20 +300,29 @@ def write_shard(
     num_shards: int,
     variables: dict[str, np.ndarray],
     slots: dict[str, np.ndarray] | None = None,
+    tables: SparseTables | None = None,
 ) -> Path:
     """Write one shard atomically: ``variables`` (name -> array, or the part of it this
-    shard holds) and ``slots`` (``<variable>/<slot>`` -> array). NonFinite, and nothing
-    written, if any value is NaN or infinite."""
-    check_finite({**variables, **(slots or {})}, step)
+    shard holds) and ``slots`` (``<variable>/<slot>`` -> array). With ``tables``, the table
+    partitions among them and their slots are written sparsely where that writes at most
+    SPARSE_MAX_FRACTION of their bytes (see _write_sparse), else whole. NonFinite, and
+    nothing written, if any value is NaN or infinite."""
+    slots = slots or {}
+    check_finite({**variables, **slots}, step)
 
     def write(tmp: Path) -> None:
+        sparse = _sparse_parts(variables, slots, tables)
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = FORMAT
             f.attrs["global_step"] = step
             f.attrs["shard"] = shard
-            for is_slot, arrays in ((False, variables), (True, slots or {})):
+            for is_slot, arrays in ((False, variables), (True, slots)):
                 for name, value in arrays.items():
-                    f.create_dataset(h5_path(name, is_slot), data=value)
+                    path = h5_path(name, is_slot)
+                    if tables is not None and path in sparse:
+                        _write_sparse(f, path, sparse[path], tables)
+                    else:
+                        f.create_dataset(path, data=value)
 
     return atomic_write(Path(directory) / shard_name(step, shard, num_shards), write)
 
@@ -348,6 +511,9 @@ class Checkpoint:
         except (OSError, KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"checkpoint {path}: corrupt or unreadable ({e})") from None
         self.meta = {k: v for k, v in raw.items() if k not in ("variables", "slots")}
+        self.stored_bytes = 0  # of the last read: bytes read from the shards
+        self.regenerated_bytes = 0  # and bytes of rows not stored, computed again
+        self._job_initial: InitialValues | None = None
 
     def shard_path(self, k: int) -> Path:
         return self.directory / shard_name(self.step, k, self.num_shards)
@@ -357,11 +523,16 @@ class Checkpoint:
         specs: Iterable[VariableSpec],
         slot_specs: Iterable[VariableSpec] = (),
         rows: dict[str, Rows] | None = None,
+        initial: InitialValues | None = None,
     ) -> dict[str, np.ndarray]:
         """Arrays for ``specs`` (variables) and ``slot_specs``, reassembled from their parts:
         whole, or for a name in ``rows`` only ``range(*rows[name])`` of axis 0, read from the
         shards that hold them (a PS restoring its partition never holds the whole table).
-        Anything missing or of another shape or dtype is an error naming it."""
+        Rows that a sparse part does not store are computed again: a constant, or
+        ``initial``'s rows (without it, those of the model of the job file the manifest
+        names). Anything missing or of another shape or dtype is an error naming it;
+        ``stored_bytes`` and ``regenerated_bytes`` then say how much was read from the shards
+        and how much computed."""
         rows = rows or {}
         wanted = [(s, False) for s in specs] + [(s, True) for s in slot_specs]
         out: dict[str, np.ndarray] = {}
@@ -371,10 +542,11 @@ class Checkpoint:
             _nbytes(e, rows.get(spec.name)) for e, (spec, _) in zip(entries, wanted, strict=True)
         )
         check_fits(need, f"reading checkpoint {self.path}", CheckpointError)
+        self.stored_bytes = self.regenerated_bytes = 0
         try:
             for entry, (spec, is_slot) in zip(entries, wanted, strict=True):
                 out[spec.name] = self._assemble(
-                    spec.name, is_slot, entry, files, rows.get(spec.name)
+                    _Wanted(spec.name, is_slot, entry, rows.get(spec.name), initial), files
                 )
         except CheckpointError:
             raise
@@ -401,30 +573,38 @@ class Checkpoint:
             )
         return entry
 
-    def _assemble(
-        self,
-        name: str,
-        is_slot: bool,
-        entry: Entry,
-        files: dict[int, h5py.File],
-        want: Rows | None = None,
-    ) -> np.ndarray:
-        full = (0, entry.shape[0] if entry.shape else 1, 1)
-        for part in entry.parts:  # the common cases: a whole array, or the same partition
-            if range(*(part.rows or full)) == range(*(want or full)):
-                return self._dataset(name, is_slot, entry, part, files)[()]
-        target = range(*(want or full))
-        array = np.empty((len(target),) + entry.shape[1:], entry.dtype)
-        for part in entry.parts:
+    def _assemble(self, w: _Wanted, files: dict[int, h5py.File]) -> np.ndarray:
+        """The rows ``w`` wants, from every part that holds some of them."""
+        full = (0, w.entry.shape[0] if w.entry.shape else 1, 1)
+        target = range(*(w.rows or full))
+        for part in w.entry.parts:  # the common cases: a whole array, or the same partition
+            if range(*(part.rows or full)) == target:
+                stored = self._stored(w, part, files)
+                if isinstance(stored, h5py.Dataset):
+                    self.stored_bytes += stored.nbytes
+                    return stored[()]
+                array = np.empty((len(target),) + w.entry.shape[1:], w.entry.dtype)
+                everything = slice(0, len(target), 1)
+                self._read_sparse(w, stored, array, everything, everything)
+                return array
+        array = np.empty((len(target),) + w.entry.shape[1:], w.entry.dtype)
+        for part in w.entry.parts:
             both = _overlap(target, range(*(part.rows or full)))
-            if both is not None:  # one hyperslab on each side, read straight into place
-                self._dataset(name, is_slot, entry, part, files).read_direct(array, *both)
+            if both is None:
+                continue
+            stored = self._stored(w, part, files)
+            if isinstance(stored, h5py.Dataset):  # one hyperslab on each side, straight in
+                stored.read_direct(array, *both)
+                self.stored_bytes += array[both[1]].nbytes
+            else:
+                self._read_sparse(w, stored, array, *both)
         return array
 
-    def _dataset(
-        self, name: str, is_slot: bool, entry: Entry, part: Part, files: dict[int, h5py.File]
-    ) -> h5py.Dataset:
-        """The dataset of ``part``, checked against the manifest."""
+    def _stored(
+        self, w: _Wanted, part: Part, files: dict[int, h5py.File]
+    ) -> h5py.Dataset | _SparsePart:
+        """What ``part`` is stored as (a dataset, or a sparse part), checked against the
+        manifest."""
         if part.shard not in files:
             path = self.shard_path(part.shard)
             if not path.is_file():
@@ -432,27 +612,210 @@ class Checkpoint:
             files[part.shard] = open_plain(
                 path, CheckpointError, f"checkpoint {self.path}: shard {path.name}"
             )
-        ds = files[part.shard].get(h5_path(name, is_slot))
+        entry = w.entry
+        obj = files[part.shard].get(h5_path(w.name, w.is_slot))
+        if isinstance(obj, h5py.Group) and entry.shape:
+            return self._sparse(w, part, obj)
         shape = entry.shape if part.rows is None else (len(range(*part.rows)),) + entry.shape[1:]
         if (
-            not isinstance(ds, h5py.Dataset)
-            or ds.shape != shape
-            or ds.dtype != np.dtype(entry.dtype)
+            not isinstance(obj, h5py.Dataset)
+            or obj.shape != shape
+            or obj.dtype != np.dtype(entry.dtype)
         ):
             raise CheckpointError(
                 f"checkpoint {self.path}: shard {part.shard} does not hold "
-                f"'{name}' as the manifest says"
+                f"'{w.name}' as the manifest says"
             )
-        return ds
+        return obj
 
-    def read_all(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Every variable and slot, whole."""
+    def _sparse(self, w: _Wanted, part: Part, g: h5py.Group) -> _SparsePart:
+        """A sparse part checked: its attributes, the shapes and dtypes of its index and
+        values, and every index entry (in range, strictly ascending); a CheckpointError
+        saying what is wrong otherwise."""
+        entry, dtype = w.entry, np.dtype(w.entry.dtype)
+        rows = range(*(part.rows or (0, entry.shape[0], 1)))
+
+        def bad(problem: str) -> CheckpointError:
+            return CheckpointError(
+                f"checkpoint {self.path}: shard {part.shard} holds '{w.name}' sparsely, but "
+                f"{problem}"
+            )
+
+        attrs = dict(g.attrs)
+        if attrs.get("layout") != SPARSE:
+            raise bad(f"its layout is {attrs.get('layout')!r}, not {SPARSE!r}")
+        if _integer(attrs.get("rows")) != len(rows):
+            raise bad(f"it says it has {attrs.get('rows')} rows, the manifest {len(rows)}")
+        index, values = g.get("index"), g.get("values")
+        if not isinstance(index, h5py.Dataset) or index.ndim != 1 or index.dtype.kind not in "iu":
+            raise bad("its row index is not a 1-D array of integers")
+        if not isinstance(values, h5py.Dataset):
+            raise bad("it has no values")
+        k = index.shape[0]
+        if k > len(rows):
+            raise bad(f"its row index has {k} entries for {len(rows)} rows")
+        if values.shape != (k,) + entry.shape[1:] or values.dtype != dtype:
+            raise bad(
+                f"its values are {values.dtype}{list(values.shape)}, not "
+                f"{dtype}{[k, *entry.shape[1:]]} (one row per index entry)"
+            )
+        constant, seed = self._sparse_base(attrs, dtype, bad)
+        check_fits(8 * k, f"reading checkpoint {self.path}", CheckpointError)
+        positions = index[()].astype(np.int64)
+        if k and (positions.min() < 0 or positions.max() >= len(rows)):
+            raise bad(f"its row index holds positions outside 0..{len(rows) - 1}")
+        if k and bool((positions[1:] <= positions[:-1]).any()):
+            raise bad("its row index is not strictly ascending (sorted, no repeats)")
+        return _SparsePart(rows, positions, values, constant, seed)
+
+    @staticmethod
+    def _sparse_base(
+        attrs: dict[str, Any], dtype: np.dtype[Any], bad: Callable[[str], CheckpointError]
+    ) -> tuple[np.ndarray | None, int]:
+        """(the constant the unstored rows hold, or None; the seed of their initial values)."""
+        base = attrs.get("base")
+        if base == "constant":
+            value = attrs.get("value")
+            if not isinstance(value, np.generic | np.ndarray) or value.dtype != dtype:
+                raise bad(f"its constant is not one {dtype}")
+            if np.size(value) != 1:
+                raise bad(f"its constant is not one {dtype}")
+            return np.asarray(value).reshape(()), 0
+        if base == "initial":
+            seed = _integer(attrs.get("seed"))
+            if seed is None:
+                raise bad("the seed of its initial values is not an integer")
+            return None, seed
+        raise bad(f"what its other rows hold is {base!r}, not 'constant' or 'initial'")
+
+    def _read_sparse(
+        self, w: _Wanted, part: _SparsePart, out: np.ndarray, held: slice, into: slice
+    ) -> None:
+        """Rows ``held`` (positions in the part) of a sparse part into ``out[into]``: their
+        initial values first (a constant, or computed a chunk of rows at a time), then the
+        rows the part stores, scattered over them (read a chunk at a time)."""
+        view, chosen = out[into], range(len(part.rows))[held]
+        if not len(chosen):
+            return
+        if part.constant is not None:
+            view[...] = part.constant
+        else:
+            self._regenerate(w, part.rows[held], part.seed, view)
+        index = part.index
+        mine = (index >= chosen.start) & (index < chosen.stop)
+        mine &= (index - chosen.start) % chosen.step == 0
+        for lo, hi in row_chunks(len(index), view[:1].size, CHUNK_ELEMENTS):
+            take = mine[lo:hi]
+            if take.any():
+                rows = part.values[lo:hi]
+                self.stored_bytes += rows.nbytes + index[lo:hi].nbytes
+                view[(index[lo:hi][take] - chosen.start) // chosen.step] = rows[take]
+        self.regenerated_bytes += view.nbytes - int(mine.sum()) * view[:1].nbytes
+
+    def _regenerate(self, w: _Wanted, rows: range, seed: int, view: np.ndarray) -> None:
+        """The initial values of ``rows`` of ``w`` (a table, or a slot of one) into ``view``,
+        a chunk of rows at a time, each checked for shape and dtype."""
+        initial = w.initial or self._initial_of_job(w.name)
+        table, slot = w.name.rsplit("/", 1) if w.is_slot else (w.name, "")
+        for lo, hi in row_chunks(len(rows), view[:1].size, initial.chunk_elements):
+            sub = rows[lo:hi]
+            try:
+                got = initial.compute(table, (sub.start, sub.stop, sub.step), seed).get(slot)
+            except Exception as e:  # the model's code: one message, no traceback
+                raise CheckpointError(
+                    f"checkpoint {self.path}: cannot compute the initial rows of '{w.name}' "
+                    f"that it does not store ({type(e).__name__}: {e})"
+                ) from None
+            got = None if got is None else np.asarray(got)
+            if got is None or got.shape != view[lo:hi].shape or got.dtype != view.dtype:
+                raise CheckpointError(
+                    f"checkpoint {self.path}: the model gives no {view.dtype}"
+                    f"{list(view[lo:hi].shape)} initial rows for '{w.name}' (not the model "
+                    f"that wrote the checkpoint?)"
+                )
+            view[lo:hi] = got
+
+    def _initial_of_job(self, name: str) -> InitialValues:
+        """For a reader with no model at hand: the initial values of the model of the job
+        file the manifest names (built once)."""
+        if self._job_initial is None:
+            job = self.meta.get("job")
+            if not isinstance(job, str) or not Path(job).is_file():
+                where = f"the job file that wrote it ({job}) is not here" if job else "no job file"
+                raise CheckpointError(
+                    f"checkpoint {self.path}: the rows of '{name}' that were never trained are "
+                    f"not stored (they are the model's initial values), and {where} to compute "
+                    f"them: give it (--job JOB)"
+                )
+            try:
+                self._job_initial = from_job(job, self.meta.get("model"))
+            except MpipsError as e:
+                raise CheckpointError(
+                    f"checkpoint {self.path}: the rows of '{name}' that were never trained are "
+                    f"the initial values of the model of {job}, which cannot be built: {e}"
+                ) from None
+        return self._job_initial
+
+    def layouts(self, name: str, is_slot: bool = False) -> list[tuple[int, int | None]]:
+        """How each part of a variable (or slot) is stored: (shard, rows stored) for a
+        sparse part, (shard, None) for a dense one."""
+        entry = (self.slots if is_slot else self.variables)[name]
+        out = []
+        for part in entry.parts:
+            path = self.shard_path(part.shard)
+            with open_plain(
+                path, CheckpointError, f"checkpoint {self.path}: shard {path.name}"
+            ) as f:
+                obj = f.get(h5_path(name, is_slot))
+                index = obj.get("index") if isinstance(obj, h5py.Group) else None
+                stored = index.shape[0] if isinstance(index, h5py.Dataset) and index.ndim else None
+                out.append((part.shard, stored))
+        return out
+
+    def read_all(
+        self, initial: InitialValues | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Every variable and slot, whole (``initial``: see read)."""
 
         def specs(index: dict[str, Entry]) -> list[VariableSpec]:
             return [VariableSpec(n, e.shape, e.dtype) for n, e in index.items()]
 
-        both = self.read(specs(self.variables), specs(self.slots))
+        both = self.read(specs(self.variables), specs(self.slots), initial=initial)
         return ({n: both[n] for n in self.variables}, {n: both[n] for n in self.slots})
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """What a read wants of one variable or slot: its rows (None: all), and how to compute
+    initial rows a sparse part does not store (None: from the manifest's job)."""
+
+    name: str
+    is_slot: bool
+    entry: Entry
+    rows: Rows | None
+    initial: InitialValues | None
+
+
+@dataclass(frozen=True)
+class _SparsePart:
+    """A part stored sparsely, checked: its rows of the whole variable, the ascending
+    positions (in the part) of the rows it stores, those rows, and what the other rows hold
+    (``constant``, or the initial values of ``seed``)."""
+
+    rows: range
+    index: np.ndarray
+    values: h5py.Dataset
+    constant: np.ndarray | None
+    seed: int
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (a Python or numpy one, not a bool)."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        return None
+    return int(value)
 
 
 def _nbytes(entry: Entry, rows: Rows | None = None) -> int:
@@ -508,10 +871,16 @@ def resolve(path: str | Path) -> Checkpoint:
     return Checkpoint(p)
 
 
-def export(ckpt: Checkpoint, out: str | Path, with_slots: bool = False) -> Path:
+def export(
+    ckpt: Checkpoint,
+    out: str | Path,
+    with_slots: bool = False,
+    initial: InitialValues | None = None,
+) -> Path:
     """Write the full variables (and, optionally, slots) of a checkpoint to one plain HDF5
-    file: one dataset per variable at its name, global_step as an attribute; atomically."""
-    variables, slots = ckpt.read_all()
+    file: one dataset per variable at its name, global_step as an attribute; atomically.
+    Sparse parts are written whole (``initial``: see Checkpoint.read)."""
+    variables, slots = ckpt.read_all(initial)
     out = Path(out)
 
     def write(tmp: Path) -> None:

@@ -8,10 +8,15 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import CheckpointError, DataError, MpipsError
 from .job import Job, load_job
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
+    from .initial import InitialValues
 
 EPILOG = """examples:
   mpirun -n 8 python -m mpips train                  # built-in default job (digits, 2 PS + 6 workers)
@@ -145,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("path")
     ce.add_argument("out", help="output .h5 file")
     ce.add_argument("--slots", action="store_true", help="include optimizer slots")
+    for sp in (ci, ce):
+        sp.add_argument(
+            "--job",
+            metavar="JOB",
+            help="the job file that wrote it, whose model computes the table rows a sparse "
+            "checkpoint does not store (default: the one its manifest names)",
+        )
     c.set_defaults(func=cmd_ckpt)
 
     pl = sub.add_parser(
@@ -403,11 +415,12 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             print(look)
         return 0
     ckpt = checkpoint.resolve(args.path)
+    initial = _initial_of(args.job, ckpt) if args.job else None
     if args.action == "export":
-        out = checkpoint.export(ckpt, args.out, args.slots)
+        out = checkpoint.export(ckpt, args.out, args.slots, initial)
         print(f"exported {ckpt.path} -> {out}")
         return 0
-    variables, slots = ckpt.read_all()
+    variables, slots = ckpt.read_all(initial)
     meta = ckpt.meta
     layout = meta.get("layout", {})
     print(
@@ -426,14 +439,27 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         print(look)
     print(f"{'variable':<28} {'shape':<12} {'dtype':<8} {'mean':>11} {'std':>11}  shards")
     for name, a in list(variables.items()) + list(slots.items()):
-        entry = ckpt.variables.get(name) or ckpt.slots[name]
-        where = ",".join(str(p.shard) for p in entry.parts)
+        where = ",".join(
+            f"{k}" if stored is None else f"{k} (sparse: {stored} rows stored)"
+            for k, stored in ckpt.layouts(name, name not in variables)
+        )
         shape = "x".join(map(str, a.shape)) or "scalar"
         print(
             f"{name:<28} {shape:<12} {str(a.dtype):<8} {float(np.mean(a)):>11.4g} "
             f"{float(np.std(a)):>11.4g}  {where}"
         )
     return 0
+
+
+def _initial_of(job: str, ckpt: Checkpoint) -> InitialValues:
+    """The initial values of the tables of ``job``'s model, for the rows a sparse checkpoint
+    does not store; CheckpointError naming the job if it cannot be built."""
+    from .initial import from_job
+
+    try:
+        return from_job(job, ckpt.meta.get("model"))
+    except MpipsError as e:
+        raise CheckpointError(f"--job {job}: cannot compute the initial table rows: {e}") from None
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

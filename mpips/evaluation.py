@@ -14,6 +14,7 @@ from . import checkpoint
 from .data import DatasetInfo, load_split, open_data
 from .errors import CheckpointError, ConfigError, DataError
 from .hdf5 import open_plain
+from .initial import from_model
 from .job import Job
 from .memory import check_fits
 from .model import Model
@@ -41,7 +42,7 @@ def restore_model(
             f"checkpoint {ckpt.path} was written by model {wrote!r}, but the "
             f"job's model.kind is {job.model.kind!r}"
         )
-    params = ckpt.read(model.variables() + model.tables())
+    params = ckpt.read(model.variables() + model.tables(), initial=from_model(model))
     return model, params, ckpt, info
 
 

@@ -49,7 +49,7 @@ def train_hybrid(
     windows = open_store(job, cluster, model, optimizer, prep)
     num_shards = cluster.layout.num_ps + 1  # the PS tasks' tables, the chief's dense part
     if cluster.is_ps:
-        result = run_ps(job, cluster, windows, optimizer, num_shards)
+        result = run_ps(job, cluster, windows, optimizer, num_shards, model)
     else:
         result = HybridReplica(job, cluster, model, optimizer, prep, device, windows).train(hooks)
     return close_store(cluster, windows, result)

@@ -25,9 +25,10 @@ from .data import (
     worker_rows,
 )
 from .errors import CheckpointError, ConfigError, DataError
+from .initial import CHUNK_ELEMENTS, InitialValues, from_model, row_chunks, rows_of
 from .job import Job, store_placement
 from .log import log
-from .memory import check_fits
+from .memory import check_fits, human
 from .nn import build_model
 from .optim import Optimizer
 from .placement import round_robin, slot_placement
@@ -241,7 +242,14 @@ def prepare(
     return prep
 
 
-FILL_ELEMENTS = 1 << 20  # a fresh table partition is written this many elements at a time
+FILL_ELEMENTS = CHUNK_ELEMENTS  # a fresh table partition is written this many elements at a time
+
+
+def table_initial(model: Any, optimizer: Optimizer) -> InitialValues:
+    """The initial values of the model's table rows and of their optimizer slots, a chunk of
+    FILL_ELEMENTS at a time: what a PS fills a fresh partition with, compares its partition
+    with when it writes a checkpoint shard, and restores untouched rows from."""
+    return from_model(model, optimizer, FILL_ELEMENTS)
 
 
 def _fill_rows(
@@ -257,12 +265,10 @@ def _fill_rows(
     own window ``view``, a chunk of rows at a time: memory for one chunk, whatever the size
     of the partition (a 100M-row table's values are never all in memory outside the
     window)."""
-    start, stop, step = rows
-    chunk = max(1, FILL_ELEMENTS // max(1, int(np.prod(view.shape[1:]))))
-    for lo in range(0, len(view), chunk):
-        hi = min(len(view), lo + chunk)
-        values = model.initial_rows(table, (start + lo * step, start + hi * step, step), seed)
-        view[lo:hi] = optimizer.init_slots(values)[slot] if slot else values
+    part = range(*rows)
+    for lo, hi in row_chunks(len(view), int(np.prod(view.shape[1:])), FILL_ELEMENTS):
+        sub = part[lo:hi]
+        view[lo:hi] = rows_of(model, optimizer, table, (sub.start, sub.stop, sub.step), seed)[slot]
 
 
 def _ps_fill(
@@ -291,11 +297,18 @@ def _ps_fill(
         [e.whole or e.spec for e in mine],
         [e.whole or e.spec for e in slots],
         rows={e.name: e.rows for e in mine + slots if e.rows},
+        initial=table_initial(model, optimizer),
     )
     mb, seconds = sum(a.nbytes for a in out.values()) / 1e6, time.perf_counter() - t0
     log(
         cluster.role,
         f"read its {mb:.1f} MB of {ckpt.path.name} in {seconds:.2f} s "
-        f"({mb / max(seconds, 1e-9):.0f} MB/s)",
+        f"({mb / max(seconds, 1e-9):.0f} MB/s"
+        + (
+            f"; {human(ckpt.stored_bytes)} read from its shards, "
+            f"{human(ckpt.regenerated_bytes)} of untouched table rows computed again)"
+            if ckpt.regenerated_bytes
+            else ")"
+        ),
     )
     return out
