@@ -100,7 +100,9 @@ def open_store(
     )
     if prep.local:  # a PS task: restored state or fresh table partitions
         windows.fill_own(cluster.role.task, prep.local)
-    if replicas and cluster.is_ps:  # the PS tasks' steps are set before any worker reads one
+    if cluster.is_ps and (replicas or optimizer.stateful):
+        # the step it starts from is set before any worker reads it (sync_replicas) or an
+        # update is posted (async: a worker counts its update before it is applied)
         publish_start_step(windows, cluster.role.task, cluster.rank, prep.start_step)
     barrier(cluster.comm, "the start of training")  # filled before the chief raises ready
     return windows
@@ -263,6 +265,7 @@ class AsyncWorker:
         session = Session(self.job, run, extra_hooks, self.timeline)
         start_step = self._start()
         session.loop(self)
+        self.client.settle()  # its last update is applied before it says it is done
         control.publish_clock(self.role.task, self.clock, done=True)
         session.done(
             f"; {run.save_seconds:.2f} s of it writing checkpoints, the chief's duty"
@@ -298,10 +301,13 @@ class AsyncWorker:
         if preemption.requested():  # every worker stops at its next ticket
             control.request_stop(preemption.requested())
             return None
-        if control.claim_ticket() >= (self.tc.steps or NO_MORE_TICKETS):
+        ticket, pulled_at, lead = control.begin_step(self.clock)
+        if ticket >= (self.tc.steps or NO_MORE_TICKETS):
             return None
-        lead = control.wait_for_slowest(self.clock, self.tc.max_staleness, self.watchdog.check)
-        pulled_at = control.global_step()
+        bound = self.tc.max_staleness
+        if bound is not None and lead > bound:  # wait for the slowest worker
+            lead = control.wait_for_slowest(self.clock, bound, self.watchdog.check)
+            pulled_at = control.global_step()
         if tl:
             t = tl.span("ticket and staleness wait", t)
         x, ids = model.prepare(x)  # sparse models: the batch's unique ids (rows to pull)
@@ -323,12 +329,11 @@ class AsyncWorker:
         device.stage_out(grads, client.gradients())
         if tl:
             t = tl.span("compute", t)
-        client.push(lr)
-        step = control.advance_step()
+        client.push(lr, wait=False)  # applied while this worker prepares its next batch
+        step = control.end_step(self.role.task)  # global_step and this worker's clock
         if tl:
             tl.span("push and ack", t)
         self.clock, self.updates = self.clock + 1, self.updates + 1
-        control.publish_clock(self.role.task, self.clock)
         self.stats.add(lead, step - 1 - pulled_at)
         return StepInfo(step, loss, epoch, self.updates, lead, step - 1 - pulled_at)
 
@@ -378,6 +383,7 @@ class AsyncWorker:
         """Ask every PS task to write its shard (in parallel, while the chief trains on);
         the chief commits the manifest when all are written."""
         control = self.control
+        self.client.settle()  # the chief's own last update is in the checkpoint
         step, clocks = control.global_step(), [int(c) for c in control.clocks()[0]]
         return save_from_ps(self.job, self.cluster, self.windows, step, clocks)
 

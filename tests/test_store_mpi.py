@@ -122,6 +122,38 @@ def test_tickets_stop_exactly_at_target():
     s.close()
 
 
+def test_a_step_begins_and_ends_with_one_atomic_each():
+    """begin_step claims tickets exactly up to the target and reads global_step and the
+    clocks; end_step gives unique, gapless global steps and counts each worker's clock."""
+    from mpips.store import allgather_json, barrier
+
+    s = Store()
+    start, target = 25, 170
+    if s.cluster.is_chief:
+        s.control.set_counters(start, [0] * s.cluster.layout.num_workers)
+        s.control.raise_ready()
+    if not s.cluster.is_ps:
+        s.control.wait_ready(timeout=30)
+        task, clock, mine = s.cluster.role.task, 0, []
+        while True:
+            ticket, step, lead = s.control.begin_step(clock)
+            if ticket >= target:
+                break
+            assert start <= step < target
+            mine.append(s.control.end_step(task))
+            clock += 1
+        assert mine == sorted(mine)
+        everyone = sum(allgather_json(s.cluster.workers, mine), [])
+        assert sorted(everyone) == list(range(start + 1, target + 1))
+        barrier(s.cluster.workers, "the test")
+        clocks, done = s.control.clocks()
+        assert clocks[task] == clock == len(mine) and not done.any()
+        assert s.control.global_step() == target
+        _, _, lead = s.control.begin_step(clock)
+        assert lead == clock - int(clocks.min())
+    s.close()
+
+
 def test_workers_wait_for_the_ready_flag():
     s = Store()
     init = {
@@ -197,8 +229,11 @@ def test_an_unexpected_start_up_error_is_said_once_with_exit_1():
     assert str(e.value).count("FileNotFoundError: no such file: default.toml") == 1
 
 
-def test_adagrad_on_the_ps_loses_no_update():
-    """Accumulator = initial value + sum of the squares of every gradient any worker pushed."""
+@pytest.mark.parametrize("wait", [True, False])
+def test_adagrad_on_the_ps_loses_no_update(wait):
+    """Accumulator = initial value + sum of the squares of every gradient any worker pushed,
+    also when a worker goes on before the PS applied its push (``wait=False``: the next push
+    waits for the inbox to be free, the pull for the update)."""
     from mpips.optim import Optimizer
     from mpips.store import allgather_json, serve
 
@@ -224,7 +259,7 @@ def test_adagrad_on_the_ps_loses_no_update():
             for name, g in s.client.grads.items():
                 g[...] = rng.uniform(-2, 2, g.shape).round(2)
                 mine[name] += g.astype(np.float64) ** 2
-            s.client.push(lr=0.01)
+            s.client.push(lr=0.01, wait=wait)
         totals = allgather_json(s.cluster.workers, {k: v.tolist() for k, v in mine.items()})
         from mpips.store import barrier
 

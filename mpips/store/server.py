@@ -204,10 +204,12 @@ def _apply_loop(
     on_applied: Callable[[int], None],
 ) -> int:
     task = cluster.role.task
-    t = chores.control.global_step()  # t continues from the restored global_step
     variables, slot_views = windows.held(task)
     slots = {name: {s: slot_views[f"{name}/{s}"] for s in slot_names} for name in variables}
     mail, applied = PsMail(windows, task, cluster.rank), 0
+    # t continues from the restored global_step, as published before the start barrier:
+    # global_step itself counts updates when they are posted, maybe before this loop
+    t = mail.published_step()
     workers = range(cluster.layout.num_workers)
     pace = _Pace()
     while not chores.run():
