@@ -81,18 +81,24 @@ def reference(job, steps):
 
 
 @pytest.mark.parametrize(
-    "model,rule,opt,lr",
+    "model,rule,opt,lr,zero_copy",
     [
-        ("logreg", "mod", "sgd", 0.5),
-        ("wide_deep", "div", "sgd", 0.5),
-        ("wide_deep", "mod", "adagrad", 0.3),
-        ("logreg", "div", "ftrl", 0.3),
+        ("logreg", "mod", "sgd", 0.5, False),
+        ("wide_deep", "div", "sgd", 0.5, False),
+        ("wide_deep", "mod", "adagrad", 0.3, False),
+        ("logreg", "div", "ftrl", 0.3, False),
+        # train.zero_copy: rows read in place from the PS tasks' memory
+        ("wide_deep", "div", "sgd", 0.5, True),
+        ("wide_deep", "mod", "adagrad", 0.3, True),
+        ("logreg", "mod", "ftrl", 0.3, True),
     ],
 )
-def test_row_wise_training_equals_the_dense_computation(tmp_path, model, rule, opt, lr):
+def test_row_wise_training_equals_the_dense_computation(tmp_path, model, rule, opt, lr, zero_copy):
     small_dataset(tmp_path / "s.h5")
     steps = 30
     text = JOB.format(model=model, rule=rule, opt=opt, lr=lr, steps=steps)
+    if zero_copy:
+        text = text.replace("[train]\n", "[train]\nzero_copy = true\n")
     (tmp_path / "job.toml").write_text(text)
     # 2 PS tasks and 1 worker: every table is split in two, and updates are deterministic
     r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)

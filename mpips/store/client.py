@@ -58,13 +58,24 @@ class Table:
 @dataclass
 class Routed:
     """One table's rows of the current step on one PS task: positions in the step's ids,
-    rows in that task's part, and their datatype there (shared by the pull and the push)."""
+    rows in that task's part, and their datatype there (made when an RMA call first needs
+    it, then shared by the pull and the push)."""
 
     table: Table
     ps_task: int
     at: np.ndarray
     local: np.ndarray
-    mpi_type: MPI.Datatype
+    _type: MPI.Datatype | None = None
+
+    @property
+    def mpi_type(self) -> MPI.Datatype:
+        if self._type is None:
+            self._type = self.table.rows_type(self.local)
+        return self._type
+
+    def free(self) -> None:
+        if self._type is not None:
+            self._type.Free()
 
 
 class StoreClient:
@@ -119,6 +130,17 @@ class StoreClient:
                     np.dtype(e.whole.dtype),
                     rule,
                 )
+        # zero copy: every table partition as (rows, width), in its PS's memory
+        self._parts_in_place = {
+            (name, p): windows.shared_memory(self.ps_ranks[p])[
+                part.offset : part.offset + part.spec.nbytes
+            ]
+            .view(table.dtype)
+            .reshape(-1, table.width)
+            for name, table in self.tables.items()
+            for p, part in enumerate(table.parts)
+            if self.in_place
+        }
         self.mail = WorkerMail(windows, task)  # the mailbox protocol (stateful push)
         self._row_grads: dict[str, np.ndarray] = {}
         self._routed: list[Routed] = []
@@ -136,9 +158,11 @@ class StoreClient:
 
     @property
     def pulled_bytes(self) -> int:
-        """Bytes the last pull moved: the whole variables, plus the table rows as the MPI
-        datatypes of that step describe them (a push of SGD deltas moves as many)."""
-        return self.nbytes + sum(r.mpi_type.Get_size() for r in self._routed)
+        """Bytes the last pull moved: the whole variables, plus the table rows (a push of SGD
+        deltas moves as many)."""
+        return self.nbytes + sum(
+            len(r.local) * r.table.width * r.table.dtype.itemsize for r in self._routed
+        )
 
     def pull(self, ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Read every dense variable (one Get per PS and dtype, and per row block of a split
@@ -163,6 +187,9 @@ class StoreClient:
                 self._row_grads[table.name] = np.empty_like(out[table.name])
             for r in self._routed:
                 table = r.table
+                if self.in_place:  # zero copy: the rows straight from the PS's memory
+                    out[table.name][r.at] = self._parts_in_place[table.name, r.ps_task][r.local]
+                    continue
                 staged = np.empty((len(r.at), table.width), table.dtype)
                 # an atomic read (Get_accumulate NO_OP), not a Get: MPICH's Get through a
                 # new indexed datatype costs ~200 us of CPU, this ~20 us (measured)
@@ -181,13 +208,14 @@ class StoreClient:
         return out
 
     def _route(self, ids: np.ndarray) -> None:
-        """Which rows of which PS the step's ids are, and their datatypes (made once a step)."""
+        """Which rows of which PS the step's ids are (their datatypes are made when needed,
+        once a step)."""
         for r in self._routed:
-            r.mpi_type.Free()
+            r.free()
         self._routed, self._row_grads = [], {}
         for table in self.tables.values():
             for p, at, local in table.route(ids):
-                self._routed.append(Routed(table, p, at, local, table.rows_type(local)))
+                self._routed.append(Routed(table, p, at, local))
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Where the model writes this step's gradients: every whole variable, and the rows of
