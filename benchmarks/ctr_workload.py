@@ -3,6 +3,7 @@
 on the touched rows of in-memory tables (the limit one core reaches without MPI).
 
 Run:  python benchmarks/ctr_workload.py [--data data/clothing_reviews.h5] [--job jobs/ctr.toml]
+          [--epochs N] [--zero-copy]     (--zero-copy: also with train.zero_copy = true)
 (makes the data with `python -m mpips data clothing-reviews` if it is missing)
 """
 
@@ -65,6 +66,8 @@ def main() -> None:
     ap.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "mpips-bench/clothing.h5"))
     ap.add_argument("--job", default=str(ROOT / "jobs/ctr.toml"))
     ap.add_argument("--ranks", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=0, help="instead of the job's (both sides)")
+    ap.add_argument("--zero-copy", action="store_true", help="also run with train.zero_copy = true")
     args = ap.parse_args()
     if not Path(args.data).exists():
         Path(args.data).parent.mkdir(parents=True, exist_ok=True)
@@ -72,23 +75,31 @@ def main() -> None:
             [sys.executable, "-m", "mpips", "data", "clothing-reviews", args.data], check=True
         )
     job = load_job(args.job)
-    single = one_process(job, args.data, job.train.epochs)
+    epochs = args.epochs or job.train.epochs
+    single = one_process(job, args.data, epochs)
+    configs = {"mpips": ""} | ({"mpips, zero copy": "zero_copy = true\n"} if args.zero_copy else {})
+    rates: dict[str, list[float]] = {label: [] for label in configs}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         text = Path(args.job).read_text().replace(job.data.path, args.data)
         text = text.replace("log_every = 100", "log_every = 0")
-        (d / "job.toml").write_text(text.replace(f'dir = "{job.checkpoint.dir}"', 'dir = ""'))
-        rates = [mpips_rate(args.ranks, d / "job.toml", d) for _ in range(3)]
+        text = text.replace(f"epochs = {job.train.epochs}", f"epochs = {epochs}")
+        text = text.replace(f'dir = "{job.checkpoint.dir}"', 'dir = ""')
+        for _ in range(3):  # rounds alternate the configurations: all see the same load
+            for label, extra in configs.items():
+                (d / "job.toml").write_text(text.replace("[train]\n", f"[train]\n{extra}"))
+                rates[label].append(mpips_rate(args.ranks, d / "job.toml", d))
     print(
         f"# ctr_workload | {job.name} ({job.model.kind}, {job.optimizer.kind}, batch "
-        f"{job.train.batch_size}, {job.train.epochs} epochs)"
+        f"{job.train.batch_size}, {epochs} epochs, {args.data})"
     )
     print(f"one process (1 BLAS thread):       {single:>9.0f} examples/s")
-    print(
-        f"mpips, {args.ranks} ranks (1 ps + {args.ranks - 1} workers): "
-        f"{np.median(rates):>9.0f} examples/s (median of 3: "
-        f"{', '.join(f'{r:.0f}' for r in rates)}) = {np.median(rates) / single:.2f}x"
-    )
+    for label, r in rates.items():
+        print(
+            f"{label}, {args.ranks} ranks (1 ps + {args.ranks - 1} workers): "
+            f"{np.median(r):>9.0f} examples/s (median of 3: "
+            f"{', '.join(f'{x:.0f}' for x in r)}) = {np.median(r) / single:.2f}x"
+        )
 
 
 if __name__ == "__main__":
