@@ -329,7 +329,9 @@ class AsyncWorker:
         device.stage_out(grads, client.gradients())
         if tl:
             t = tl.span("compute", t)
-        client.push(lr, wait=False)  # applied while this worker prepares its next batch
+        # applied while this worker prepares its next batch; with a staleness bound it
+        # waits, so the clock it publishes counts only updates every pull can see
+        client.push(lr, wait=self.tc.max_staleness is not None)
         step = control.end_step(self.role.task)  # global_step and this worker's clock
         if tl:
             tl.span("push and ack", t)

@@ -41,22 +41,23 @@ dir = "runs/s"
 """
 
 
-def small_dataset(path):
-    """Few features, so batches share ids and every table row is touched now and then."""
+def small_dataset(path, rows=120, features=FEATURES, train=100):
+    """``rows`` rows of 5 ids out of ``features`` (the first ``train`` for training). Few
+    features by default, so batches share ids and every table row is touched now and then."""
     rng = np.random.default_rng(0)
-    rows, nnz = 120, 5
-    ids = rng.integers(0, FEATURES, (rows, nnz))
+    nnz = 5
+    ids = rng.integers(0, features, (rows, nnz))
     x = sp.csr_matrix(
         (
             rng.uniform(0.2, 1, rows * nnz).astype(np.float32),
             ids.ravel(),
             np.arange(0, rows * nnz + 1, nnz),
         ),
-        shape=(rows, FEATURES),
+        shape=(rows, features),
     )
     x.sum_duplicates()
-    y = (np.asarray(x @ np.sin(np.arange(FEATURES)))[:] > 0).astype(np.int8)
-    sparse.write_csr(path, (x[:100], y[:100]), (x[100:], y[100:]), FEATURES)
+    y = (np.asarray(x @ np.sin(np.arange(features)))[:] > 0).astype(np.int8)
+    sparse.write_csr(path, (x[:train], y[:train]), (x[train:], y[train:]), features)
 
 
 def reference(job, steps):

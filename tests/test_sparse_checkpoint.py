@@ -10,10 +10,10 @@ import shutil
 import h5py
 import numpy as np
 import pytest
-import scipy.sparse as sp
 from conftest import run_mpi, run_py
+from test_ctr_mpi import small_dataset
 
-from mpips import checkpoint, initial, sparse
+from mpips import checkpoint, initial
 from mpips.checkpoint import Checkpoint
 from mpips.ctr import EMBEDDING, WIDE, WideDeep
 from mpips.errors import CheckpointError
@@ -48,20 +48,7 @@ TABLES = [EMBEDDING, WIDE, f"{EMBEDDING}/accumulator", f"{WIDE}/accumulator"]
 
 def sparse_dataset(path):
     """160 rows of 5 ids out of FEATURES: a run touches a few hundred table rows."""
-    rng = np.random.default_rng(0)
-    rows, nnz = 160, 5
-    ids = rng.integers(0, FEATURES, (rows, nnz))
-    x = sp.csr_matrix(
-        (
-            rng.uniform(0.2, 1, rows * nnz).astype(np.float32),
-            ids.ravel(),
-            np.arange(0, rows * nnz + 1, nnz),
-        ),
-        shape=(rows, FEATURES),
-    )
-    x.sum_duplicates()
-    y = (np.asarray(x @ np.sin(np.arange(FEATURES)))[:] > 0).astype(np.int8)
-    sparse.write_csr(path, (x[:128], y[:128]), (x[128:], y[128:]), FEATURES)
+    small_dataset(path, rows=160, features=FEATURES, train=128)
 
 
 def train(d, steps, ckpt, ps, **env):

@@ -260,6 +260,7 @@ def test_adagrad_on_the_ps_loses_no_update(wait):
                 g[...] = rng.uniform(-2, 2, g.shape).round(2)
                 mine[name] += g.astype(np.float64) ** 2
             s.client.push(lr=0.01, wait=wait)
+        s.client.settle()  # its last update is applied before the others read
         totals = allgather_json(s.cluster.workers, {k: v.tolist() for k, v in mine.items()})
         from mpips.store import barrier
 
@@ -269,6 +270,58 @@ def test_adagrad_on_the_ps_loses_no_update(wait):
             want = 0.1 + sum(np.asarray(t[sp.name]) for t in totals)
             tol = 1e-6 if sp.dtype == "float64" else 2e-4
             np.testing.assert_allclose(got[f"{sp.name}/accumulator"], want, rtol=tol)
+    s.close()
+
+
+def test_a_shard_holds_every_update_counted_before_its_request():
+    """Workers count an update when they post it (push(wait=False)), before the PS applies
+    it. Worker 1's update keeps the PS busy while the chief posts one and asks for a
+    checkpoint at global_step 2: the PS applies the chief's update before it writes."""
+    import time
+
+    from mpips.optim import Optimizer
+    from mpips.store import barrier, serve
+
+    specs = [VariableSpec("w", (16,))]
+    opt = Optimizer("adagrad", {"epsilon": 1e-7, "initial_accumulator_value": 0.0})
+    s = Store(specs, opt)
+    if s.cluster.is_ps:
+        shards = []
+
+        def slow_first(var, grad, slots, lr, t):
+            if t == 1:
+                time.sleep(0.5)  # worker 1's update: the chief posts and asks meanwhile
+            opt.apply(var, grad, slots, lr, t)
+
+        def write_shard(step, variables, slots):
+            shards.append((step, slots.get("w/accumulator", np.full(1, 2.0)).copy()))
+
+        serve(s.cluster, s.windows, slow_first, opt.slots, write_shard)
+        [(step, accumulator)] = shards  # (a PS task without w: nothing to check)
+        # each update adds g^2 = 1: the shard holds both updates counted at step 2
+        assert step == 2 and accumulator.min() == 2, (step, accumulator)
+    else:
+        if s.cluster.is_chief:
+            s.client.initialise(
+                {"w": np.zeros(16, np.float32)}, {"w/accumulator": np.zeros(16, np.float32)}
+            )
+            s.control.set_counters(0)
+            s.control.raise_ready()
+        s.control.wait_ready(timeout=30)
+        task = s.cluster.role.task
+        s.client.grads["w"][...] = 1
+        if task == 1:
+            s.client.push(lr=0.01, wait=False)
+            s.control.end_step(task)
+        barrier(s.cluster.workers, "the test")
+        if s.cluster.is_chief:
+            time.sleep(0.1)  # the PS is applying worker 1's update
+            s.client.push(lr=0.01, wait=False)
+            s.control.end_step(task)
+            number = s.control.request_checkpoint(s.control.global_step())
+            s.control.wait_shards(number, 2, timeout=30)
+        s.client.settle()
+        barrier(s.cluster.workers, "the test")
     s.close()
 
 

@@ -76,6 +76,7 @@ class Routed:
     def free(self) -> None:
         if self._type is not None:
             self._type.Free()
+            self._type = None
 
 
 class StoreClient:
@@ -160,6 +161,8 @@ class StoreClient:
     def pulled_bytes(self) -> int:
         """Bytes the last pull moved: the whole variables, plus the table rows (a push of SGD
         deltas moves as many)."""
+        if self.in_place:  # zero copy: rows are read in place too
+            return self.nbytes
         return self.nbytes + sum(
             len(r.local) * r.table.width * r.table.dtype.itemsize for r in self._routed
         )
@@ -170,7 +173,10 @@ class StoreClient:
         and table); returns them by name. An update this worker posted without waiting
         (``push(wait=False)``) is applied first: the pull sees it."""
         if ids is not None and self.tables:
-            self._route(ids)  # (its datatypes are made while the PS applies the update)
+            self._route(ids)
+            if not self.in_place:  # the datatypes are made while the PS applies the update
+                for r in self._routed:
+                    r.mpi_type  # noqa: B018 (made and kept for the pull and the push)
         self.settle()
         win = self.windows.params
         for seg in self._segments:
@@ -191,15 +197,18 @@ class StoreClient:
                     out[table.name][r.at] = self._parts_in_place[table.name, r.ps_task][r.local]
                     continue
                 staged = np.empty((len(r.at), table.width), table.dtype)
-                # an atomic read (Get_accumulate NO_OP), not a Get: MPICH's Get through a
-                # new indexed datatype costs ~200 us of CPU, this ~20 us (measured)
-                win.Get_accumulate(
-                    [staged, table.base],
-                    [staged, table.base],
-                    self.ps_ranks[r.ps_task],
-                    [table.parts[r.ps_task].offset, 1, r.mpi_type],
-                    MPI.NO_OP,
-                )
+                target = [table.parts[r.ps_task].offset, 1, r.mpi_type]
+                if self.windows.one_node:
+                    # an atomic read (Get_accumulate NO_OP; its origin is not read), not a
+                    # Get: on one node MPICH's Get through a new indexed datatype costs
+                    # ~200 us of CPU, this ~20 us (measured). Across nodes MPICH runs such
+                    # atomics on the target's CPU, so a Get (RDMA) needs no PS call there.
+                    origin = [np.empty_like(staged), table.base]
+                    win.Get_accumulate(
+                        origin, [staged, table.base], self.ps_ranks[r.ps_task], target, MPI.NO_OP
+                    )
+                else:
+                    win.Get([staged, table.base], self.ps_ranks[r.ps_task], target)
                 fetched.append((out[table.name], r.at, staged))
         for rank in self.ps_ranks:
             win.Flush(rank)
@@ -236,7 +245,6 @@ class StoreClient:
         """
         if self.stateful:
             self.settle()  # the inbox is free again
-            self._posted = True
             self.mail.post(
                 ((s.ps_task, s.offset, s.grads) for s in self._segments),
                 self._row_grads,
@@ -244,6 +252,7 @@ class StoreClient:
                 lr,
                 tags,
             )
+            self._posted = True
             return self.settle() if wait else True
         win = self.windows.params
         for seg in self._segments:

@@ -58,25 +58,25 @@ class RunControl:
     def _begin_type(self) -> MPI.Datatype:
         """global_step and tickets, then every worker's clock and done flag."""
         w = self.num_workers
-        return MPI.INT64_T.Create_indexed([2, 2 * w], [GLOBAL_STEP, self.clocks_at]).Commit()
+        return MPI.LONG.Create_indexed([2, 2 * w], [GLOBAL_STEP, self.clocks_at]).Commit()
 
     def _end_type(self, task: int) -> MPI.Datatype:
         """global_step and worker ``task``'s clock."""
         if task not in self._end_types:
             blocks = [GLOBAL_STEP, self.clocks_at + task]
-            self._end_types[task] = MPI.INT64_T.Create_indexed_block(1, blocks).Commit()
+            self._end_types[task] = MPI.LONG.Create_indexed_block(1, blocks).Commit()
         return self._end_types[task]
 
     def begin_step(self, clock: int) -> tuple[int, int, int]:
         """An async worker at ``clock`` claims a ticket and reads global_step and every
-        worker's clock, in one atomic call: (its ticket, global_step, its lead over the
-        slowest running worker). Tickets >= the step target mean stop."""
+        worker's clock, in one call (atomic per counter): (its ticket, global_step, its lead
+        over the slowest running worker). Tickets >= the step target mean stop."""
         w = self.num_workers
         add = np.zeros(2 + 2 * w, np.int64)
         add[TICKETS - GLOBAL_STEP] = 1
         old = np.zeros_like(add)
         self.win.Get_accumulate(
-            [add, MPI.INT64_T], [old, MPI.INT64_T], self.target, [0, 1, self._begin_type], MPI.SUM
+            [add, MPI.LONG], [old, MPI.LONG], self.target, [0, 1, self._begin_type], MPI.SUM
         )
         self.win.Flush(self.target)
         clocks, done = old[2 : 2 + w], old[2 + w :].astype(bool)
@@ -86,11 +86,12 @@ class RunControl:
 
     def end_step(self, task: int) -> int:
         """Async worker ``task`` has made one update: count it in global_step and in its
-        clock (one atomic call); returns its global step (unique across all workers)."""
+        clock (one call, atomic per counter); returns its global step (unique across all
+        workers)."""
         old = np.zeros(2, np.int64)
         self.win.Get_accumulate(
-            [_TWO_ONES, MPI.INT64_T],
-            [old, MPI.INT64_T],
+            [_TWO_ONES, MPI.LONG],
+            [old, MPI.LONG],
             self.target,
             [0, 1, self._end_type(task)],
             MPI.SUM,

@@ -61,7 +61,7 @@ DROPPED = -1  # a PS's answer to a gradient that came too late for its step (syn
 def peek(win: MPI.Win, rank: int, index: int, out: np.ndarray) -> int:
     """Word ``index`` of ``rank``'s mail read with a plain Get, not an atomic: a poll that
     usually finds nothing new (see the module's docstring)."""
-    win.Get([out, MPI.INT64_T], rank, [index, 1, MPI.INT64_T])
+    win.Get([out, MPI.LONG], rank, [index, 1, MPI.LONG])
     win.Flush(rank)
     return int(out[0])
 
@@ -171,7 +171,7 @@ class WorkerMail:
         base = MAIL_WORDS * self.task
         lr_word = np.array([lr], dtype=np.float64).view(np.int64)
         for rank in self.ps_ranks:  # the PS reads it only after it sees the flag
-            mail.Put([lr_word, MPI.INT64_T], rank, [base + MAIL_LR, 1, MPI.INT64_T])
+            mail.Put([lr_word, MPI.LONG], rank, [base + MAIL_LR, 1, MPI.LONG])
         for rank in self.ps_ranks:
             win.Flush(rank)  # the gradient and the learning rate are in place before the flag
             mail.Flush(rank)
@@ -273,9 +273,10 @@ class PsMail:
         if flag <= 0:  # none posted (0), or the last one was dropped (DROPPED)
             return None
         self.tag = flag - 1  # the step it is for (sync_replicas)
-        # Put and flushed before the flag went up
+        # a barrier after the flag's load: the gradient and the learning rate (Put and
+        # flushed before the flag went up) are read after it
+        self.windows.params.Sync()
         lr = float(self._words[base + MAIL_LR : base + MAIL_LR + 1].view(np.float64)[0])
-        self.windows.params.Sync()  # see the worker's Put of the gradient
         dense, boxes = self.inboxes[worker]
         rows = []
         for name, _, (count, local, grads) in boxes:

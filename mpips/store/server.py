@@ -129,6 +129,9 @@ class _Chores:
         self.watchdog = watchdog
         self.served = 0  # checkpoint requests answered
         self.next_look = 0.0
+        # applies every update already posted (async, stateful): run before a shard is
+        # written, as a worker counts its update in global_step once it is posted
+        self.drain: Callable[[], object] = lambda: None
 
     def run(self) -> bool:
         """Do what is due; True once the chief has ended the run."""
@@ -140,6 +143,7 @@ class _Chores:
         if self.write_shard is not None:
             number, step = self.control.checkpoint_request()
             if number > self.served:
+                self.drain()  # every update counted before the request is in the shard
                 self.windows.params.Sync()  # see every Put and Accumulate that has landed
                 try:
                     self.write_shard(step, *self.windows.held(self.task))
@@ -212,7 +216,10 @@ def _apply_loop(
     t = mail.published_step()
     workers = range(cluster.layout.num_workers)
     pace = _Pace()
-    while not chores.run():
+
+    def sweep() -> bool:
+        """Apply every update posted now; whether there was one."""
+        nonlocal t, applied
         busy = False
         for k in workers:
             posted = mail.take(k)
@@ -228,7 +235,11 @@ def _apply_loop(
             on_applied(t)
             applied += 1
             busy = True
-        pace.wait(busy)
+        return busy
+
+    chores.drain = sweep
+    while not chores.run():
+        pace.wait(sweep())
     return applied
 
 

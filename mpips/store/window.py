@@ -90,6 +90,9 @@ class Windows(WindowPlan):
         is_ps = role.job == "ps"
         size = self.window_bytes(role.task, workers, inboxes) if is_ps else 0
         check_arrival(comm, "window creation")  # Allocate is a blocking collective
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.one_node = node.size == comm.size  # every rank shares this node's memory
+        node.Free()
         allocate = MPI.Win.Allocate_shared if shared else MPI.Win.Allocate
         self.params = allocate(size, disp_unit=1, comm=comm)
         mail = mail_words(workers) * 8 if is_ps and inboxes else 0
