@@ -35,6 +35,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from common import mpiexec
 
 JOB = """
 [model]
@@ -63,10 +64,9 @@ ps = 2
 
 
 def run(workdir: Path, ranks: int, steps: int, **env: str) -> tuple[float, str]:
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     t0 = time.perf_counter()
     r = subprocess.run(
-        [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks), sys.executable]
+        [mpiexec(), "-n", str(ranks), sys.executable]
         + ["-m", "mpips", "train", "job.toml", "--steps", str(steps)],
         cwd=workdir,
         capture_output=True,

@@ -54,13 +54,18 @@ def one_process_rate(
     return steps * batch / (time.perf_counter() - t0)
 
 
+def mpiexec() -> str:
+    """The launcher of this Python's MPI (the venv's wheel), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else "mpiexec"
+
+
 def mpips_rate(ranks: int, job: Path, workdir: Path, env: dict[str, str] | None = None) -> float:
     """Run `mpiexec -n RANKS python -m mpips train JOB`; the examples/s its chief reports.
     ``env``: variables to set for the run (e.g. MPIPS_FUSED_KERNELS=0)."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     r = subprocess.run(
         [
-            str(mpiexec) if mpiexec.exists() else "mpiexec",
+            mpiexec(),
             "-n",
             str(ranks),
             sys.executable,

@@ -21,16 +21,16 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from common import mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(ranks: int, ps: int, job: Path, workdir: Path) -> tuple[float, dict]:
     """One training run: the examples/s its chief reports, and its --result."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     out = workdir / "result.json"
     out.unlink(missing_ok=True)
-    cmd = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks), sys.executable]
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable]
     cmd += ["-m", "mpips", "train", str(job), "--ps", str(ps), "--no-progress"]
     r = subprocess.run(
         cmd + ["--result", str(out)], cwd=workdir, capture_output=True, text=True, timeout=900

@@ -398,8 +398,9 @@ def mpiexec(
     each rank bound to one core (hydra's -bind-to core, round robin), so mpips gives it one
     BLAS thread as on one node; unbound, every rank believes it has a node's cores to itself
     (MPIR_CVAR_NOLOCAL: one rank per node) and runs a BLAS thread per core."""
-    exe = Path(sys.executable).parent / "mpiexec"
-    cmd = [str(exe) if exe.exists() else "mpiexec"] + (["-bind-to", "core"] if bind else [])
+    from common import mpiexec  # (imported where used, as reference_data below)
+
+    cmd = [mpiexec()] + (["-bind-to", "core"] if bind else [])
     cmd += ["-n", str(n), sys.executable, *argv]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=mpi_env(link, extra))
     if r.returncode:

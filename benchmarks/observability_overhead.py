@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import DEFAULT_DATA, reference_data
+from common import DEFAULT_DATA, mpiexec, reference_data
 
 JOB = """
 [model]
@@ -52,11 +52,10 @@ def wall_seconds(work: Path, data: str, steps: int, every: int, timeline: str) -
     job.write_text(
         JOB.format(data=data, steps=steps, summaries=summaries, every=every, timeline=timeline)
     )
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     t0 = time.perf_counter()
     r = subprocess.run(
         [
-            str(mpiexec) if mpiexec.exists() else "mpiexec",
+            mpiexec(),
             "-n",
             "3",
             sys.executable,

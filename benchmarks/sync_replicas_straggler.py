@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import DEFAULT_DATA, reference_data
+from common import DEFAULT_DATA, mpiexec, reference_data
 
 SCRIPT = """
 import json, sys, time
@@ -70,10 +70,9 @@ def steps_per_second(
     script.write_text(
         SCRIPT.format(delay=delay, data=data, mode=mode, aggregate=aggregate, steps=steps)
     )
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     r = subprocess.run(
         [
-            str(mpiexec) if mpiexec.exists() else "mpiexec",
+            mpiexec(),
             "-n",
             "4",
             sys.executable,

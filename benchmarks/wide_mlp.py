@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import DEFAULT_DATA, one_process_rate, reference_data
+from common import DEFAULT_DATA, mpiexec, one_process_rate, reference_data
 
 from mpips.nn import MLP
 
@@ -55,10 +55,9 @@ CONFIGS = {  # name: (mode, ranks, ps, zero_copy, examples per global step)
 
 
 def wall(job: Path, ranks: int, steps: int, workdir: Path) -> float:
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     t0 = time.perf_counter()
     r = subprocess.run(
-        [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks), sys.executable]
+        [mpiexec(), "-n", str(ranks), sys.executable]
         + ["-m", "mpips", "train", str(job), "--steps", str(steps)],
         cwd=workdir,
         capture_output=True,
