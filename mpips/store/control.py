@@ -67,21 +67,28 @@ class RunControl:
             self._end_types[task] = MPI.LONG.Create_indexed_block(1, blocks).Commit()
         return self._end_types[task]
 
+    @cached_property
+    def _begin_add(self) -> np.ndarray:
+        """What begin_step adds to the counters of _begin_type: one ticket, nothing else."""
+        add = np.zeros(2 + 2 * self.num_workers, np.int64)
+        add[TICKETS - GLOBAL_STEP] = 1
+        return add
+
     def begin_step(self, clock: int) -> tuple[int, int, int]:
         """An async worker at ``clock`` claims a ticket and reads global_step and every
         worker's clock, in one call (atomic per counter): (its ticket, global_step, its lead
         over the slowest running worker). Tickets >= the step target mean stop."""
         w = self.num_workers
-        add = np.zeros(2 + 2 * w, np.int64)
-        add[TICKETS - GLOBAL_STEP] = 1
-        old = np.zeros_like(add)
+        old = np.zeros_like(self._begin_add)
         self.win.Get_accumulate(
-            [add, MPI.LONG], [old, MPI.LONG], self.target, [0, 1, self._begin_type], MPI.SUM
+            [self._begin_add, MPI.LONG],
+            [old, MPI.LONG],
+            self.target,
+            [0, 1, self._begin_type],
+            MPI.SUM,
         )
         self.win.Flush(self.target)
-        clocks, done = old[2 : 2 + w], old[2 + w :].astype(bool)
-        running = clocks[~done]
-        lead = clock - int(running.min()) if running.size else 0
+        lead = _lead(clock, old[2 : 2 + w], old[2 + w :].astype(bool))
         return int(old[TICKETS - GLOBAL_STEP]), int(old[0]), lead
 
     def end_step(self, task: int) -> int:
@@ -117,10 +124,6 @@ class RunControl:
     def _set(self, index: int, value: int) -> int:
         """Set a counter; returns its old value."""
         return self._op(index, np.array([value], dtype=np.int64), MPI.REPLACE)
-
-    def claim_ticket(self) -> int:
-        """Reserve the right to make one update; tickets >= the step target mean stop."""
-        return self._op(TICKETS, None, MPI.SUM)
 
     def advance_step(self) -> int:
         """Count one applied update; returns its global step (unique across all workers)."""
@@ -245,9 +248,7 @@ class RunControl:
 
     def lead(self, clock: int) -> int:
         """How many updates ``clock`` is ahead of the slowest worker still running."""
-        clocks, done = self.clocks()
-        running = clocks[~done]
-        return clock - int(running.min()) if running.size else 0
+        return _lead(clock, *self.clocks())
 
     def wait_for_slowest(self, clock: int, bound: int | None, watchdog: Callable[[], None]) -> int:
         """This worker's lead over the slowest running worker, after waiting (sleeping) until
@@ -266,3 +267,9 @@ class RunControl:
 
     def _names(self, job: str, tasks: list[int]) -> str:
         return ", ".join(f"/job:{job}/task:{t} (rank {self.layout.rank_of(job, t)})" for t in tasks)
+
+
+def _lead(clock: int, clocks: np.ndarray, done: np.ndarray) -> int:
+    """How many updates ``clock`` is ahead of the slowest of ``clocks`` not ``done``."""
+    running = clocks[~done]
+    return clock - int(running.min()) if running.size else 0
