@@ -331,7 +331,7 @@ class AsyncWorker:
             t = tl.span("compute", t)
         # applied while this worker prepares its next batch; with a staleness bound it
         # waits, so the clock it publishes counts only updates every pull can see
-        client.push(lr, wait=self.tc.max_staleness is not None)
+        client.push(lr, wait=bound is not None)
         step = control.end_step(self.role.task)  # global_step and this worker's clock
         if tl:
             tl.span("push and ack", t)

@@ -58,8 +58,8 @@ class Table:
 @dataclass
 class Routed:
     """One table's rows of the current step on one PS task: positions in the step's ids,
-    rows in that task's part, and their datatype there (made when an RMA call first needs
-    it, then shared by the pull and the push)."""
+    rows in that task's part, and their datatype there (shared by the pull and the push;
+    made on first use where _route left it out)."""
 
     table: Table
     ps_task: int
@@ -173,10 +173,7 @@ class StoreClient:
         and table); returns them by name. An update this worker posted without waiting
         (``push(wait=False)``) is applied first: the pull sees it."""
         if ids is not None and self.tables:
-            self._route(ids)
-            if not self.in_place:  # the datatypes are made while the PS applies the update
-                for r in self._routed:
-                    r.mpi_type  # noqa: B018 (made and kept for the pull and the push)
+            self._route(ids)  # (while the PS applies this worker's last update)
         self.settle()
         win = self.windows.params
         for seg in self._segments:
@@ -217,14 +214,15 @@ class StoreClient:
         return out
 
     def _route(self, ids: np.ndarray) -> None:
-        """Which rows of which PS the step's ids are (their datatypes are made when needed,
-        once a step)."""
+        """Which rows of which PS the step's ids are, and their datatypes (made once a step;
+        zero copy reads rows in place, so only a push of SGD deltas makes them there)."""
         for r in self._routed:
             r.free()
         self._routed, self._row_grads = [], {}
         for table in self.tables.values():
             for p, at, local in table.route(ids):
-                self._routed.append(Routed(table, p, at, local))
+                mpi_type = None if self.in_place else table.rows_type(local)
+                self._routed.append(Routed(table, p, at, local, mpi_type))
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Where the model writes this step's gradients: every whole variable, and the rows of
