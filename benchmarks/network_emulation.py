@@ -17,8 +17,8 @@ shaped with ``tc tbf``. One run measures, for each link:
 * progress: at --progress-links, async runs that separate RMA progress from CPU sharing:
             MPIR_CVAR_ASYNC_PROGRESS=1, ranks not bound to cores, one worker only (the PS
             as it is and polling every 50 us), the PS polling every 200 us;
-* overlap : at --overlap-link, sync mode's "s waiting for allreduce after backward" per step
-            against the same buckets (GradientBuckets: the loss slot and the variables,
+* overlap : at --overlap-link, sync mode's "s reducing and updating after backward" per step
+            against the same buckets (GradientBuckets: the variables and the loss,
             default train.bucket_bytes) reduced with no compute, in the same run; and the
             in-process share of benchmarks/sync_allreduce.py (1 - (step - compute) / reduce).
 
@@ -208,9 +208,9 @@ def kernel_link(args: argparse.Namespace) -> None:
 
 
 def kernel_buckets(args: argparse.Namespace) -> None:
-    """W replicas: sync mode's gradient buckets (the loss slot and the model's variables,
-    train.bucket_bytes) reduced with no compute; forward+backward alone; and with the
-    buckets started during backward (as benchmarks/sync_allreduce.py does)."""
+    """W replicas: sync mode's gradient buckets (the model's variables and the loss,
+    train.bucket_bytes) reduced and updated (SGD) with no compute; forward+backward alone;
+    and with the buckets started during backward (as benchmarks/sync_allreduce.py does)."""
     import numpy as np
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
@@ -218,27 +218,29 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     from mpips.allreduce import GradientBuckets
     from mpips.job import TrainConfig
     from mpips.nn import MLP
-    from mpips.placement import VariableSpec
-    from mpips.sync_training import LOSS_SLOT
+    from mpips.optim import apply_sgd
 
     comm = MPI.COMM_WORLD
     threadpool_limits(1)
     hidden, batch, _ = WORKLOADS[args.workload]
     model = MLP([784, *hidden, 10])
     specs = model.variables()
-    loss = VariableSpec(LOSS_SLOT, (1,), specs[0].dtype)
-    buckets = GradientBuckets(comm, [loss, *specs], TrainConfig().bucket_bytes)
+    buckets = GradientBuckets(comm, specs, TrainConfig().bucket_bytes)
     params = model.initial_values(0)
     local = {k: np.zeros_like(v) for k, v in params.items()}
     rng = np.random.default_rng(comm.rank)
     x = rng.standard_normal((batch, 784)).astype(np.float32)
     y = rng.integers(0, 10, batch)
 
+    def sgd(name: str, var: np.ndarray, grad: np.ndarray, slots: dict) -> None:
+        apply_sgd(var, grad, WORKLOADS[args.workload][2])
+
     def reduce_only() -> None:
         buckets.start_step()
-        for s in reversed([loss, *specs]):
+        for s in reversed(specs):
             buckets.ready(s.name)
-        buckets.finish()
+        buckets.set_loss(0.0)
+        buckets.finish(sgd)
 
     def compute() -> None:
         model.loss_and_grads(params, x, y, local)
@@ -246,8 +248,8 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     def step() -> None:
         buckets.start_step()
         model.loss_and_grads(params, x, y, buckets.grads, ready=buckets.ready)
-        buckets.ready(LOSS_SLOT)
-        buckets.finish()
+        buckets.set_loss(0.0)
+        buckets.finish(sgd)
 
     runs: dict[str, list[float]] = {}
     for _ in range(3):  # interleaved
@@ -472,7 +474,7 @@ def measure_store(link: str, ps_poll: float = 0.0) -> list[dict]:
 
 FINAL = re.compile(r"final: .*\((\d+) examples on (\d+) workers in ([\d.]+) s, (\d+) examples/s\)")
 DONE = re.compile(r"done: (\d+) updates, (\d+) examples in ([\d.]+) s")
-WAITED = re.compile(r"([\d.]+) s waiting for allreduce after backward")
+WAITED = re.compile(r"([\d.]+) s reducing and updating after backward")
 
 
 def train_once(

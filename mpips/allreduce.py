@@ -1,10 +1,18 @@
-"""Synchronous replicas: gradient buckets averaged with non-blocking allreduce, the initial
-broadcast, and the replica-divergence check. With store/, the only code that moves data over MPI.
+"""Synchronous replicas: gradient buckets reduced and the update sharded over the replicas,
+the initial broadcast, and the replica check. With store/, the only code that moves data
+over MPI.
 
-Gradients live in a few flat float buffers (buckets), filled in the order backward produces
-them; when a bucket's last gradient is written its ``Iallreduce`` starts at once, so reducing
-it overlaps the rest of backward. Between layers, pending requests are tested: MPICH makes
-progress only inside MPI calls.
+A replica's variables, optimizer slots and gradients live in a few flat buffers (buckets),
+filled in the order backward produces the gradients. When a bucket's last gradient is
+written its ``Ireduce_scatter`` starts at once, so reducing it overlaps the rest of
+backward (between layers, pending requests are tested: MPICH makes progress only inside MPI
+calls). Each replica then owns one contiguous part of every bucket: it applies the update
+to that part only, with the summed gradients it received, and an in-place ``Iallgatherv``
+of the variables gives every replica the whole update. That moves the same bytes as an
+allreduce of the gradients, applies each update once instead of W times, and leaves the
+replicas bitwise identical by construction: every value is computed by one replica and
+copied to the others. Optimizer slots stay with their owner; ``collect_slots`` fetches the
+other parts (one-sided, the owners need not take part) when the chief writes a checkpoint.
 """
 
 from __future__ import annotations
@@ -14,58 +22,135 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import numpy as np
 from mpi4py import MPI
 
 from .errors import AlreadyReported, ReplicasDiverged, Stalled
 from .placement import VariableSpec
-from .store import STALL_TIMEOUT, START_TIMEOUT, allgather_json, stall_limit, wait
+from .store import STALL_TIMEOUT, START_TIMEOUT, Exposed, allgather_json, stall_limit, wait
 from .waits import poll
+
+LOSS = "__loss__"  # the batch loss: rides in the last bucket, averaged, never updated
+ALIGN = 16  # elements: a replica's part of a bucket starts on a 64-byte line (float32)
+
+# update(name, part of the variable, its summed gradient (mean once divided), its slots'
+# parts): applies the optimizer in place to the part of one variable a replica owns
+Update = Callable[[str, np.ndarray, np.ndarray, dict[str, np.ndarray]], None]
+
+
+@dataclass
+class _Store:
+    """Flat buffers of one dtype: variables, gradients and each optimizer slot."""
+
+    values: np.ndarray
+    grads: np.ndarray
+    slots: dict[str, np.ndarray]
 
 
 @dataclass
 class Bucket:
     names: list[str]
-    buffer: np.ndarray
+    store: _Store
+    start: int  # where the bucket begins in its store
+    counts: list[int]  # the part of the bucket each replica owns, in elements
+    displs: list[int]
+    pieces: list[tuple[str, int, int]]  # (variable, start, stop) in the store: this replica's
+    shard: np.ndarray  # this replica's part of the summed gradients
     request: MPI.Request | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(self.counts)
+
+    def span(self, buffer: np.ndarray) -> np.ndarray:
+        return buffer[self.start : self.start + self.size]
+
+
+def _count(spec: VariableSpec) -> int:
+    return int(np.prod(spec.shape))
 
 
 class GradientBuckets:
-    """Gradient arrays that are views into fused buckets, averaged over ``comm``."""
+    """A replica's variables, slots and gradients, as views into fused buckets; the mean
+    gradient of each bucket is applied by the replica that owns that part, then shared."""
 
-    def __init__(self, comm: MPI.Comm, specs: list[VariableSpec], bucket_bytes: int):
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        specs: list[VariableSpec],
+        bucket_bytes: int,
+        slot_names: tuple[str, ...] = (),
+    ):
         self.comm = comm
-        self.size = comm.size
+        self.size, self.rank = comm.size, comm.rank
+        self.slot_names = slot_names
         self.buckets: list[Bucket] = []
+        self.values: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
+        self.slots: dict[str, dict[str, np.ndarray]] = {}
+        self.stores: dict[str, _Store] = {}
         self._bucket_of: dict[str, int] = {}
         self._pending: dict[int, set[str]] = {}
+        self._exposed: list[tuple[Exposed, _Store]] = []  # the slots, for collect_slots
         self.reduce_seconds = 0.0  # time spent waiting for reductions after backward
+        loss = VariableSpec(LOSS, (1,), specs[0].dtype if specs else "float32")
+        order = [*reversed(specs), loss]  # backward produces the last layer's gradients first
+        for dtype in dict.fromkeys(np.dtype(s.dtype).str for s in order):
+            total = sum(_count(s) for s in order if np.dtype(s.dtype).str == dtype)
+            self.stores[dtype] = _Store(
+                np.zeros(total, dtype),
+                np.zeros(total, dtype),
+                {k: np.zeros(total, dtype) for k in slot_names},
+            )
+        used = dict.fromkeys(self.stores, 0)
         current: list[VariableSpec] = []
-        for spec in reversed(specs):  # backward produces the last layer's gradients first
+        for spec in order:
+            if current and np.dtype(current[0].dtype) != np.dtype(spec.dtype):
+                used = self._add(current, used)
+                current = []
             current.append(spec)
             if sum(s.nbytes for s in current) >= bucket_bytes:
-                self._add(current)
+                used = self._add(current, used)
                 current = []
         if current:
-            self._add(current)
+            self._add(current, used)
+        if self.size > 1 and slot_names:
+            for store in self.stores.values():
+                slots = list(store.slots.values())
+                self._exposed.append((Exposed(cast(MPI.Intracomm, comm), slots), store))
 
-    def _add(self, specs: list[VariableSpec]) -> None:
-        dtypes = {s.dtype for s in specs}
-        if len(dtypes) != 1:
-            raise ValueError("a bucket holds one dtype")
-        total = sum(int(np.prod(s.shape)) for s in specs)
-        buf = np.zeros(total, dtype=dtypes.pop())
-        offset = 0
+    def _add(self, specs: list[VariableSpec], used: dict[str, int]) -> dict[str, int]:
+        key = np.dtype(specs[0].dtype).str
+        store, start = self.stores[key], used[key]
+        n = sum(_count(s) for s in specs)
+        step = -(-n // (self.size * ALIGN)) * ALIGN  # each replica's part, aligned
+        displs = [min(r * step, n) for r in range(self.size)]
+        counts = [min(step, n - d) for d in displs]
+        mine_lo, mine_hi = start + displs[self.rank], start + displs[self.rank] + counts[self.rank]
+        pieces = []
+        offset = start
         index = len(self.buckets)
         for s in specs:
-            n = int(np.prod(s.shape))
-            self.grads[s.name] = buf[offset : offset + n].reshape(s.shape)
+            lo, hi = offset, offset + _count(s)
+            self.values[s.name] = store.values[lo:hi].reshape(s.shape)
+            self.grads[s.name] = store.grads[lo:hi].reshape(s.shape)
+            self.slots[s.name] = {k: b[lo:hi].reshape(s.shape) for k, b in store.slots.items()}
+            if max(lo, mine_lo) < min(hi, mine_hi):
+                pieces.append((s.name, max(lo, mine_lo), min(hi, mine_hi)))
             self._bucket_of[s.name] = index
-            offset += n
-        self.buckets.append(Bucket([s.name for s in specs], buf))
+            offset = hi
+        shard = np.zeros(counts[self.rank], store.values.dtype)
+        self.buckets.append(
+            Bucket([s.name for s in specs], store, start, counts, displs, pieces, shard)
+        )
+        return {**used, key: offset}
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """The flat buffers every replica holds whole: variables and (all parts of) slots."""
+        return [a for s in self.stores.values() for a in (s.values, *s.slots.values())]
 
     def start_step(self) -> None:
         self._pending = {i: set(b.names) for i, b in enumerate(self.buckets)}
@@ -76,14 +161,26 @@ class GradientBuckets:
         waiting = self._pending[index]
         waiting.discard(name)
         if not waiting:
-            bucket = self.buckets[index]
-            bucket.request = self.comm.Iallreduce(MPI.IN_PLACE, bucket.buffer, MPI.SUM)
+            self._reduce(self.buckets[index])
         for b in self.buckets:  # poke progress on what is in flight
             if b.request is not None and b.request.Test():
                 b.request = None
 
-    def finish(self) -> dict[str, np.ndarray]:
-        """Wait for every bucket, divide by the number of replicas; returns the mean gradients.
+    def set_loss(self, loss: float) -> None:
+        """The batch loss rides in the last bucket: every replica learns the mean."""
+        self.grads[LOSS][0] = loss
+        self.ready(LOSS)
+
+    def _reduce(self, b: Bucket) -> None:
+        self._pending[self.buckets.index(b)].clear()
+        b.request = self.comm.Ireduce_scatter(b.span(b.store.grads), b.shard, b.counts, MPI.SUM)
+
+    def finish(self, update: Update | None, clip_norm: float = 0.0) -> float:
+        """Complete the step: wait for each bucket's reduction, divide this replica's part by
+        the number of replicas, ``update`` it (None: the step is not applied, every variable
+        stays as it was) and share the updated variables. ``clip_norm`` > 0 scales the mean
+        gradients so their joint L2 norm is at most that (one small allreduce more).
+        Returns the mean loss over the replicas' batches (nan when not applied).
 
         Once the model's loss_and_grads has returned every gradient is final: buckets it did
         not report ready (a model that does not call ``ready``) start their reduction here,
@@ -91,14 +188,80 @@ class GradientBuckets:
         t0 = time.perf_counter()
         for index, b in enumerate(self.buckets):
             if self._pending.get(index):
-                self._pending[index].clear()
-                b.request = self.comm.Iallreduce(MPI.IN_PLACE, b.buffer, MPI.SUM)
-            if b.request is not None:
-                complete(self.comm, b.request, "the gradient allreduce")
-            b.request = None
-            b.buffer /= self.size
+                self._reduce(b)
+        whole_first = update is None or clip_norm > 0  # every mean before any update
+        if whole_first:
+            for b in self.buckets:
+                self._mean(b)
+        if update is not None:
+            if clip_norm > 0:
+                self._clip(clip_norm)
+            for b in self.buckets:  # in the order their reductions started
+                if not whole_first:
+                    self._mean(b)
+                self._update(b, update)
+            for b in self.buckets:
+                self._complete(b, "the variables' allgather")
         self.reduce_seconds += time.perf_counter() - t0
-        return self.grads
+        return math.nan if update is None else float(self.values[LOSS][0])
+
+    def _mean(self, b: Bucket) -> None:
+        self._complete(b, "the gradient reduction")
+        b.shard /= self.size
+
+    def _complete(self, b: Bucket, what: str) -> None:
+        if b.request is not None:
+            complete(self.comm, b.request, what)
+        b.request = None
+
+    def _grad_parts(self, b: Bucket) -> list[tuple[str, np.ndarray]]:
+        first = b.start + b.displs[self.rank]
+        return [(name, b.shard[lo - first : hi - first]) for name, lo, hi in b.pieces]
+
+    def _clip(self, clip_norm: float) -> None:
+        """Scale every replica's parts of the mean gradients (the loss aside) by one factor,
+        from their joint norm: each replica's sum of squares, summed over the replicas."""
+        parts = [g for b in self.buckets for name, g in self._grad_parts(b) if name != LOSS]
+        total = np.array([sum(float((g.astype("float64") ** 2).sum()) for g in parts)])
+        complete(self.comm, self.comm.Iallreduce(MPI.IN_PLACE, total, MPI.SUM), "the norm")
+        norm = math.sqrt(float(total[0]))
+        if norm > clip_norm:
+            for g in parts:
+                g *= clip_norm / norm
+
+    def _update(self, b: Bucket, update: Update) -> None:
+        """Apply this replica's part of bucket ``b``, then share the bucket's variables."""
+        store = b.store
+        for (name, lo, hi), (_, grad) in zip(b.pieces, self._grad_parts(b), strict=True):
+            if name == LOSS:
+                store.values[lo:hi] = grad
+                continue
+            slots = {k: buf[lo:hi] for k, buf in store.slots.items()}
+            update(name, store.values[lo:hi], grad, slots)
+        b.request = self.comm.Iallgatherv(
+            MPI.IN_PLACE, [b.span(store.values), (b.counts, b.displs)]
+        )
+
+    def collect_slots(self) -> None:
+        """Fetch every other replica's parts of the optimizer slots (one-sided, passive
+        target: the owners go on waiting in their collectives), so this replica holds them
+        whole, e.g. to write a checkpoint. Owners change their parts only inside ``finish``,
+        which cannot complete before this replica joins the next step."""
+        for exposed, store in self._exposed:
+            for r in range(self.size):
+                if r != self.rank:
+                    starts = [
+                        (b.start + b.displs[r], b.counts[r])
+                        for b in self.buckets
+                        if b.store is store
+                    ]
+                    exposed.fetch(r, [(lo, lo + n) for lo, n in starts])
+
+    def close(self) -> None:
+        """Free the slots' windows (collective over the replicas)."""
+        for exposed, _ in self._exposed:
+            exposed.free()
+        self._exposed = []
 
 
 SPIN_SECONDS = 0.02  # yield the core this long before sleeping: a step's collective

@@ -58,8 +58,6 @@ def train_hybrid(
 class HybridReplica(Replica):
     """A synchronous replica of the dense variables that pulls and pushes table rows."""
 
-    agree_first = True
-
     def __init__(
         self,
         job: Job,
@@ -136,7 +134,7 @@ class HybridReplica(Replica):
     def save(self) -> PendingSave:
         """Ask every PS task for its shard of the tables, write the dense variables and
         their slots as one more shard, and commit once all are written."""
-        slots = {f"{n}/{k}": a for n, s in self.slots.items() for k, a in s.items()}
+        slots = self.whole_slots()
         clocks = [self.clock] * self.workers
         return save_from_ps(
             self.job, self.cluster, self.windows, self.step_count, clocks, (self.params, slots)

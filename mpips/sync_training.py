@@ -1,9 +1,12 @@
 """Synchronous replicas (``train.mode = "sync"``).
 
-Every worker computes gradients on its own batch; the mean over all workers is taken with
-bucketed, non-blocking allreduce that overlaps backward (allreduce.py); every replica then
-applies the same update with the same optimizer code as the async path, so replicas stay
-bitwise identical (checked every ``train.check_every`` steps and at the end). global_step
+Every worker computes gradients on its own batch; the buckets of gradients are summed over
+the workers with non-blocking reduce-scatters that overlap backward, each replica applies the
+mean to its own part of every bucket with the same optimizer code as the async path, and an
+allgather shares the updated variables (allreduce.py): every update is applied once, and the
+replicas are bitwise identical by construction (checked every ``train.check_every`` steps
+and at the end). global_step
+advances onceglobal_step
 advances once per aggregated step, identically on every replica: no PS, no counter, no chief
 that can run ahead. PS ranks, if the layout has any, hold nothing in this mode and sleep
 (passing on a preemption signal they receive).
@@ -34,8 +37,7 @@ from .errors import AgreedError, AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
 from .log import log
-from .optim import Optimizer, clip_by_global_norm, learning_rate
-from .placement import VariableSpec
+from .optim import Optimizer, learning_rate
 from .run import (
     Session,
     TrainResult,
@@ -51,8 +53,6 @@ from .run import (
 from .startup import Prepared
 from .store import Cluster
 from .summaries import job_timeline
-
-LOSS_SLOT = "__loss__"  # the batch loss, averaged with the gradients (not a variable)
 
 
 def train_sync(
@@ -107,10 +107,6 @@ def _batches_per_epoch(job: Job, rows: int, workers: int) -> int:
 class Replica:
     """One worker as a synchronous replica: compute, average, apply, once per batch."""
 
-    # agree on stopping before the dense allreduce completes, not after (hybrid: the
-    # agreement orders every replica's pull of a step before any push of its rows)
-    agree_first = False
-
     def __init__(
         self,
         job: Job,
@@ -132,17 +128,12 @@ class Replica:
         self.comm, self.workers = cluster.workers, cluster.layout.num_workers
         self.listen_to_ps = cluster.is_chief and cluster.layout.num_ps > 0
         specs = model.variables()
-        self.params = {s.name: np.zeros(s.shape, s.dtype) for s in specs}
-        self.slots = {
-            s.name: {k: np.zeros(s.shape, s.dtype) for k in optimizer.slots} for s in specs
-        }
-        self.arrays = list(self.params.values()) + [
-            a for s in self.slots.values() for a in s.values()
-        ]
-        # the batch loss rides in the last bucket, so every replica learns the mean loss
-        # without a collective of its own
-        loss_spec = VariableSpec(LOSS_SLOT, (1,), specs[0].dtype)
-        self.buckets = GradientBuckets(self.comm, [loss_spec, *specs], self.tc.bucket_bytes)
+        # variables, slots and gradients are views into the buckets; each replica updates
+        # its part of every bucket, and the batch loss rides in the last one
+        self.buckets = GradientBuckets(self.comm, specs, self.tc.bucket_bytes, optimizer.slots)
+        self.params = {s.name: self.buckets.values[s.name] for s in specs}
+        self.slots = {s.name: self.buckets.slots[s.name] for s in specs}
+        self.arrays = list(self.params.values())  # what the replica check compares
         self.per_epoch = _batches_per_epoch(job, prep.info.rows["train"], self.workers)
         self.step_count = self.clock = self.updates = 0
         self.stopped = 0  # the signal every replica agreed to stop on (0: none)
@@ -169,11 +160,12 @@ class Replica:
         check_replicas(self.comm, self.arrays, self.step_count)
         session.done(
             f"; replica crc32 {replica_hash(self.arrays):08x}; "
-            f"{self.buckets.reduce_seconds:.2f} s waiting for allreduce after backward"
+            f"{self.buckets.reduce_seconds:.2f} s reducing and updating after backward"
         )
         result, gathered = session.finish(
             self.comm, start_step, "the replicas' summaries", stopped_by=self.stopped
         )
+        self.buckets.close()
         if self.cluster.is_chief:
             if self.stopped:
                 say_preempted(self.role, self.stopped, self.job)
@@ -230,7 +222,7 @@ class Replica:
             header[:] = prep.start_step, clocks[0] if same else 0
             if prep.restored is not None:
                 say_restored(role, prep.start_step, prep.restored)
-        broadcast(self.comm, [header, *self.arrays])
+        broadcast(self.comm, [header, *self.buckets.arrays])
         self.step_count, self.clock = int(header[0]), int(header[1])
         if self.cluster.is_chief and self.tc.steps and self.step_count >= self.tc.steps:
             say_nothing_to_train(role, self.step_count, self.tc.steps)
@@ -250,8 +242,14 @@ class Replica:
     def _hook_stop(self) -> None:
         self.stop_asked = 1  # said at the next step's agreement: all replicas stop together
 
+    def whole_slots(self) -> dict[str, np.ndarray]:
+        """Chief: every optimizer slot whole (each replica updates only its part), by name
+        as a checkpoint holds them."""
+        self.buckets.collect_slots()
+        return {f"{n}/{k}": a for n, s in self.slots.items() for k, a in s.items()}
+
     def save(self) -> PendingSave:
-        flat = {f"{n}/{k}": a for n, s in self.slots.items() for k, a in s.items()}
+        flat = self.whole_slots()
         return save_whole(
             self.job, self.cluster, self.step_count, self.params, flat, [self.clock] * self.workers
         )
@@ -282,32 +280,28 @@ class Replica:
         loss = self.model.loss_and_grads(params, x, y, grads, ready=buckets.ready)
         if tl:
             t = tl.span("compute", t)
-        buckets.grads[LOSS_SLOT][0] = loss
-        buckets.ready(LOSS_SLOT)
-        if self.agree_first:  # hybrid: every replica has pulled; now the rows may be pushed
-            go = self._agree(loss, step)
-            if tl:
-                t = tl.span("agreement", t)
-            if go:
-                self._push_rows(grads, step)
-                if tl:
-                    t = tl.span("push and ack", t)
-        mean = buckets.finish()
+        buckets.set_loss(loss)
+        # agree on stopping while the buckets reduce (hybrid: the agreement also orders
+        # every replica's pull of a step before any push of its rows)
+        go = self._agree(loss, step)
         if tl:
-            t = tl.span("allreduce wait", t)
-        if not self.agree_first:
-            go = self._agree(loss, step)
-            if tl:
-                t = tl.span("agreement", t)
-        if not go:
-            return None  # the update is not applied: the checkpoint is exact at `step`
-        clip_by_global_norm([mean[name] for name in self.params], self.oc.clip_norm)
+            t = tl.span("agreement", t)
+        if go:
+            self._push_rows(grads, step)
+            if tl and params is not self.params:
+                t = tl.span("push and ack", t)
         lr = learning_rate(self.oc, step)
-        for name, var in self.params.items():
-            self.optimizer.apply(var, mean[name], self.slots[name], lr, step + 1)
+
+        def update(name: str, var: Any, grad: Any, slots: dict[str, Any]) -> None:
+            self.optimizer.apply(var, grad, slots, lr, step + 1)
+
+        # not applied when stopping: the checkpoint is exact at `step`
+        mean_loss = buckets.finish(update if go else None, self.oc.clip_norm)
         if tl:
-            tl.span("apply", t)
+            tl.span("reduce and update", t)
+        if not go:
+            return None
         self.step_count, self.clock, self.updates = step + 1, self.clock + 1, self.updates + 1
         if self.tc.check_every and self.step_count % self.tc.check_every == 0:
             check_replicas(self.comm, self.arrays, self.step_count)
-        return StepInfo(self.step_count, float(mean[LOSS_SLOT][0]), epoch, self.updates)
+        return StepInfo(self.step_count, mean_loss, epoch, self.updates)

@@ -12,7 +12,7 @@ from test_optimizers_mpi import read_ckpt
 from mpips.data import batches, load_split, open_dataset, resolve_path, worker_rows
 from mpips.job import parse_job
 from mpips.nn import MLP
-from mpips.optim import build_optimizer, learning_rate
+from mpips.optim import build_optimizer, clip_by_global_norm, learning_rate
 
 pytestmark = pytest.mark.launcher
 
@@ -24,6 +24,7 @@ builtin = "digits"
 [optimizer]
 kind = "{kind}"
 learning_rate = {lr}
+clip_norm = {clip}
 [train]
 mode = "sync"
 steps = {steps}
@@ -32,6 +33,7 @@ seed = 5
 log_every = 1
 progress = false
 check_every = {check}
+bucket_bytes = {bucket_bytes}
 [checkpoint]
 dir = "runs/ckpt"
 """
@@ -39,8 +41,10 @@ LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
 CRC = re.compile(r"\[/job:worker/task:(\d+)\] done: .*replica crc32 ([0-9a-f]{8})")
 
 
-def write_job(tmp_path, kind="sgd", steps=20, check=5):
-    text = JOB.format(kind=kind, lr=LR[kind], steps=steps, check=check)
+def write_job(tmp_path, kind="sgd", steps=20, check=5, bucket_bytes=1 << 20, clip=0.0):
+    text = JOB.format(
+        kind=kind, lr=LR[kind], steps=steps, check=check, bucket_bytes=bucket_bytes, clip=clip
+    )
     (tmp_path / "job.toml").write_text(text)
     return parse_job(text)
 
@@ -65,15 +69,27 @@ def one_process(job, workers, steps):
         x = np.concatenate([p[1] for p in parts])
         y = np.concatenate([p[2] for p in parts])
         model.loss_and_grads(params, x, y, grads)
+        clip_by_global_norm(list(grads.values()), job.optimizer.clip_norm)
         for k in params:
             opt.apply(params[k], grads[k], slots[k], learning_rate(job.optimizer, step), step + 1)
     return params, slots
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-@pytest.mark.parametrize("kind", ["sgd", "momentum", "adam"])
-def test_w_replicas_equal_one_process_with_w_times_the_batch(tmp_path, kind, workers):
-    job = write_job(tmp_path, kind)
+@pytest.mark.parametrize(
+    ("kind", "workers", "bucket_bytes", "clip"),
+    [
+        *[(k, w, 1 << 20, 0.0) for k in ("sgd", "momentum", "adam") for w in (2, 3)],
+        # 3 buckets: parts that cut variables; the loss alone, owned by one replica
+        ("adam", 3, 300, 0.0),
+        ("momentum", 3, 300, 0.2),  # the norm is summed over the replicas' parts
+    ],
+)
+def test_w_replicas_equal_one_process_with_w_times_the_batch(
+    tmp_path, kind, workers, bucket_bytes, clip
+):
+    """Each replica updates its part of every bucket; the variables and (collected from
+    their owners into the chief's checkpoint) the optimizer slots are those of one process."""
+    job = write_job(tmp_path, kind, bucket_bytes=bucket_bytes, clip=clip)
     r = run_train(tmp_path, workers, "job.toml")
     assert r.returncode == 0, r.stderr
     res = r.result
@@ -100,19 +116,34 @@ PERTURB = """
 import mpips
 class Perturb(mpips.Hook):
     def after_step(self, run, info):
-        if run.role.task == 1 and info.step == 7:
-            run.params["dense_0/bias"][0] += 1e-6
+        if run.role.task == {task} and info.step == {step}:
+            run.params["dense_0/bias"][0] += 1e-3
 with mpips.abort_on_error():
     mpips.train(mpips.load_job("job.toml"), hooks=[Perturb()])
 """
 
 
-def test_divergence_check_fires_when_a_replica_is_perturbed(tmp_path):
+# one bucket of 1,211 values, last layer first: dense_0/bias lies in task 0's part (0-415)
+@pytest.mark.parametrize("task", [0, 1], ids=["its-owner", "another-replica"])
+def test_a_change_outside_the_update_is_overwritten_or_shared_by_the_next(tmp_path, task):
+    """Every part of every variable is updated by one replica and copied to the others: a
+    replica's own change between steps is undone (a part another replica owns) or reaches
+    every replica (its own part) at the next step, so the replicas cannot drift apart."""
     write_job(tmp_path, "sgd", steps=40, check=10)
-    (tmp_path / "perturb.py").write_text(PERTURB)
+    (tmp_path / "perturb.py").write_text(PERTURB.format(task=task, step=7))
+    r = run_mpi(3, ["perturb.py"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    done = CRC.findall(r.stdout)
+    assert len(done) == 3 and len({crc for _, crc in done}) == 1, r.stdout
+
+
+def test_divergence_check_fires_when_a_replica_is_perturbed(tmp_path):
+    """After the last step nothing repairs a change: the final check sees it."""
+    write_job(tmp_path, "sgd", steps=40, check=10)
+    (tmp_path / "perturb.py").write_text(PERTURB.format(task=1, step=40))
     r = run_mpi(3, ["perturb.py"], cwd=tmp_path)
     assert r.returncode == 1, (r.returncode, r.stderr)
-    message = "replicas diverged at global_step 10: the variables of worker task(s) 1 differ"
+    message = "replicas diverged at global_step 40: the variables of worker task(s) 1 differ"
     assert r.stderr.count(message) == 1, r.stderr
     assert "Traceback" not in r.stderr
 

@@ -315,7 +315,7 @@ with mpips.abort_on_error():
     [
         (1, "sgd", None, "async", "/job:worker/task:1 (rank 2) made no update for 3 s"),
         (0, "adam", 2, "async", "/job:worker/task:0 (rank 1) made no update for 3 s"),
-        (2, "sgd", None, "sync", "the gradient allreduce did not complete within 3 s"),
+        (2, "sgd", None, "sync", "the step's agreement did not complete within 3 s"),
     ],
 )
 def test_a_worker_hung_mid_run_ends_the_job(tmp_path, task, kind, bound, mode, said):

@@ -22,7 +22,7 @@ from .control import NO_MORE_TICKETS, RunControl
 from .mailbox import publish_start_step
 from .server import serve
 from .watchdog import Watchdog
-from .window import TICKETS, WindowPlan, Windows
+from .window import TICKETS, Exposed, WindowPlan, Windows
 
 __all__ = [
     "NO_MORE_TICKETS",
@@ -30,6 +30,7 @@ __all__ = [
     "START_TIMEOUT",
     "TICKETS",
     "Cluster",
+    "Exposed",
     "RunControl",
     "StoreClient",
     "Watchdog",

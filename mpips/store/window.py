@@ -153,3 +153,29 @@ class Windows(WindowPlan):
         for win in self._wins:
             win.Unlock_all()
             win.Free()
+
+
+class Exposed:
+    """Arrays of this rank that the other ranks of ``comm`` read one-sided, when they need
+    them, while this rank goes on with its own work (its MPI calls make the progress): a sync
+    replica's parts of the optimizer slots, which the chief fetches for a checkpoint. Every
+    rank exposes arrays of the same layout."""
+
+    def __init__(self, comm: MPI.Intracomm, arrays: list[np.ndarray]):
+        self.arrays = arrays
+        self.windows = [MPI.Win.Create(a, a.itemsize, comm=comm) for a in arrays]
+
+    def fetch(self, rank: int, ranges: list[tuple[int, int]]) -> None:
+        """Copy elements ``[start, stop)`` of each array of ``rank`` into this rank's own."""
+        for win, a in zip(self.windows, self.arrays, strict=True):
+            win.Lock(rank, MPI.LOCK_SHARED)
+            for start, stop in ranges:
+                if stop > start:
+                    win.Get(a[start:stop], rank, start)
+            win.Unlock(rank)
+
+    def free(self) -> None:
+        """Free the windows (collective)."""
+        for win in self.windows:
+            win.Free()
+        self.windows = []
