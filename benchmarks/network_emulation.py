@@ -218,7 +218,7 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     from mpips.allreduce import GradientBuckets
     from mpips.job import TrainConfig
     from mpips.nn import MLP
-    from mpips.optim import apply_sgd
+    from mpips.optim import Optimizer
 
     comm = MPI.COMM_WORLD
     threadpool_limits(1)
@@ -233,7 +233,7 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     y = rng.integers(0, 10, batch)
 
     def sgd(name: str, var: np.ndarray, grad: np.ndarray, slots: dict) -> None:
-        apply_sgd(var, grad, WORKLOADS[args.workload][2])
+        Optimizer("sgd").apply(var, grad, {}, WORKLOADS[args.workload][2], 1)
 
     def reduce_only() -> None:
         buckets.start_step()

@@ -9,6 +9,9 @@ Model: the reference MLP (784-512-512-10, 2.68 MB of float32 gradients), batch 1
               (what each replica ran before updates were sharded).
 * buckets   : mpips' GradientBuckets on the same bytes (Ireduce_scatter per bucket, the mean
               and SGD update of this replica's part, Iallgatherv of the variables), no compute.
+* shared    : the same with node shared memory (every replica on one node, sync mode's
+              default there): each replica sums its part from the others' memory and
+              updates the one copy of the variables in place; no compute.
 * compute   : forward + backward alone (no communication).
 * step      : forward + backward with the buckets started during backward, then finish().
 hidden share = 1 - (step - compute) / buckets: how much of the reduction backward covered.
@@ -26,7 +29,7 @@ from mpi4py import MPI
 from mpips.allreduce import GradientBuckets
 from mpips.job import TrainConfig
 from mpips.nn import MLP
-from mpips.optim import apply_sgd
+from mpips.optim import Optimizer
 from mpips.store import barrier
 
 comm = MPI.COMM_WORLD
@@ -57,13 +60,16 @@ def main() -> None:
     specs = model.variables()
     params = model.initial_values(0)
     buckets = GradientBuckets(comm, specs, args.bucket_bytes)
+    one_node = comm.Split_type(MPI.COMM_TYPE_SHARED).size == comm.size
+    shared = GradientBuckets(comm, specs, args.bucket_bytes, shared=True) if one_node else None
     nbytes = sum(s.nbytes for s in specs)
     flat = np.ones(nbytes // 4, np.float32)
     whole = np.ones(nbytes // 4, np.float32)
     lr = 0.01
+    sgd = Optimizer("sgd")
 
-    def sgd(name: str, var: np.ndarray, grad: np.ndarray, slots: dict) -> None:
-        apply_sgd(var, grad, lr)
+    def update(name: str, var: np.ndarray, grad: np.ndarray, slots: dict) -> None:
+        sgd.apply(var, grad, {}, lr, 1)
 
     rng = np.random.default_rng(comm.rank)
     x = rng.standard_normal((128, 784)).astype(np.float32)
@@ -76,14 +82,14 @@ def main() -> None:
     def raw_apply():
         comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
         flat[...] /= comm.size
-        apply_sgd(whole, flat, lr)
+        sgd.apply(whole, flat, {}, lr, 1)
 
-    def reduce_only():
-        buckets.start_step()
+    def reduce_only(b=buckets):
+        b.start_step()
         for s in reversed(specs):
-            buckets.ready(s.name)
-        buckets.set_loss(0.0)
-        buckets.finish(sgd)
+            b.ready(s.name)
+        b.set_loss(0.0)
+        b.finish(update)
 
     def compute():
         model.loss_and_grads(params, x, y, local)
@@ -92,7 +98,7 @@ def main() -> None:
         buckets.start_step()
         model.loss_and_grads(params, x, y, buckets.grads, ready=buckets.ready)
         buckets.set_loss(0.0)
-        buckets.finish(sgd)
+        buckets.finish(update)
 
     runs: dict[str, list[float]] = {}
     for _ in range(3):  # interleave, so every kind of sample sees the same machine load
@@ -102,6 +108,7 @@ def main() -> None:
             ("buckets", reduce_only),
             ("compute", compute),
             ("step", step),
+            *([("shared", lambda: reduce_only(shared))] if shared else []),
         ):
             runs.setdefault(name, []).append(median_time(fn, args.reps, args.iters))
     t = {name: float(np.median(v)) for name, v in runs.items()}
@@ -119,6 +126,11 @@ def main() -> None:
             f"mpips buckets with the SGD update    : {t['buckets'] * 1e3:7.3f} ms  "
             f"({t['buckets'] / raw_t:.2f}x raw; {t['buckets'] / t['raw+apply']:.2f}x raw+apply)"
         )
+        if "shared" in t:
+            print(
+                f"mpips node shared memory, SGD update : {t['shared'] * 1e3:7.3f} ms  "
+                f"({t['shared'] / raw_t:.2f}x raw; {t['shared'] / t['raw+apply']:.2f}x raw+apply)"
+            )
         print(f"forward+backward alone               : {t['compute'] * 1e3:7.3f} ms")
         print(f"forward+backward with bucket overlap : {t['step'] * 1e3:7.3f} ms")
         print(f"communication hidden behind backward : {max(0.0, hidden) * 100:5.1f} %")

@@ -3,7 +3,7 @@ batch 16 per worker, SGD, on the synthetic reference data. mpips async (1 PS + 2
 with and without zero-copy reads) and sync (2 replicas) against one numpy process running
 the same model code, all in the same run, rounds interleaved.
 
-Run:  python benchmarks/wide_mlp.py [--rounds 3] [--steps 300,600]
+Run:  python benchmarks/wide_mlp.py [--rounds 3] [--steps 300,600] [--only sync,zero_copy]
 
 mpips rates are measured from outside, by the wall clock: each configuration runs twice,
 with two step targets (no checkpoints, no summaries); the extra examples divided by the
@@ -74,21 +74,32 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", default="300,600", help="the two global step targets")
     ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated words (sync, async, zero_copy): the configurations naming one",
+    )
     args = ap.parse_args()
+    words = [w for w in args.only.split(",") if w]
+    configs = {
+        k: v
+        for k, v in CONFIGS.items()
+        if not words or set(words) & set(k.replace(",", "").split())
+    }
     short, long = map(int, args.steps.split(","))
     x, y = reference_data(args.data)
-    rates: dict[str, list[float]] = {"one numpy process": [], **{k: [] for k in CONFIGS}}
+    rates: dict[str, list[float]] = {"one numpy process": [], **{k: [] for k in configs}}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         jobs = {}
-        for k, (name, (mode, _, ps, zc, _)) in enumerate(CONFIGS.items()):
+        for k, (name, (mode, _, ps, zc, _)) in enumerate(configs.items()):
             jobs[name] = d / f"job{k}.toml"
             text = JOB.format(data=args.data, mode=mode, batch=BATCH, zero_copy=zc, ps=ps)
             jobs[name].write_text(text)
         for r in range(args.rounds):
             model = MLP([784, 2048, 2048, 10])
             rates["one numpy process"].append(one_process_rate(model, x, y, 200, BATCH, 0.01))
-            for name, (_, ranks, _, _, per_step) in CONFIGS.items():
+            for name, (_, ranks, _, _, per_step) in configs.items():
                 job = jobs[name]
                 t_short, t_long = wall(job, ranks, short, d), wall(job, ranks, long, d)
                 rates[name].append((long - short) * per_step / (t_long - t_short))

@@ -21,7 +21,7 @@ import math
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn, cast
 
 import numpy as np
@@ -29,7 +29,15 @@ from mpi4py import MPI
 
 from .errors import AlreadyReported, ReplicasDiverged, Stalled
 from .placement import VariableSpec
-from .store import STALL_TIMEOUT, START_TIMEOUT, Exposed, allgather_json, stall_limit, wait
+from .store import (
+    STALL_TIMEOUT,
+    START_TIMEOUT,
+    Exposed,
+    NodeShared,
+    allgather_json,
+    stall_limit,
+    wait,
+)
 from .waits import poll
 
 LOSS = "__loss__"  # the batch loss: rides in the last bucket, averaged, never updated
@@ -42,11 +50,13 @@ Update = Callable[[str, np.ndarray, np.ndarray, dict[str, np.ndarray]], None]
 
 @dataclass
 class _Store:
-    """Flat buffers of one dtype: variables, gradients and each optimizer slot."""
+    """Flat buffers of one dtype: variables, gradients and each optimizer slot; with node
+    shared memory also every replica's gradients (``peers``)."""
 
     values: np.ndarray
     grads: np.ndarray
     slots: dict[str, np.ndarray]
+    peers: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass
@@ -72,9 +82,20 @@ def _count(spec: VariableSpec) -> int:
     return int(np.prod(spec.shape))
 
 
+def _padded(n: int, dtype: str) -> int:
+    return -(-n * np.dtype(dtype).itemsize // 64) * 64
+
+
 class GradientBuckets:
     """A replica's variables, slots and gradients, as views into fused buckets; the mean
-    gradient of each bucket is applied by the replica that owns that part, then shared."""
+    gradient of each part of a bucket is applied by the replica that owns that part, then
+    shared.
+
+    ``shared`` (every replica on one node): the replicas keep one copy of the variables and
+    slots in MPI shared memory, and each replica's gradients there too. Once every replica
+    has written its gradients, each one sums its part straight from the others' memory and
+    updates that part of the one copy in place: no message moves a byte.
+    """
 
     def __init__(
         self,
@@ -82,28 +103,32 @@ class GradientBuckets:
         specs: list[VariableSpec],
         bucket_bytes: int,
         slot_names: tuple[str, ...] = (),
+        shared: bool = False,
     ):
         self.comm = comm
         self.size, self.rank = comm.size, comm.rank
-        self.slot_names = slot_names
         self.buckets: list[Bucket] = []
         self.values: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
         self.slots: dict[str, dict[str, np.ndarray]] = {}
-        self.stores: dict[str, _Store] = {}
         self._bucket_of: dict[str, int] = {}
         self._pending: dict[int, set[str]] = {}
         self._exposed: list[tuple[Exposed, _Store]] = []  # the slots, for collect_slots
-        self.reduce_seconds = 0.0  # time spent waiting for reductions after backward
+        self._shared: NodeShared | None = None
+        self.reduce_seconds = 0.0  # time spent reducing and updating after backward
         loss = VariableSpec(LOSS, (1,), specs[0].dtype if specs else "float32")
         order = [*reversed(specs), loss]  # backward produces the last layer's gradients first
-        for dtype in dict.fromkeys(np.dtype(s.dtype).str for s in order):
-            total = sum(_count(s) for s in order if np.dtype(s.dtype).str == dtype)
-            self.stores[dtype] = _Store(
-                np.zeros(total, dtype),
-                np.zeros(total, dtype),
-                {k: np.zeros(total, dtype) for k in slot_names},
-            )
+        totals: dict[str, int] = {}
+        for spec in order:
+            key = np.dtype(spec.dtype).str
+            totals[key] = totals.get(key, 0) + _count(spec)
+        if shared:
+            self.stores = self._shared_stores(totals, slot_names)
+        else:
+            self.stores = {
+                d: _Store(np.zeros(n, d), np.zeros(n, d), {k: np.zeros(n, d) for k in slot_names})
+                for d, n in totals.items()
+            }
         used = dict.fromkeys(self.stores, 0)
         current: list[VariableSpec] = []
         for spec in order:
@@ -116,10 +141,41 @@ class GradientBuckets:
                 current = []
         if current:
             self._add(current, used)
-        if self.size > 1 and slot_names:
+        if self.size > 1 and slot_names and not shared:
             for store in self.stores.values():
                 slots = list(store.slots.values())
                 self._exposed.append((Exposed(cast(MPI.Intracomm, comm), slots), store))
+
+    def _shared_stores(
+        self, totals: dict[str, int], slot_names: tuple[str, ...]
+    ) -> dict[str, _Store]:
+        """Each replica's segment: its gradients; replica 0's also the variables and slots."""
+        grads = sum(_padded(n, d) for d, n in totals.items())
+        state = sum(_padded(n, d) * (1 + len(slot_names)) for d, n in totals.items())
+        shared = NodeShared(
+            cast(MPI.Intracomm, self.comm), grads + (state if self.rank == 0 else 0)
+        )
+        self._shared = shared
+        segments = [shared.segment(r) for r in range(self.size)]
+        stores = {}
+        at = {"grads": 0, "state": grads}
+
+        def take(segment: np.ndarray, where: str, n: int, dtype: str) -> np.ndarray:
+            lo = at[where]
+            at[where] += _padded(n, dtype)
+            return segment[lo : lo + n * np.dtype(dtype).itemsize].view(dtype)
+
+        for d, n in totals.items():
+            first = at["grads"]
+            peers = []
+            for seg in segments:
+                at["grads"] = first
+                peers.append(take(seg, "grads", n, d))
+            values = take(segments[0], "state", n, d)
+            slots = {k: take(segments[0], "state", n, d) for k in slot_names}
+            stores[d] = _Store(values, peers[self.rank], slots, peers)
+        self._fence("the replicas' shared memory")  # zeroed by every owner before any use
+        return stores
 
     def _add(self, specs: list[VariableSpec], used: dict[str, int]) -> dict[str, int]:
         key = np.dtype(specs[0].dtype).str
@@ -148,20 +204,29 @@ class GradientBuckets:
         return {**used, key: offset}
 
     @property
-    def arrays(self) -> list[np.ndarray]:
-        """The flat buffers every replica holds whole: variables and (all parts of) slots."""
-        return [a for s in self.stores.values() for a in (s.values, *s.slots.values())]
+    def shared(self) -> bool:
+        return self._shared is not None
+
+    def share(self, root: int = 0) -> None:
+        """Every replica's variables and slots become ``root``'s (at the start)."""
+        if self._shared is not None:
+            self._fence("the chief's variables")
+            return
+        arrays = [a for s in self.stores.values() for a in (s.values, *s.slots.values())]
+        broadcast(self.comm, arrays, root)
 
     def start_step(self) -> None:
         self._pending = {i: set(b.names) for i, b in enumerate(self.buckets)}
 
     def ready(self, name: str) -> None:
         """Backward has written gradient ``name``: start its bucket's reduction if complete."""
+        if self._shared is not None:
+            return  # the others read it in place once every replica is done
         index = self._bucket_of[name]
         waiting = self._pending[index]
         waiting.discard(name)
         if not waiting:
-            self._reduce(self.buckets[index])
+            self._reduce(index)
         for b in self.buckets:  # poke progress on what is in flight
             if b.request is not None and b.request.Test():
                 b.request = None
@@ -171,39 +236,82 @@ class GradientBuckets:
         self.grads[LOSS][0] = loss
         self.ready(LOSS)
 
-    def _reduce(self, b: Bucket) -> None:
-        self._pending[self.buckets.index(b)].clear()
+    def _reduce(self, index: int) -> None:
+        self._pending[index].clear()
+        b = self.buckets[index]
         b.request = self.comm.Ireduce_scatter(b.span(b.store.grads), b.shard, b.counts, MPI.SUM)
 
     def finish(self, update: Update | None, clip_norm: float = 0.0) -> float:
-        """Complete the step: wait for each bucket's reduction, divide this replica's part by
-        the number of replicas, ``update`` it (None: the step is not applied, every variable
-        stays as it was) and share the updated variables. ``clip_norm`` > 0 scales the mean
-        gradients so their joint L2 norm is at most that (one small allreduce more).
-        Returns the mean loss over the replicas' batches (nan when not applied).
+        """Complete the step: sum this replica's part of every bucket over the replicas,
+        divide it by their number, ``update`` it (None: the step is not applied, every
+        variable stays as it was) and share the updated variables. ``clip_norm`` > 0 scales
+        the mean gradients so their joint L2 norm is at most that (one small allreduce
+        more). Returns the mean loss over the replicas' batches (nan when not applied).
 
         Once the model's loss_and_grads has returned every gradient is final: buckets it did
         not report ready (a model that does not call ``ready``) start their reduction here,
         without the overlap with backward."""
         t0 = time.perf_counter()
-        for index, b in enumerate(self.buckets):
+        if self._shared is not None:
+            if update is not None:
+                self._finish_shared(update, clip_norm)
+        else:
+            self._finish_messages(update, clip_norm)
+        self.reduce_seconds += time.perf_counter() - t0
+        return math.nan if update is None else float(self.values[LOSS][0])
+
+    def _finish_messages(self, update: Update | None, clip_norm: float) -> None:
+        for index in range(len(self.buckets)):
             if self._pending.get(index):
-                self._reduce(b)
+                self._reduce(index)
         whole_first = update is None or clip_norm > 0  # every mean before any update
         if whole_first:
             for b in self.buckets:
                 self._mean(b)
-        if update is not None:
-            if clip_norm > 0:
-                self._clip(clip_norm)
-            for b in self.buckets:  # in the order their reductions started
-                if not whole_first:
-                    self._mean(b)
-                self._update(b, update)
-            for b in self.buckets:
-                self._complete(b, "the variables' allgather")
-        self.reduce_seconds += time.perf_counter() - t0
-        return math.nan if update is None else float(self.values[LOSS][0])
+        if update is None:
+            return
+        if clip_norm > 0:
+            self._clip(clip_norm)
+        for b in self.buckets:  # in the order their reductions started
+            if not whole_first:
+                self._mean(b)
+            self._update(b, update)
+            b.request = self.comm.Iallgatherv(
+                MPI.IN_PLACE, [b.span(b.store.values), (b.counts, b.displs)]
+            )
+        for b in self.buckets:
+            self._complete(b, "the variables' allgather")
+
+    def _finish_shared(self, update: Update, clip_norm: float) -> None:
+        self._fence("the replicas' gradients")  # every replica has written its gradients
+        for b in self.buckets:
+            self._mean_of_peers(b)
+        if clip_norm > 0:
+            self._clip(clip_norm)
+        for b in self.buckets:
+            self._update(b, update)
+        self._fence("the replicas' updates")  # nobody reads a part before its owner wrote it
+
+    def _mean_of_peers(self, b: Bucket) -> None:
+        """The mean over the replicas of this replica's part of ``b``'s gradients, read in
+        place from every replica's memory, into its shard."""
+        first = b.start + b.displs[self.rank]
+        part = slice(first, first + b.counts[self.rank])
+        peers = b.store.peers
+        if len(peers) > 1:  # one pass for the first two: memory is the cost here
+            np.add(peers[0][part], peers[1][part], out=b.shard)
+        else:
+            np.copyto(b.shard, peers[0][part])
+        for peer in peers[2:]:
+            b.shard += peer[part]
+        b.shard /= self.size
+
+    def _fence(self, what: str) -> None:
+        """Every replica's stores to the shared memory before any replica's later loads."""
+        assert self._shared is not None
+        self._shared.sync()
+        complete(self.comm, self.comm.Ibarrier(), what)
+        self._shared.sync()
 
     def _mean(self, b: Bucket) -> None:
         self._complete(b, "the gradient reduction")
@@ -230,7 +338,7 @@ class GradientBuckets:
                 g *= clip_norm / norm
 
     def _update(self, b: Bucket, update: Update) -> None:
-        """Apply this replica's part of bucket ``b``, then share the bucket's variables."""
+        """Apply this replica's part of bucket ``b`` to the variables and their slots."""
         store = b.store
         for (name, lo, hi), (_, grad) in zip(b.pieces, self._grad_parts(b), strict=True):
             if name == LOSS:
@@ -238,30 +346,34 @@ class GradientBuckets:
                 continue
             slots = {k: buf[lo:hi] for k, buf in store.slots.items()}
             update(name, store.values[lo:hi], grad, slots)
-        b.request = self.comm.Iallgatherv(
-            MPI.IN_PLACE, [b.span(store.values), (b.counts, b.displs)]
-        )
 
     def collect_slots(self) -> None:
         """Fetch every other replica's parts of the optimizer slots (one-sided, passive
         target: the owners go on waiting in their collectives), so this replica holds them
         whole, e.g. to write a checkpoint. Owners change their parts only inside ``finish``,
-        which cannot complete before this replica joins the next step."""
+        which cannot complete before this replica joins the next step. (With shared memory
+        every replica sees them whole already.)"""
         for exposed, store in self._exposed:
             for r in range(self.size):
-                if r != self.rank:
-                    starts = [
-                        (b.start + b.displs[r], b.counts[r])
-                        for b in self.buckets
-                        if b.store is store
-                    ]
-                    exposed.fetch(r, [(lo, lo + n) for lo, n in starts])
+                if r == self.rank:
+                    continue
+                ranges = [
+                    (b.start + b.displs[r], b.start + b.displs[r] + b.counts[r])
+                    for b in self.buckets
+                    if b.store is store
+                ]
+                exposed.fetch(r, ranges)
 
     def close(self) -> None:
-        """Free the slots' windows (collective over the replicas)."""
+        """At the end of the run, once the chief no longer reads the variables (its final
+        evaluation): free the windows and shared memory (collective over the replicas)."""
+        complete(self.comm, self.comm.Ibarrier(), "the end of the run")
         for exposed, _ in self._exposed:
             exposed.free()
         self._exposed = []
+        if self._shared is not None:
+            self._shared.free()
+            self._shared = None
 
 
 SPIN_SECONDS = 0.02  # yield the core this long before sleeping: a step's collective

@@ -110,6 +110,11 @@ def apply_ftrl(
 # rules above run. (numexpr was measured too: slower than numpy here; docs/performance.md.)
 
 
+def _sgd_kernel(var, grad, lr):
+    for i in range(var.size):
+        var[i] -= lr * grad[i]
+
+
 def _momentum_kernel(var, grad, m, lr, momentum):
     for i in range(var.size):
         mi = m[i] * momentum + grad[i]
@@ -163,6 +168,7 @@ def _ftrl_kernel(var, grad, z, n, lr, l1, two_l2):
 
 # name: (the loop, its array arguments, its float32 scalar arguments)
 _KERNELS: dict[str, tuple[Callable[..., None], int, int]] = {
+    "sgd": (_sgd_kernel, 2, 1),
     "momentum": (_momentum_kernel, 3, 2),
     "nesterov": (_nesterov_kernel, 3, 2),
     "adagrad": (_adagrad_kernel, 3, 2),
@@ -191,14 +197,14 @@ def set_fused_kernels(enabled: bool) -> bool:
 
 
 def kernel_name(kind: str, hyper: dict[str, Any]) -> str | None:
-    """The fused kernel of an optimizer, or None (plain SGD has none)."""
+    """The fused kernel of an optimizer, or None (none for it)."""
     if kind == "momentum" and hyper.get("nesterov"):
         return "nesterov"
     return kind if kind in _KERNELS else None
 
 
 def fused_kernel(name: str, wait: bool = True) -> Callable[..., None] | None:
-    """The compiled kernel ``name`` (momentum, nesterov, adagrad, adam, ftrl), or None:
+    """The compiled kernel ``name`` (sgd, momentum, nesterov, adagrad, adam, ftrl), or None:
     numba missing, the compile failed, or (``wait=False``) not ready yet.
 
     The first request starts a thread that imports numba and compiles the kernel for
@@ -299,6 +305,8 @@ def kernel_scalars(kind: str, hyper: dict[str, Any], lr: float, t: int) -> tuple
         if (c := _constants.get(key)) is None:
             c = _constants[key] = (f32(b1), f32(1 - b1), f32(b2), f32(1 - b2))
         return (*c, f32(lr_t), f32(eps))
+    if kind == "sgd":
+        return (f32(lr),)
     if kind == "momentum":
         return f32(lr), f32(hyper["momentum"])
     if kind == "adagrad":
@@ -344,7 +352,7 @@ class Optimizer:
         compiled (the first call starts that, in the background), anything else through the
         numpy or cupy rule above; both give the same bits."""
         h = self.hyper
-        if self.kind != "sgd" and fused_apply(self.kind, h, var, grad, slots, lr, t, wait=False):
+        if fused_apply(self.kind, h, var, grad, slots, lr, t, wait=False):
             return
         if self.kind == "sgd":
             apply_sgd(var, grad, lr)

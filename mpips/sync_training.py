@@ -15,6 +15,7 @@ that can run ahead. PS ranks, if the layout has any, hold nothing in this mode a
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -93,6 +94,12 @@ def train_sync(
     return result
 
 
+def node_shared(cluster: Cluster) -> bool:
+    """The replicas share one copy of the variables in the node's memory: every worker on
+    this node, unless MPIPS_SHARED_MEMORY=0 (then they exchange messages, as across nodes)."""
+    return cluster.workers_on_one_node and os.environ.get("MPIPS_SHARED_MEMORY", "1") != "0"
+
+
 def _batches_per_epoch(job: Job, rows: int, workers: int) -> int:
     """Full batches every worker can make each epoch (the same count on all replicas)."""
     per = full_batches(rows, workers, job.train.batch_size)
@@ -130,7 +137,9 @@ class Replica:
         specs = model.variables()
         # variables, slots and gradients are views into the buckets; each replica updates
         # its part of every bucket, and the batch loss rides in the last one
-        self.buckets = GradientBuckets(self.comm, specs, self.tc.bucket_bytes, optimizer.slots)
+        self.buckets = GradientBuckets(
+            self.comm, specs, self.tc.bucket_bytes, optimizer.slots, shared=node_shared(cluster)
+        )
         self.params = {s.name: self.buckets.values[s.name] for s in specs}
         self.slots = {s.name: self.buckets.slots[s.name] for s in specs}
         self.arrays = list(self.params.values())  # what the replica check compares
@@ -165,11 +174,11 @@ class Replica:
         result, gathered = session.finish(
             self.comm, start_step, "the replicas' summaries", stopped_by=self.stopped
         )
-        self.buckets.close()
         if self.cluster.is_chief:
             if self.stopped:
                 say_preempted(self.role, self.stopped, self.job)
             self._report(result, gathered)
+        self.buckets.close()
         return result
 
     def _report(self, result: TrainResult, gathered: list[Any]) -> None:
@@ -222,7 +231,8 @@ class Replica:
             header[:] = prep.start_step, clocks[0] if same else 0
             if prep.restored is not None:
                 say_restored(role, prep.start_step, prep.restored)
-        broadcast(self.comm, [header, *self.buckets.arrays])
+        broadcast(self.comm, [header])
+        self.buckets.share()
         self.step_count, self.clock = int(header[0]), int(header[1])
         if self.cluster.is_chief and self.tc.steps and self.step_count >= self.tc.steps:
             say_nothing_to_train(role, self.step_count, self.tc.steps)
@@ -230,8 +240,13 @@ class Replica:
         log(
             role,
             f"sync replica: train rows [{start}, {stop}), {self.per_epoch} batches of "
-            f"{self.tc.batch_size} an epoch, {len(self.buckets.buckets)} allreduce "
-            f"bucket(s)" + (f", resuming at batch {self.clock}" if self.clock else ""),
+            f"{self.tc.batch_size} an epoch, {len(self.buckets.buckets)} bucket(s) "
+            + (
+                "updated in node shared memory"
+                if self.buckets.shared
+                else "updated through Ireduce_scatter and Iallgatherv"
+            )
+            + (f", resuming at batch {self.clock}" if self.clock else ""),
         )
         return self.step_count
 

@@ -106,6 +106,7 @@ def test_slots_per_optimizer():
 # -- the fused kernels (numba) against the numpy rules ------------------------------------
 
 FUSED = [
+    ("sgd", {}),
     ("momentum", {"nesterov": False}),
     ("momentum", {"nesterov": True}),
     ("adagrad", {}),
@@ -117,7 +118,9 @@ FUSED = [
 def numpy_rule(kind, hyper, var, grad, slots, lr, t):
     """The numpy reference functions, called directly (never through a kernel)."""
     h = hyper
-    if kind == "momentum":
+    if kind == "sgd":
+        optim.apply_sgd(var, grad, lr)
+    elif kind == "momentum":
         optim.apply_momentum(var, grad, slots["momentum"], lr, h["momentum"], h["nesterov"])
     elif kind == "adagrad":
         optim.apply_adagrad(var, grad, slots["accumulator"], lr, h["epsilon"])
@@ -141,7 +144,7 @@ def random_state(opt, shape, seed=1):
 
 
 @pytest.mark.parametrize(
-    "kind,extra", FUSED, ids=["momentum", "nesterov", "adagrad", "adam", "ftrl"]
+    "kind,extra", FUSED, ids=["sgd", "momentum", "nesterov", "adagrad", "adam", "ftrl"]
 )
 def test_fused_kernel_equals_the_numpy_rule(kind, extra):
     pytest.importorskip("numba")
@@ -247,12 +250,10 @@ def test_numpy_rule_runs_where_no_kernel_fits(monkeypatch, why):
     np.testing.assert_array_equal(slots["v"], want_slots["v"])
 
 
-def test_sgd_has_no_kernel_and_prepare_is_harmless():
-    assert optim.kernel_name("sgd", {}) is None
+def test_kernel_names():
+    assert optim.kernel_name("sgd", {}) == "sgd"
     assert optim.kernel_name("momentum", {"nesterov": True}) == "nesterov"
-    Optimizer("sgd").prepare()  # nothing to compile
-    var = np.ones(3, np.float32)
-    assert not optim.fused_apply("sgd", {}, var, var.copy(), {}, 0.1, 1)
+    assert optim.kernel_name("momentum", {"nesterov": False}) == "momentum"
 
 
 def cfg(**kw):

@@ -75,23 +75,37 @@ def one_process(job, workers, steps):
     return params, slots
 
 
+MESSAGES = {"MPIPS_SHARED_MEMORY": "0"}  # the replicas exchange messages, as across nodes
+SAYS = {
+    "shared": "updated in node shared memory",
+    "messages": "updated through Ireduce_scatter and Iallgatherv",
+}
+
+
 @pytest.mark.parametrize(
-    ("kind", "workers", "bucket_bytes", "clip"),
+    ("kind", "workers", "bucket_bytes", "clip", "memory"),
     [
-        *[(k, w, 1 << 20, 0.0) for k in ("sgd", "momentum", "adam") for w in (2, 3)],
+        *[(k, w, 1 << 20, 0.0, "shared") for k in ("sgd", "momentum", "adam") for w in (2, 3)],
+        ("sgd", 2, 1 << 20, 0.0, "messages"),
+        ("adam", 3, 1 << 20, 0.0, "messages"),
         # 3 buckets: parts that cut variables; the loss alone, owned by one replica
-        ("adam", 3, 300, 0.0),
-        ("momentum", 3, 300, 0.2),  # the norm is summed over the replicas' parts
+        ("adam", 3, 300, 0.0, "shared"),
+        ("adam", 3, 300, 0.0, "messages"),
+        # the norm is summed over the replicas' parts
+        ("momentum", 3, 300, 0.2, "shared"),
+        ("momentum", 3, 300, 0.2, "messages"),
     ],
 )
 def test_w_replicas_equal_one_process_with_w_times_the_batch(
-    tmp_path, kind, workers, bucket_bytes, clip
+    tmp_path, kind, workers, bucket_bytes, clip, memory
 ):
-    """Each replica updates its part of every bucket; the variables and (collected from
-    their owners into the chief's checkpoint) the optimizer slots are those of one process."""
+    """Each replica updates its part of every bucket (in the node's shared memory, or sent
+    to the others); the variables and the optimizer slots (collected from their owners into
+    the chief's checkpoint) are those of one process."""
     job = write_job(tmp_path, kind, bucket_bytes=bucket_bytes, clip=clip)
-    r = run_train(tmp_path, workers, "job.toml")
+    r = run_train(tmp_path, workers, "job.toml", **(MESSAGES if memory == "messages" else {}))
     assert r.returncode == 0, r.stderr
+    assert r.stdout.count(SAYS[memory]) == workers, r.stdout
     res = r.result
     assert res["global_step"] == 20 and res["updates"] == 20, (
         "global_step advanced once per aggregated step"
@@ -124,24 +138,31 @@ with mpips.abort_on_error():
 
 
 # one bucket of 1,211 values, last layer first: dense_0/bias lies in task 0's part (0-415)
-@pytest.mark.parametrize("task", [0, 1], ids=["its-owner", "another-replica"])
-def test_a_change_outside_the_update_is_overwritten_or_shared_by_the_next(tmp_path, task):
+@pytest.mark.parametrize(
+    ("task", "memory"),
+    [(0, "messages"), (1, "messages"), (1, "shared")],
+    ids=["its-owner", "another-replica", "shared-memory"],
+)
+def test_a_change_outside_the_update_is_overwritten_or_shared_by_the_next(tmp_path, task, memory):
     """Every part of every variable is updated by one replica and copied to the others: a
     replica's own change between steps is undone (a part another replica owns) or reaches
-    every replica (its own part) at the next step, so the replicas cannot drift apart."""
+    every replica (its own part) at the next step; with shared memory there is one copy.
+    The replicas cannot drift apart."""
     write_job(tmp_path, "sgd", steps=40, check=10)
     (tmp_path / "perturb.py").write_text(PERTURB.format(task=task, step=7))
-    r = run_mpi(3, ["perturb.py"], cwd=tmp_path)
+    r = run_mpi(3, ["perturb.py"], cwd=tmp_path, **(MESSAGES if memory == "messages" else {}))
     assert r.returncode == 0, r.stderr
+    assert r.stdout.count(SAYS[memory]) == 3, r.stdout
     done = CRC.findall(r.stdout)
     assert len(done) == 3 and len({crc for _, crc in done}) == 1, r.stdout
 
 
 def test_divergence_check_fires_when_a_replica_is_perturbed(tmp_path):
-    """After the last step nothing repairs a change: the final check sees it."""
+    """After the last step nothing repairs a change: the final check sees it (each replica
+    holding its own copy, as across nodes)."""
     write_job(tmp_path, "sgd", steps=40, check=10)
     (tmp_path / "perturb.py").write_text(PERTURB.format(task=1, step=40))
-    r = run_mpi(3, ["perturb.py"], cwd=tmp_path)
+    r = run_mpi(3, ["perturb.py"], cwd=tmp_path, **MESSAGES)
     assert r.returncode == 1, (r.returncode, r.stderr)
     message = "replicas diverged at global_step 40: the variables of worker task(s) 1 differ"
     assert r.stderr.count(message) == 1, r.stderr

@@ -22,7 +22,7 @@ from .control import NO_MORE_TICKETS, RunControl
 from .mailbox import publish_start_step
 from .server import serve
 from .watchdog import Watchdog
-from .window import TICKETS, Exposed, WindowPlan, Windows
+from .window import TICKETS, Exposed, NodeShared, WindowPlan, Windows
 
 __all__ = [
     "NO_MORE_TICKETS",
@@ -31,6 +31,7 @@ __all__ = [
     "TICKETS",
     "Cluster",
     "Exposed",
+    "NodeShared",
     "RunControl",
     "StoreClient",
     "Watchdog",

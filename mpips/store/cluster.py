@@ -214,6 +214,11 @@ class Cluster:
         node.Free()
 
     @property
+    def workers_on_one_node(self) -> bool:
+        """Every worker rank shares this rank's node, and so its memory."""
+        return set(self.layout.worker_ranks) <= set(self.node_ranks)
+
+    @property
     def local_worker_index(self) -> int:
         """This worker's index among the workers on its node (PS ranks not counted): which
         GPU of the node it uses."""

@@ -179,3 +179,29 @@ class Exposed:
         for win in self.windows:
             win.Free()
         self.windows = []
+
+
+class NodeShared:
+    """MPI shared memory on one node: each rank of ``comm`` allocates a segment of its own,
+    and every rank loads and stores every segment in place (``segment``). ``sync`` is the
+    memory barrier to put on both sides of the barrier that orders one rank's stores before
+    another's loads. A sync replica's gradients, and the one copy of the variables and
+    slots the replicas of a node share."""
+
+    def __init__(self, comm: MPI.Intracomm, nbytes: int):
+        self.win = MPI.Win.Allocate_shared(nbytes, disp_unit=1, comm=comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # Win_sync needs a passive-target epoch
+        self.segment(comm.rank)[:] = 0
+
+    def segment(self, rank: int) -> np.ndarray:
+        """The bytes of ``rank``'s segment, in this process's address space."""
+        buf, _ = self.win.Shared_query(rank)
+        return np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
+
+    def sync(self) -> None:
+        self.win.Sync()
+
+    def free(self) -> None:
+        """Free the memory (collective); no view of it may be used after."""
+        self.win.Unlock_all()
+        self.win.Free()
