@@ -1,7 +1,8 @@
 """The communication-heavy dense workload: MLP 784-2048-2048-10 (5.8 M parameters, 23 MB),
 batch 16 per worker, SGD, on the synthetic reference data. mpips async (1 PS + 2 workers,
-with and without zero-copy reads) and sync (2 replicas) against one numpy process running
-the same model code, all in the same run, rounds interleaved.
+with and without zero-copy reads) and sync (2 replicas, sharing the node's memory as they do
+by default on one node, and exchanging messages as across nodes) against one numpy process
+running the same model code and optimizer, all in the same run, rounds interleaved.
 
 Run:  python benchmarks/wide_mlp.py [--rounds 3] [--steps 300,600] [--only sync,zero_copy]
 
@@ -15,6 +16,7 @@ process is timed in-process after 20 warm-up steps (1 BLAS thread). Goals (issue
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -51,15 +53,19 @@ CONFIGS = {  # name: (mode, ranks, ps, zero_copy, examples per global step)
     "async 1 ps + 2 workers": ("async", 3, 1, "false", BATCH),
     "async 1 ps + 2 workers, zero_copy": ("async", 3, 1, "true", BATCH),
     "sync 2 replicas": ("sync", 2, 0, "false", 2 * BATCH),
+    "sync 2 replicas, messages": ("sync", 2, 0, "false", 2 * BATCH),
 }
+# the sync replicas on one node share memory; MPIPS_SHARED_MEMORY=0: messages, as across nodes
+ENV = {"sync 2 replicas, messages": {"MPIPS_SHARED_MEMORY": "0"}}
 
 
-def wall(job: Path, ranks: int, steps: int, workdir: Path) -> float:
+def wall(job: Path, ranks: int, steps: int, workdir: Path, env: dict[str, str]) -> float:
     t0 = time.perf_counter()
     r = subprocess.run(
         [mpiexec(), "-n", str(ranks), sys.executable]
         + ["-m", "mpips", "train", str(job), "--steps", str(steps)],
         cwd=workdir,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=900,
@@ -77,7 +83,7 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="",
-        help="comma-separated words (sync, async, zero_copy): the configurations naming one",
+        help="comma-separated words (sync, async, zero_copy, messages): the runs naming one",
     )
     args = ap.parse_args()
     words = [w for w in args.only.split(",") if w]
@@ -101,7 +107,8 @@ def main() -> None:
             rates["one numpy process"].append(one_process_rate(model, x, y, 200, BATCH, 0.01))
             for name, (_, ranks, _, _, per_step) in configs.items():
                 job = jobs[name]
-                t_short, t_long = wall(job, ranks, short, d), wall(job, ranks, long, d)
+                env = ENV.get(name, {})
+                t_short, t_long = wall(job, ranks, short, d, env), wall(job, ranks, long, d, env)
                 rates[name].append((long - short) * per_step / (t_long - t_short))
             print(
                 f"round {r + 1}: " + " | ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()),
