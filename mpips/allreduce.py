@@ -41,7 +41,7 @@ from .store import (
 from .waits import poll
 
 LOSS = "__loss__"  # the batch loss: rides in the last bucket, averaged, never updated
-ALIGN = 16  # elements: a replica's part of a bucket starts on a 64-byte line (float32)
+ALIGN = 16  # elements: buckets, and parts where they can, start on a 64-byte line
 
 # update(name, part of the variable, its summed gradient (mean once divided), its slots'
 # parts): applies the optimizer in place to the part of one variable a replica owns
@@ -82,6 +82,17 @@ def _count(spec: VariableSpec) -> int:
     return int(np.prod(spec.shape))
 
 
+def _parts(n: int, size: int) -> list[int]:
+    """How many of a bucket's ``n`` elements each of ``size`` replicas owns: parts that start
+    on a line (ALIGN elements) where that leaves none empty, else as even as can be. Every
+    replica owns some of a bucket of at least ``size`` elements, so none can finish a step's
+    exchange before every replica has joined it."""
+    step = -(-n // (size * ALIGN)) * ALIGN
+    if (size - 1) * step < n:
+        return [min(step, max(0, n - r * step)) for r in range(size)]
+    return [n // size + (1 if r < n % size else 0) for r in range(size)]
+
+
 def _padded(n: int, dtype: str) -> int:
     return -(-n * np.dtype(dtype).itemsize // 64) * 64
 
@@ -119,9 +130,9 @@ class GradientBuckets:
         loss = VariableSpec(LOSS, (1,), specs[0].dtype if specs else "float32")
         order = [*reversed(specs), loss]  # backward produces the last layer's gradients first
         totals: dict[str, int] = {}
-        for spec in order:
+        for spec in order:  # with room to start every bucket on a line
             key = np.dtype(spec.dtype).str
-            totals[key] = totals.get(key, 0) + _count(spec)
+            totals[key] = totals.get(key, 0) + _count(spec) + ALIGN
         if shared:
             self.stores = self._shared_stores(totals, slot_names)
         else:
@@ -179,11 +190,10 @@ class GradientBuckets:
 
     def _add(self, specs: list[VariableSpec], used: dict[str, int]) -> dict[str, int]:
         key = np.dtype(specs[0].dtype).str
-        store, start = self.stores[key], used[key]
+        store, start = self.stores[key], -(-used[key] // ALIGN) * ALIGN
         n = sum(_count(s) for s in specs)
-        step = -(-n // (self.size * ALIGN)) * ALIGN  # each replica's part, aligned
-        displs = [min(r * step, n) for r in range(self.size)]
-        counts = [min(step, n - d) for d in displs]
+        counts = _parts(n, self.size)
+        displs = [sum(counts[:r]) for r in range(self.size)]
         mine_lo, mine_hi = start + displs[self.rank], start + displs[self.rank] + counts[self.rank]
         pieces = []
         offset = start

@@ -87,7 +87,7 @@ class TrainConfig:
     replicas_to_aggregate: int = 0
     # (0: lock-step)
     bucket_bytes: int = 1 << 20  # sync: gradients fused into allreduce buckets of about this size
-    check_every: int = 100  # sync: verify replicas are bitwise identical every N steps (0: off)
+    check_every: int = 100  # sync: verify replicas with a copy each are identical every N steps
     eval_every: int = 0  # the chief evaluates on the validation split every N global steps
     # async: workers read the PS tasks' memory in place (MPI shared memory, every rank on
     # one node) instead of copying it each step: Hogwild-style reads, opt-in

@@ -1,13 +1,12 @@
 """Synchronous replicas (``train.mode = "sync"``).
 
-Every worker computes gradients on its own batch; the buckets of gradients are summed over
-the workers with non-blocking reduce-scatters that overlap backward, each replica applies the
-mean to its own part of every bucket with the same optimizer code as the async path, and an
-allgather shares the updated variables (allreduce.py): every update is applied once, and the
-replicas are bitwise identical by construction (checked every ``train.check_every`` steps
-and at the end). global_step
-advances onceglobal_step
-advances once per aggregated step, identically on every replica: no PS, no counter, no chief
+Every worker computes gradients on its own batch. Each replica owns one part of every
+bucket of variables: it takes the mean of the replicas' gradients for that part and applies
+the same optimizer code as the async path to it, and the replicas share the result
+(allreduce.py: one copy in the node's shared memory, or reduce-scatter and allgather across
+nodes). Every update is applied once and the replicas are identical by construction (with a
+copy each, checked every ``train.check_every`` steps and at the end). global_step advances
+once per aggregated step, identically on every replica: no PS, no counter, no chief
 that can run ahead. PS ranks, if the layout has any, hold nothing in this mode and sleep
 (passing on a preemption signal they receive).
 """
@@ -16,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,6 +54,8 @@ from .run import (
 from .startup import Prepared
 from .store import Cluster
 from .summaries import job_timeline
+
+SHM_DIR = "/dev/shm"  # where MPI's shared memory lives on Linux
 
 
 def train_sync(
@@ -94,10 +96,28 @@ def train_sync(
     return result
 
 
-def node_shared(cluster: Cluster) -> bool:
+def node_shared(cluster: Cluster, nbytes: int) -> bool:
     """The replicas share one copy of the variables in the node's memory: every worker on
-    this node, unless MPIPS_SHARED_MEMORY=0 (then they exchange messages, as across nodes)."""
-    return cluster.workers_on_one_node and os.environ.get("MPIPS_SHARED_MEMORY", "1") != "0"
+    this node, unless MPIPS_SHARED_MEMORY=0 (then they exchange messages, as across nodes)
+    or the node's shared-memory file system (/dev/shm) lacks the ``nbytes`` it takes: MPI
+    shared memory lives there, and a process that runs past its end dies of SIGBUS."""
+    if not cluster.workers_on_one_node or os.environ.get("MPIPS_SHARED_MEMORY", "1") == "0":
+        return False
+    try:
+        free = shutil.disk_usage(SHM_DIR).free
+    except OSError:  # no /dev/shm here: let MPI find its own place
+        free = nbytes * 2
+    fits = free >= nbytes * 1.25
+    if not agree_max(cluster.workers, [0 if fits else 1], "the shared-memory check")[0]:
+        return True
+    if cluster.is_chief:
+        log(
+            cluster.role,
+            f"sync replicas: {SHM_DIR} has {free / 1e6:.0f} MB free, shared memory for "
+            f"the variables would take {nbytes / 1e6:.0f} MB: exchanging messages instead "
+            f"(in a container, give it more: docker run --shm-size)",
+        )
+    return False
 
 
 def _batches_per_epoch(job: Job, rows: int, workers: int) -> int:
@@ -137,8 +157,14 @@ class Replica:
         specs = model.variables()
         # variables, slots and gradients are views into the buckets; each replica updates
         # its part of every bucket, and the batch loss rides in the last one
+        # shared memory holds every replica's gradients, the variables and their slots
+        need = sum(s.nbytes for s in specs) * (self.workers + 1 + len(optimizer.slots))
         self.buckets = GradientBuckets(
-            self.comm, specs, self.tc.bucket_bytes, optimizer.slots, shared=node_shared(cluster)
+            self.comm,
+            specs,
+            self.tc.bucket_bytes,
+            optimizer.slots,
+            shared=node_shared(cluster, need),
         )
         self.params = {s.name: self.buckets.values[s.name] for s in specs}
         self.slots = {s.name: self.buckets.slots[s.name] for s in specs}
@@ -178,6 +204,9 @@ class Replica:
             if self.stopped:
                 say_preempted(self.role, self.stopped, self.job)
             self._report(result, gathered)
+        if self.buckets.shared:  # the shared memory goes: params (run.params) become copies
+            for name, value in self.params.items():
+                self.params[name] = value.copy()
         self.buckets.close()
         return result
 

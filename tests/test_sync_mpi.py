@@ -1,12 +1,16 @@
 """mode = "sync": W replicas with batch b equal one process with batch W*b; replicas stay
 bitwise identical; the divergence check fires; shutdown never hangs (plain pytest)."""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
-from conftest import run_mpi, run_train
+from conftest import clean_env, mpiexec_path, run_mpi, run_train
 from test_optimizers_mpi import read_ckpt
 
 from mpips.data import batches, load_split, open_dataset, resolve_path, worker_rows
@@ -203,3 +207,64 @@ def test_ps_ranks_in_sync_mode_just_wait_and_resume_works(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "restored global_step 10" in r.stdout and "resuming at batch 10" in r.stdout
     assert r.result["global_step"] == 16 and r.result["updates"] == 6
+
+
+KEEP = """
+import numpy as np
+import mpips
+class Keep(mpips.Hook):
+    def end(self, run):
+        self.params = run.params
+keep = Keep()
+with mpips.abort_on_error():
+    mpips.train(mpips.load_job("job.toml"), hooks=[keep])
+    print("kept sum", float(sum(np.sum(v) for v in keep.params.values())))
+"""
+
+
+def test_params_kept_by_a_hook_outlive_the_shared_memory(tmp_path):
+    """The replicas' shared memory is freed at the end of the run: ``run.params`` then holds
+    copies, so a hook that keeps it reads the final variables, not freed memory."""
+    write_job(tmp_path, "sgd", steps=5)
+    (tmp_path / "keep.py").write_text(KEEP)
+    r = run_mpi(2, ["keep.py"], cwd=tmp_path)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout.count(SAYS["shared"]) == 2, r.stdout
+    variables, _, _ = read_ckpt(tmp_path / "runs/ckpt/ckpt-5.json")
+    want = float(sum(np.sum(v) for v in variables.values()))
+    sums = [float(v) for v in re.findall(r"kept sum (\S+)", r.stdout)]
+    assert sums == pytest.approx([want, want], rel=1e-6), r.stdout
+
+
+SMALL_SHM = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"'
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare"
+)
+def test_too_little_shared_memory_means_messages_not_a_crash(tmp_path):
+    """With /dev/shm as small as a container's (64 MB), a model whose replicas' gradients,
+    variables and slots do not fit trains over messages, and the chief says why."""
+    (tmp_path / "job.toml").write_text(
+        JOB.format(kind="adam", lr=0.01, clip=0.0, steps=3, check=5, bucket_bytes=1 << 20).replace(
+            "hidden = [16]", "hidden = [2048, 2048]"
+        )
+    )
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", SMALL_SHM, "sh", "true"], capture_output=True
+    )
+    if probe.returncode:
+        pytest.skip(f"cannot mount a small /dev/shm here: {probe.stderr[-200:]!r}")
+    argv = ["-m", "mpips", "train", "--no-progress", "job.toml"]
+    cmd = ["unshare", "-m", "sh", "-c", SMALL_SHM, "sh", mpiexec_path(), "-n", "2"]
+    r = subprocess.run(
+        [*cmd, sys.executable, *argv],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "/dev/shm has" in r.stdout and "exchanging messages instead" in r.stdout
+    assert r.stdout.count(SAYS["messages"]) == 2, r.stdout
