@@ -36,14 +36,21 @@ def one_numpy_process(x: np.ndarray, y: np.ndarray, steps: int) -> float:
 
 
 def one_process_rate(
-    model, x: np.ndarray, y: np.ndarray, steps: int, batch: int, lr: float
+    model,
+    x: np.ndarray,
+    y: np.ndarray,
+    steps: int,
+    batch: int,
+    lr: float,
+    optimizer: Optimizer | None = None,
 ) -> float:
-    """Examples/s of ``model`` with SGD in this process, 1 BLAS thread, after 20 warm-up
-    steps: the same numpy model code and optimizer (its fused kernel) mpips runs, without
-    any MPI."""
-    sgd = Optimizer("sgd")
+    """Examples/s of ``model`` with ``optimizer`` (SGD if None) in this process, 1 BLAS
+    thread, after 20 warm-up steps: the same numpy model code and optimizer (its fused
+    kernel) mpips runs, without any MPI."""
+    sgd = optimizer or Optimizer("sgd")
     sgd.prepare()
     params = model.initial_values(0)
+    slots = {k: sgd.init_slots(v) for k, v in params.items()}
     grads = {k: np.empty_like(v) for k, v in params.items()}
     rng = np.random.default_rng(0)
     with threadpool_limits(limits=1):
@@ -53,7 +60,7 @@ def one_process_rate(
             idx = rng.integers(0, len(y), batch)
             model.loss_and_grads(params, x[idx], y[idx], grads)
             for k in params:
-                sgd.apply(params[k], grads[k], {}, lr, i + 1)
+                sgd.apply(params[k], grads[k], slots[k], lr, i + 1)
     return steps * batch / (time.perf_counter() - t0)
 
 

@@ -5,6 +5,7 @@ by default on one node, and exchanging messages as across nodes) against one num
 running the same model code and optimizer, all in the same run, rounds interleaved.
 
 Run:  python benchmarks/wide_mlp.py [--rounds 3] [--steps 300,600] [--only sync,zero_copy]
+          [--optimizer sgd|momentum|adam]
 
 mpips rates are measured from outside, by the wall clock: each configuration runs twice,
 with two step targets (no checkpoints, no summaries); the extra examples divided by the
@@ -26,7 +27,9 @@ from pathlib import Path
 import numpy as np
 from common import DEFAULT_DATA, mpiexec, one_process_rate, reference_data
 
+from mpips.job import OptimizerConfig
 from mpips.nn import MLP
+from mpips.optim import build_optimizer
 
 BATCH = 16
 JOB = """
@@ -35,8 +38,8 @@ hidden = [2048, 2048]
 [data]
 path = "{data}"
 [optimizer]
-kind = "sgd"
-learning_rate = 0.01
+kind = "{kind}"
+learning_rate = {lr}
 [train]
 mode = "{mode}"
 steps = 1
@@ -80,6 +83,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", default="300,600", help="the two global step targets")
     ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
     ap.add_argument(
         "--only",
         default="",
@@ -93,6 +97,8 @@ def main() -> None:
         if not words or set(words) & set(k.replace(",", "").split())
     }
     short, long = map(int, args.steps.split(","))
+    lr = 0.001 if args.optimizer == "adam" else 0.01
+    optimizer = build_optimizer(OptimizerConfig(kind=args.optimizer))  # the job's defaults
     x, y = reference_data(args.data)
     rates: dict[str, list[float]] = {"one numpy process": [], **{k: [] for k in configs}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,11 +106,21 @@ def main() -> None:
         jobs = {}
         for k, (name, (mode, _, ps, zc, _)) in enumerate(configs.items()):
             jobs[name] = d / f"job{k}.toml"
-            text = JOB.format(data=args.data, mode=mode, batch=BATCH, zero_copy=zc, ps=ps)
+            text = JOB.format(
+                data=args.data,
+                mode=mode,
+                batch=BATCH,
+                zero_copy=zc,
+                ps=ps,
+                kind=args.optimizer,
+                lr=lr,
+            )
             jobs[name].write_text(text)
         for r in range(args.rounds):
             model = MLP([784, 2048, 2048, 10])
-            rates["one numpy process"].append(one_process_rate(model, x, y, 200, BATCH, 0.01))
+            rates["one numpy process"].append(
+                one_process_rate(model, x, y, 200, BATCH, lr, optimizer)
+            )
             for name, (_, ranks, _, _, per_step) in configs.items():
                 job = jobs[name]
                 env = ENV.get(name, {})
@@ -115,7 +131,10 @@ def main() -> None:
                 flush=True,
             )
     base = np.median(rates["one numpy process"])
-    print(f"\n# wide_mlp | MLP 784-2048-2048-10, batch {BATCH} per worker, SGD; examples/s")
+    print(
+        f"\n# wide_mlp | MLP 784-2048-2048-10, batch {BATCH} per worker, {args.optimizer}; "
+        "examples/s"
+    )
     for name, v in rates.items():
         print(
             f"{name:<36} {min(v):>8.0f}-{max(v):<8.0f} median {np.median(v):>8.0f} "
