@@ -1,8 +1,8 @@
 """Examples/s of the reference workload with 2 synchronous replicas: mpips sync vs torch DDP
 (gloo), vs the 2-worker linear limit (2 x one numpy process), measured in the same run.
 
-Run:  python benchmarks/sync_vs_ddp.py [--rounds 3] [--steps 600]      (needs torch: the CPU
-      build, `pip install torch==2.13.0`; it is not a dependency of mpips)
+Run:  python benchmarks/sync_vs_ddp.py [--rounds 3] [--steps 600]      (needs torch, run on
+      the CPU: `pip install torch`, 2.13.0 and 2.15.0 measured; not a dependency of mpips)
 
 MLP 784-512-512-10, ReLU, softmax cross-entropy, float32, batch 128 per replica, SGD lr 0.05,
 synthetic N(0,1) data. Every process uses 1 thread. DDP runs 2 processes on 127.0.0.1 with
