@@ -38,7 +38,8 @@ link is ONE pipe shared by all ranks and both directions (a hub, or one bottlene
 not a full-duplex NIC per node: a 2-rank Allreduce of S bytes puts 2 S through it, and two
 workers' pulls and pushes share it. Limits printed here are computed that way (formulas,
 labelled "limit"/"bound"). MPICH runs with MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp (its UCX
-netmod reaches nothing inside the namespace) and, except for shm, MPIR_CVAR_NOLOCAL=1. No
+netmod reaches nothing inside the namespace) and, except for shm, MPIR_CVAR_NOLOCAL=1 and
+MPIPS_SHARED_MEMORY=0 (sync replicas exchange messages, as across nodes). No
 latency is added (this kernel has no netem); TCP on lo has ~30 us a round trip of its own.
 
 The machine may be shared: each measurement notes the CPU that other work took meanwhile and
@@ -387,8 +388,12 @@ def mpi_env(link: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     path = [str(ROOT), str(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     env["PYTHONPATH"] = os.pathsep.join(path)
     env.pop("MPIR_CVAR_NOLOCAL", None)
+    env.pop("MPIPS_SHARED_MEMORY", None)
     if link != "shm":
         env["MPIR_CVAR_NOLOCAL"] = "1"
+        # the "nodes" share one host: keep sync replicas off node shared memory, which would
+        # skip the link (MPIR_CVAR_NOLOCAL only moves MPICH's own traffic to the netmod)
+        env["MPIPS_SHARED_MEMORY"] = "0"
     env.update(extra or {})
     return env
 
