@@ -266,7 +266,7 @@ def kernel_buckets(args: argparse.Namespace) -> None:
             runs.setdefault(name, []).append(statistics.median(samples))
     t = {k: float(comm.allreduce(statistics.median(v), MPI.MAX)) for k, v in runs.items()}
     t["buckets"] = len(buckets.buckets)
-    t["bytes"] = sum(b.buffer.nbytes for b in buckets.buckets)
+    t["bytes"] = sum(b.size * b.shard.itemsize for b in buckets.buckets)
     if comm.rank == 0:
         print("RESULT " + json.dumps(t), flush=True)
 
