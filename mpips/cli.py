@@ -341,7 +341,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
         size = sum(s.nbytes for s in model.variables())
         print(
             f"\nsync replicas: every worker holds all {len(model.variables())} variables "
-            f"({size} bytes) and averages gradients with allreduce"
+            f"({size} bytes) and updates its 1/{layout.num_workers} part of them with the "
+            f"replicas' mean gradient"
             + (f"; the {layout.num_ps} ps task(s) hold nothing and wait" if layout.num_ps else "")
         )
         print(f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}")

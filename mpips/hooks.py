@@ -297,7 +297,7 @@ class StopAtLoss(Hook):
 class Validation(Hook):
     """The chief evaluates the model on the validation split every ``every`` global steps
     (train.eval_every) while the other workers train on (async; in sync mode the replicas
-    wait for it at the next allreduce), and logs the metrics."""
+    wait for it at the next step's agreement), and logs the metrics."""
 
     def __init__(self, every: int):
         self.every = every

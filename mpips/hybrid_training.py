@@ -1,13 +1,13 @@
 """``train.mode = "hybrid"`` (PERSIA-style): the embedding tables stay on the PS tasks and
 move row by row, asynchronously, as in async mode; the dense part of the model (wide &
-deep's MLP, biases) is trained by the workers as synchronous replicas with allreduce, as
-in sync mode.
+deep's MLP, biases) is trained by the workers as synchronous replicas, as in sync mode.
 
 A step of every worker: pull the rows of its batch's ids from the PS tasks, forward and
-backward, start the allreduce of the dense gradients, agree on stopping (so every replica
-has pulled), push its rows' gradients to the PS tasks (Accumulate for SGD, the inbox for
-stateful optimizers; applied before the push returns), complete the allreduce (so every
-push has landed before any replica's next pull) and apply the dense mean. The tables thus
+backward (the dense gradients' reduction starts during it across nodes), agree on stopping
+(so every replica has pulled), push its rows' gradients to the PS tasks (Accumulate for
+SGD, the inbox for stateful optimizers; applied before the push returns), then update its
+part of the dense variables and share it (which waits for every replica, so every push has
+landed before any replica's next pull). The tables thus
 see the workers' gradients in lockstep, each worker's applied on its own (as in async
 mode), while every replica's dense variables stay identical (checked every
 ``train.check_every`` steps); one step is one global step.
@@ -104,7 +104,7 @@ class HybridReplica(Replica):
 
     def _push_rows(self, grads: dict[str, Any], step: int) -> None:
         """This worker's gradient rows (deltas for SGD) to the PS tasks, applied there before
-        this returns (and so before the dense allreduce completes, and before any replica's
+        this returns (and so before the dense update is shared, and before any replica's
         next pull); the step's clock, for the PS tasks' watchdogs."""
         lr = learning_rate(self.oc, step)
         if not self.optimizer.stateful:

@@ -86,7 +86,7 @@ class TrainConfig:
     # others are backup workers, and their late gradients are dropped)
     replicas_to_aggregate: int = 0
     # (0: lock-step)
-    bucket_bytes: int = 1 << 20  # sync: gradients fused into allreduce buckets of about this size
+    bucket_bytes: int = 1 << 20  # sync: variables and gradients fused into buckets of this size
     check_every: int = 100  # sync: verify replicas with a copy each are identical every N steps
     eval_every: int = 0  # the chief evaluates on the validation split every N global steps
     # async: workers read the PS tasks' memory in place (MPI shared memory, every rank on

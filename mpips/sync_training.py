@@ -217,7 +217,7 @@ class Replica:
 
     def _inputs(self, x: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """The batch as the model takes it, the parameters it reads and where its gradients
-        go (the allreduce buckets)."""
+        go (the buckets)."""
         return x, self.params, self.buckets.grads
 
     def _signal(self) -> int:

@@ -1,8 +1,8 @@
 """An opt-in trace of each task's phases (``summary.timeline = true``), like Horovod's timeline.
 
 Each task records complete events (start, duration) of its phases: a worker's wait for a
-ticket and for the slowest worker, pull, compute, push; a sync replica's compute, allreduce
-wait, agreement and apply; a PS task's optimizer applies and checkpoint writes. At the end it
+ticket and for the slowest worker, pull, compute, push; a sync replica's compute, agreement
+and reduce and update; a PS task's optimizer applies and checkpoint writes. At the end it
 writes ``<summary.dir>/timeline/<job>-<task>.json``; ``python -m mpips plot`` merges them into
 one Chrome trace (``timeline.json``: open it in Perfetto or chrome://tracing). When off, the
 training loop does not call it at all.
