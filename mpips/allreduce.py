@@ -93,6 +93,11 @@ def _parts(n: int, size: int) -> list[int]:
     return [n // size + (1 if r < n % size else 0) for r in range(size)]
 
 
+def _view(segment: np.ndarray, at: int, n: int, dtype: str) -> np.ndarray:
+    """``n`` values of ``dtype`` at byte ``at`` of a shared-memory segment."""
+    return segment[at : at + n * np.dtype(dtype).itemsize].view(dtype)
+
+
 def _padded(n: int, dtype: str) -> int:
     return -(-n * np.dtype(dtype).itemsize // 64) * 64
 
@@ -169,22 +174,16 @@ class GradientBuckets:
         self._shared = shared
         segments = [shared.segment(r) for r in range(self.size)]
         stores = {}
-        at = {"grads": 0, "state": grads}
-
-        def take(segment: np.ndarray, where: str, n: int, dtype: str) -> np.ndarray:
-            lo = at[where]
-            at[where] += _padded(n, dtype)
-            return segment[lo : lo + n * np.dtype(dtype).itemsize].view(dtype)
-
+        grads_at, state_at = 0, grads  # where the next dtype's arrays begin in a segment
         for d, n in totals.items():
-            first = at["grads"]
-            peers = []
-            for seg in segments:
-                at["grads"] = first
-                peers.append(take(seg, "grads", n, d))
-            values = take(segments[0], "state", n, d)
-            slots = {k: take(segments[0], "state", n, d) for k in slot_names}
-            stores[d] = _Store(values, peers[self.rank], slots, peers)
+            step = _padded(n, d)
+            peers = [_view(segment, grads_at, n, d) for segment in segments]
+            values, *slots = [
+                _view(segments[0], state_at + i * step, n, d) for i in range(1 + len(slot_names))
+            ]
+            named = dict(zip(slot_names, slots, strict=True))
+            stores[d] = _Store(values, peers[self.rank], named, peers)
+            grads_at, state_at = grads_at + step, state_at + step * (1 + len(slot_names))
         self._fence("the replicas' shared memory")  # zeroed by every owner before any use
         return stores
 

@@ -176,7 +176,7 @@ def prepare(
     """
     _check_checkpoint_dir(job, cluster)
     _check_summary_dir(job, cluster)
-    if job.train.zero_copy and len(cluster.node_ranks) != cluster.comm.size:
+    if job.train.zero_copy and not cluster.one_node:
         raise ConfigError(
             "train.zero_copy: every rank must run on one node (the workers read the PS "
             f"tasks' memory in place); this job has {len(cluster.node_ranks)} of its "

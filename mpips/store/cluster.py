@@ -214,6 +214,11 @@ class Cluster:
         node.Free()
 
     @property
+    def one_node(self) -> bool:
+        """Every rank of the job shares this rank's node, and so its memory."""
+        return len(self.node_ranks) == self.comm.size
+
+    @property
     def workers_on_one_node(self) -> bool:
         """Every worker rank shares this rank's node, and so its memory."""
         return set(self.layout.worker_ranks) <= set(self.node_ranks)

@@ -79,7 +79,7 @@ def serve(
         # (no shared memory) MPICH moves them only while the PS is inside MPI: enter it
         # every WARM_POLL_SECONDS (an Iprobe), not only at the chores' 5 ms (measured
         # over TCP at 10 Gbit/s, one worker: 2,855 -> 10,154 examples/s; docs/scaling.md)
-        remote = len(cluster.node_ranks) < cluster.comm.size
+        remote = not cluster.one_node
 
         def progress() -> None:
             cluster.comm.Iprobe(MPI.ANY_SOURCE, _PROGRESS_TAG)
