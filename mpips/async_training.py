@@ -49,6 +49,7 @@ from .store import (
     serve,
     stall_limit,
     start_limit,
+    updates_in_place,
     watched_barrier,
 )
 from .summaries import job_timeline, ps_summaries
@@ -80,27 +81,31 @@ def open_store(
 ) -> Windows:
     """Every rank: the windows of what the PS tasks hold (store_placement), each PS task's
     memory filled (restored state, fresh table partitions), up to the start barrier."""
-    if cluster.is_ps and (optimizer.stateful or job.train.mode == "sync_replicas"):
-        optimizer.prepare()  # its fused kernel compiles meanwhile, not at the first update
     placement = store_placement(job, model, cluster.layout.num_ps)
+    replicas = job.train.mode == "sync_replicas"  # every push goes through the inboxes
+    # zero copy: the workers apply their updates in PS memory (store/stripes.py), else a
+    # PS task applies those of stateful optimizers and sync_replicas
+    in_place = updates_in_place(placement, job.train.zero_copy)
+    ps_applies = cluster.is_ps and (optimizer.stateful or replicas) and not in_place
+    if ps_applies or (in_place and not cluster.is_ps):
+        optimizer.prepare()  # its fused kernel compiles meanwhile, not at the first update
     cluster.check_placement(placement)
     warning = imbalance(placement, job.layout.placement)
     if warning and cluster.is_chief:
         log(cluster.role, warning)
     slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
-    replicas = job.train.mode == "sync_replicas"  # every push goes through the inboxes
     windows = Windows(
         cluster.comm,
         cluster.layout,
         placement,
         slots,
-        optimizer.stateful or replicas,
+        (optimizer.stateful or replicas) and not in_place,
         row_capacity=job.train.batch_size * max(1, prep.info.max_nnz),
         shared=job.train.zero_copy,
     )
     if prep.local:  # a PS task: restored state or fresh table partitions
         windows.fill_own(cluster.role.task, prep.local)
-    if cluster.is_ps and (replicas or optimizer.stateful):
+    if cluster.is_ps and (replicas or optimizer.stateful) and not in_place:
         # the step it starts from is set before any worker reads it (sync_replicas) or an
         # update is posted (async: a worker counts its update before it is applied)
         publish_start_step(windows, cluster.role.task, cluster.rank, prep.start_step)
@@ -128,7 +133,8 @@ def run_ps(
 
     replicas = job.train.mode == "sync_replicas"
     timeline = job_timeline(job, "ps", task)
-    apply = optimizer.apply if optimizer.stateful or replicas else None
+    applies = (optimizer.stateful or replicas) and not windows.updates_in_place
+    apply = optimizer.apply if applies else None
     rate = None  # this PS's apply rate, when it applies and summaries are on
     if apply is not None and (rate := ps_summaries(job, task)):
         apply = rate.timed(apply)
@@ -236,7 +242,10 @@ class AsyncWorker:
         self.model, self.optimizer, self.prep = model, optimizer, prep
         self.role, self.tc, self.oc = cluster.role, job.train, job.optimizer
         replicas = job.train.mode == "sync_replicas"
-        self.client = StoreClient(windows, self.role.task, optimizer.stateful or replicas)
+        stateful = optimizer.stateful or replicas
+        self.client = StoreClient(
+            windows, self.role.task, stateful, optimizer.apply, optimizer.slots
+        )
         self.control = self.client.control
         self.stats = Staleness()
         self.watchdog = Watchdog(self.control, cluster.layout, self.role.task)
@@ -323,15 +332,16 @@ class AsyncWorker:
             raise NonFinite(message) if control.claim_failure() else AlreadyReported(message)
         clip_by_global_norm(list(grads.values()), self.oc.clip_norm)
         lr = learning_rate(self.oc, pulled_at)
-        if not self.optimizer.stateful:
+        if not (self.optimizer.stateful or client.applies_in_place):
             for g in grads.values():
                 g *= -lr  # plain SGD: push the delta, Accumulate adds it on the PS
         device.stage_out(grads, client.gradients())
         if tl:
             t = tl.span("compute", t)
         # applied while this worker prepares its next batch; with a staleness bound it
-        # waits, so the clock it publishes counts only updates every pull can see
-        client.push(lr, wait=bound is not None)
+        # waits, so the clock it publishes counts only updates every pull can see (zero
+        # copy: applied here, as update ticket + 1, the count a PS task would give it)
+        client.push(lr, wait=bound is not None, t=ticket + 1)
         step = control.end_step(self.role.task)  # global_step and this worker's clock
         if tl:
             tl.span("push and ack", t)
@@ -374,6 +384,7 @@ class AsyncWorker:
             f"from {self.windows.placement.num_ps} ps task(s)"
             + (
                 f", reads {self.client.in_place_bytes / 1e6:.2f} MB in place (zero copy)"
+                + (" and applies its updates there" if self.client.applies_in_place else "")
                 if self.client.in_place
                 else ""
             )

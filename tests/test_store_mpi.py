@@ -13,6 +13,7 @@ import pytest
 
 from mpips.errors import AgreedError, MpipsError
 from mpips.layout import make_layout
+from mpips.optim import Optimizer
 from mpips.placement import VariableSpec, round_robin
 
 pytestmark = pytest.mark.mpi(ranks=3)
@@ -29,7 +30,7 @@ SPECS = [
 class Store:
     """Windows + client over COMM_WORLD with the default layout; freed collectively."""
 
-    def __init__(self, specs=SPECS, optimizer=None):
+    def __init__(self, specs=SPECS, optimizer=None, shared=False):
         from mpi4py import MPI
 
         from mpips.placement import slot_placement
@@ -40,8 +41,13 @@ class Store:
         self.placement = round_robin(specs, self.cluster.layout.num_ps)
         stateful = optimizer is not None and optimizer.stateful
         slots = slot_placement(self.placement, optimizer.slots) if stateful else None
-        self.windows = Windows(self.comm, self.cluster.layout, self.placement, slots, stateful)
-        self.client = StoreClient(self.windows, self.cluster.role.task, stateful)
+        self.windows = Windows(
+            self.comm, self.cluster.layout, self.placement, slots, stateful, shared=shared
+        )
+        rule = optimizer or Optimizer("sgd")  # zero copy: the workers apply it themselves
+        self.client = StoreClient(
+            self.windows, self.cluster.role.task, stateful, rule.apply, rule.slots
+        )
         self.control = self.client.control
 
     def close(self):
@@ -58,12 +64,18 @@ class Store:
         self.cluster.free()
 
 
-def test_pushes_of_ones_sum_exactly():
-    s = Store()
+@pytest.mark.parametrize("shared", [False, True], ids=["accumulate", "zero_copy"])
+def test_pushes_of_ones_sum_exactly(shared):
+    """Every worker pushes ones at once, over and over: no update is lost. Zero copy: each
+    worker runs SGD (lr -1: plus the gradient) on the PS's memory under stripe locks; its big
+    variable spans several stripes, so the workers' updates overlap in time and a missing
+    lock loses increments."""
     from mpips.store import barrier
 
-    pushes = 200
-    init = {spec.name: np.full(spec.shape, 0.5, spec.dtype) for spec in SPECS}
+    specs = SPECS + [VariableSpec("big", (3_000_000,))] if shared else SPECS
+    s = Store(specs, shared=shared)
+    pushes = 100 if shared else 200
+    init = {spec.name: np.full(spec.shape, 0.5, spec.dtype) for spec in specs}
     if s.cluster.is_chief:
         s.client.initialise(init)
         s.control.raise_ready()
@@ -71,8 +83,9 @@ def test_pushes_of_ones_sum_exactly():
         s.control.wait_ready(timeout=30)
         for g in s.client.grads.values():
             g[...] = 1
+        assert s.client.applies_in_place == shared
         for _ in range(pushes):
-            s.client.push()
+            s.client.push(lr=-1.0)  # (deltas: ignored by the Accumulate path)
         barrier(s.cluster.workers, "the test")
         got = s.client.pull()
         workers = s.cluster.layout.num_workers

@@ -22,7 +22,7 @@ from .control import NO_MORE_TICKETS, RunControl
 from .mailbox import publish_start_step
 from .server import serve
 from .watchdog import Watchdog
-from .window import TICKETS, Exposed, NodeShared, WindowPlan, Windows
+from .window import TICKETS, Exposed, NodeShared, WindowPlan, Windows, updates_in_place
 
 __all__ = [
     "NO_MORE_TICKETS",
@@ -46,6 +46,7 @@ __all__ = [
     "stall_limit",
     "start_limit",
     "unreachable",
+    "updates_in_place",
     "wait",
     "watched_barrier",
 ]

@@ -9,7 +9,7 @@ an indexed datatype names every row the batch needs from that PS's partition.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import groupby
@@ -20,6 +20,8 @@ from mpi4py import MPI
 from ..placement import Placed, owner_and_row, views
 from .control import RunControl
 from .mailbox import WorkerMail
+from .server import Apply
+from .stripes import Stripes
 from .window import Windows
 
 
@@ -88,7 +90,16 @@ class StoreClient:
     matching gradient rows.
     """
 
-    def __init__(self, windows: Windows, task: int, stateful: bool = False):
+    def __init__(
+        self,
+        windows: Windows,
+        task: int,
+        stateful: bool = False,
+        apply: Apply | None = None,
+        slot_names: Sequence[str] = (),
+    ):
+        """``apply`` and ``slot_names``: the optimizer's rule and slots, which a worker runs
+        itself where ``windows.updates_in_place`` (zero copy, whole variables only)."""
         self.windows = windows
         self.placement = placement = windows.placement
         self.task = task
@@ -143,6 +154,27 @@ class StoreClient:
             if self.in_place
         }
         self.mail = WorkerMail(windows, task)  # the mailbox protocol (stateful push)
+        self.applies_in_place = windows.updates_in_place
+        self._stripes = None
+        if self.applies_in_place:  # zero copy: this worker runs the rule on PS memory
+            if apply is None:
+                raise ValueError("zero copy: a worker applies its updates; give it the rule")
+            shared = [windows.shared_memory(r) for r in self.ps_ranks]
+            slots = views(windows.slots, shared) if windows.slots else {}
+            self._stripes = Stripes(
+                windows,
+                task,
+                [
+                    (
+                        e.ps_task,
+                        self.params[e.name].reshape(-1),
+                        self.grads[e.name].reshape(-1),
+                        {s: slots[f"{e.name}/{s}"].reshape(-1) for s in slot_names},
+                    )
+                    for e in whole
+                ],
+                apply,
+            )
         self._row_grads: dict[str, np.ndarray] = {}
         self._routed: list[Routed] = []
         self._posted = False  # an update is posted whose acknowledgement is not yet seen
@@ -229,18 +261,26 @@ class StoreClient:
         every table for the ids of the last pull."""
         return {**self.grads, **self._row_grads} if self._row_grads else self.grads
 
-    def push(self, lr: float = 0.0, tags: list[int] | None = None, wait: bool = True) -> bool:
+    def push(
+        self, lr: float = 0.0, tags: list[int] | None = None, wait: bool = True, t: int = 0
+    ) -> bool:
         """Send ``gradients()`` to the PS.
 
-        Plain SGD: the grads already hold deltas (``-lr * grad``); Accumulate adds them,
-        atomically per element. Stateful optimizers (and sync_replicas): Put the gradient into
-        this worker's inbox on each PS, raise its mail flag with ``lr`` (and ``tags[p]``, the
-        step of PS ``p`` it is for), and wait until every PS has taken it (so the next pull
-        sees this update, and the inbox is free again). Returns False if a PS dropped it as
-        too late for its step (sync_replicas), else True. ``wait=False``: return once it is
-        posted; the next pull, push or ``settle`` waits for it (the worker prepares its next
-        batch meanwhile).
+        Where ``applies_in_place`` (zero copy, whole variables only): apply the optimizer's
+        rule with ``lr`` and ``t`` (the 1-based update count) to the variables and slots in
+        the PS's memory, a stripe at a time under its lock (stripes.py); the grads are the
+        gradients. Otherwise plain SGD: the grads already hold deltas (``-lr * grad``);
+        Accumulate adds them, atomically per element. Stateful optimizers (and
+        sync_replicas): Put the gradient into this worker's inbox on each PS, raise its mail
+        flag with ``lr`` (and ``tags[p]``, the step of PS ``p`` it is for), and wait until
+        every PS has taken it (so the next pull sees this update, and the inbox is free
+        again). Returns False if a PS dropped it as too late for its step (sync_replicas),
+        else True. ``wait=False``: return once it is posted; the next pull, push or
+        ``settle`` waits for it (the worker prepares its next batch meanwhile).
         """
+        if self._stripes is not None:
+            self._stripes.update(lr, t)
+            return True
         if self.stateful:
             self.settle()  # the inbox is free again
             self.mail.post(

@@ -24,8 +24,17 @@ from .cluster import barrier, check_arrival
 from .mailbox import Inbox, mail_words
 
 # control window on ps task 0: int64 counters, then per PS task the number of the last
-# checkpoint request it wrote its shard for, then a clock and a done flag per worker
+# checkpoint request it wrote its shard for, then a clock and a done flag per worker, then
+# (zero copy) LOCKS_PER_PS stripe locks per PS task
 GLOBAL_STEP, TICKETS, READY, STOP, CKPT_SEQ, CKPT_STEP, ENDED, FAILED, SHARDS = range(9)
+LOCKS_PER_PS = 16  # stripe locks per PS task; stripe k of a PS takes word k % LOCKS_PER_PS
+
+
+def updates_in_place(placement: Placement, shared: bool) -> bool:
+    """Whether the workers apply their own updates in the PS tasks' memory (stripes.py):
+    zero copy (``shared`` windows) where every variable is whole. Tables and split variables
+    keep the PS path (Accumulate, or the mailbox for stateful optimizers)."""
+    return shared and all(e.whole is None for e in placement)
 
 
 class WindowPlan:
@@ -85,6 +94,7 @@ class Windows(WindowPlan):
         super().__init__(placement, slots, row_capacity)
         self.layout = layout
         self.shared = shared
+        self.updates_in_place = updates_in_place(placement, shared)
         role = layout.role(comm.rank)
         workers = layout.num_workers
         is_ps = role.job == "ps"
@@ -98,7 +108,9 @@ class Windows(WindowPlan):
         mail = mail_words(workers) * 8 if is_ps and inboxes else 0
         self.mail = MPI.Win.Allocate(mail, disp_unit=8, comm=comm)
         self.clocks_at = SHARDS + layout.num_ps  # index of worker 0's clock
-        control = (self.clocks_at + 2 * workers) * 8 if comm.rank == layout.ps_ranks[0] else 0
+        self.locks_at = self.clocks_at + 2 * workers  # zero copy's stripe locks (stripes.py)
+        words = self.locks_at + (layout.num_ps * LOCKS_PER_PS if shared else 0)
+        control = words * 8 if comm.rank == layout.ps_ranks[0] else 0
         self.control = MPI.Win.Allocate(control, disp_unit=8, comm=comm)
         self.control_rank = layout.ps_ranks[0]
         for win in self._wins:

@@ -1,0 +1,106 @@
+"""Zero copy's push: a worker applies its own update straight to the PS memory it shares
+(``train.zero_copy``, whole variables only), one stripe of a few MiB at a time, each stripe
+under its own lock word in the control window.
+
+Why: on one node the bytes are the cost. MPICH serialises ``Accumulate`` into a shared-memory
+window and runs it through a generic loop (7.2 ms a step for the wide MLP's 23 MB, against
+2 ms for this path; docs/performance.md), and a stateful optimizer's update through the
+PS's mailbox costs a copy of the gradient, a PS wake-up and an acknowledgement. Here the
+rule (SGD's fused ``var -= lr * grad``, Adam's fused kernel, ...) runs on the worker, on
+the variables and slots in place. Under a stripe's lock no two workers update the same
+elements at once, so no update is lost; every rule is elementwise, so each element sees
+whole updates one after another, as on the PS. A worker whose next stripe is taken updates
+another one meanwhile, so two workers rarely wait for each other. Reads stay Hogwild, as
+zero copy's pulls always were.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import Stalled
+from ..waits import MIN_SLEEP
+from .cluster import stall_limit
+from .server import Apply
+from .window import LOCKS_PER_PS, Windows
+
+STRIPE_BYTES = 4 << 20  # small enough that two workers interleave, few enough locks a step
+_FREE = np.zeros(1, np.int64)
+
+
+class Stripes:
+    """Worker ``task``'s updates in place: ``pieces`` are (ps task, the variable in that
+    PS's memory, this worker's gradient, the variable's slots there), all flat arrays of
+    one length; ``apply`` is the optimizer's rule."""
+
+    def __init__(
+        self,
+        windows: Windows,
+        task: int,
+        pieces: list[tuple[int, np.ndarray, np.ndarray, dict[str, np.ndarray]]],
+        apply: Apply,
+    ):
+        self.params, self.control = windows.params, windows.control
+        self.target = windows.control_rank
+        self.task, self.apply = task, apply
+        # (lock word, variable, gradient, slots) of every stripe
+        self.stripes: list[tuple[int, np.ndarray, np.ndarray, dict[str, np.ndarray]]] = []
+        count: dict[int, int] = {}
+        for ps_task, var, grad, slots in pieces:
+            step = max(1, STRIPE_BYTES // var.itemsize)
+            for a in range(0, var.size, step):
+                k = count.get(ps_task, 0)
+                count[ps_task] = k + 1
+                word = windows.locks_at + ps_task * LOCKS_PER_PS + k % LOCKS_PER_PS
+                cut = slice(a, a + step)
+                parts = {s: v[cut] for s, v in slots.items()}
+                self.stripes.append((word, var[cut], grad[cut], parts))
+        if self.stripes:  # workers start at different stripes, not queued behind one another
+            shift = task * len(self.stripes) // windows.layout.num_workers
+            self.stripes = self.stripes[shift:] + self.stripes[:shift]
+        self._me = np.array([task + 1], np.int64)  # a held word names its holder
+        self._old = np.zeros(1, np.int64)
+
+    def update(self, lr: float, t: int) -> None:
+        """Apply the rule with ``lr`` (and ``t``, the 1-based update count) to every stripe,
+        each under its lock; a stripe held by another worker is left for later. A lock held
+        past the stall limit (a worker hung in the middle of its update) ends the job,
+        naming that worker."""
+        pending, since, holder = self.stripes, time.monotonic(), 0
+        while pending:
+            later = []
+            for stripe in pending:
+                word, var, grad, slots = stripe
+                taken = self._try_lock(word)
+                if taken:
+                    later.append(stripe)
+                    holder = taken
+                    continue
+                self.params.Sync()  # see the previous holder's stores
+                self.apply(var, grad, slots, lr, t)
+                self.params.Sync()  # ours land before the lock is free again
+                self._unlock(word)
+            if len(later) < len(pending):
+                since = time.monotonic()
+            elif time.monotonic() - since > stall_limit(self.task):
+                raise Stalled(
+                    f"/job:worker/task:{self.task}: a stripe of PS memory has been locked by "
+                    f"/job:worker/task:{holder - 1} for {time.monotonic() - since:.0f} s "
+                    "(hung in the middle of its update?)"
+                )
+            else:
+                time.sleep(MIN_SLEEP)
+            pending = later
+
+    def _try_lock(self, word: int) -> int:
+        """Take lock ``word`` if it is free (0); else the holder's task + 1."""
+        self.control.Compare_and_swap(self._me, _FREE, self._old, self.target, word)
+        self.control.Flush(self.target)
+        return int(self._old[0])
+
+    def _unlock(self, word: int) -> None:
+        self.control.Accumulate(_FREE, self.target, [word, 1, MPI.LONG], MPI.REPLACE)
+        self.control.Flush(self.target)
