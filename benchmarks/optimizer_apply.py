@@ -14,6 +14,9 @@ Model: the reference MLP's variables (784-512-512-10, 0.67 M float32 parameters)
                 Measured with the numpy rules (the kernels off) and with the fused kernels.
 * worker-lock : the alternative. A worker takes a spin lock on the PS (Compare_and_swap),
                 Gets variable + slots, applies the rule locally (fused), Puts them back, unlocks.
+* in place    : train.zero_copy's path. The PS memory is MPI shared memory; each worker runs
+                the rule (fused) on the variables and slots there itself, a 4 MiB stripe at a
+                time under that stripe's lock (mpips/store/stripes.py); the PS sleeps.
 Figures: parameters updated per second (aggregate over the active workers), median of --reps.
 """
 
@@ -191,15 +194,20 @@ def timed_pushes(cluster, push, active: bool, reps: int, iters: int) -> float:
     return float(np.median(samples)) if active else 0.0
 
 
-def ps_applies(cluster, placement, opt, workers: int, reps: int, iters: int) -> float:
+def ps_applies(
+    cluster, placement, opt, workers: int, reps: int, iters: int, in_place: bool = False
+) -> float:
+    """Seconds per push through the PS (``in_place``: applied by the worker, zero copy)."""
     stateful = opt.stateful
     slots = slot_placement(placement, opt.slots) if stateful else None
-    windows = Windows(comm, cluster.layout, placement, slots, stateful)
+    windows = Windows(
+        comm, cluster.layout, placement, slots, stateful and not in_place, shared=in_place
+    )
     seconds = 0.0
     if cluster.is_ps:
-        serve(cluster, windows, opt.apply if stateful else None, opt.slots)
+        serve(cluster, windows, opt.apply if stateful and not in_place else None, opt.slots)
     else:
-        client = StoreClient(windows, cluster.role.task, stateful)
+        client = StoreClient(windows, cluster.role.task, stateful, opt.apply, opt.slots)
         if cluster.is_chief:
             write_start(client, opt, placement_specs(placement))
             client.control.raise_ready()
@@ -208,7 +216,13 @@ def ps_applies(cluster, placement, opt, workers: int, reps: int, iters: int) -> 
         for g in client.grads.values():
             g[...] = gradient(rng, g.shape)
         active = cluster.role.task < workers
-        seconds = timed_pushes(cluster, lambda: client.push(1e-3), active, reps, iters)
+        t = [0]
+
+        def push():
+            t[0] += 1
+            client.push(1e-3, t=t[0])
+
+        seconds = timed_pushes(cluster, push, active, reps, iters)
         if cluster.is_chief:
             client.control.end_run()  # ends serve() on the PS
     barrier(comm, "the benchmark")
@@ -287,6 +301,8 @@ def main() -> None:
                 t_ps = ps_applies(cluster, placement, opt, workers, args.reps, args.iters)
                 rates[rule] = workers * nparams / comm.allreduce(t_ps, MPI.MAX)
             optim.set_fused_kernels(True)
+            t_in = ps_applies(cluster, placement, opt, workers, args.reps, args.iters, True)
+            rates["in place"] = workers * nparams / comm.allreduce(t_in, MPI.MAX)
             if opt.stateful and not args.no_worker_lock:
                 t_lock = worker_lock(cluster, placement, opt, workers, args.reps, args.iters)
                 rates["lock"] = workers * nparams / comm.allreduce(t_lock, MPI.MAX)
@@ -300,19 +316,22 @@ def main() -> None:
         print(
             f"{'optimizer':<10}{'workers':>8}{'numpy':>8}{'fused':>8}{'fastmath':>9}"
             f"{'numexpr':>8}{'limit':>8} |{'ps numpy':>9}{'/limit':>7}{'ps fused':>9}"
-            f"{'/limit':>7}{'/numpy':>7} |{'worker-lock':>12}{'/limit':>7}"
+            f"{'/limit':>7}{'/numpy':>7} |{'worker-lock':>12}{'/limit':>7} |"
+            f"{'in place':>9}{'/limit':>7}"
         )
         nan = float("nan")
         for kind, w, lims, rates in rows:
             lim = max(v for v in lims.values() if v == v)
-            ps_np, ps_fused, lock = (rates.get(k, nan) for k in ("numpy", "fused", "lock"))
+            ps_np, ps_fused, lock, in_place = (
+                rates.get(k, nan) for k in ("numpy", "fused", "lock", "in place")
+            )
             note = " (Accumulate, no PS code)" if kind == "sgd" else ""
             print(
                 f"{kind:<10}{w:>8}{lims['numpy'] / 1e6:>8.0f}{lims['fused'] / 1e6:>8.0f}"
                 f"{lims['fastmath'] / 1e6:>9.0f}{lims['numexpr'] / 1e6:>8.0f}{lim / 1e6:>8.0f} |"
                 f"{ps_np / 1e6:>9.0f}{ps_np / lim:>7.2f}{ps_fused / 1e6:>9.0f}"
                 f"{ps_fused / lim:>7.2f}{ps_fused / ps_np:>7.2f} |{lock / 1e6:>12.0f}"
-                f"{lock / lim:>7.2f}{note}"
+                f"{lock / lim:>7.2f} |{in_place / 1e6:>9.0f}{in_place / lim:>7.2f}{note}"
             )
     cluster.free()
 

@@ -12,7 +12,8 @@ Rounds alternate between the configurations so all see the same machine load. Ta
 for every stateful optimizer, ``--numpy-rules`` adds a run with the fused kernels off
 (MPIPS_FUSED_KERNELS=0: the numpy rules on the PS) and ``--split-ps`` a run on 2 PS tasks with
 every variable of >= 256 KiB split over both (layout.partition_min_bytes = 262144), the same
-2 workers (4 ranks).
+2 workers (4 ranks). ``--zero-copy`` adds, for every optimizer, a run with ``train.zero_copy``
+(the workers read the PS's memory in place and apply their own updates there).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ steps = {steps}
 batch_size = 128
 log_every = 0
 progress = false
+zero_copy = {zero_copy}
 [layout]
 ps = {ps}
 partition_min_bytes = {split}
@@ -45,9 +47,12 @@ partition_min_bytes = {split}
 SPLIT_BYTES = 262144
 
 
-def configurations(kinds: list[str], numpy_rules: bool, split_ps: bool):
-    """(label, optimizer, PS tasks, partition_min_bytes, environment) of each mpips run."""
+def configurations(kinds: list[str], numpy_rules: bool, split_ps: bool, zero_copy: bool):
+    """(label, optimizer, PS tasks, partition_min_bytes, environment) of each mpips run
+    (a label ending in "zero copy": with train.zero_copy)."""
     runs = [(kind, kind, 1, 0, {}) for kind in kinds]
+    if zero_copy:
+        runs += [(f"{kind} zero copy", kind, 1, 0, {}) for kind in kinds]
     for kind in kinds:
         if kind == "sgd":
             continue
@@ -65,17 +70,22 @@ def main() -> None:
     ap.add_argument("--optimizers", default="sgd", help="comma list: sgd, adam, adagrad, ...")
     ap.add_argument("--numpy-rules", action="store_true", help="also run with the kernels off")
     ap.add_argument("--split-ps", action="store_true", help="also run on 2 PS, variables split")
+    ap.add_argument("--zero-copy", action="store_true", help="also run with train.zero_copy")
     ap.add_argument("--data", default=DEFAULT_DATA)
     args = ap.parse_args()
     data = args.data
     x, y = reference_data(data)
-    runs = configurations(args.optimizers.split(","), args.numpy_rules, args.split_ps)
+    kinds = args.optimizers.split(",")
+    runs = configurations(kinds, args.numpy_rules, args.split_ps, args.zero_copy)
     with tempfile.TemporaryDirectory() as tmp:
         jobs = {}
         for i, (label, kind, ps, split, _) in enumerate(runs):
             jobs[label] = Path(tmp) / f"job{i}.toml"
             lr = 0.05 if kind in ("sgd", "momentum", "adagrad") else 0.001
-            text = JOB.format(data=data, steps=args.steps, kind=kind, lr=lr, ps=ps, split=split)
+            zc = str(label.endswith("zero copy")).lower()
+            text = JOB.format(
+                data=data, steps=args.steps, kind=kind, lr=lr, ps=ps, split=split, zero_copy=zc
+            )
             jobs[label].write_text(text)
         single, multi = [], {label: [] for label, *_ in runs}
         for r in range(args.rounds):

@@ -386,11 +386,13 @@ def test_each_variable_lives_on_the_ps_task_its_placement_names():
     s.close()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["accumulate", "zero_copy"])
 @pytest.mark.parametrize("rule", ["mod", "div"])
-def test_table_rows_come_from_and_go_to_their_owners(rule):
+def test_table_rows_come_from_and_go_to_their_owners(rule, shared):
     """A table split by rows over every PS task: each PS fills its part with the global row
     numbers; a pull of any ids returns those numbers, and a push of ones adds to exactly the
-    pushed rows, on whichever task holds them."""
+    pushed rows, on whichever task holds them. Zero copy: every worker runs SGD (lr -1) on
+    the rows in the PS's memory, 50 times, at once: no update is lost."""
     from mpi4py import MPI
 
     from mpips.placement import partition_rows, place_tables
@@ -403,7 +405,8 @@ def test_table_rows_come_from_and_go_to_their_owners(rule):
     placement = place_tables(
         round_robin([VariableSpec("bias", (1,))], cluster.layout.num_ps), [table], rule
     )
-    windows = Windows(comm, cluster.layout, placement)
+    windows = Windows(comm, cluster.layout, placement, shared=shared)
+    pushes = 50 if shared else 1
     if cluster.is_ps:
         task = cluster.role.task
         mine = np.arange(rows)[slice(*partition_rows(rows, cluster.layout.num_ps, rule)[task])]
@@ -411,13 +414,16 @@ def test_table_rows_come_from_and_go_to_their_owners(rule):
     barrier(comm, "the test")
     ids = np.unique(np.random.default_rng(cluster.rank).integers(0, rows, 300))
     if not cluster.is_ps:
-        client = StoreClient(windows, cluster.role.task)
+        client = StoreClient(windows, cluster.role.task, False, Optimizer("sgd").apply)
+        assert client.applies_in_place == shared
         got = client.pull(ids)["t"]
         np.testing.assert_array_equal(got[:, 0], ids)
         barrier(cluster.workers, "the test")  # every worker has pulled before any pushes
-        for g in client.gradients().values():
-            g[...] = 1
-        client.push()
+        for _ in range(pushes):
+            client.pull(ids)
+            for g in client.gradients().values():
+                g[...] = 1
+            client.push(lr=-1.0)  # (deltas: ignored by the Accumulate path)
     barrier(comm, "the test")
     from mpips.store import allgather_json
 
@@ -428,7 +434,7 @@ def test_table_rows_come_from_and_go_to_their_owners(rule):
         want = np.arange(start, stop, step).astype(np.float32)
         for theirs in pushed:
             hit = np.asarray([i for i in theirs if i in range(start, stop, step)], int)
-            np.add.at(want, (hit - start) // step, 1)
+            np.add.at(want, (hit - start) // step, pushes)
         np.testing.assert_array_equal(windows.held(task)[0]["t"][:, 1], want)
     barrier(comm, "the test")
     windows.free()

@@ -161,6 +161,17 @@ class StoreClient:
                 raise ValueError("zero copy: a worker applies its updates; give it the rule")
             shared = [windows.shared_memory(r) for r in self.ps_ranks]
             slots = views(windows.slots, shared) if windows.slots else {}
+            # each PS task's table partitions' slots, as (rows, width), by table name
+            self._slot_parts = {
+                p: {
+                    name: view.reshape(view.shape[0], -1)
+                    for name, view in views(
+                        windows.slots or (), shared, only_ps=p, by_name=True
+                    ).items()
+                }
+                for p in range(num_ps)
+            }
+            self.slot_names = tuple(slot_names)
             self._stripes = Stripes(
                 windows,
                 task,
@@ -173,6 +184,7 @@ class StoreClient:
                     )
                     for e in whole
                 ],
+                [(p, name) for name, table in self.tables.items() for p in range(len(table.parts))],
                 apply,
             )
         self._row_grads: dict[str, np.ndarray] = {}
@@ -279,7 +291,24 @@ class StoreClient:
         ``settle`` waits for it (the worker prepares its next batch meanwhile).
         """
         if self._stripes is not None:
-            self._stripes.update(lr, t)
+            self._stripes.update(
+                lr,
+                t,
+                [
+                    (
+                        r.ps_task,
+                        r.table.name,
+                        self._parts_in_place[r.table.name, r.ps_task],
+                        {
+                            s: self._slot_parts[r.ps_task][f"{r.table.name}/{s}"]
+                            for s in self.slot_names
+                        },
+                        r.local,
+                        self._row_grads[r.table.name][r.at],
+                    )
+                    for r in self._routed
+                ],
+            )
             return True
         if self.stateful:
             self.settle()  # the inbox is free again

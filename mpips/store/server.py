@@ -159,7 +159,7 @@ class _Chores:
         return False
 
 
-def _apply_rows(
+def apply_rows(
     apply: Apply,
     var: np.ndarray,
     slots: dict[str, np.ndarray],
@@ -230,7 +230,7 @@ def _apply_loop(
             for name, grad in grads.items():
                 apply(variables[name], grad, slots[name], lr, t)
             for name, local, grad in rows:
-                _apply_rows(apply, variables[name], slots[name], local, grad, lr, t)
+                apply_rows(apply, variables[name], slots[name], local, grad, lr, t)
             mail.applied(k)
             on_applied(t)
             applied += 1

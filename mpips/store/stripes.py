@@ -1,6 +1,6 @@
 """Zero copy's push: a worker applies its own update straight to the PS memory it shares
-(``train.zero_copy``, whole variables only), one stripe of a few MiB at a time, each stripe
-under its own lock word in the control window.
+(``train.zero_copy``), one stripe of a few MiB at a time, and the touched rows of each table
+partition, each under its own lock word in the control window.
 
 Why: on one node the bytes are the cost. MPICH serialises ``Accumulate`` into a shared-memory
 window and runs it through a generic loop (7.2 ms a step for the wide MLP's 23 MB, against
@@ -17,6 +17,8 @@ zero copy's pulls always were.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
@@ -24,7 +26,7 @@ from mpi4py import MPI
 from ..errors import Stalled
 from ..waits import MIN_SLEEP
 from .cluster import stall_limit
-from .server import Apply
+from .server import Apply, apply_rows
 from .window import LOCKS_PER_PS, Windows
 
 STRIPE_BYTES = 4 << 20  # small enough that two workers interleave, few enough locks a step
@@ -34,55 +36,69 @@ _FREE = np.zeros(1, np.int64)
 class Stripes:
     """Worker ``task``'s updates in place: ``pieces`` are (ps task, the variable in that
     PS's memory, this worker's gradient, the variable's slots there), all flat arrays of
-    one length; ``apply`` is the optimizer's rule."""
+    one length; ``tables`` are (ps task, table name) of every table partition, each updated
+    under a lock of its own; ``apply`` is the optimizer's rule."""
 
     def __init__(
         self,
         windows: Windows,
         task: int,
         pieces: list[tuple[int, np.ndarray, np.ndarray, dict[str, np.ndarray]]],
+        tables: list[tuple[int, str]],
         apply: Apply,
     ):
         self.params, self.control = windows.params, windows.control
         self.target = windows.control_rank
         self.task, self.apply = task, apply
-        # (lock word, variable, gradient, slots) of every stripe
-        self.stripes: list[tuple[int, np.ndarray, np.ndarray, dict[str, np.ndarray]]] = []
+        # (lock word, the stripe's update(lr, t)) of every stripe
+        self.stripes: list[tuple[int, Callable[[float, int], None]]] = []
         count: dict[int, int] = {}
+
+        def word(ps_task: int) -> int:
+            k = count[ps_task] = count.get(ps_task, -1) + 1
+            return windows.locks_at + ps_task * LOCKS_PER_PS + k % LOCKS_PER_PS
+
         for ps_task, var, grad, slots in pieces:
             step = max(1, STRIPE_BYTES // var.itemsize)
             for a in range(0, var.size, step):
-                k = count.get(ps_task, 0)
-                count[ps_task] = k + 1
-                word = windows.locks_at + ps_task * LOCKS_PER_PS + k % LOCKS_PER_PS
                 cut = slice(a, a + step)
                 parts = {s: v[cut] for s, v in slots.items()}
-                self.stripes.append((word, var[cut], grad[cut], parts))
+                self.stripes.append((word(ps_task), partial(apply, var[cut], grad[cut], parts)))
         if self.stripes:  # workers start at different stripes, not queued behind one another
             shift = task * len(self.stripes) // windows.layout.num_workers
             self.stripes = self.stripes[shift:] + self.stripes[:shift]
+        self.table_words = {key: word(key[0]) for key in tables}
         self._me = np.array([task + 1], np.int64)  # a held word names its holder
         self._old = np.zeros(1, np.int64)
 
-    def update(self, lr: float, t: int) -> None:
-        """Apply the rule with ``lr`` (and ``t``, the 1-based update count) to every stripe,
-        each under its lock; a stripe held by another worker is left for later. A lock held
-        past the stall limit (a worker hung in the middle of its update) ends the job,
-        naming that worker."""
-        pending, since, holder = self.stripes, time.monotonic(), 0
+    def update(
+        self,
+        lr: float,
+        t: int,
+        rows: list[tuple[int, str, np.ndarray, dict[str, np.ndarray], np.ndarray, np.ndarray]],
+    ) -> None:
+        """Apply the rule with ``lr`` (and ``t``, the 1-based update count) to every stripe
+        and to the ``rows`` (ps task, table, its partition, the partition's slots, the rows
+        there, their gradient) of the step, each under its lock; a stripe held by another
+        worker is left for later. A lock held past the stall limit (a worker hung in the
+        middle of its update) ends the job, naming that worker."""
+        pending = self.stripes + [
+            (self.table_words[p, name], partial(apply_rows, self.apply, part, slots, at, grad))
+            for p, name, part, slots, at, grad in rows
+        ]
+        since, holder = time.monotonic(), 0
         while pending:
             later = []
             for stripe in pending:
-                word, var, grad, slots = stripe
-                taken = self._try_lock(word)
+                taken = self._try_lock(stripe[0])
                 if taken:
                     later.append(stripe)
                     holder = taken
                     continue
                 self.params.Sync()  # see the previous holder's stores
-                self.apply(var, grad, slots, lr, t)
+                stripe[1](lr, t)
                 self.params.Sync()  # ours land before the lock is free again
-                self._unlock(word)
+                self._unlock(stripe[0])
             if len(later) < len(pending):
                 since = time.monotonic()
             elif time.monotonic() - since > stall_limit(self.task):

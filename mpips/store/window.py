@@ -32,9 +32,9 @@ LOCKS_PER_PS = 16  # stripe locks per PS task; stripe k of a PS takes word k % L
 
 def updates_in_place(placement: Placement, shared: bool) -> bool:
     """Whether the workers apply their own updates in the PS tasks' memory (stripes.py):
-    zero copy (``shared`` windows) where every variable is whole. Tables and split variables
-    keep the PS path (Accumulate, or the mailbox for stateful optimizers)."""
-    return shared and all(e.whole is None for e in placement)
+    zero copy (``shared`` windows), unless a dense variable is split over PS tasks (those keep
+    the PS path: Accumulate, or the mailbox for stateful optimizers)."""
+    return shared and all(e.whole is None or e.table for e in placement)
 
 
 class WindowPlan:
