@@ -120,7 +120,9 @@ def numexpr_rule(opt: Optimizer):
         numexpr.evaluate(expr, local_dict=names, out=out, casting="same_kind")
 
     def apply(var, grad, s, lr, t):
-        if opt.kind == "momentum":
+        if opt.kind == "sgd":
+            ev("w - lr * g", var, w=var, lr=f32(lr), g=grad)
+        elif opt.kind == "momentum":
             m, mu, lr = s["momentum"], f32(h["momentum"]), f32(lr)
             ev("m * mu + g", m, m=m, mu=mu, g=grad)
             step = "lr * (g + mu * m)" if h["nesterov"] else "lr * m"
@@ -166,7 +168,7 @@ def numexpr_rule(opt: Optimizer):
 def limits(opt: Optimizer, specs, reps: int, iters: int) -> dict[str, float]:
     """Each single-process implementation's rate (rank 0 alone); NaN where it does not run."""
     name = optim.kernel_name(opt.kind, opt.hyper)
-    if name is None:  # plain SGD: one numpy expression, no kernel
+    if name is None:  # no kernel for this rule: one numpy implementation
         rate = limit(opt.apply, opt, specs, reps, iters)
         return {"numpy": rate, "fused": rate, "fastmath": float("nan"), "numexpr": float("nan")}
     impls = {"numpy": numpy_rule(opt), "fused": opt.apply}

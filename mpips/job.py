@@ -90,7 +90,8 @@ class TrainConfig:
     check_every: int = 100  # sync: verify replicas with a copy each are identical every N steps
     eval_every: int = 0  # the chief evaluates on the validation split every N global steps
     # async: workers read the PS tasks' memory in place (MPI shared memory, every rank on
-    # one node) instead of copying it each step: Hogwild-style reads, opt-in
+    # one node) instead of copying it each step, and apply their updates there under stripe
+    # locks: Hogwild-style reads, opt-in
     zero_copy: bool = False
 
 

@@ -94,6 +94,36 @@ def test_pushes_of_ones_sum_exactly(shared):
     s.close()
 
 
+def test_a_stripe_lock_held_too_long_names_its_holder(monkeypatch):
+    """Zero copy: worker 1 holds every stripe lock (as if hung mid-update); worker 0's push
+    ends with Stalled naming worker 1 once the stall limit (here 1 s) has passed."""
+    import mpips.store.stripes as stripes
+    from mpips.errors import Stalled
+    from mpips.store import barrier
+
+    monkeypatch.setattr(stripes, "stall_limit", lambda index: 1.0)
+    s = Store(SPECS + [VariableSpec("big", (3_000_000,))], shared=True)
+    if s.cluster.is_chief:
+        s.control.raise_ready()
+    if not s.cluster.is_ps:
+        s.control.wait_ready(timeout=30)
+        held = s.client._stripes
+        words = list(held.order)
+        if s.cluster.role.task == 1:
+            assert all(held._try_lock(w) == 0 for w in words)
+        barrier(s.cluster.workers, "the test")
+        if s.cluster.role.task == 0:
+            t0 = time.monotonic()
+            with pytest.raises(Stalled, match="locked by /job:worker/task:1 for 1 s"):
+                s.client.push(lr=0.1)
+            assert time.monotonic() - t0 < 10
+        barrier(s.cluster.workers, "the test")
+        if s.cluster.role.task == 1:
+            for w in words:
+                held._unlock(w)
+    s.close()
+
+
 def test_global_steps_are_unique_and_gapless():
     from mpips.store import allgather_json
 

@@ -251,8 +251,9 @@ class StoreClient:
                 else:
                     win.Get([staged, table.base], self.ps_ranks[r.ps_task], target)
                 fetched.append((out[table.name], r.at, staged))
-        for rank in self.ps_ranks:
-            win.Flush(rank)
+        if fetched or not self.in_place or self.nbytes:  # (zero copy: nothing to complete)
+            for rank in self.ps_ranks:
+                win.Flush(rank)
         for rows, at, staged in fetched:
             rows[at] = staged
         return out

@@ -36,8 +36,13 @@ _FREE = np.zeros(1, np.int64)
 class Stripes:
     """Worker ``task``'s updates in place: ``pieces`` are (ps task, the variable in that
     PS's memory, this worker's gradient, the variable's slots there), all flat arrays of
-    one length; ``tables`` are (ps task, table name) of every table partition, each updated
-    under a lock of its own; ``apply`` is the optimizer's rule."""
+    one length; ``tables`` are (ps task, table name) of every table partition; ``apply``
+    is the optimizer's rule.
+
+    A full stripe has a lock word of its own (up to LOCKS_PER_PS - 1 per PS, then shared).
+    Everything smaller on a PS (small variables, the last part of a big one, the touched
+    rows of its table partitions) goes under one more word, taken once a step: a CTR
+    step's tiny dense update and its rows cost one lock, not one each."""
 
     def __init__(
         self,
@@ -50,24 +55,28 @@ class Stripes:
         self.params, self.control = windows.params, windows.control
         self.target = windows.control_rank
         self.task, self.apply = task, apply
-        # (lock word, the stripe's update(lr, t)) of every stripe
-        self.stripes: list[tuple[int, Callable[[float, int], None]]] = []
+        # lock word -> the updates(lr, t) it guards, in the order this worker takes them
+        self.stripes: dict[int, list[Callable[[float, int], None]]] = {}
         count: dict[int, int] = {}
 
-        def word(ps_task: int) -> int:
-            k = count[ps_task] = count.get(ps_task, -1) + 1
-            return windows.locks_at + ps_task * LOCKS_PER_PS + k % LOCKS_PER_PS
+        def word(ps_task: int, full: bool) -> int:
+            """Lock word of a full stripe (the next of its PS), or of the small ones."""
+            k = 0
+            if full:
+                k = count[ps_task] = count.get(ps_task, 0) % (LOCKS_PER_PS - 1) + 1
+            return windows.locks_at + ps_task * LOCKS_PER_PS + k
 
         for ps_task, var, grad, slots in pieces:
             step = max(1, STRIPE_BYTES // var.itemsize)
             for a in range(0, var.size, step):
                 cut = slice(a, a + step)
                 parts = {s: v[cut] for s, v in slots.items()}
-                self.stripes.append((word(ps_task), partial(apply, var[cut], grad[cut], parts)))
-        if self.stripes:  # workers start at different stripes, not queued behind one another
-            shift = task * len(self.stripes) // windows.layout.num_workers
-            self.stripes = self.stripes[shift:] + self.stripes[:shift]
-        self.table_words = {key: word(key[0]) for key in tables}
+                key = word(ps_task, var[cut].size == step)
+                self.stripes.setdefault(key, []).append(partial(apply, var[cut], grad[cut], parts))
+        order = list(self.stripes)  # workers start at different words, not queued behind
+        shift = task * len(order) // windows.layout.num_workers  # one another
+        self.order = order[shift:] + order[:shift]
+        self.table_words = {key: word(key[0], False) for key in tables}
         self._me = np.array([task + 1], np.int64)  # a held word names its holder
         self._old = np.zeros(1, np.int64)
 
@@ -79,26 +88,28 @@ class Stripes:
     ) -> None:
         """Apply the rule with ``lr`` (and ``t``, the 1-based update count) to every stripe
         and to the ``rows`` (ps task, table, its partition, the partition's slots, the rows
-        there, their gradient) of the step, each under its lock; a stripe held by another
+        there, their gradient) of the step, under their locks; a word held by another
         worker is left for later. A lock held past the stall limit (a worker hung in the
         middle of its update) ends the job, naming that worker."""
-        pending = self.stripes + [
-            (self.table_words[p, name], partial(apply_rows, self.apply, part, slots, at, grad))
-            for p, name, part, slots, at, grad in rows
-        ]
+        jobs = {key: list(self.stripes[key]) for key in self.order}
+        for p, name, part, slots, at, grad in rows:
+            rule = partial(apply_rows, self.apply, part, slots, at, grad)
+            jobs.setdefault(self.table_words[p, name], []).append(rule)
+        pending = list(jobs.items())
         since, holder = time.monotonic(), 0
         while pending:
             later = []
-            for stripe in pending:
-                taken = self._try_lock(stripe[0])
+            for key, updates in pending:
+                taken = self._try_lock(key)
                 if taken:
-                    later.append(stripe)
+                    later.append((key, updates))
                     holder = taken
                     continue
                 self.params.Sync()  # see the previous holder's stores
-                stripe[1](lr, t)
+                for run in updates:
+                    run(lr, t)
                 self.params.Sync()  # ours land before the lock is free again
-                self._unlock(stripe[0])
+                self._unlock(key)
             if len(later) < len(pending):
                 since = time.monotonic()
             elif time.monotonic() - since > stall_limit(self.task):
@@ -118,5 +129,5 @@ class Stripes:
         return int(self._old[0])
 
     def _unlock(self, word: int) -> None:
-        self.control.Accumulate(_FREE, self.target, [word, 1, MPI.LONG], MPI.REPLACE)
+        self.control.Fetch_and_op(_FREE, self._old, self.target, word, MPI.REPLACE)
         self.control.Flush(self.target)
