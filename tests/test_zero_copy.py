@@ -6,7 +6,7 @@ still learns. (No update is lost: tests/test_store_mpi.py.)"""
 import numpy as np
 import pytest
 from conftest import run_mpi, run_train
-from test_optimizers_mpi import read_ckpt, reference, write_job
+from test_optimizers_mpi import CASES, read_ckpt, reference, write_job
 
 from mpips.errors import ConfigError
 from mpips.job import parse_job
@@ -14,18 +14,43 @@ from mpips.job import parse_job
 pytestmark = pytest.mark.launcher
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_one_zero_copy_worker_equals_one_process(tmp_path, kind):
-    job = write_job(tmp_path, kind, 40)
+def zero_copy_job(tmp_path, kind, steps, ckpt="runs/ckpt"):
+    job = write_job(tmp_path, kind, steps, ckpt)
     text = (tmp_path / "job.toml").read_text().replace("[train]\n", "[train]\nzero_copy = true\n")
     (tmp_path / "job.toml").write_text(text + "[layout]\nps = 2\n")
+    return job
+
+
+def assert_reference(path, job, steps):
+    """The checkpoint's variables and slots are the one process's, bit for bit."""
+    variables, slots, _ = read_ckpt(path)
+    want, want_slots = reference(job, steps)
+    for name, value in want.items():
+        np.testing.assert_array_equal(variables[name], value, err_msg=name)
+        for slot, s in want_slots[name].items():
+            np.testing.assert_array_equal(slots[f"{name}/{slot}"], s, err_msg=f"{name}/{slot}")
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_one_zero_copy_worker_equals_one_process(tmp_path, kind):
+    """The worker applies each update itself, with the count t a PS would give it, under
+    each rule's learning-rate schedule and clipping (CASES)."""
+    job = zero_copy_job(tmp_path, kind, 40)
     r = run_mpi(3, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "in place (zero copy) and applies its updates there" in r.stdout + r.stderr
-    variables, _, _ = read_ckpt(tmp_path / "runs/ckpt/ckpt-40.json")
-    want, _ = reference(job, 40)
-    for name, value in want.items():
-        np.testing.assert_array_equal(variables[name], value, err_msg=name)
+    assert_reference(tmp_path / "runs/ckpt/ckpt-40.json", job, 40)
+
+
+def test_a_zero_copy_run_resumes_where_it_stopped(tmp_path):
+    """Adam's update count goes on from the restored global_step: 20 + 20 steps equal 40."""
+    zero_copy_job(tmp_path, "adam", 20)
+    assert run_mpi(3, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path).returncode == 0
+    job = zero_copy_job(tmp_path, "adam", 40)
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "restored global_step 20" in r.stdout
+    assert_reference(tmp_path / "runs/ckpt/ckpt-40.json", job, 40)
 
 
 def test_zero_copy_workers_learn_as_well(tmp_path):

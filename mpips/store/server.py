@@ -7,7 +7,10 @@ itself: it watches its mailbox, applies each posted gradient to its own variable
 0.1 s, it backs off to 1 ms sleeps; it never blocks the workers' windows (MPI progress
 happens in the poll).
 
-Either way the PS also answers the chief's checkpoint requests (it writes the shard it
+With ``train.zero_copy`` the workers apply every update themselves, in the PS's shared
+memory (stripes.py), and the PS serves as for plain SGD.
+
+In every case the PS also answers the chief's checkpoint requests (it writes the shard it
 holds, in parallel with the other PS tasks), forwards a preemption signal it receives, and
 watches the workers' clocks: a worker hung mid-run, or a chief that never ends the run, ends
 the job with a message naming it (the PS waits for the whole run, so its wait is policed by

@@ -3,8 +3,9 @@
 partition, each under its own lock word in the control window.
 
 Why: on one node the bytes are the cost. MPICH serialises ``Accumulate`` into a shared-memory
-window and runs it through a generic loop (7.2 ms a step for the wide MLP's 23 MB, against
-2 ms for this path; docs/performance.md), and a stateful optimizer's update through the
+window and runs it through a generic loop (7.2 ms a step for the wide MLP's 23 MB; this path
+takes 1.5-5 ms, mostly the fused update itself; docs/performance.md), and a stateful
+optimizer's update through the
 PS's mailbox costs a copy of the gradient, a PS wake-up and an acknowledgement. Here the
 rule (SGD's fused ``var -= lr * grad``, Adam's fused kernel, ...) runs on the worker, on
 the variables and slots in place. Under a stripe's lock no two workers update the same
