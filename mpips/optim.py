@@ -66,7 +66,7 @@ def apply_adam(
     reference model), in the same order of operations as the plain expression.
     """
     xp = array_module(var)
-    a = xp.multiply(grad, 1 - beta1)
+    a = xp.multiply(grad, 1 - beta1, out=xp.empty_like(grad))  # an array even for a scalar
     m *= beta1
     m += a
     xp.multiply(grad, 1 - beta2, out=a)
@@ -330,7 +330,8 @@ class Optimizer:
 
     @property
     def stateful(self) -> bool:
-        """Needs the PS to apply it (plain SGD is a delta the workers Accumulate)."""
+        """Has slots, so a PS applies it (plain SGD is a delta the workers Accumulate); with
+        zero copy the workers apply every rule themselves."""
         return bool(self.slots)
 
     def init_slots(self, var: np.ndarray) -> dict[str, np.ndarray]:

@@ -30,7 +30,7 @@ SPECS = [
 class Store:
     """Windows + client over COMM_WORLD with the default layout; freed collectively."""
 
-    def __init__(self, specs=SPECS, optimizer=None, shared=False):
+    def __init__(self, specs=SPECS, optimizer=None, shared=False, apply=None):
         from mpi4py import MPI
 
         from mpips.placement import slot_placement
@@ -46,7 +46,7 @@ class Store:
         )
         rule = optimizer or Optimizer("sgd")  # zero copy: the workers apply it themselves
         self.client = StoreClient(
-            self.windows, self.cluster.role.task, stateful, rule.apply, rule.slots
+            self.windows, self.cluster.role.task, stateful, apply or rule.apply, rule.slots
         )
         self.control = self.client.control
 
@@ -64,16 +64,24 @@ class Store:
         self.cluster.free()
 
 
+def slow_sgd(var, grad, slots, lr, t):
+    """SGD with a pause between its loads and its stores: two workers in one stripe at once
+    always lose an update."""
+    before = var.copy()
+    time.sleep(0.002)
+    var[...] = before - lr * grad
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["accumulate", "zero_copy"])
 def test_pushes_of_ones_sum_exactly(shared):
     """Every worker pushes ones at once, over and over: no update is lost. Zero copy: each
-    worker runs SGD (lr -1: plus the gradient) on the PS's memory under stripe locks; its big
-    variable spans several stripes, so the workers' updates overlap in time and a missing
-    lock loses increments."""
+    worker runs SGD (lr -1: plus the gradient; slowed down, so that updates without the
+    stripe locks would overlap and lose increments) on the PS's memory; its big variable
+    spans several stripes."""
     from mpips.store import barrier
 
     specs = SPECS + [VariableSpec("big", (3_000_000,))] if shared else SPECS
-    s = Store(specs, shared=shared)
+    s = Store(specs, shared=shared, apply=slow_sgd)
     pushes = 100 if shared else 200
     init = {spec.name: np.full(spec.shape, 0.5, spec.dtype) for spec in specs}
     if s.cluster.is_chief:
@@ -107,20 +115,96 @@ def test_a_stripe_lock_held_too_long_names_its_holder(monkeypatch):
         s.control.raise_ready()
     if not s.cluster.is_ps:
         s.control.wait_ready(timeout=30)
-        held = s.client._stripes
-        words = list(held.order)
+        words = list(s.client._stripes.order)
+        me, old = np.array([2], np.int64), np.zeros(1, np.int64)  # worker 1 writes 1 + 1
         if s.cluster.role.task == 1:
-            assert all(held._try_lock(w) == 0 for w in words)
+            assert all(stripes._try_lock(s.windows, w, me, old) == 0 for w in words)
         barrier(s.cluster.workers, "the test")
         if s.cluster.role.task == 0:
             t0 = time.monotonic()
-            with pytest.raises(Stalled, match="locked by /job:worker/task:1 for 1 s"):
+            with pytest.raises(Stalled, match=r"locked by /job:worker/task:1 for \d+ s"):
                 s.client.push(lr=0.1)
             assert time.monotonic() - t0 < 10
         barrier(s.cluster.workers, "the test")
         if s.cluster.role.task == 1:
             for w in words:
-                held._unlock(w)
+                stripes._unlock(s.windows, w, old)
+    s.close()
+
+
+def test_in_place_adam_over_many_stripes_equals_a_local_apply(monkeypatch):
+    """Zero copy, stripes of 4 KiB (more full stripes than lock words, slots cut with their
+    variable), a scalar and a float64 variable: worker 0's Adam updates in the PS's memory
+    are a local Optimizer.apply, bit for bit, variables and slots."""
+    import mpips.store.stripes as stripes
+    from mpips.store import barrier
+
+    monkeypatch.setattr(stripes, "STRIPE_BYTES", 4096)
+    specs = SPECS + [VariableSpec("big", (100_000,)), VariableSpec("s", ())]
+    opt = Optimizer("adam", {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-7})
+    s = Store(specs, optimizer=opt, shared=True)
+    rng = np.random.default_rng(5)
+    init = {v.name: rng.standard_normal(v.shape).astype(v.dtype) for v in specs}
+    grads = [
+        {v.name: rng.standard_normal(v.shape).astype(v.dtype) for v in specs} for _ in range(3)
+    ]
+    if s.cluster.is_chief:
+        s.client.initialise(
+            init, {f"{v.name}/{k}": np.zeros(v.shape, v.dtype) for v in specs for k in opt.slots}
+        )
+        s.control.raise_ready()
+    if not s.cluster.is_ps:
+        s.control.wait_ready(timeout=30)
+        if s.cluster.role.task == 0:
+            assert len(s.client._stripes.stripes) >= stripes.LOCKS_PER_PS  # every word of a PS
+            for t, g in enumerate(grads, 1):
+                for name, value in g.items():
+                    s.client.gradients()[name][...] = value
+                s.client.push(lr=0.01, t=t)
+        barrier(s.cluster.workers, "the test")
+        got, got_slots = s.client.pull(), s.client.pull_slots()
+        want = {k: v.copy() for k, v in init.items()}
+        slots = {k: opt.init_slots(v) for k, v in want.items()}
+        for t, g in enumerate(grads, 1):
+            for name in want:
+                opt.apply(want[name], g[name], slots[name], 0.01, t)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+            for k in opt.slots:
+                np.testing.assert_array_equal(got_slots[f"{name}/{k}"], slots[name][k], err_msg=k)
+    s.close()
+
+
+def test_a_ps_holding_its_lock_words_keeps_its_memory_still():
+    """Zero copy: while a PS task holds every lock word of its memory (as it does to write a
+    checkpoint shard), no worker's update lands there; the updates land once it lets go."""
+    from mpips.store import barrier
+    from mpips.store.stripes import hold_ps, release_ps
+
+    s = Store(SPECS + [VariableSpec("big", (3_000_000,))], shared=True)
+    if s.cluster.is_chief:
+        s.control.raise_ready()
+    if s.cluster.is_ps:
+        task = s.cluster.role.task
+        hold_ps(s.windows, task)
+        barrier(s.comm, "the test")  # the workers push now
+        before = s.windows.local(s.windows.params).copy()
+        time.sleep(0.5)
+        s.windows.params.Sync()
+        assert np.array_equal(s.windows.local(s.windows.params), before)
+        release_ps(s.windows, task)
+    else:
+        s.control.wait_ready(timeout=30)
+        for g in s.client.grads.values():
+            g[...] = 1
+        barrier(s.comm, "the test")
+        t0 = time.monotonic()
+        s.client.push(lr=-1.0)
+        assert time.monotonic() - t0 > 0.4  # it waited for the PS tasks to let go
+    barrier(s.comm, "the test")
+    if not s.cluster.is_ps:
+        got = s.client.pull()
+        np.testing.assert_array_equal(got["big"], s.cluster.layout.num_workers)
     s.close()
 
 

@@ -1,5 +1,7 @@
 """Worker side of the store: pull (Get) and push (Accumulate, or inbox + mailbox for stateful
 optimizers) of the whole variables, and of the rows a batch touches in partitioned tables.
+With zero copy the pull reads the PS's memory in place and the push applies the rule there
+(stripes.py).
 
 All whole variables of one PS are contiguous in its window, so their pull is one ``Get`` per
 PS and their push one ``Accumulate`` (or one ``Put``) per PS and dtype run, whatever the
@@ -20,7 +22,7 @@ from mpi4py import MPI
 from ..placement import Placed, owner_and_row, views
 from .control import RunControl
 from .mailbox import WorkerMail
-from .server import Apply
+from .rules import Apply
 from .stripes import Stripes
 from .window import Windows
 
@@ -161,15 +163,11 @@ class StoreClient:
                 raise ValueError("zero copy: a worker applies its updates; give it the rule")
             shared = [windows.shared_memory(r) for r in self.ps_ranks]
             slots = views(windows.slots, shared) if windows.slots else {}
-            # each PS task's table partitions' slots, as (rows, width), by table name
+            # each table partition's slots, as (rows, width), by (slot name, ps task)
             self._slot_parts = {
-                p: {
-                    name: view.reshape(view.shape[0], -1)
-                    for name, view in views(
-                        windows.slots or (), shared, only_ps=p, by_name=True
-                    ).items()
-                }
-                for p in range(num_ps)
+                (e.name, e.ps_task): slots[e.spec.name].reshape(-1, int(np.prod(e.spec.shape[1:])))
+                for e in windows.slots or ()
+                if e.table and e.whole is not None
             }
             self.slot_names = tuple(slot_names)
             self._stripes = Stripes(
@@ -301,7 +299,7 @@ class StoreClient:
                         r.table.name,
                         self._parts_in_place[r.table.name, r.ps_task],
                         {
-                            s: self._slot_parts[r.ps_task][f"{r.table.name}/{s}"]
+                            s: self._slot_parts[f"{r.table.name}/{s}", r.ps_task]
                             for s in self.slot_names
                         },
                         r.local,

@@ -32,6 +32,8 @@ from ..waits import poll
 from .cluster import POLL_SECONDS, Cluster, start_limit, unreachable
 from .control import RunControl
 from .mailbox import PsMail
+from .rules import Apply, apply_rows
+from .stripes import hold_ps, release_ps
 from .watchdog import Watchdog
 from .window import Windows
 
@@ -42,8 +44,6 @@ _PROGRESS_TAG = 7999  # never sent: an Iprobe for it only lets MPI make progress
 CHORE_SECONDS = 5e-3  # how often a PS looks for a checkpoint request or the end of the run
 
 WriteShard = Callable[[int, dict[str, np.ndarray], dict[str, np.ndarray]], None]
-# a stateful optimizer's rule: apply(variable, gradient, slots by name, lr, t), in place
-Apply = Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray], float, int], None]
 
 
 def serve(
@@ -147,6 +147,9 @@ class _Chores:
             number, step = self.control.checkpoint_request()
             if number > self.served:
                 self.drain()  # every update counted before the request is in the shard
+                in_place = self.windows.updates_in_place  # workers update while it writes
+                if in_place:  # ... unless it holds every lock word of its memory
+                    hold_ps(self.windows, self.task)
                 self.windows.params.Sync()  # see every Put and Accumulate that has landed
                 try:
                     self.write_shard(step, *self.windows.held(self.task))
@@ -154,33 +157,15 @@ class _Chores:
                     if self.control.claim_failure():
                         raise
                     raise AlreadyReported(str(e)) from e
+                finally:
+                    if in_place:
+                        release_ps(self.windows, self.task)
                 self.served = number
                 self.control.shard_written(self.task, number)
         if self.control.run_ended():
             return True
         self.watchdog.check()
         return False
-
-
-def apply_rows(
-    apply: Apply,
-    var: np.ndarray,
-    slots: dict[str, np.ndarray],
-    rows: np.ndarray,
-    grad: np.ndarray,
-    lr: float,
-    t: int,
-) -> None:
-    """The rule on the touched rows of a table partition and of its slots only (sparse
-    update: untouched rows and their accumulators stay as they are)."""
-    if not rows.size:
-        return
-    v = var[rows]
-    s = {k: a[rows] for k, a in slots.items()}
-    apply(v, grad, s, lr, t)
-    var[rows] = v
-    for k, a in slots.items():
-        a[rows] = s[k]
 
 
 class _Pace:

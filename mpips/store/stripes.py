@@ -1,18 +1,20 @@
 """Zero copy's push: a worker applies its own update straight to the PS memory it shares
-(``train.zero_copy``), one stripe of a few MiB at a time, and the touched rows of each table
-partition, each under its own lock word in the control window.
+(``train.zero_copy``), a stripe of a few MiB at a time, each under a lock word in the control
+window.
 
 Why: on one node the bytes are the cost. MPICH serialises ``Accumulate`` into a shared-memory
-window and runs it through a generic loop (7.2 ms a step for the wide MLP's 23 MB; this path
-takes 1.5-5 ms, mostly the fused update itself; docs/performance.md), and a stateful
-optimizer's update through the
-PS's mailbox costs a copy of the gradient, a PS wake-up and an acknowledgement. Here the
-rule (SGD's fused ``var -= lr * grad``, Adam's fused kernel, ...) runs on the worker, on
-the variables and slots in place. Under a stripe's lock no two workers update the same
-elements at once, so no update is lost; every rule is elementwise, so each element sees
-whole updates one after another, as on the PS. A worker whose next stripe is taken updates
-another one meanwhile, so two workers rarely wait for each other. Reads stay Hogwild, as
-zero copy's pulls always were.
+window and runs it through a generic loop: 7.2 ms a step for the wide MLP's 23 MB, where this
+path takes 1.5-5 ms, mostly the fused update itself (docs/performance.md). A stateful
+optimizer's update through the PS's mailbox costs a copy of the gradient, a PS wake-up and an
+acknowledgement. Here the rule (SGD's fused ``var -= lr * grad``, Adam's fused kernel, ...)
+runs on the worker, on the variables and slots in place.
+
+Under a word's lock no two workers update the same elements at once, so no update is lost;
+every rule is elementwise, so each element (and its slots) sees whole updates one after
+another, as on the PS. A worker holds one word at a time and never waits while holding one;
+it updates the stripes of free words first. A PS task takes all of its words before it writes
+a checkpoint shard (``hold_ps``), so each element of the shard is from whole updates, with
+its slots. Reads stay Hogwild, as zero copy's pulls always were.
 """
 
 from __future__ import annotations
@@ -27,11 +29,65 @@ from mpi4py import MPI
 from ..errors import Stalled
 from ..waits import MIN_SLEEP
 from .cluster import stall_limit
-from .server import Apply, apply_rows
+from .rules import Apply, apply_rows
 from .window import LOCKS_PER_PS, Windows
 
 STRIPE_BYTES = 4 << 20  # small enough that two workers interleave, few enough locks a step
 _FREE = np.zeros(1, np.int64)
+
+
+def _try_lock(windows: Windows, word: int, me: np.ndarray, old: np.ndarray) -> int:
+    """Take lock ``word`` if it is free (0); else its holder (see ``_holder``)."""
+    windows.control.Compare_and_swap(me, _FREE, old, windows.control_rank, word)
+    windows.control.Flush(windows.control_rank)
+    return int(old[0])
+
+
+def _unlock(windows: Windows, word: int, old: np.ndarray) -> None:
+    windows.control.Fetch_and_op(_FREE, old, windows.control_rank, word, MPI.REPLACE)
+    windows.control.Flush(windows.control_rank)
+
+
+def _holder(word_value: int) -> str:
+    """Who holds a word: worker k writes k + 1, PS task p writes -(p + 1)."""
+    if word_value > 0:
+        return f"/job:worker/task:{word_value - 1}"
+    return f"/job:ps/task:{-word_value - 1} (writing its checkpoint shard)"
+
+
+def _stalled(me: str, word_value: int, waited: float) -> Stalled:
+    return Stalled(
+        f"{me}: a stripe of PS memory has been locked by {_holder(word_value)} for "
+        f"{waited:.0f} s (hung in the middle of its update?)"
+    )
+
+
+def ps_words(windows: Windows, ps_task: int) -> list[int]:
+    """Every lock word of PS task ``ps_task``'s memory."""
+    start = windows.locks_at + ps_task * LOCKS_PER_PS
+    return list(range(start, start + LOCKS_PER_PS))
+
+
+def hold_ps(windows: Windows, ps_task: int) -> None:
+    """PS task ``ps_task``: take every lock word of its memory, in order, each as soon as the
+    worker holding it has finished its stripe (workers never wait while holding a word, so
+    this cannot deadlock). Until ``release_ps``, no worker changes this PS's memory."""
+    me, old = np.array([-(ps_task + 1)], np.int64), np.zeros(1, np.int64)
+    for word in ps_words(windows, ps_task):
+        since, sleep = time.monotonic(), MIN_SLEEP
+        while taken := _try_lock(windows, word, me, old):
+            waited = time.monotonic() - since
+            if waited > stall_limit(windows.layout.num_workers + ps_task):
+                raise _stalled(f"/job:ps/task:{ps_task}", taken, waited)
+            time.sleep(sleep)
+            sleep = min(1e-3, sleep * 2)
+
+
+def release_ps(windows: Windows, ps_task: int) -> None:
+    """PS task ``ps_task``: give back the words ``hold_ps`` took."""
+    old = np.zeros(1, np.int64)
+    for word in ps_words(windows, ps_task):
+        _unlock(windows, word, old)
 
 
 class Stripes:
@@ -53,8 +109,7 @@ class Stripes:
         tables: list[tuple[int, str]],
         apply: Apply,
     ):
-        self.params, self.control = windows.params, windows.control
-        self.target = windows.control_rank
+        self.windows, self.params = windows, windows.params
         self.task, self.apply = task, apply
         # lock word -> the updates(lr, t) it guards, in the order this worker takes them
         self.stripes: dict[int, list[Callable[[float, int], None]]] = {}
@@ -101,34 +156,22 @@ class Stripes:
         while pending:
             later = []
             for key, updates in pending:
-                taken = self._try_lock(key)
+                taken = _try_lock(self.windows, key, self._me, self._old)
                 if taken:
                     later.append((key, updates))
                     holder = taken
                     continue
-                self.params.Sync()  # see the previous holder's stores
-                for run in updates:
-                    run(lr, t)
-                self.params.Sync()  # ours land before the lock is free again
-                self._unlock(key)
+                try:
+                    self.params.Sync()  # see the previous holder's stores
+                    for run in updates:
+                        run(lr, t)
+                    self.params.Sync()  # ours land before the lock is free again
+                finally:
+                    _unlock(self.windows, key, self._old)
             if len(later) < len(pending):
                 since = time.monotonic()
             elif time.monotonic() - since > stall_limit(self.task):
-                raise Stalled(
-                    f"/job:worker/task:{self.task}: a stripe of PS memory has been locked by "
-                    f"/job:worker/task:{holder - 1} for {time.monotonic() - since:.0f} s "
-                    "(hung in the middle of its update?)"
-                )
+                raise _stalled(f"/job:worker/task:{self.task}", holder, time.monotonic() - since)
             else:
                 time.sleep(MIN_SLEEP)
             pending = later
-
-    def _try_lock(self, word: int) -> int:
-        """Take lock ``word`` if it is free (0); else the holder's task + 1."""
-        self.control.Compare_and_swap(self._me, _FREE, self._old, self.target, word)
-        self.control.Flush(self.target)
-        return int(self._old[0])
-
-    def _unlock(self, word: int) -> None:
-        self.control.Fetch_and_op(_FREE, self._old, self.target, word, MPI.REPLACE)
-        self.control.Flush(self.target)

@@ -4,7 +4,8 @@ windows for the mailboxes (one per PS) and the control counters (on ps task 0).
 A PS window holds ``[variables | table partitions | optimizer slots | one gradient inbox per
 worker]``; the inboxes exist only for stateful optimizers, which the PS applies itself (plain
 SGD is Accumulated). What an inbox holds, and the mail window's words, are the mailbox
-protocol's (mailbox.py).
+protocol's (mailbox.py). With zero copy (``shared``) the windows are MPI shared memory and
+the workers apply every update in place under lock words (stripes.py): no inboxes.
 
 Every rank opens one ``Lock_all`` epoch per window for the whole run and completes each
 operation with ``Flush``: with MPICH a Lock/Unlock per operation waits for the (sleeping)
@@ -27,7 +28,7 @@ from .mailbox import Inbox, mail_words
 # checkpoint request it wrote its shard for, then a clock and a done flag per worker, then
 # (zero copy) LOCKS_PER_PS stripe locks per PS task
 GLOBAL_STEP, TICKETS, READY, STOP, CKPT_SEQ, CKPT_STEP, ENDED, FAILED, SHARDS = range(9)
-LOCKS_PER_PS = 16  # stripe locks per PS task; stripe k of a PS takes word k % LOCKS_PER_PS
+LOCKS_PER_PS = 16  # lock words per PS task (stripes.py: word 0 for small pieces and rows)
 
 
 def updates_in_place(placement: Placement, shared: bool) -> bool:
@@ -64,14 +65,15 @@ class WindowPlan:
         worker."""
         return self.inbox_offset(task, workers) if inboxes else self.state_bytes(task)
 
-    def rank_bytes(self, layout: Layout, inboxes: bool) -> list[int]:
+    def rank_bytes(self, layout: Layout, inboxes: bool, shared: bool = False) -> list[int]:
         """What each rank allocates for the store: a PS its window, a worker its pull and
-        push buffers (two copies of every whole variable)."""
+        push buffers (two copies of every whole variable; ``shared``, zero copy: the push
+        buffers only, as it reads the PS's memory in place)."""
         dense = sum(self.placement.dense_bytes(p) for p in range(self.placement.num_ps))
         return [
             self.window_bytes(role.task, layout.num_workers, inboxes)
             if role.job == "ps"
-            else 2 * dense
+            else dense * (1 if shared else 2)
             for role in map(layout.role, range(layout.world_size))
         ]
 
