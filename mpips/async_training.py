@@ -385,7 +385,7 @@ class AsyncWorker:
             + (
                 f", reads {self.client.in_place_bytes / 1e6:.2f} MB in place (zero copy)"
                 + (" and applies its updates there" if self.client.applies_in_place else "")
-                if self.client.in_place
+                if self.client.reads_in_place
                 else ""
             )
             + (f", resuming at batch {self.clock}" if self.clock else ""),

@@ -112,10 +112,10 @@ class StoreClient:
         whole = [e for e in placement.dense if e.whole is None]
         # whole variables of each PS, laid out like the start of its window: this worker's
         # buffers, or (zero copy, shared windows) the PS's own memory, read in place
-        self.in_place = windows.shared
+        self.reads_in_place = windows.shared
         self._live = [
             windows.shared_memory(r)[: placement.whole_bytes(p)]
-            if self.in_place
+            if self.reads_in_place
             else np.zeros(placement.whole_bytes(p), np.uint8)
             for p, r in enumerate(self.ps_ranks)
         ]
@@ -153,7 +153,7 @@ class StoreClient:
             .reshape(-1, table.width)
             for name, table in self.tables.items()
             for p, part in enumerate(table.parts)
-            if self.in_place
+            if self.reads_in_place
         }
         self.mail = WorkerMail(windows, task)  # the mailbox protocol (stateful push)
         self.applies_in_place = windows.updates_in_place
@@ -203,7 +203,7 @@ class StoreClient:
     def pulled_bytes(self) -> int:
         """Bytes the last pull moved: the whole variables, plus the table rows (a push of SGD
         deltas moves as many)."""
-        if self.in_place:  # zero copy: rows are read in place too
+        if self.reads_in_place:  # zero copy: rows are read in place too
             return self.nbytes
         return self.nbytes + sum(
             len(r.local) * r.table.width * r.table.dtype.itemsize for r in self._routed
@@ -221,7 +221,7 @@ class StoreClient:
         for seg in self._segments:
             if not seg.in_place:
                 win.Get([seg.params, MPI.BYTE], seg.rank, [seg.offset, seg.params.size, MPI.BYTE])
-        if self.in_place:
+        if self.reads_in_place:
             win.Sync()  # loads from the PS's memory see every update that has landed
         out = self.params
         fetched = []
@@ -232,7 +232,7 @@ class StoreClient:
                 self._row_grads[table.name] = np.empty_like(out[table.name])
             for r in self._routed:
                 table = r.table
-                if self.in_place:  # zero copy: the rows straight from the PS's memory
+                if self.reads_in_place:  # zero copy: the rows straight from the PS's memory
                     out[table.name][r.at] = self._parts_in_place[table.name, r.ps_task][r.local]
                     continue
                 staged = np.empty((len(r.at), table.width), table.dtype)
@@ -249,7 +249,7 @@ class StoreClient:
                 else:
                     win.Get([staged, table.base], self.ps_ranks[r.ps_task], target)
                 fetched.append((out[table.name], r.at, staged))
-        if fetched or not self.in_place or self.nbytes:  # (zero copy: nothing to complete)
+        if fetched or not self.reads_in_place or self.nbytes:  # (zero copy: nothing to complete)
             for rank in self.ps_ranks:
                 win.Flush(rank)
         for rows, at, staged in fetched:
@@ -264,7 +264,7 @@ class StoreClient:
         self._routed, self._row_grads = [], {}
         for table in self.tables.values():
             for p, at, local in table.route(ids):
-                mpi_type = None if self.in_place else table.rows_type(local)
+                mpi_type = None if self.reads_in_place else table.rows_type(local)
                 self._routed.append(Routed(table, p, at, local, mpi_type))
 
     def gradients(self) -> dict[str, np.ndarray]:
@@ -379,7 +379,7 @@ class StoreClient:
                 win.Put([seg.params, MPI.BYTE], seg.rank, [seg.offset, seg.params.size, MPI.BYTE])
         for rank in self.ps_ranks:
             win.Flush(rank)
-        if self.in_place:
+        if self.reads_in_place:
             win.Sync()
 
     def pull_slots(self) -> dict[str, np.ndarray]:
@@ -435,7 +435,7 @@ def _segments(client: StoreClient) -> list[Segment]:
                     live[start:end],
                     client._grad_bufs[p][start:end],
                     np.dtype(dtype),
-                    client.in_place,
+                    client.reads_in_place,
                 )
             )
         for e in on_ps:
