@@ -233,7 +233,7 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     x = rng.standard_normal((batch, 784)).astype(np.float32)
     y = rng.integers(0, 10, batch)
 
-    def sgd(name: str, var: np.ndarray, grad: np.ndarray, slots: dict) -> None:
+    def sgd(var: np.ndarray, grad: np.ndarray, slots: dict) -> None:
         Optimizer("sgd").apply(var, grad, {}, WORKLOADS[args.workload][2], 1)
 
     def reduce_only() -> None:

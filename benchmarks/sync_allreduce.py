@@ -68,7 +68,7 @@ def main() -> None:
     lr = 0.01
     sgd = Optimizer("sgd")
 
-    def update(name: str, var: np.ndarray, grad: np.ndarray, slots: dict) -> None:
+    def update(var: np.ndarray, grad: np.ndarray, slots: dict) -> None:
         sgd.apply(var, grad, {}, lr, 1)
 
     rng = np.random.default_rng(comm.rank)

@@ -28,6 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import AlreadyReported, ReplicasDiverged, Stalled
+from .optim import clip_by_global_norm
 from .placement import VariableSpec
 from .store import (
     STALL_TIMEOUT,
@@ -43,9 +44,9 @@ from .waits import poll
 LOSS = "__loss__"  # the batch loss: rides in the last bucket, averaged, never updated
 ALIGN = 16  # elements: buckets, and parts where they can, start on a 64-byte line
 
-# update(name, part of the variable, its summed gradient (mean once divided), its slots'
-# parts): applies the optimizer in place to the part of one variable a replica owns
-Update = Callable[[str, np.ndarray, np.ndarray, dict[str, np.ndarray]], None]
+# update(part of the variable, its summed gradient (mean once divided), its slots' parts):
+# applies the optimizer in place to the part of one variable a replica owns
+Update = Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray]], None]
 
 
 @dataclass
@@ -225,7 +226,8 @@ class GradientBuckets:
         broadcast(self.comm, arrays, root)
 
     def start_step(self) -> None:
-        self._pending = {i: set(b.names) for i, b in enumerate(self.buckets)}
+        if self._shared is None:  # (shared memory: nothing is reduced during backward)
+            self._pending = {i: set(b.names) for i, b in enumerate(self.buckets)}
 
     def ready(self, name: str) -> None:
         """Backward has written gradient ``name``: start its bucket's reduction if complete."""
@@ -339,12 +341,13 @@ class GradientBuckets:
         """Scale every replica's parts of the mean gradients (the loss aside) by one factor,
         from their joint norm: each replica's sum of squares, summed over the replicas."""
         parts = [g for b in self.buckets for name, g in self._grad_parts(b) if name != LOSS]
-        total = np.array([sum(float((g.astype("float64") ** 2).sum()) for g in parts)])
-        complete(self.comm, self.comm.Iallreduce(MPI.IN_PLACE, total, MPI.SUM), "the norm")
-        norm = math.sqrt(float(total[0]))
-        if norm > clip_norm:
-            for g in parts:
-                g *= clip_norm / norm
+
+        def over_replicas(squares: float) -> float:
+            total = np.array([squares])
+            complete(self.comm, self.comm.Iallreduce(MPI.IN_PLACE, total, MPI.SUM), "the norm")
+            return float(total[0])
+
+        clip_by_global_norm(parts, clip_norm, over_replicas)
 
     def _update(self, b: Bucket, update: Update) -> None:
         """Apply this replica's part of bucket ``b`` to the variables and their slots."""
@@ -354,7 +357,7 @@ class GradientBuckets:
                 store.values[lo:hi] = grad
                 continue
             slots = {k: buf[lo:hi] for k, buf in store.slots.items()}
-            update(name, store.values[lo:hi], grad, slots)
+            update(store.values[lo:hi], grad, slots)
 
     def collect_slots(self) -> None:
         """Fetch every other replica's parts of the optimizer slots (one-sided, passive

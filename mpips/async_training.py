@@ -86,8 +86,8 @@ def open_store(
     # zero copy: the workers apply their updates in PS memory (store/stripes.py), else a
     # PS task applies those of stateful optimizers and sync_replicas
     in_place = updates_in_place(placement, job.train.zero_copy)
-    ps_applies = cluster.is_ps and (optimizer.stateful or replicas) and not in_place
-    if ps_applies or (in_place and not cluster.is_ps):
+    inboxes = (optimizer.stateful or replicas) and not in_place
+    if (cluster.is_ps and inboxes) or (in_place and not cluster.is_ps):
         optimizer.prepare()  # its fused kernel compiles meanwhile, not at the first update
     cluster.check_placement(placement)
     warning = imbalance(placement, job.layout.placement)
@@ -99,13 +99,13 @@ def open_store(
         cluster.layout,
         placement,
         slots,
-        (optimizer.stateful or replicas) and not in_place,
+        inboxes,
         row_capacity=job.train.batch_size * max(1, prep.info.max_nnz),
         shared=job.train.zero_copy,
     )
     if prep.local:  # a PS task: restored state or fresh table partitions
         windows.fill_own(cluster.role.task, prep.local)
-    if cluster.is_ps and (replicas or optimizer.stateful) and not in_place:
+    if cluster.is_ps and windows.inboxes:
         # the step it starts from is set before any worker reads it (sync_replicas) or an
         # update is posted (async: a worker counts its update before it is applied)
         publish_start_step(windows, cluster.role.task, cluster.rank, prep.start_step)
@@ -133,8 +133,7 @@ def run_ps(
 
     replicas = job.train.mode == "sync_replicas"
     timeline = job_timeline(job, "ps", task)
-    applies = (optimizer.stateful or replicas) and not windows.updates_in_place
-    apply = optimizer.apply if applies else None
+    apply = optimizer.apply if windows.inboxes else None
     rate = None  # this PS's apply rate, when it applies and summaries are on
     if apply is not None and (rate := ps_summaries(job, task)):
         apply = rate.timed(apply)

@@ -28,7 +28,7 @@ from .backend import Device
 from .errors import ConfigError
 from .hooks import Hook, PendingSave
 from .job import Job
-from .optim import Optimizer, learning_rate
+from .optim import Optimizer
 from .run import TrainResult, evaluate_on, report
 from .startup import Prepared
 from .store import Cluster, StoreClient, Windows, start_limit
@@ -102,11 +102,10 @@ class HybridReplica(Replica):
         """Its own signal, or one any task (a PS task included) set in the control window."""
         return preemption.requested() or self.control.stop_signal()
 
-    def _push_rows(self, grads: dict[str, Any], step: int) -> None:
+    def _push_rows(self, grads: dict[str, Any], lr: float) -> None:
         """This worker's gradient rows (deltas for SGD) to the PS tasks, applied there before
         this returns (and so before the dense update is shared, and before any replica's
         next pull); the step's clock, for the PS tasks' watchdogs."""
-        lr = learning_rate(self.oc, step)
         if not self.optimizer.stateful:
             for table in self.client.tables:
                 grads[table] *= -lr

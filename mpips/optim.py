@@ -411,15 +411,19 @@ def learning_rate(cfg: Any, step: int) -> float:
     return lr
 
 
-def clip_by_global_norm(grads: list[Array], clip_norm: float) -> float:
+def clip_by_global_norm(
+    grads: list[Array], clip_norm: float, total: Callable[[float], float] | None = None
+) -> float:
     """Scale all gradients in place so their joint L2 norm is at most ``clip_norm``.
 
     Returns the norm before clipping. ``clip_norm <= 0`` means no clipping: nothing is
-    computed (this runs on every step) and 0.0 is returned.
+    computed (this runs on every step) and 0.0 is returned. ``total``: the sum of squares
+    over every process holding a part of the gradients, from this one's (sync replicas).
     """
     if clip_norm <= 0:
         return 0.0
-    norm = math.sqrt(sum(float((g.astype("float64") ** 2).sum()) for g in grads))
+    squares = sum(float((g.astype("float64") ** 2).sum()) for g in grads)
+    norm = math.sqrt(total(squares) if total else squares)
     if norm > clip_norm:
         for g in grads:
             g *= clip_norm / norm

@@ -242,7 +242,7 @@ class Replica:
         self.stopped = stopped
         return not (stopped or asked)
 
-    def _push_rows(self, grads: dict[str, Any], step: int) -> None:
+    def _push_rows(self, grads: dict[str, Any], lr: float) -> None:
         """Hybrid mode sends its table rows' gradients to the PS tasks (sync has none)."""
 
     def _start(self) -> int:
@@ -330,13 +330,13 @@ class Replica:
         go = self._agree(loss, step)
         if tl:
             t = tl.span("agreement", t)
+        lr = learning_rate(self.oc, step)
         if go:
-            self._push_rows(grads, step)
+            self._push_rows(grads, lr)
             if tl and params is not self.params:
                 t = tl.span("push and ack", t)
-        lr = learning_rate(self.oc, step)
 
-        def update(name: str, var: Any, grad: Any, slots: dict[str, Any]) -> None:
+        def update(var: Any, grad: Any, slots: dict[str, Any]) -> None:
             self.optimizer.apply(var, grad, slots, lr, step + 1)
 
         # not applied when stopping: the checkpoint is exact at `step`

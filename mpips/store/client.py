@@ -164,12 +164,11 @@ class StoreClient:
             shared = [windows.shared_memory(r) for r in self.ps_ranks]
             slots = views(windows.slots, shared) if windows.slots else {}
             # each table partition's slots, as (rows, width), by (slot name, ps task)
-            self._slot_parts = {
+            slot_parts = {
                 (e.name, e.ps_task): slots[e.spec.name].reshape(-1, int(np.prod(e.spec.shape[1:])))
                 for e in windows.slots or ()
                 if e.table and e.whole is not None
             }
-            self.slot_names = tuple(slot_names)
             self._stripes = Stripes(
                 windows,
                 task,
@@ -182,7 +181,14 @@ class StoreClient:
                     )
                     for e in whole
                 ],
-                [(p, name) for name, table in self.tables.items() for p in range(len(table.parts))],
+                {
+                    (name, p): (
+                        self._parts_in_place[name, p],
+                        {s: slot_parts[f"{name}/{s}", p] for s in slot_names},
+                    )
+                    for name, table in self.tables.items()
+                    for p in range(len(table.parts))
+                },
                 apply,
             )
         self._row_grads: dict[str, np.ndarray] = {}
@@ -249,7 +255,7 @@ class StoreClient:
                 else:
                     win.Get([staged, table.base], self.ps_ranks[r.ps_task], target)
                 fetched.append((out[table.name], r.at, staged))
-        if fetched or not self.reads_in_place or self.nbytes:  # (zero copy: nothing to complete)
+        if fetched or self.nbytes:  # else nothing to complete (zero copy)
             for rank in self.ps_ranks:
                 win.Flush(rank)
         for rows, at, staged in fetched:
@@ -290,24 +296,11 @@ class StoreClient:
         ``settle`` waits for it (the worker prepares its next batch meanwhile).
         """
         if self._stripes is not None:
-            self._stripes.update(
-                lr,
-                t,
-                [
-                    (
-                        r.ps_task,
-                        r.table.name,
-                        self._parts_in_place[r.table.name, r.ps_task],
-                        {
-                            s: self._slot_parts[f"{r.table.name}/{s}", r.ps_task]
-                            for s in self.slot_names
-                        },
-                        r.local,
-                        self._row_grads[r.table.name][r.at],
-                    )
-                    for r in self._routed
-                ],
-            )
+            rows = [
+                (r.table.name, r.ps_task, r.local, self._row_grads[r.table.name][r.at])
+                for r in self._routed
+            ]
+            self._stripes.update(lr, t, rows)
             return True
         if self.stateful:
             self.settle()  # the inbox is free again

@@ -93,8 +93,8 @@ def release_ps(windows: Windows, ps_task: int) -> None:
 class Stripes:
     """Worker ``task``'s updates in place: ``pieces`` are (ps task, the variable in that
     PS's memory, this worker's gradient, the variable's slots there), all flat arrays of
-    one length; ``tables`` are (ps task, table name) of every table partition; ``apply``
-    is the optimizer's rule.
+    one length; ``tables`` map (table name, ps task) to that partition in the PS's memory
+    and its slots there, as (rows, width) arrays; ``apply`` is the optimizer's rule.
 
     A full stripe has a lock word of its own (up to LOCKS_PER_PS - 1 per PS, then shared).
     Everything smaller on a PS (small variables, the last part of a big one, the touched
@@ -106,7 +106,7 @@ class Stripes:
         windows: Windows,
         task: int,
         pieces: list[tuple[int, np.ndarray, np.ndarray, dict[str, np.ndarray]]],
-        tables: list[tuple[int, str]],
+        tables: dict[tuple[str, int], tuple[np.ndarray, dict[str, np.ndarray]]],
         apply: Apply,
     ):
         self.windows, self.params = windows, windows.params
@@ -132,7 +132,8 @@ class Stripes:
         order = list(self.stripes)  # workers start at different words, not queued behind
         shift = task * len(order) // windows.layout.num_workers  # one another
         self.order = order[shift:] + order[:shift]
-        self.table_words = {key: word(key[0], False) for key in tables}
+        # (table name, ps task) -> (its lock word, the partition, its slots)
+        self.tables = {key: (word(key[1], False), *part) for key, part in tables.items()}
         self._me = np.array([task + 1], np.int64)  # a held word names its holder
         self._old = np.zeros(1, np.int64)
 
@@ -140,17 +141,19 @@ class Stripes:
         self,
         lr: float,
         t: int,
-        rows: list[tuple[int, str, np.ndarray, dict[str, np.ndarray], np.ndarray, np.ndarray]],
+        rows: list[tuple[str, int, np.ndarray, np.ndarray]],
     ) -> None:
         """Apply the rule with ``lr`` (and ``t``, the 1-based update count) to every stripe
-        and to the ``rows`` (ps task, table, its partition, the partition's slots, the rows
-        there, their gradient) of the step, under their locks; a word held by another
-        worker is left for later. A lock held past the stall limit (a worker hung in the
-        middle of its update) ends the job, naming that worker."""
+        and to the ``rows`` (table, ps task, the rows in its partition, their gradient) of
+        the step, under their locks; a word held by another worker is left for later. A
+        lock held past the stall limit (a worker hung in the middle of its update) ends the
+        job, naming that worker."""
         jobs = {key: list(self.stripes[key]) for key in self.order}
-        for p, name, part, slots, at, grad in rows:
-            rule = partial(apply_rows, self.apply, part, slots, at, grad)
-            jobs.setdefault(self.table_words[p, name], []).append(rule)
+        for name, p, local, grad in rows:
+            word, part, slots = self.tables[name, p]
+            jobs.setdefault(word, []).append(
+                partial(apply_rows, self.apply, part, slots, local, grad)
+            )
         pending = list(jobs.items())
         since, holder = time.monotonic(), 0
         while pending:

@@ -96,6 +96,7 @@ class Windows(WindowPlan):
         super().__init__(placement, slots, row_capacity)
         self.layout = layout
         self.shared = shared
+        self.inboxes = inboxes  # the PS tasks apply the updates posted there
         self.updates_in_place = updates_in_place(placement, shared)
         role = layout.role(comm.rank)
         workers = layout.num_workers
@@ -134,8 +135,7 @@ class Windows(WindowPlan):
         """The bytes of ``rank``'s parameter window, in this process's address space
         (shared windows only): loads and stores there reach that rank's memory."""
         assert self.shared
-        buf, _ = self.params.Shared_query(rank)
-        return np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
+        return _shared_bytes(self.params, rank)
 
     def held(self, task: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """PS ``task`` (this rank): views of the variables and slots in its own memory, by
@@ -209,8 +209,7 @@ class NodeShared:
 
     def segment(self, rank: int) -> np.ndarray:
         """The bytes of ``rank``'s segment, in this process's address space."""
-        buf, _ = self.win.Shared_query(rank)
-        return np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
+        return _shared_bytes(self.win, rank)
 
     def sync(self) -> None:
         self.win.Sync()
@@ -219,3 +218,10 @@ class NodeShared:
         """Free the memory (collective); no view of it may be used after."""
         self.win.Unlock_all()
         self.win.Free()
+
+
+def _shared_bytes(win: MPI.Win, rank: int) -> np.ndarray:
+    """``rank``'s memory of the shared-memory window ``win``, in this process's address space:
+    loads and stores there reach that rank's memory."""
+    buf, _ = win.Shared_query(rank)
+    return np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
