@@ -115,10 +115,10 @@ def test_a_stripe_lock_held_too_long_names_its_holder(monkeypatch):
         s.control.raise_ready()
     if not s.cluster.is_ps:
         s.control.wait_ready(timeout=30)
-        words = list(s.client._stripes.order)
-        me, old = np.array([2], np.int64), np.zeros(1, np.int64)  # worker 1 writes 1 + 1
-        if s.cluster.role.task == 1:
-            assert all(stripes._try_lock(s.windows, w, me, old) == 0 for w in words)
+        mine = s.client._stripes
+        words = [mine.word(key) for key in mine.order]
+        if s.cluster.role.task == 1:  # worker 1 writes 1 + 1
+            assert all(stripes._try_lock(w, 2) == 0 for w in words)
         barrier(s.cluster.workers, "the test")
         if s.cluster.role.task == 0:
             t0 = time.monotonic()
@@ -128,7 +128,7 @@ def test_a_stripe_lock_held_too_long_names_its_holder(monkeypatch):
         barrier(s.cluster.workers, "the test")
         if s.cluster.role.task == 1:
             for w in words:
-                stripes._unlock(s.windows, w, old)
+                stripes._unlock(w)
     s.close()
 
 
@@ -249,12 +249,17 @@ def test_tickets_stop_exactly_at_target():
     s.close()
 
 
-def test_a_step_begins_and_ends_with_one_atomic_each():
+@pytest.mark.parametrize("counters", ["mpi", "shared"])
+def test_a_step_begins_and_ends_with_one_atomic_each(monkeypatch, counters):
     """begin_step claims tickets exactly up to the target and reads global_step and the
-    clocks; end_step gives unique, gapless global steps and counts each worker's clock."""
+    clocks; end_step gives unique, gapless global steps and counts each worker's clock. With
+    MPI's atomics (as across nodes) and with the CPU's on node-shared memory (one node)."""
     from mpips.store import allgather_json, barrier
 
+    if counters == "mpi":
+        monkeypatch.setenv("MPIPS_SHARED_MEMORY", "0")
     s = Store()
+    assert s.windows.control_shared == (counters == "shared")
     start, target = 25, 170
     if s.cluster.is_chief:
         s.control.set_counters(start, [0] * s.cluster.layout.num_workers)
@@ -553,3 +558,37 @@ def test_table_rows_come_from_and_go_to_their_owners(rule, shared):
     barrier(comm, "the test")
     windows.free()
     cluster.free()
+
+
+def test_the_cpus_atomics_lose_nothing_between_processes():
+    """atomics.py on node-shared memory, every rank at once: fetch_add counts every add,
+    compare_and_swap lets exactly one of several swaps from the same old value win, and a
+    lock made of it keeps a plain read-modify-write of another word whole."""
+    from mpi4py import MPI
+
+    from mpips.store import atomics, barrier
+
+    comm = MPI.COMM_WORLD
+    win = MPI.Win.Allocate_shared(32 if comm.rank == 0 else 0, disp_unit=8, comm=comm)
+    counter, swapped, lock, plain = range(4)
+    words = np.frombuffer(win.Shared_query(0)[0], dtype=np.int64)
+    if comm.rank == 0:
+        words[:] = 0
+    barrier(comm, "the test")
+    n = 50_000
+    for _ in range(n):
+        atomics.fetch_add(words, counter, 1)
+    for _ in range(n):  # count by compare-and-swap: a swap that lost retries from the new value
+        old = atomics.load(words, swapped, 1)[0]
+        while (seen := atomics.compare_and_swap(words, swapped, old, old + 1)) != old:
+            old = seen
+    for _ in range(n // 4):
+        while atomics.compare_and_swap(words, lock, 0, comm.rank + 1) != 0:
+            pass
+        value = int(words[plain])  # a plain load and store: only the lock keeps it whole
+        words[plain] = value + 1
+        assert atomics.exchange(words, lock, 0) == comm.rank + 1
+    barrier(comm, "the test")
+    assert list(atomics.load(words, 0, 4)) == [comm.size * n, comm.size * n, 0, comm.size * n // 4]
+    barrier(comm, "the test")
+    win.Free()

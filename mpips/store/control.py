@@ -1,12 +1,12 @@
-"""The run's control counters on ps task 0, moved with MPI atomics (``Fetch_and_op``):
-global_step, step tickets, the chief's ready flag, the stop signal, checkpoint requests and
-the shard each PS task wrote for them, the end of the run, the first failure, and one clock
-per worker.
+"""The run's control counters on ps task 0: global_step, step tickets, the chief's ready
+flag, the stop signal, checkpoint requests and the shard each PS task wrote for them, the end
+of the run, the first failure, and one clock per worker.
 
-An async worker's step touches them twice (``begin_step``, ``end_step``), each time with one
-``Get_accumulate`` over an indexed datatype that names several counters: every atomic on
-the window takes MPICH's window lock, and on an oversubscribed node each costs tens of
-microseconds (five per step were a fifth of a CTR step's overhead).
+An async worker's step touches them twice (``begin_step``, ``end_step``). With every rank on
+one node they are node-shared memory moved with the CPU's atomics (~0.3 us each); otherwise
+MPI atomics, each step's several counters in one ``Get_accumulate`` over an indexed
+datatype: every MPI atomic on a window takes MPICH's window lock, and on an oversubscribed
+node each costs tens of microseconds (five per step were a fifth of a CTR step's overhead).
 
 Every wait on them has a deadline and names the task that did not arrive (waits.poll).
 """
@@ -37,22 +37,38 @@ from .window import (
     Windows,
 )
 
-_ONE = np.ones(1, dtype=np.int64)
 _TWO_ONES = np.ones(2, dtype=np.int64)
 NO_MORE_TICKETS = 1 << 62  # every later claim is past any step target
 
 
-class RunControl:
-    """Atomic access to the control window from any rank."""
+class _MpiCounters:
+    """The counters through MPI atomics on the control window (ranks on several nodes)."""
 
     def __init__(self, windows: Windows):
-        self.win = windows.control
-        self.target = windows.control_rank
-        self.layout = windows.layout
-        self.num_workers = windows.layout.num_workers
-        self.num_ps = windows.layout.num_ps
-        self.clocks_at = windows.clocks_at
+        self.win, self.target = windows.control, windows.control_rank
+        self.clocks_at, self.num_workers = windows.clocks_at, windows.layout.num_workers
         self._end_types: dict[int, MPI.Datatype] = {}
+
+    def _op(self, index: int, value: int, op: MPI.Op) -> int:
+        result = np.zeros(1, dtype=np.int64)
+        self.win.Fetch_and_op(np.array([value], np.int64), result, self.target, index, op)
+        self.win.Flush(self.target)
+        return int(result[0])
+
+    def add(self, index: int, value: int) -> int:
+        return self._op(index, value, MPI.SUM)
+
+    def swap(self, index: int, value: int) -> int:
+        return self._op(index, value, MPI.REPLACE)
+
+    def read(self, index: int, count: int) -> np.ndarray:
+        """``count`` consecutive counters, read atomically (Get_accumulate NO_OP) in one call."""
+        out = np.zeros(count, dtype=np.int64)
+        self.win.Get_accumulate(
+            [out, MPI.LONG], [out, MPI.LONG], self.target, [index, count, MPI.LONG], MPI.NO_OP
+        )
+        self.win.Flush(self.target)
+        return out
 
     @cached_property
     def _begin_type(self) -> MPI.Datatype:
@@ -60,25 +76,17 @@ class RunControl:
         w = self.num_workers
         return MPI.LONG.Create_indexed([2, 2 * w], [GLOBAL_STEP, self.clocks_at]).Commit()
 
-    def _end_type(self, task: int) -> MPI.Datatype:
-        """global_step and worker ``task``'s clock."""
-        if task not in self._end_types:
-            blocks = [GLOBAL_STEP, self.clocks_at + task]
-            self._end_types[task] = MPI.LONG.Create_indexed_block(1, blocks).Commit()
-        return self._end_types[task]
-
     @cached_property
     def _begin_add(self) -> np.ndarray:
-        """What begin_step adds to the counters of _begin_type: one ticket, nothing else."""
+        """What begin adds to the counters of _begin_type: one ticket, nothing else."""
         add = np.zeros(2 + 2 * self.num_workers, np.int64)
         add[TICKETS - GLOBAL_STEP] = 1
         return add
 
-    def begin_step(self, clock: int) -> tuple[int, int, int]:
-        """An async worker at ``clock`` claims a ticket and reads global_step and every
-        worker's clock, in one call (atomic per counter): (its ticket, global_step, its lead
-        over the slowest running worker). Tickets >= the step target mean stop."""
-        w = self.num_workers
+    def begin(self) -> np.ndarray:
+        """Claim a ticket; [global_step, tickets, clocks, done flags] before that, in one
+        call: every atomic on the window takes MPICH's window lock, and on an oversubscribed
+        node each costs tens of microseconds."""
         old = np.zeros_like(self._begin_add)
         self.win.Get_accumulate(
             [self._begin_add, MPI.LONG],
@@ -88,13 +96,17 @@ class RunControl:
             MPI.SUM,
         )
         self.win.Flush(self.target)
-        lead = _lead(clock, old[2 : 2 + w], old[2 + w :].astype(bool))
-        return int(old[TICKETS - GLOBAL_STEP]), int(old[0]), lead
+        return old
 
-    def end_step(self, task: int) -> int:
-        """Async worker ``task`` has made one update: count it in global_step and in its
-        clock (one call, atomic per counter); returns its global step (unique across all
-        workers)."""
+    def _end_type(self, task: int) -> MPI.Datatype:
+        """global_step and worker ``task``'s clock."""
+        if task not in self._end_types:
+            blocks = [GLOBAL_STEP, self.clocks_at + task]
+            self._end_types[task] = MPI.LONG.Create_indexed_block(1, blocks).Commit()
+        return self._end_types[task]
+
+    def end(self, task: int) -> int:
+        """Count one update in global_step and worker ``task``'s clock; the old global_step."""
         old = np.zeros(2, np.int64)
         self.win.Get_accumulate(
             [_TWO_ONES, MPI.LONG],
@@ -104,33 +116,77 @@ class RunControl:
             MPI.SUM,
         )
         self.win.Flush(self.target)
-        return int(old[0]) + 1
+        return int(old[0])
 
-    def _op(self, index: int, value: np.ndarray | None, op: MPI.Op) -> int:
-        result = np.zeros(1, dtype=np.int64)
-        self.win.Fetch_and_op(_ONE if value is None else value, result, self.target, index, op)
-        self.win.Flush(self.target)
-        return int(result[0])
 
-    def _read(self, index: int, count: int) -> np.ndarray:
-        """``count`` consecutive counters, read atomically (Get_accumulate NO_OP) in one call."""
-        out = np.zeros(count, dtype=np.int64)
-        self.win.Get_accumulate(
-            [out, MPI.LONG], [out, MPI.LONG], self.target, [index, count, MPI.LONG], MPI.NO_OP
-        )
-        self.win.Flush(self.target)
-        return out
+class _SharedCounters:
+    """The counters in node-shared memory, moved with the CPU's atomics (atomics.py): every
+    rank on one node. ~0.3 us an atomic, where MPICH's take tens of us on a busy node."""
+
+    def __init__(self, windows: Windows):
+        from . import atomics  # numba: only jobs on one node pay for its import
+
+        self.atomics, self.words = atomics, windows.control_words()
+        self.clocks_at, self.num_workers = windows.clocks_at, windows.layout.num_workers
+
+    def add(self, index: int, value: int) -> int:
+        return self.atomics.fetch_add(self.words, index, value)
+
+    def swap(self, index: int, value: int) -> int:
+        return self.atomics.exchange(self.words, index, value)
+
+    def read(self, index: int, count: int) -> np.ndarray:
+        return self.atomics.load(self.words, index, count)
+
+    def begin(self) -> np.ndarray:
+        tickets = self.add(TICKETS, 1)
+        step = self.read(GLOBAL_STEP, 1)
+        return np.concatenate([step, [tickets], self.read(self.clocks_at, 2 * self.num_workers)])
+
+    def end(self, task: int) -> int:
+        self.add(self.clocks_at + task, 1)
+        return self.add(GLOBAL_STEP, 1)
+
+
+class RunControl:
+    """Atomic access to the control counters from any rank."""
+
+    def __init__(self, windows: Windows):
+        self.layout = windows.layout
+        self.num_workers = windows.layout.num_workers
+        self.num_ps = windows.layout.num_ps
+        self.clocks_at = windows.clocks_at
+        shared = windows.control_shared
+        self.counters = _SharedCounters(windows) if shared else _MpiCounters(windows)
+
+    def begin_step(self, clock: int) -> tuple[int, int, int]:
+        """An async worker at ``clock`` claims a ticket and reads global_step and every
+        worker's clock, in one call (atomic per counter): (its ticket, global_step, its lead
+        over the slowest running worker). Tickets >= the step target mean stop."""
+        w = self.num_workers
+        old = self.counters.begin()
+        lead = _lead(clock, old[2 : 2 + w], old[2 + w :].astype(bool))
+        return int(old[TICKETS - GLOBAL_STEP]), int(old[0]), lead
+
+    def end_step(self, task: int) -> int:
+        """Async worker ``task`` has made one update: count it in global_step and in its
+        clock (one call, atomic per counter); returns its global step (unique across all
+        workers)."""
+        return self.counters.end(task) + 1
+
+    def _get(self, index: int) -> int:
+        return int(self.counters.read(index, 1)[0])
 
     def _set(self, index: int, value: int) -> int:
         """Set a counter; returns its old value."""
-        return self._op(index, np.array([value], dtype=np.int64), MPI.REPLACE)
+        return self.counters.swap(index, value)
 
     def advance_step(self) -> int:
         """Count one applied update; returns its global step (unique across all workers)."""
-        return self._op(GLOBAL_STEP, None, MPI.SUM) + 1
+        return self.counters.add(GLOBAL_STEP, 1) + 1
 
     def global_step(self) -> int:
-        return self._op(GLOBAL_STEP, _ONE, MPI.NO_OP)
+        return self._get(GLOBAL_STEP)
 
     def set_counters(self, step: int, clocks: list[int] | None = None) -> None:
         """Chief, before raising ready: start global_step (and tickets, clocks) at ``step``.
@@ -157,11 +213,11 @@ class RunControl:
 
     def tickets_ended(self) -> bool:
         """A stop (a signal, or a hook's request) has ended the tickets: every worker stops."""
-        return self._op(TICKETS, _ONE, MPI.NO_OP) >= NO_MORE_TICKETS
+        return self._get(TICKETS) >= NO_MORE_TICKETS
 
     def stop_signal(self) -> int:
         """The signal that stopped the job early (0: none)."""
-        return self._op(STOP, _ONE, MPI.NO_OP)
+        return self._get(STOP)
 
     def claim_failure(self) -> bool:
         """True for the first rank to report a failure (the others stay quiet, so it is
@@ -174,11 +230,11 @@ class RunControl:
         """Chief: ask every PS to write its shard of checkpoint ``step``; returns the
         request's number (see wait_shards)."""
         self._set(CKPT_STEP, step)
-        return self._op(CKPT_SEQ, None, MPI.SUM) + 1
+        return self.counters.add(CKPT_SEQ, 1) + 1
 
     def checkpoint_request(self) -> tuple[int, int]:
         """PS: (number, global_step) of the latest checkpoint request (0, 0: none yet)."""
-        return self._op(CKPT_SEQ, _ONE, MPI.NO_OP), self._op(CKPT_STEP, _ONE, MPI.NO_OP)
+        return self._get(CKPT_SEQ), self._get(CKPT_STEP)
 
     def shard_written(self, ps_task: int, number: int) -> None:
         """PS ``ps_task`` has written its shard for request ``number``."""
@@ -186,7 +242,7 @@ class RunControl:
 
     def shards_missing(self, number: int) -> list[int]:
         """The PS tasks that have not yet written their shard for request ``number``."""
-        written = self._read(SHARDS, self.num_ps)
+        written = self.counters.read(SHARDS, self.num_ps)
         return [p for p in range(self.num_ps) if written[p] < number]
 
     def wait_shards(self, number: int, step: int, timeout: float = STALL_TIMEOUT) -> None:
@@ -208,7 +264,7 @@ class RunControl:
         self._set(READY, 1)
 
     def is_ready(self) -> bool:
-        return self._op(READY, _ONE, MPI.NO_OP) != 0
+        return self._get(READY) != 0
 
     def wait_ready(
         self, timeout: float = START_TIMEOUT, meanwhile: Callable[[], None] | None = None
@@ -231,7 +287,7 @@ class RunControl:
         self._set(ENDED, 1)
 
     def run_ended(self) -> bool:
-        return self._op(ENDED, _ONE, MPI.NO_OP) != 0
+        return self._get(ENDED) != 0
 
     # -- clocks: each worker's update count (data position, staleness, watchdog) ------------
 
@@ -243,7 +299,7 @@ class RunControl:
 
     def clocks(self) -> tuple[np.ndarray, np.ndarray]:
         """(clock, done) of every worker, read atomically in one call."""
-        out = self._read(self.clocks_at, 2 * self.num_workers)
+        out = self.counters.read(self.clocks_at, 2 * self.num_workers)
         return out[: self.num_workers], out[self.num_workers :].astype(bool)
 
     def lead(self, clock: int) -> int:

@@ -1,6 +1,6 @@
 """Zero copy's push: a worker applies its own update straight to the PS memory it shares
-(``train.zero_copy``), a stripe of a few MiB at a time, each under a lock word in the control
-window.
+(``train.zero_copy``), a stripe of a few MiB at a time, each under a lock word of that PS
+(``Windows.lock_words``) taken with the CPU's compare-and-swap (atomics.py).
 
 Why: on one node the bytes are the cost. MPICH serialises ``Accumulate`` into a shared-memory
 window and runs it through a generic loop: 7.2 ms a step for the wide MLP's 23 MB, where this
@@ -24,28 +24,28 @@ from collections.abc import Callable
 from functools import partial
 
 import numpy as np
-from mpi4py import MPI
 
 from ..errors import Stalled
 from ..waits import MIN_SLEEP
+from .atomics import compare_and_swap, exchange
 from .cluster import stall_limit
 from .rules import Apply, apply_rows
 from .window import LOCKS_PER_PS, Windows
 
 STRIPE_BYTES = 4 << 20  # small enough that two workers interleave, few enough locks a step
-_FREE = np.zeros(1, np.int64)
+
+Word = tuple[np.ndarray, int]  # a lock word: its PS's words, and which
 
 
-def _try_lock(windows: Windows, word: int, me: np.ndarray, old: np.ndarray) -> int:
-    """Take lock ``word`` if it is free (0); else its holder (see ``_holder``)."""
-    windows.control.Compare_and_swap(me, _FREE, old, windows.control_rank, word)
-    windows.control.Flush(windows.control_rank)
-    return int(old[0])
+def _try_lock(word: Word, me: int) -> int:
+    """Take lock ``word`` if it is free (0): returns 0, else its holder (see ``_holder``)."""
+    words, k = word
+    return compare_and_swap(words, k, 0, me)
 
 
-def _unlock(windows: Windows, word: int, old: np.ndarray) -> None:
-    windows.control.Fetch_and_op(_FREE, old, windows.control_rank, word, MPI.REPLACE)
-    windows.control.Flush(windows.control_rank)
+def _unlock(word: Word) -> None:
+    words, k = word
+    exchange(words, k, 0)
 
 
 def _holder(word_value: int) -> str:
@@ -62,20 +62,19 @@ def _stalled(me: str, word_value: int, waited: float) -> Stalled:
     )
 
 
-def ps_words(windows: Windows, ps_task: int) -> list[int]:
+def ps_words(windows: Windows, ps_task: int) -> list[Word]:
     """Every lock word of PS task ``ps_task``'s memory."""
-    start = windows.locks_at + ps_task * LOCKS_PER_PS
-    return list(range(start, start + LOCKS_PER_PS))
+    words = windows.lock_words(ps_task)
+    return [(words, k) for k in range(LOCKS_PER_PS)]
 
 
 def hold_ps(windows: Windows, ps_task: int) -> None:
     """PS task ``ps_task``: take every lock word of its memory, in order, each as soon as the
     worker holding it has finished its stripe (workers never wait while holding a word, so
     this cannot deadlock). Until ``release_ps``, no worker changes this PS's memory."""
-    me, old = np.array([-(ps_task + 1)], np.int64), np.zeros(1, np.int64)
     for word in ps_words(windows, ps_task):
         since, sleep = time.monotonic(), MIN_SLEEP
-        while taken := _try_lock(windows, word, me, old):
+        while taken := _try_lock(word, -(ps_task + 1)):
             waited = time.monotonic() - since
             if waited > stall_limit(windows.layout.num_workers + ps_task):
                 raise _stalled(f"/job:ps/task:{ps_task}", taken, waited)
@@ -85,9 +84,8 @@ def hold_ps(windows: Windows, ps_task: int) -> None:
 
 def release_ps(windows: Windows, ps_task: int) -> None:
     """PS task ``ps_task``: give back the words ``hold_ps`` took."""
-    old = np.zeros(1, np.int64)
     for word in ps_words(windows, ps_task):
-        _unlock(windows, word, old)
+        _unlock(word)
 
 
 class Stripes:
@@ -109,7 +107,6 @@ class Stripes:
         tables: dict[tuple[str, int], tuple[np.ndarray, dict[str, np.ndarray]]],
         apply: Apply,
     ):
-        self.windows, self.params = windows, windows.params
         self.task, self.apply = task, apply
         # lock word -> the updates(lr, t) it guards, in the order this worker takes them
         self.stripes: dict[int, list[Callable[[float, int], None]]] = {}
@@ -120,7 +117,7 @@ class Stripes:
             k = 0
             if full:
                 k = count[ps_task] = count.get(ps_task, 0) % (LOCKS_PER_PS - 1) + 1
-            return windows.locks_at + ps_task * LOCKS_PER_PS + k
+            return ps_task * LOCKS_PER_PS + k
 
         for ps_task, var, grad, slots in pieces:
             step = max(1, STRIPE_BYTES // var.itemsize)
@@ -134,8 +131,12 @@ class Stripes:
         self.order = order[shift:] + order[:shift]
         # (table name, ps task) -> (its lock word, the partition, its slots)
         self.tables = {key: (word(key[1], False), *part) for key, part in tables.items()}
-        self._me = np.array([task + 1], np.int64)  # a held word names its holder
-        self._old = np.zeros(1, np.int64)
+        self._me = task + 1  # a held word names its holder
+        self.words = [windows.lock_words(p) for p in range(windows.layout.num_ps)]
+
+    def word(self, key: int) -> Word:
+        """Lock word ``key`` (PS task * LOCKS_PER_PS + its index there)."""
+        return self.words[key // LOCKS_PER_PS], key % LOCKS_PER_PS
 
     def update(
         self,
@@ -159,18 +160,17 @@ class Stripes:
         while pending:
             later = []
             for key, updates in pending:
-                taken = _try_lock(self.windows, key, self._me, self._old)
+                lock = self.word(key)
+                taken = _try_lock(lock, self._me)
                 if taken:
                     later.append((key, updates))
                     holder = taken
                     continue
-                try:
-                    self.params.Sync()  # see the previous holder's stores
+                try:  # taking the word ordered the previous holder's stores before our loads
                     for run in updates:
                         run(lr, t)
-                    self.params.Sync()  # ours land before the lock is free again
-                finally:
-                    _unlock(self.windows, key, self._old)
+                finally:  # and giving it back orders ours before the next holder's
+                    _unlock(lock)
             if len(later) < len(pending):
                 since = time.monotonic()
             elif time.monotonic() - since > stall_limit(self.task):

@@ -5,7 +5,9 @@ A PS window holds ``[variables | table partitions | optimizer slots | one gradie
 worker]``; the inboxes exist only for stateful optimizers, which the PS applies itself (plain
 SGD is Accumulated). What an inbox holds, and the mail window's words, are the mailbox
 protocol's (mailbox.py). With zero copy (``shared``) the windows are MPI shared memory and
-the workers apply every update in place under lock words (stripes.py): no inboxes.
+the workers apply every update in place under lock words (stripes.py): no inboxes. Those
+words are a shared-memory window of their own, LOCKS_PER_PS int64 words on each PS rank,
+taken and given back with the CPU's atomics (atomics.py), never through MPI.
 
 Every rank opens one ``Lock_all`` epoch per window for the whole run and completes each
 operation with ``Flush``: with MPICH a Lock/Unlock per operation waits for the (sleeping)
@@ -14,6 +16,7 @@ PS to make an MPI call, 300-500 us per op instead of ~2 us.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -25,8 +28,7 @@ from .cluster import barrier, check_arrival
 from .mailbox import Inbox, mail_words
 
 # control window on ps task 0: int64 counters, then per PS task the number of the last
-# checkpoint request it wrote its shard for, then a clock and a done flag per worker, then
-# (zero copy) LOCKS_PER_PS stripe locks per PS task
+# checkpoint request it wrote its shard for, then a clock and a done flag per worker
 GLOBAL_STEP, TICKETS, READY, STOP, CKPT_SEQ, CKPT_STEP, ENDED, FAILED, SHARDS = range(9)
 LOCKS_PER_PS = 16  # lock words per PS task (stripes.py: word 0 for small pieces and rows)
 
@@ -111,11 +113,16 @@ class Windows(WindowPlan):
         mail = mail_words(workers) * 8 if is_ps and inboxes else 0
         self.mail = MPI.Win.Allocate(mail, disp_unit=8, comm=comm)
         self.clocks_at = SHARDS + layout.num_ps  # index of worker 0's clock
-        self.locks_at = self.clocks_at + 2 * workers  # zero copy's stripe locks (stripes.py)
-        words = self.locks_at + (layout.num_ps * LOCKS_PER_PS if shared else 0)
+        words = self.clocks_at + 2 * workers
         control = words * 8 if comm.rank == layout.ps_ranks[0] else 0
-        self.control = MPI.Win.Allocate(control, disp_unit=8, comm=comm)
+        # on one node the counters are shared memory, moved with the CPU's atomics (control.py)
+        self.control_shared = self.one_node and os.environ.get("MPIPS_SHARED_MEMORY") != "0"
+        if self.control_shared:
+            self.control = _aligned_shared(comm, control)
+        else:
+            self.control = MPI.Win.Allocate(control, disp_unit=8, comm=comm)
         self.control_rank = layout.ps_ranks[0]
+        self.locks = _aligned_shared(comm, LOCKS_PER_PS * 8 if is_ps else 0) if shared else None
         for win in self._wins:
             self.local(win)[:] = 0
             win.Lock_all(MPI.MODE_NOCHECK)
@@ -124,7 +131,20 @@ class Windows(WindowPlan):
 
     @property
     def _wins(self) -> tuple[MPI.Win, ...]:
-        return self.params, self.mail, self.control
+        locks = [] if self.locks is None else [self.locks]
+        return self.params, self.mail, self.control, *locks
+
+    def control_words(self) -> np.ndarray:
+        """The control counters, in this process's address space (``control_shared`` only;
+        atomics.py's functions are the only way to touch them)."""
+        assert self.control_shared
+        return _shared_bytes(self.control, self.control_rank).view(np.int64)
+
+    def lock_words(self, ps_task: int) -> np.ndarray:
+        """PS task ``ps_task``'s LOCKS_PER_PS lock words, in this process's address space
+        (zero copy only; atomics.py's functions are the only way to touch them)."""
+        assert self.locks is not None
+        return _shared_bytes(self.locks, self.layout.ps_ranks[ps_task]).view(np.int64)
 
     def local(self, win: MPI.Win) -> np.ndarray:
         """This rank's own memory of ``win`` as bytes (empty where it holds none)."""
@@ -218,6 +238,16 @@ class NodeShared:
         """Free the memory (collective); no view of it may be used after."""
         self.win.Unlock_all()
         self.win.Free()
+
+
+def _aligned_shared(comm: MPI.Intracomm, nbytes: int) -> MPI.Win:
+    """A shared-memory window of int64 words, ``nbytes`` on this rank, each rank's part on
+    pages of its own (so the words are aligned for the CPU's atomics)."""
+    info = MPI.Info.Create()
+    info.Set("alloc_shared_noncontig", "true")
+    win = MPI.Win.Allocate_shared(nbytes, disp_unit=8, info=info, comm=comm)
+    info.Free()
+    return win
 
 
 def _shared_bytes(win: MPI.Win, rank: int) -> np.ndarray:
