@@ -43,10 +43,13 @@ class Table:
         """The predefined MPI type of one element."""
         return MPI.Datatype.fromcode(self.dtype.char)
 
-    def route(self, ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """(ps task, positions in ``ids``, row in that task's part) for every task touched."""
+    def route(self, ids: np.ndarray) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
+        """(ps task, positions in ``ids``, row in that task's part) for every task touched;
+        on one PS task: every position (``slice(None)``), and the ids are the rows."""
+        if len(self.parts) == 1:
+            return [(0, slice(None), ids)]
         owner, row = owner_and_row(ids, self.num_rows, len(self.parts), self.rule)
-        out = []
+        out: list[tuple[int, np.ndarray | slice, np.ndarray]] = []
         for p in range(len(self.parts)):
             at = np.flatnonzero(owner == p)
             if at.size:
@@ -67,7 +70,7 @@ class Routed:
 
     table: Table
     ps_task: int
-    at: np.ndarray
+    at: np.ndarray | slice
     local: np.ndarray
     _type: MPI.Datatype | None = None
 
@@ -239,9 +242,13 @@ class StoreClient:
             for r in self._routed:
                 table = r.table
                 if self.reads_in_place:  # zero copy: the rows straight from the PS's memory
-                    out[table.name][r.at] = self._parts_in_place[table.name, r.ps_task][r.local]
+                    rows = self._parts_in_place[table.name, r.ps_task][r.local]
+                    if isinstance(r.at, slice):  # one PS task: all of them, in order
+                        out[table.name] = rows
+                    else:
+                        out[table.name][r.at] = rows
                     continue
-                staged = np.empty((len(r.at), table.width), table.dtype)
+                staged = np.empty((len(r.local), table.width), table.dtype)
                 target = [table.parts[r.ps_task].offset, 1, r.mpi_type]
                 if self.windows.one_node:
                     # an atomic read (Get_accumulate NO_OP; its origin is not read), not a

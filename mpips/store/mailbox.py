@@ -46,7 +46,7 @@ ACK_FAST_SECONDS = 0.02  # how long a worker checks every 50 us that the PS appl
 _NO_ROWS = np.zeros(0, np.int64)
 # one table's rows of a step on one PS task: (table, ps task, positions in the step's ids,
 # rows in that task's part)
-RoutedRows = tuple[str, int, np.ndarray, np.ndarray]
+RoutedRows = tuple[str, int, np.ndarray | slice, np.ndarray]  # slice(None): all positions
 
 
 def mail_words(workers: int) -> int:
@@ -152,7 +152,7 @@ class WorkerMail:
                 inbox, rank = self.offsets[p], self.ps_ranks[p]
                 for name, box in boxes.items():
                     at, local = to.get((name, p), (_NO_ROWS, _NO_ROWS))
-                    n = len(at)
+                    n = len(local)
                     if n > box.capacity:
                         raise ValueError(
                             f"{n} rows of {name} for one PS exceed the inbox's {box.capacity}"

@@ -92,7 +92,8 @@ def serve(
             math.inf,
             unreachable,  # policed by the watchdog in chores.run
             progress if remote else None,
-            max_sleep=WARM_POLL_SECONDS if remote else POLL_SECONDS,
+            # on one node nothing waits for this PS but its chores: wake only for them
+            max_sleep=WARM_POLL_SECONDS if remote else CHORE_SECONDS,
         )
         return 0
     if aggregate:

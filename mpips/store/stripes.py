@@ -19,6 +19,7 @@ its slots. Reads stay Hogwild, as zero copy's pulls always were.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -33,6 +34,7 @@ from .rules import Apply, apply_rows
 from .window import LOCKS_PER_PS, Windows
 
 STRIPE_BYTES = 4 << 20  # small enough that two workers interleave, few enough locks a step
+SPIN_SECONDS = 5e-4  # try a taken word again at once for this long, then sleep between tries
 
 Word = tuple[np.ndarray, int]  # a lock word: its PS's words, and which
 
@@ -173,8 +175,10 @@ class Stripes:
                     _unlock(lock)
             if len(later) < len(pending):
                 since = time.monotonic()
-            elif time.monotonic() - since > stall_limit(self.task):
-                raise _stalled(f"/job:worker/task:{self.task}", holder, time.monotonic() - since)
+            elif (waited := time.monotonic() - since) < SPIN_SECONDS:
+                os.sched_yield()  # a stripe's update takes ~0.1-2 ms: the holder is nearly done
+            elif waited > stall_limit(self.task):
+                raise _stalled(f"/job:worker/task:{self.task}", holder, waited)
             else:
                 time.sleep(MIN_SLEEP)
             pending = later
