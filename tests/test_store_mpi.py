@@ -592,3 +592,30 @@ def test_the_cpus_atomics_lose_nothing_between_processes():
     assert list(atomics.load(words, 0, 4)) == [comm.size * n, comm.size * n, 0, comm.size * n // 4]
     barrier(comm, "the test")
     win.Free()
+
+
+def test_a_big_bucket_is_reduced_while_backward_makes_no_mpi_call():
+    """Sync replicas over messages: once a bucket of PUMP_BYTES or more is ready, its
+    reduction goes on while the replica makes no MPI call (as during a long matrix
+    product): a thread enters MPI meanwhile. The update gets the mean gradient."""
+    from mpi4py import MPI
+
+    from mpips.allreduce import PUMP_BYTES, GradientBuckets
+
+    comm = MPI.COMM_WORLD
+    n = 2 * PUMP_BYTES // 4
+    buckets = GradientBuckets(comm, [VariableSpec("w", (n,))], bucket_bytes=1 << 20)
+    buckets.start_step()
+    buckets.grads["w"][:] = comm.rank + 1
+    buckets.ready("w")  # starts the reduction (and tests it once)
+    time.sleep(1.0)  # no MPI call on this thread
+    assert buckets.buckets[0].request.Test(), "the reduction stood still without MPI calls"
+    buckets.set_loss(0.0)
+
+    def sgd(var, grad, slots):
+        var -= grad
+
+    buckets.finish(sgd)
+    mean = sum(range(1, comm.size + 1)) / comm.size
+    np.testing.assert_array_equal(buckets.values["w"], np.full(n, -mean, np.float32))
+    buckets.close()
