@@ -34,7 +34,7 @@ from mpips.layout import make_layout
 from mpips.nn import MLP
 from mpips.optim import Optimizer
 from mpips.placement import round_robin, slot_placement, views
-from mpips.store import TICKETS, Cluster, StoreClient, Windows, barrier, serve
+from mpips.store import Cluster, StoreClient, Windows, barrier, serve
 
 comm = MPI.COMM_WORLD
 HYPER = {
@@ -235,12 +235,20 @@ def ps_applies(
 def worker_lock(cluster, placement, opt, workers: int, reps: int, iters: int) -> float:
     slots = slot_placement(placement, opt.slots)
     windows = Windows(comm, cluster.layout, placement, slots, False)
+    ps = cluster.layout.ps_ranks[0]
+    # the lock: a word of its own on the PS, moved with MPI's atomics (mpips' own control
+    # window is node-shared memory moved with the CPU's atomics on one node)
+    ctl = MPI.Win.Allocate(8 if comm.rank == ps else 0, disp_unit=8, comm=comm)
+    if comm.rank == ps:
+        np.frombuffer(ctl.tomemory(), np.int64)[:] = 0
+    ctl.Lock_all(MPI.MODE_NOCHECK)
+    barrier(comm, "the benchmark")
     seconds = 0.0
     if not cluster.is_ps:
         if cluster.is_chief:
             write_start(StoreClient(windows, 0), opt, placement_specs(placement))
         barrier(cluster.workers, "the benchmark")
-        win, ctl, ps = windows.params, windows.control, cluster.layout.ps_ranks[0]
+        win = windows.params
         size = windows.state_bytes(0)
         buf = np.zeros(size, np.uint8)
         var = views(placement, [buf])
@@ -252,7 +260,7 @@ def worker_lock(cluster, placement, opt, workers: int, reps: int, iters: int) ->
 
         def push():
             while True:  # spin lock on the PS (a sleep between tries leaves the core to others)
-                ctl.Compare_and_swap(one, zero, old, ps, TICKETS)
+                ctl.Compare_and_swap(one, zero, old, ps, 0)
                 ctl.Flush(ps)
                 if old[0] == 0:
                     break
@@ -264,11 +272,13 @@ def worker_lock(cluster, placement, opt, workers: int, reps: int, iters: int) ->
                 opt.apply(var[k], grads[k], {s: slot[f"{k}/{s}"] for s in opt.slots}, 1e-3, t[0])
             win.Put([buf, MPI.BYTE], ps, [0, size, MPI.BYTE])
             win.Flush(ps)
-            ctl.Fetch_and_op(zero, old, ps, TICKETS, MPI.REPLACE)
+            ctl.Fetch_and_op(zero, old, ps, 0, MPI.REPLACE)
             ctl.Flush(ps)
 
         seconds = timed_pushes(cluster, push, cluster.role.task < workers, reps, iters)
     barrier(comm, "the benchmark")
+    ctl.Unlock_all()
+    ctl.Free()
     windows.free()
     return seconds
 

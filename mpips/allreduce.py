@@ -19,6 +19,7 @@ the chief writes a checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import math
 import threading
 import time
@@ -281,11 +282,11 @@ class GradientBuckets:
         return math.nan if update is None else float(self.values[LOSS][0])
 
     def _finish_messages(self, update: Update | None, clip_norm: float) -> None:
-        if self._pump is not None:
-            self._pump.on.clear()
         for index in range(len(self.buckets)):
             if self._pending.get(index):
                 self._reduce(index)
+        if self._pump is not None:
+            self._pump.on.clear()  # from here on this thread enters MPI itself
         whole_first = update is None or clip_norm > 0  # every mean before any update
         if whole_first:
             for b in self.buckets:
@@ -423,16 +424,22 @@ class _Pump:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="mpips-progress", daemon=True)
         self._thread.start()
+        atexit.register(self._halt)  # before MPI_Finalize (mpi4py's, registered earlier)
 
     def _run(self) -> None:
         while self.on.wait() and not self._closed:
             self.comm.Iprobe(MPI.ANY_SOURCE, PUMP_TAG)
             time.sleep(PUMP_SECONDS)
 
-    def close(self) -> None:
+    def _halt(self) -> None:
         self._closed = True
         self.on.set()
         self._thread.join()
+
+    def close(self) -> None:
+        """Stop the thread and free its communicator (collective)."""
+        self._halt()
+        atexit.unregister(self._halt)
         self.comm.Free()
 
 

@@ -250,7 +250,7 @@ def test_tickets_stop_exactly_at_target():
 
 
 @pytest.mark.parametrize("counters", ["mpi", "shared"])
-def test_a_step_begins_and_ends_with_one_atomic_each(monkeypatch, counters):
+def test_a_step_claims_a_ticket_and_counts_its_update(monkeypatch, counters):
     """begin_step claims tickets exactly up to the target and reads global_step and the
     clocks; end_step gives unique, gapless global steps and counts each worker's clock. With
     MPI's atomics (as across nodes) and with the CPU's on node-shared memory (one node)."""

@@ -15,6 +15,7 @@ word is an acquire and giving it back a release for the stores made under it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -54,22 +55,30 @@ def _rmw(op: str) -> Any:
 _swap, _add = _rmw("xchg"), _rmw("add")
 
 
-@njit(cache=True, nogil=True)
+def _compiled(function: Callable[..., Any]) -> Any:
+    """``function`` compiled, cached on disk where numba finds a writable place."""
+    try:
+        return njit(cache=True, nogil=True)(function)
+    except RuntimeError:  # no writable cache directory: compile in each process
+        return njit(nogil=True)(function)
+
+
+@_compiled
 def _compare_and_swap(words, index, expected, new):
     return _cas(words, index, expected, new)
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _exchange(words, index, value):
     return _swap(words, index, value)
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _fetch_add(words, index, value):
     return _add(words, index, value)
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _load(words, start, out):
     for i in range(out.size):
         out[i] = _add(words, start + i, 0)
@@ -96,3 +105,13 @@ def load(words: np.ndarray, start: int, count: int) -> np.ndarray:
     out = np.empty(count, np.int64)
     _load(words, start, out)
     return out
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) every function now, at start-up: not on a first
+    call made while holding a lock."""
+    words = np.zeros(2, np.int64)
+    compare_and_swap(words, 0, 0, 1)
+    exchange(words, 0, 0)
+    fetch_add(words, 1, 1)
+    load(words, 0, 2)

@@ -126,6 +126,7 @@ class _SharedCounters:
     def __init__(self, windows: Windows):
         from . import atomics  # numba: only jobs on one node pay for its import
 
+        atomics.warm()
         self.atomics, self.words = atomics, windows.control_words()
         self.clocks_at, self.num_workers = windows.clocks_at, windows.layout.num_workers
 

@@ -91,7 +91,7 @@ def serve(
             chores.run,
             math.inf,
             unreachable,  # policed by the watchdog in chores.run
-            progress if remote else None,
+            progress,  # (on one node nearly free, and no MPI is ever left without progress)
             # on one node nothing waits for this PS but its chores: wake only for them
             max_sleep=WARM_POLL_SECONDS if remote else CHORE_SECONDS,
         )

@@ -28,7 +28,6 @@ import numpy as np
 
 from ..errors import Stalled
 from ..waits import MIN_SLEEP
-from .atomics import compare_and_swap, exchange
 from .cluster import stall_limit
 from .rules import Apply, apply_rows
 from .window import LOCKS_PER_PS, Windows
@@ -41,13 +40,17 @@ Word = tuple[np.ndarray, int]  # a lock word: its PS's words, and which
 
 def _try_lock(word: Word, me: int) -> int:
     """Take lock ``word`` if it is free (0): returns 0, else its holder (see ``_holder``)."""
+    from . import atomics  # numba: only zero copy pays for its import
+
     words, k = word
-    return compare_and_swap(words, k, 0, me)
+    return atomics.compare_and_swap(words, k, 0, me)
 
 
 def _unlock(word: Word) -> None:
+    from . import atomics
+
     words, k = word
-    exchange(words, k, 0)
+    atomics.exchange(words, k, 0)
 
 
 def _holder(word_value: int) -> str:
@@ -134,6 +137,9 @@ class Stripes:
         # (table name, ps task) -> (its lock word, the partition, its slots)
         self.tables = {key: (word(key[1], False), *part) for key, part in tables.items()}
         self._me = task + 1  # a held word names its holder
+        from . import atomics
+
+        atomics.warm()  # compiled now, not on a first call made while holding a word
         self.words = [windows.lock_words(p) for p in range(windows.layout.num_ps)]
 
     def word(self, key: int) -> Word:

@@ -115,8 +115,10 @@ class Windows(WindowPlan):
         self.clocks_at = SHARDS + layout.num_ps  # index of worker 0's clock
         words = self.clocks_at + 2 * workers
         control = words * 8 if comm.rank == layout.ps_ranks[0] else 0
-        # on one node the counters are shared memory, moved with the CPU's atomics (control.py)
-        self.control_shared = self.one_node and os.environ.get("MPIPS_SHARED_MEMORY") != "0"
+        # on one node the counters are shared memory, moved with the CPU's atomics (control.py);
+        # every rank must agree (MPIPS_SHARED_MEMORY is read by each)
+        mine = self.one_node and os.environ.get("MPIPS_SHARED_MEMORY") != "0"
+        self.control_shared = bool(comm.allreduce(int(mine), op=MPI.MIN))
         if self.control_shared:
             self.control = _aligned_shared(comm, control)
         else:
@@ -138,13 +140,13 @@ class Windows(WindowPlan):
         """The control counters, in this process's address space (``control_shared`` only;
         atomics.py's functions are the only way to touch them)."""
         assert self.control_shared
-        return _shared_bytes(self.control, self.control_rank).view(np.int64)
+        return _words(self.control, self.control_rank)
 
     def lock_words(self, ps_task: int) -> np.ndarray:
         """PS task ``ps_task``'s LOCKS_PER_PS lock words, in this process's address space
         (zero copy only; atomics.py's functions are the only way to touch them)."""
         assert self.locks is not None
-        return _shared_bytes(self.locks, self.layout.ps_ranks[ps_task]).view(np.int64)
+        return _words(self.locks, self.layout.ps_ranks[ps_task])
 
     def local(self, win: MPI.Win) -> np.ndarray:
         """This rank's own memory of ``win`` as bytes (empty where it holds none)."""
@@ -248,6 +250,13 @@ def _aligned_shared(comm: MPI.Intracomm, nbytes: int) -> MPI.Win:
     win = MPI.Win.Allocate_shared(nbytes, disp_unit=8, info=info, comm=comm)
     info.Free()
     return win
+
+
+def _words(win: MPI.Win, rank: int) -> np.ndarray:
+    """``rank``'s part of a window made by ``_aligned_shared``, as int64 words."""
+    words = _shared_bytes(win, rank).view(np.int64)
+    assert words.ctypes.data % 8 == 0, "the CPU's atomics need aligned words"
+    return words
 
 
 def _shared_bytes(win: MPI.Win, rank: int) -> np.ndarray:
