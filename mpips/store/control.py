@@ -124,9 +124,8 @@ class _SharedCounters:
     rank on one node. ~0.3 us an atomic, where MPICH's take tens of us on a busy node."""
 
     def __init__(self, windows: Windows):
-        from . import atomics  # numba: only jobs on one node pay for its import
+        from . import atomics  # (compiled when the windows were made)
 
-        atomics.warm()
         self.atomics, self.words = atomics, windows.control_words()
         self.clocks_at, self.num_workers = windows.clocks_at, windows.layout.num_workers
 

@@ -137,9 +137,6 @@ class Stripes:
         # (table name, ps task) -> (its lock word, the partition, its slots)
         self.tables = {key: (word(key[1], False), *part) for key, part in tables.items()}
         self._me = task + 1  # a held word names its holder
-        from . import atomics
-
-        atomics.warm()  # compiled now, not on a first call made while holding a word
         self.words = [windows.lock_words(p) for p in range(windows.layout.num_ps)]
 
     def word(self, key: int) -> Word:

@@ -128,6 +128,12 @@ class Windows(WindowPlan):
         for win in self._wins:
             self.local(win)[:] = 0
             win.Lock_all(MPI.MODE_NOCHECK)
+        if self.control_shared or shared:
+            from . import atomics  # numba: only jobs on one node pay for its import
+
+            # compiled (~1 s on a cold cache) before the barrier, so no rank starts training
+            # while another still compiles, and none compiles while holding a lock word
+            atomics.warm()
         self._open = True
         barrier(comm, "window creation")  # nobody reads a counter before its owner zeroed it
 
