@@ -45,6 +45,7 @@ from .store import (
     Watchdog,
     Windows,
     barrier,
+    has_inboxes,
     publish_start_step,
     serve,
     stall_limit,
@@ -86,7 +87,7 @@ def open_store(
     # zero copy: the workers apply their updates in PS memory (store/stripes.py), else a
     # PS task applies those of stateful optimizers and sync_replicas
     in_place = updates_in_place(placement, job.train.zero_copy)
-    inboxes = (optimizer.stateful or replicas) and not in_place
+    inboxes = has_inboxes(placement, job.train.zero_copy, optimizer.stateful or replicas)
     if (cluster.is_ps and inboxes) or (in_place and not cluster.is_ps):
         optimizer.prepare()  # its fused kernel compiles meanwhile, not at the first update
     cluster.check_placement(placement)

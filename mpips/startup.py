@@ -32,7 +32,7 @@ from .memory import check_fits, human
 from .nn import build_model
 from .optim import Optimizer
 from .placement import round_robin, slot_placement
-from .store import Cluster, WindowPlan, updates_in_place
+from .store import Cluster, WindowPlan, has_inboxes
 from .summaries import summary_root
 
 
@@ -142,9 +142,8 @@ def _check_memory(
     else:
         placement = store_placement(job, model, layout.num_ps)
         slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
-        # zero copy: the workers apply their updates in place, so no inboxes
-        in_place = updates_in_place(placement, job.train.zero_copy)
-        inboxes = (optimizer.stateful or job.train.mode == "sync_replicas") and not in_place
+        ps_applies = optimizer.stateful or job.train.mode == "sync_replicas"
+        inboxes = has_inboxes(placement, job.train.zero_copy, ps_applies)
         plan = WindowPlan(placement, slots, job.train.batch_size * max(1, info.max_nnz))
         per_rank = plan.rank_bytes(layout, inboxes, job.train.zero_copy)
         if job.train.mode == "hybrid":  # the workers are replicas of the dense part too

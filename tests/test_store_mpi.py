@@ -116,7 +116,7 @@ def test_a_stripe_lock_held_too_long_names_its_holder(monkeypatch):
     if not s.cluster.is_ps:
         s.control.wait_ready(timeout=30)
         mine = s.client._stripes
-        words = [mine.word(key) for key in mine.order]
+        words = [mine.locks[key] for key in mine.order]
         if s.cluster.role.task == 1:  # worker 1 writes 1 + 1
             assert all(stripes._try_lock(w, 2) == 0 for w in words)
         barrier(s.cluster.workers, "the test")

@@ -22,7 +22,15 @@ from .control import NO_MORE_TICKETS, RunControl
 from .mailbox import publish_start_step
 from .server import serve
 from .watchdog import Watchdog
-from .window import TICKETS, Exposed, NodeShared, WindowPlan, Windows, updates_in_place
+from .window import (
+    TICKETS,
+    Exposed,
+    NodeShared,
+    WindowPlan,
+    Windows,
+    has_inboxes,
+    updates_in_place,
+)
 
 __all__ = [
     "NO_MORE_TICKETS",
@@ -40,6 +48,7 @@ __all__ = [
     "agreed",
     "allgather_json",
     "barrier",
+    "has_inboxes",
     "node_of_each_rank",
     "publish_start_step",
     "serve",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import groupby
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
@@ -23,8 +24,10 @@ from ..placement import Placed, owner_and_row, views
 from .control import RunControl
 from .mailbox import WorkerMail
 from .rules import Apply
-from .stripes import Stripes
 from .window import Windows
+
+if TYPE_CHECKING:
+    from .stripes import Stripes
 
 
 @dataclass
@@ -160,8 +163,10 @@ class StoreClient:
         }
         self.mail = WorkerMail(windows, task)  # the mailbox protocol (stateful push)
         self.applies_in_place = windows.updates_in_place
-        self._stripes = None
+        self._stripes: Stripes | None = None
         if self.applies_in_place:  # zero copy: this worker runs the rule on PS memory
+            from .stripes import Stripes  # numba: only zero copy pays for its import
+
             if apply is None:
                 raise ValueError("zero copy: a worker applies its updates; give it the rule")
             shared = [windows.shared_memory(r) for r in self.ps_ranks]

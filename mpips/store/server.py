@@ -33,7 +33,6 @@ from .cluster import POLL_SECONDS, Cluster, start_limit, unreachable
 from .control import RunControl
 from .mailbox import PsMail
 from .rules import Apply, apply_rows
-from .stripes import hold_ps, release_ps
 from .watchdog import Watchdog
 from .window import Windows
 
@@ -150,6 +149,8 @@ class _Chores:
                 self.drain()  # every update counted before the request is in the shard
                 in_place = self.windows.updates_in_place  # workers update while it writes
                 if in_place:  # ... unless it holds every lock word of its memory
+                    from .stripes import hold_ps, release_ps  # (zero copy only: numba)
+
                     hold_ps(self.windows, self.task)
                 self.windows.params.Sync()  # see every Put and Accumulate that has landed
                 try:

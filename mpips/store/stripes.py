@@ -1,6 +1,7 @@
 """Zero copy's push: a worker applies its own update straight to the PS memory it shares
 (``train.zero_copy``), a stripe of a few MiB at a time, each under a lock word of that PS
-(``Windows.lock_words``) taken with the CPU's compare-and-swap (atomics.py).
+(``Windows.lock_words``) taken with the CPU's compare-and-swap (atomics.py). Imported only
+by zero copy (numba).
 
 Why: on one node the bytes are the cost. MPICH serialises ``Accumulate`` into a shared-memory
 window and runs it through a generic loop: 7.2 ms a step for the wide MLP's 23 MB, where this
@@ -28,6 +29,7 @@ import numpy as np
 
 from ..errors import Stalled
 from ..waits import MIN_SLEEP
+from .atomics import compare_and_swap, exchange
 from .cluster import stall_limit
 from .rules import Apply, apply_rows
 from .window import LOCKS_PER_PS, Windows
@@ -40,17 +42,13 @@ Word = tuple[np.ndarray, int]  # a lock word: its PS's words, and which
 
 def _try_lock(word: Word, me: int) -> int:
     """Take lock ``word`` if it is free (0): returns 0, else its holder (see ``_holder``)."""
-    from . import atomics  # numba: only zero copy pays for its import
-
     words, k = word
-    return atomics.compare_and_swap(words, k, 0, me)
+    return compare_and_swap(words, k, 0, me)
 
 
 def _unlock(word: Word) -> None:
-    from . import atomics
-
     words, k = word
-    atomics.exchange(words, k, 0)
+    exchange(words, k, 0)
 
 
 def _holder(word_value: int) -> str:
@@ -137,11 +135,12 @@ class Stripes:
         # (table name, ps task) -> (its lock word, the partition, its slots)
         self.tables = {key: (word(key[1], False), *part) for key, part in tables.items()}
         self._me = task + 1  # a held word names its holder
-        self.words = [windows.lock_words(p) for p in range(windows.layout.num_ps)]
-
-    def word(self, key: int) -> Word:
-        """Lock word ``key`` (PS task * LOCKS_PER_PS + its index there)."""
-        return self.words[key // LOCKS_PER_PS], key % LOCKS_PER_PS
+        words = [windows.lock_words(p) for p in range(windows.layout.num_ps)]
+        # key (PS task * LOCKS_PER_PS + its index there) -> that lock word
+        self.locks: dict[int, Word] = {
+            key: (words[key // LOCKS_PER_PS], key % LOCKS_PER_PS)
+            for key in (*self.stripes, *(word for word, _, _ in self.tables.values()))
+        }
 
     def update(
         self,
@@ -165,7 +164,7 @@ class Stripes:
         while pending:
             later = []
             for key, updates in pending:
-                lock = self.word(key)
+                lock = self.locks[key]
                 taken = _try_lock(lock, self._me)
                 if taken:
                     later.append((key, updates))

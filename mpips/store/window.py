@@ -40,6 +40,13 @@ def updates_in_place(placement: Placement, shared: bool) -> bool:
     return shared and all(e.whole is None or e.table for e in placement)
 
 
+def has_inboxes(placement: Placement, shared: bool, ps_applies: bool) -> bool:
+    """Whether the PS windows hold a gradient inbox per worker: where a PS task applies the
+    updates (``ps_applies``: stateful optimizers, sync_replicas), unless the workers apply
+    them in place (zero copy)."""
+    return ps_applies and not updates_in_place(placement, shared)
+
+
 class WindowPlan:
     """What the windows hold and where, from the placement alone (no MPI): sizes and offsets
     every rank computes identically, and what each rank will allocate."""
