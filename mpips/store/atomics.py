@@ -84,6 +84,14 @@ def _load(words, start, out):
         out[i] = _add(words, start + i, 0)
 
 
+@_compiled
+def _add_then_load(words, index, value, at, out):
+    old = _add(words, index, value)
+    for i in range(out.size):
+        out[i] = _add(words, at[i], 0)
+    return old
+
+
 def compare_and_swap(words: np.ndarray, index: int, expected: int, new: int) -> int:
     """Atomically: if ``words[index] == expected``, set it to ``new``. Returns the old value
     (``expected`` when the swap happened)."""
@@ -107,6 +115,14 @@ def load(words: np.ndarray, start: int, count: int) -> np.ndarray:
     return out
 
 
+def add_then_load(
+    words: np.ndarray, index: int, value: int, at: np.ndarray, out: np.ndarray
+) -> int:
+    """Atomically add ``value`` to ``words[index]``, then read ``words[at]`` into ``out``
+    (each word atomically), in one call: a worker's step claim. Returns the old value."""
+    return int(_add_then_load(words, index, value, at, out))
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) every function now, at start-up: not on a first
     call made while holding a lock."""
@@ -115,3 +131,5 @@ def warm() -> None:
     exchange(words, 0, 0)
     fetch_add(words, 1, 1)
     load(words, 0, 2)
+    at = np.arange(2, dtype=np.int64)
+    add_then_load(words, 0, 0, at, np.empty(2, np.int64))

@@ -121,13 +121,16 @@ class _MpiCounters:
 
 class _SharedCounters:
     """The counters in node-shared memory, moved with the CPU's atomics (atomics.py): every
-    rank on one node. ~0.3 us an atomic, where MPICH's take tens of us on a busy node."""
+    rank on one node. ~0.3 us an atomic, where MPICH's take tens of us on a busy node; a
+    step's claim and its count are one compiled call each."""
 
     def __init__(self, windows: Windows):
         from . import atomics  # (compiled when the windows were made)
 
         self.atomics, self.words = atomics, windows.control_words()
         self.clocks_at, self.num_workers = windows.clocks_at, windows.layout.num_workers
+        clocks = range(self.clocks_at, self.clocks_at + 2 * self.num_workers)
+        self._begin_at = np.array([GLOBAL_STEP, TICKETS, *clocks], np.int64)
 
     def add(self, index: int, value: int) -> int:
         return self.atomics.fetch_add(self.words, index, value)
@@ -139,9 +142,9 @@ class _SharedCounters:
         return self.atomics.load(self.words, index, count)
 
     def begin(self) -> np.ndarray:
-        tickets = self.add(TICKETS, 1)
-        step = self.read(GLOBAL_STEP, 1)
-        return np.concatenate([step, [tickets], self.read(self.clocks_at, 2 * self.num_workers)])
+        old = np.empty(self._begin_at.size, np.int64)
+        old[1] = self.atomics.add_then_load(self.words, TICKETS, 1, self._begin_at, old)
+        return old
 
     def end(self, task: int) -> int:
         self.add(self.clocks_at + task, 1)
@@ -164,9 +167,9 @@ class RunControl:
         worker's clock, in one call (atomic per counter): (its ticket, global_step, its lead
         over the slowest running worker). Tickets >= the step target mean stop."""
         w = self.num_workers
-        old = self.counters.begin()
-        lead = _lead(clock, old[2 : 2 + w], old[2 + w :].astype(bool))
-        return int(old[TICKETS - GLOBAL_STEP]), int(old[0]), lead
+        old = self.counters.begin().tolist()
+        lead = _lead(clock, old[2 : 2 + w], old[2 + w :])
+        return old[TICKETS - GLOBAL_STEP], old[0], lead
 
     def end_step(self, task: int) -> int:
         """Async worker ``task`` has made one update: count it in global_step and in its
@@ -304,7 +307,8 @@ class RunControl:
 
     def lead(self, clock: int) -> int:
         """How many updates ``clock`` is ahead of the slowest worker still running."""
-        return _lead(clock, *self.clocks())
+        clocks, done = self.clocks()
+        return _lead(clock, clocks.tolist(), done.tolist())
 
     def wait_for_slowest(self, clock: int, bound: int | None, watchdog: Callable[[], None]) -> int:
         """This worker's lead over the slowest running worker, after waiting (sleeping) until
@@ -325,7 +329,7 @@ class RunControl:
         return ", ".join(f"/job:{job}/task:{t} (rank {self.layout.rank_of(job, t)})" for t in tasks)
 
 
-def _lead(clock: int, clocks: np.ndarray, done: np.ndarray) -> int:
+def _lead(clock: int, clocks: list[int], done: list[int]) -> int:
     """How many updates ``clock`` is ahead of the slowest of ``clocks`` not ``done``."""
-    running = clocks[~done]
-    return clock - int(running.min()) if running.size else 0
+    running = [c for c, d in zip(clocks, done, strict=True) if not d]
+    return clock - min(running) if running else 0
