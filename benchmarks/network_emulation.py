@@ -6,8 +6,8 @@ shaped with ``tc tbf``. One run measures, for each link:
             Allreduce of them, passive-target Get / Accumulate of them with the target
             polling MPI busy / every 50 us / 1 ms / 5 ms (5 ms: an mpips SGD PS today, which
             enters MPI once per CHORE_SECONDS), and 8-byte Fetch_and_op latency likewise;
-* store   : benchmarks/store_bandwidth.py (1 PS + 2 workers) against the shaped link, as it
-            is (its PS waits in mpips' barrier, entering MPI every <= 1 ms) and with every
+* store   : benchmarks/store_bandwidth.py (1 PS + 2 workers) against the shaped link, its
+            PS serving as in training (entering MPI every 200 us across nodes) and with every
             mpips wait polling every 50 us (fast_polls);
 * train   : examples/s of the reference workload (MLP 784-512-512-10, batch 128) and the
             communication-heavy one (784-2048-2048-10, batch 16), SGD, async (1 PS + W
@@ -302,8 +302,9 @@ def run_script(args: argparse.Namespace) -> None:
     import runpy
     import shlex
 
-    if args.ps_poll:
+    if args.ps_poll:  # its barriers, and the serving PS (store_bandwidth.py)
         fast_polls(args.ps_poll, "cluster")
+        fast_polls(args.ps_poll, "server")
     sys.argv = [args.script, *shlex.split(args.script_args or "")]
     runpy.run_path(args.script, run_name="__main__")
 
@@ -399,15 +400,21 @@ def mpi_env(link: str, extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def mpiexec(
-    n: int, argv: list[str], link: str, extra: dict[str, str] | None = None, bind: bool = True
+    n: int,
+    argv: list[str],
+    link: str,
+    extra: dict[str, str] | None = None,
+    bind: bool | str = True,
 ) -> str:
     """Run ``python ARGV`` on n ranks with the link's MPICH settings; its stdout. ``bind``:
-    each rank bound to one core (hydra's -bind-to core, round robin), so mpips gives it one
-    BLAS thread as on one node; unbound, every rank believes it has a node's cores to itself
-    (MPIR_CVAR_NOLOCAL: one rank per node) and runs a BLAS thread per core."""
+    each rank bound to one core (hydra's -bind-to core, round robin, or a hydra binding
+    such as PS_ALONE), so mpips gives it one BLAS thread as on one node; unbound (False),
+    every rank believes it has a node's cores to itself (MPIR_CVAR_NOLOCAL: one rank per
+    node) and runs a BLAS thread per core."""
     from common import mpiexec  # (imported where used, as reference_data below)
 
-    cmd = [mpiexec()] + (["-bind-to", "core"] if bind else [])
+    binding = bind if isinstance(bind, str) else "core"
+    cmd = [mpiexec()] + (["-bind-to", binding] if bind else [])
     cmd += ["-n", str(n), sys.executable, *argv]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=mpi_env(link, extra))
     if r.returncode:
@@ -448,10 +455,15 @@ STORE_ROW = re.compile(
 )
 
 
-def measure_store(link: str, ps_poll: float = 0.0) -> list[dict]:
+PS_ALONE = "user:0,1,1"  # hydra binding: the PS (rank 0) on core 0, both workers on core 1
+
+
+def measure_store(link: str, ps_poll: float = 0.0, ps_alone: bool = False) -> list[dict]:
     """benchmarks/store_bandwidth.py on 1 PS + 2 workers; its rows. ``ps_poll``: its waits
-    (the PS's, while the workers measure) poll MPI every ps_poll s instead of backing off to
-    1 ms (see fast_polls)."""
+    (the PS's, while the workers measure) poll MPI every ps_poll s instead of every 200 us
+    (see fast_polls). ``ps_alone``: the PS gets a core to itself (as a PS node has its own
+    CPU), the workers share the other; else round robin, the PS sharing a core with a
+    worker."""
     per_sample = max(17e6, 0.05 * min(10.0, expected_gbit(link)) * 1e9 / 8)
     script = str(HERE / "store_bandwidth.py")
     options = f"--reps 5 --bytes {per_sample:.0f}"
@@ -459,7 +471,7 @@ def measure_store(link: str, ps_poll: float = 0.0) -> list[dict]:
     if ps_poll:
         argv += ["--ps-poll", str(ps_poll)]
     rows = []
-    for line in mpiexec(3, argv, link).splitlines():
+    for line in mpiexec(3, argv, link, bind=PS_ALONE if ps_alone else True).splitlines():
         m = STORE_ROW.match(line.strip())
         if m:
             payload, op, k, n, raw, mp, _ = m.groups()
@@ -472,6 +484,7 @@ def measure_store(link: str, ps_poll: float = 0.0) -> list[dict]:
                     "raw": float(raw),
                     "mpips": float(mp),
                     "ps_poll": ps_poll,
+                    "ps_alone": ps_alone,
                 }
             )
     return rows
@@ -607,19 +620,24 @@ def print_link_tables(results: dict, args: argparse.Namespace) -> None:
 
 def print_store_table(results: dict) -> None:
     print("\n## (b) store_bandwidth.py (1 PS + 2 workers): aggregate GB/s\n")
-    print("PS polls: how often the PS enters MPI while the workers measure (1 ms: mpips'")
-    print("waits as they are; 50 us: fast_polls). limit: the tbf rate / 8.\n")
-    print("| link | PS polls | payload | op | workers | raw | mpips | mpips/raw | mpips/limit |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("PS polls: how often the serving PS enters MPI while the workers measure (200 us:")
+    print("as in training across nodes; 50 us: fast_polls). PS core: shared with a worker")
+    print("(round robin) or its own (the workers share the other). limit: the tbf rate / 8.\n")
+    print(
+        "| link | PS polls | PS core | payload | op | workers | raw | mpips | mpips/raw "
+        "| mpips/limit |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for link, r in results.items():
         rate = link_rate(link)
         for row in r.get("store", []):
             vs = fmt(row["mpips"] * 1e9 / rate) if rate else "-"
-            polls = "50 us" if row["ps_poll"] else "1 ms"
+            polls = "50 us" if row["ps_poll"] else "200 us"
+            core = "own" if row.get("ps_alone") else "shared"
             print(
-                f"| {link} | {polls} | {row['payload']} | {row['op']} | {row['workers']} | "
-                f"{fmt(row['raw'])} | {fmt(row['mpips'])} | {fmt(row['mpips'] / row['raw'])} "
-                f"| {vs} |"
+                f"| {link} | {polls} | {core} | {row['payload']} | {row['op']} | "
+                f"{row['workers']} | {fmt(row['raw'])} | {fmt(row['mpips'])} | "
+                f"{fmt(row['mpips'] / row['raw'])} | {vs} |"
             )
 
 
@@ -784,7 +802,11 @@ def drive(args: argparse.Namespace) -> None:
                 print(f"[{time.monotonic() - started:5.0f} s] {link}: link done", flush=True)
             if rnd == 0 and "store" in args.parts:
                 store = quietly(
-                    lambda: {"rows": measure_store(link) + measure_store(link, FAST_POLL)},
+                    lambda: {
+                        "rows": measure_store(link)
+                        + measure_store(link, FAST_POLL)
+                        + measure_store(link, ps_alone=True)
+                    },
                     args.retries,
                 )
                 r["store"], r["store_other_load"] = store["rows"], store["other_load"]

@@ -6,6 +6,11 @@ Both sides use the same window kind (Win.Allocate, lock_all held, completion by 
 ratio shows what mpips adds on top of MPI: one Get/Accumulate per PS over a whole placement.
 Rows: the reference MLP (784-512-512-10, 6 variables, 2.7 MB) and a 16 MiB single variable,
 with 1 and 2 workers active at once. Figures: median of --reps samples, aggregate GB/s.
+
+The PS serves as in training (mpips.store.serve): on one node it only sleeps; across nodes it
+enters MPI every 200 us, and stays inside MPI while a worker's pull or push is announced to
+it (store/notes.py). The raw Get and Accumulate announce nothing: over a network without
+hardware RMA they move at the pace of the PS's polls, mpips' at the link's.
 """
 
 from __future__ import annotations
@@ -19,18 +24,18 @@ from mpi4py import MPI
 from mpips.layout import make_layout
 from mpips.nn import MLP
 from mpips.placement import VariableSpec, round_robin
-from mpips.store import Cluster, StoreClient, Windows, barrier
+from mpips.store import Cluster, RunControl, StoreClient, Windows, barrier, serve
 
 comm = MPI.COMM_WORLD
 
 
-def timed(fn, active: bool, iters: int, reps: int) -> float:
+def timed(fn, active: bool, iters: int, reps: int, workers: MPI.Comm) -> float:
     """Median seconds per op of fn over reps samples (all workers start together)."""
     if active:
         fn()  # warm-up: first touch of buffers and windows
     samples = []
     for _ in range(reps):
-        barrier(comm, "the benchmark")  # idle ranks must not spin on the cores the active ones use
+        barrier(workers, "the benchmark")  # idle ranks sleep meanwhile, off the active ones' cores
         t0 = time.perf_counter()
         if active:
             for _ in range(iters):
@@ -38,6 +43,36 @@ def timed(fn, active: bool, iters: int, reps: int) -> float:
         dt = (time.perf_counter() - t0) / iters
         samples.append(dt)
     return float(np.median(samples))
+
+
+def measure(cluster: Cluster, windows: Windows, n: int, args: argparse.Namespace) -> list[tuple]:
+    """A worker's side: (op, workers, GB/s raw, GB/s mpips) rows, 1 then 2 workers active."""
+    client = StoreClient(windows, cluster.role.task)
+    raw = np.zeros(n // 4, np.float32)
+    win, ps, workers = windows.params, cluster.layout.ps_ranks[0], cluster.workers
+
+    def raw_get():
+        win.Get([raw, MPI.FLOAT], ps, [0, raw.size, MPI.FLOAT])
+        win.Flush(ps)
+
+    def raw_acc():
+        win.Accumulate([raw, MPI.FLOAT], ps, [0, raw.size, MPI.FLOAT], MPI.SUM)
+        win.Flush(ps)
+
+    iters = max(1, int(args.bytes / n))
+    rows = []
+    for k in (1, 2):
+        active = cluster.role.task < k
+        for op, fn_raw, fn_mpips in (
+            ("pull / Get", raw_get, client.pull),
+            ("push / Accumulate", raw_acc, client.push),
+        ):
+            t_raw = timed(fn_raw, active, iters, args.reps, workers)
+            t_mp = timed(fn_mpips, active, iters, args.reps, workers)
+            t_raw = workers.allreduce(t_raw if active else 0.0, MPI.MAX)
+            t_mp = workers.allreduce(t_mp if active else 0.0, MPI.MAX)
+            rows.append((op, k, k * n / t_raw / 1e9, k * n / t_mp / 1e9))
+    return rows
 
 
 def main() -> None:
@@ -55,38 +90,27 @@ def main() -> None:
     for label, specs in models.items():
         placement = round_robin(specs, 1)
         windows = Windows(comm, layout, placement)
-        client = StoreClient(windows, cluster.role.task)
         n = placement.ps_bytes(0)
-        raw = np.zeros(n // 4, np.float32)
-        win, ps = windows.params, layout.ps_ranks[0]
-
-        def raw_get():
-            win.Get([raw, MPI.FLOAT], ps, [0, raw.size, MPI.FLOAT])
-            win.Flush(ps)
-
-        def raw_acc():
-            win.Accumulate([raw, MPI.FLOAT], ps, [0, raw.size, MPI.FLOAT], MPI.SUM)
-            win.Flush(ps)
-
-        iters = max(1, int(args.bytes / n))
-        for k in (1, 2):
-            active = not cluster.is_ps and cluster.role.task < k
-            for op, fn_raw, fn_mpips in (
-                ("pull / Get", raw_get, client.pull),
-                ("push / Accumulate", raw_acc, client.push),
-            ):
-                t_raw = timed(fn_raw, active, iters, args.reps)
-                t_mp = timed(fn_mpips, active, iters, args.reps)
-                barrier(comm, "the benchmark")
-                t_raw = comm.allreduce(t_raw if active else 0.0, MPI.MAX)
-                t_mp = comm.allreduce(t_mp if active else 0.0, MPI.MAX)
-                rows.append((label, op, k, n, k * n / t_raw / 1e9, k * n / t_mp / 1e9))
-        barrier(comm, "the benchmark")
+        control = RunControl(windows)
+        if cluster.is_ps:  # as in training: it serves until the chief ends the run
+            serve(cluster, windows)
+        else:
+            if cluster.is_chief:
+                control.set_counters(0)
+                control.raise_ready()
+            else:
+                control.wait_ready(30)
+            rows += [
+                (label, *row[:1], row[1], n, *row[2:]) for row in measure(cluster, windows, n, args)
+            ]
+            barrier(cluster.workers, "the benchmark")
+            if cluster.is_chief:
+                control.end_run()
         windows.free()
-    if comm.rank == 0:
+    if cluster.is_chief:
         print(
             f"# store_bandwidth | {MPI.Get_library_version().splitlines()[0]} | "
-            f"{comm.size} ranks (1 ps) | median of {args.reps}"
+            f"{comm.size} ranks (1 ps, serving as in training) | median of {args.reps}"
         )
         print(
             f"{'payload':<22}{'op':<19}{'workers':>7}{'bytes':>11}{'raw GB/s':>10}"
