@@ -4,8 +4,8 @@ shaped with ``tc tbf``. One run measures, for each link:
 
 * link    : what the link gives raw MPI (2 ranks): Send of the gradient bytes, a 2-rank
             Allreduce of them, passive-target Get / Accumulate of them with the target
-            polling MPI busy / every 50 us / 1 ms / 5 ms (5 ms: an mpips SGD PS today, which
-            enters MPI once per CHORE_SECONDS), and 8-byte Fetch_and_op latency likewise;
+            polling MPI busy / every 50 us / 1 ms / 5 ms (5 ms: an mpips SGD PS before it
+            polled every 200 us across nodes), and 8-byte Fetch_and_op latency likewise;
 * store   : benchmarks/store_bandwidth.py (1 PS + 2 workers) against the shaped link, its
             PS serving as in training (entering MPI every 200 us across nodes) and with every
             mpips wait polling every 50 us (fast_polls);
@@ -272,13 +272,12 @@ def kernel_buckets(args: argparse.Namespace) -> None:
 
 
 def fast_polls(interval: float, module: str) -> None:
-    """Make mpips' waits in ``module`` ("server": an SGD PS's serve loop; "cluster": every
-    start-up wait and barrier, where store_bandwidth.py's PS waits) sleep at most
-    ``interval`` s between polls, entering MPI each time. An SGD PS today enters MPI once per
-    CHORE_SECONDS (5 ms): its poll gets a ``meanwhile`` that probes (MPI_Iprobe drives
-    MPICH's progress engine, which serves passive-target Get/Accumulate/Fetch_and_op over a
-    netmod without auto progress). The experiment behind the fix docs/scaling.md proposes;
-    mpips itself is not changed."""
+    """Make mpips' waits in ``module`` ("server": an SGD PS's serve loop, as in training and
+    in store_bandwidth.py; "cluster": every start-up wait and barrier) sleep at most
+    ``interval`` s between polls, entering MPI each time (an Iprobe: it drives MPICH's
+    progress engine, which serves passive-target Get/Accumulate/Fetch_and_op over a netmod
+    without auto progress). An SGD PS across nodes enters MPI every 200 us by itself
+    (WARM_POLL_SECONDS; every 5 ms before that fix). A harness patch: mpips is not changed."""
     from mpi4py import MPI
 
     from mpips.store import cluster, server

@@ -7,10 +7,10 @@ ratio shows what mpips adds on top of MPI: one Get/Accumulate per PS over a whol
 Rows: the reference MLP (784-512-512-10, 6 variables, 2.7 MB) and a 16 MiB single variable,
 with 1 and 2 workers active at once. Figures: median of --reps samples, aggregate GB/s.
 
-The PS serves as in training (mpips.store.serve): on one node it only sleeps; across nodes it
-enters MPI every 200 us, and stays inside MPI while a worker's pull or push is announced to
-it (store/notes.py). The raw Get and Accumulate announce nothing: over a network without
-hardware RMA they move at the pace of the PS's polls, mpips' at the link's.
+The PS serves as in training (mpips.store.serve): on one node it sleeps, waking every 5 ms
+for its chores; across nodes it also enters MPI every 200 us, and both the raw and the mpips
+transfers move at the pace that allows over a network without hardware RMA. The workers
+publish a clock per sample, as in training, so the PS's watchdog sees them alive.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def timed(fn, active: bool, iters: int, reps: int, workers: MPI.Comm) -> float:
 def measure(cluster: Cluster, windows: Windows, n: int, args: argparse.Namespace) -> list[tuple]:
     """A worker's side: (op, workers, GB/s raw, GB/s mpips) rows, 1 then 2 workers active."""
     client = StoreClient(windows, cluster.role.task)
+    control = client.control
     raw = np.zeros(n // 4, np.float32)
     win, ps, workers = windows.params, cluster.layout.ps_ranks[0], cluster.workers
 
@@ -60,7 +61,7 @@ def measure(cluster: Cluster, windows: Windows, n: int, args: argparse.Namespace
         win.Flush(ps)
 
     iters = max(1, int(args.bytes / n))
-    rows = []
+    rows, samples = [], 0
     for k in (1, 2):
         active = cluster.role.task < k
         for op, fn_raw, fn_mpips in (
@@ -69,6 +70,9 @@ def measure(cluster: Cluster, windows: Windows, n: int, args: argparse.Namespace
         ):
             t_raw = timed(fn_raw, active, iters, args.reps, workers)
             t_mp = timed(fn_mpips, active, iters, args.reps, workers)
+            barrier(workers, "the benchmark")  # (an idle rank must not spin in an Allreduce)
+            samples += 2 * args.reps
+            control.publish_clock(cluster.role.task, samples)  # alive, for the PS's watchdog
             t_raw = workers.allreduce(t_raw if active else 0.0, MPI.MAX)
             t_mp = workers.allreduce(t_mp if active else 0.0, MPI.MAX)
             rows.append((op, k, k * n / t_raw / 1e9, k * n / t_mp / 1e9))
@@ -100,9 +104,8 @@ def main() -> None:
                 control.raise_ready()
             else:
                 control.wait_ready(30)
-            rows += [
-                (label, *row[:1], row[1], n, *row[2:]) for row in measure(cluster, windows, n, args)
-            ]
+            for op, k, raw_bw, mp_bw in measure(cluster, windows, n, args):
+                rows.append((label, op, k, n, raw_bw, mp_bw))
             barrier(cluster.workers, "the benchmark")
             if cluster.is_chief:
                 control.end_run()

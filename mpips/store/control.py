@@ -122,7 +122,7 @@ class _MpiCounters:
 class _SharedCounters:
     """The counters in node-shared memory, moved with the CPU's atomics (atomics.py): every
     rank on one node. ~0.3 us an atomic, where MPICH's take tens of us on a busy node; a
-    step's claim and its count are one compiled call each."""
+    step's claim is one compiled call."""
 
     def __init__(self, windows: Windows):
         from . import atomics  # (compiled when the windows were made)
