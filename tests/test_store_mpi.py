@@ -140,6 +140,7 @@ def test_in_place_adam_over_many_stripes_equals_a_local_apply(monkeypatch):
     from mpips.store import barrier
 
     monkeypatch.setattr(stripes, "STRIPE_BYTES", 4096)
+    monkeypatch.setattr(stripes, "OWN_WORD_BYTES", 4096)
     specs = SPECS + [VariableSpec("big", (100_000,)), VariableSpec("s", ())]
     opt = Optimizer("adam", {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-7})
     s = Store(specs, optimizer=opt, shared=True)
@@ -172,6 +173,23 @@ def test_in_place_adam_over_many_stripes_equals_a_local_apply(monkeypatch):
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
             for k in opt.slots:
                 np.testing.assert_array_equal(got_slots[f"{name}/{k}"], slots[name][k], err_msg=k)
+    s.close()
+
+
+def test_each_big_variable_has_a_lock_word_of_its_own():
+    """Zero copy: a variable of OWN_WORD_BYTES or more (under a stripe) has a lock word of its
+    own, so two workers update two such variables at once; the small ones share one word."""
+    from mpips.store.stripes import OWN_WORD_BYTES
+    from mpips.store.window import LOCKS_PER_PS
+
+    n = OWN_WORD_BYTES // 4
+    specs = SPECS + [VariableSpec("k1", (3 * n,)), VariableSpec("k2", (n,))]
+    s = Store(specs, optimizer=Optimizer("momentum", {"momentum": 0.9}), shared=True)
+    if not s.cluster.is_ps:
+        words = {key: len(updates) for key, updates in s.client._stripes.stripes.items()}
+        own = [key for key in words if key % LOCKS_PER_PS]
+        assert len(own) == 2 and all(words[key] == 1 for key in own), words
+        assert sum(words.values()) == len(specs), "each variable in one piece"
     s.close()
 
 

@@ -35,6 +35,10 @@ from .rules import Apply, apply_rows
 from .window import LOCKS_PER_PS, Windows
 
 STRIPE_BYTES = 4 << 20  # small enough that two workers interleave, few enough locks a step
+# a piece this big (a stripe, or a variable or a variable's last part smaller than one) has
+# a word of its own: two workers then update different variables at once (the reference
+# MLP's two kernels, 1.6 and 1.0 MB); smaller ones, and table rows, share one word a PS
+OWN_WORD_BYTES = 256 << 10
 SPIN_SECONDS = 5e-4  # try a taken word again at once for this long, then sleep between tries
 
 Word = tuple[np.ndarray, int]  # a lock word: its PS's words, and which
@@ -97,10 +101,10 @@ class Stripes:
     one length; ``tables`` map (table name, ps task) to that partition in the PS's memory
     and its slots there, as (rows, width) arrays; ``apply`` is the optimizer's rule.
 
-    A full stripe has a lock word of its own (up to LOCKS_PER_PS - 1 per PS, then shared).
-    Everything smaller on a PS (small variables, the last part of a big one, the touched
-    rows of its table partitions) goes under one more word, taken once a step: a CTR
-    step's tiny dense update and its rows cost one lock, not one each."""
+    A stripe of OWN_WORD_BYTES or more has a lock word of its own (up to LOCKS_PER_PS - 1 per
+    PS, then shared). Everything smaller on a PS (small variables, a small last part of a big
+    one, the touched rows of its table partitions) goes under one more word, taken once a
+    step: a CTR step's tiny dense update and its rows cost one lock, not one each."""
 
     def __init__(
         self,
@@ -116,7 +120,7 @@ class Stripes:
         count: dict[int, int] = {}
 
         def word(ps_task: int, full: bool) -> int:
-            """Lock word of a full stripe (the next of its PS), or of the small ones."""
+            """Lock word of a big piece (the next of its PS), or of the small ones."""
             k = 0
             if full:
                 k = count[ps_task] = count.get(ps_task, 0) % (LOCKS_PER_PS - 1) + 1
@@ -127,7 +131,7 @@ class Stripes:
             for a in range(0, var.size, step):
                 cut = slice(a, a + step)
                 parts = {s: v[cut] for s, v in slots.items()}
-                key = word(ps_task, var[cut].size == step)
+                key = word(ps_task, var[cut].nbytes >= OWN_WORD_BYTES)
                 self.stripes.setdefault(key, []).append(partial(apply, var[cut], grad[cut], parts))
         order = list(self.stripes)  # workers start at different words, not queued behind
         shift = task * len(order) // windows.layout.num_workers  # one another
