@@ -24,7 +24,7 @@ from mpi4py import MPI
 from mpips.layout import make_layout
 from mpips.nn import MLP
 from mpips.placement import VariableSpec, round_robin
-from mpips.store import Cluster, RunControl, StoreClient, Windows, barrier, serve
+from mpips.store import Cluster, StoreClient, Windows, barrier, serve
 
 comm = MPI.COMM_WORLD
 
@@ -49,6 +49,11 @@ def measure(cluster: Cluster, windows: Windows, n: int, args: argparse.Namespace
     """A worker's side: (op, workers, GB/s raw, GB/s mpips) rows, 1 then 2 workers active."""
     client = StoreClient(windows, cluster.role.task)
     control = client.control
+    if cluster.is_chief:  # the PS serves from the ready flag on
+        control.set_counters(0)
+        control.raise_ready()
+    else:
+        control.wait_ready(30)
     raw = np.zeros(n // 4, np.float32)
     win, ps, workers = windows.params, cluster.layout.ps_ranks[0], cluster.workers
 
@@ -76,6 +81,9 @@ def measure(cluster: Cluster, windows: Windows, n: int, args: argparse.Namespace
             t_raw = workers.allreduce(t_raw if active else 0.0, MPI.MAX)
             t_mp = workers.allreduce(t_mp if active else 0.0, MPI.MAX)
             rows.append((op, k, k * n / t_raw / 1e9, k * n / t_mp / 1e9))
+    barrier(workers, "the benchmark")
+    if cluster.is_chief:  # the PS stops serving
+        control.end_run()
     return rows
 
 
@@ -95,20 +103,11 @@ def main() -> None:
         placement = round_robin(specs, 1)
         windows = Windows(comm, layout, placement)
         n = placement.ps_bytes(0)
-        control = RunControl(windows)
         if cluster.is_ps:  # as in training: it serves until the chief ends the run
             serve(cluster, windows)
         else:
-            if cluster.is_chief:
-                control.set_counters(0)
-                control.raise_ready()
-            else:
-                control.wait_ready(30)
             for op, k, raw_bw, mp_bw in measure(cluster, windows, n, args):
                 rows.append((label, op, k, n, raw_bw, mp_bw))
-            barrier(cluster.workers, "the benchmark")
-            if cluster.is_chief:
-                control.end_run()
         windows.free()
     if cluster.is_chief:
         print(

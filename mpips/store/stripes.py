@@ -119,10 +119,10 @@ class Stripes:
         self.stripes: dict[int, list[Callable[[float, int], None]]] = {}
         count: dict[int, int] = {}
 
-        def word(ps_task: int, full: bool) -> int:
-            """Lock word of a big piece (the next of its PS), or of the small ones."""
+        def word(ps_task: int, own: bool) -> int:
+            """A word of its own for a big piece (the next of its PS), or the small ones'."""
             k = 0
-            if full:
+            if own:
                 k = count[ps_task] = count.get(ps_task, 0) % (LOCKS_PER_PS - 1) + 1
             return ps_task * LOCKS_PER_PS + k
 
