@@ -20,7 +20,9 @@ shaped with ``tc tbf``. One run measures, for each link:
 * overlap : at --overlap-link, sync mode's "s reducing and updating after backward" per step
             against the same buckets (GradientBuckets: the variables and the loss,
             default train.bucket_bytes) reduced with no compute, in the same run; and the
-            in-process share of benchmarks/sync_allreduce.py (1 - (step - compute) / reduce).
+            in-process share of benchmarks/sync_allreduce.py (1 - (step - compute) / reduce);
+            the same for the reduce-scatters alone (the half of the exchange that can
+            overlap backward).
 
 Run it as root, or with CAP_SYS_ADMIN and CAP_NET_ADMIN (unprivileged, it tries a user
 namespace, ``unshare -r -n``, where the kernel allows one): it re-executes itself under
@@ -211,7 +213,10 @@ def kernel_link(args: argparse.Namespace) -> None:
 def kernel_buckets(args: argparse.Namespace) -> None:
     """W replicas: sync mode's gradient buckets (the model's variables and the loss,
     train.bucket_bytes) reduced and updated (SGD) with no compute; forward+backward alone;
-    and with the buckets started during backward (as benchmarks/sync_allreduce.py does)."""
+    and with the buckets started during backward (as benchmarks/sync_allreduce.py does).
+    Both also with the reduce-scatters alone (each bucket's ``Ireduce_scatter`` completed,
+    no update, no allgather): the half of the exchange that can overlap backward, since a
+    part's update and its allgather wait for the replicas' agreement after backward."""
     import numpy as np
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
@@ -246,6 +251,24 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     def compute() -> None:
         model.loss_and_grads(params, x, y, local)
 
+    def scattered() -> None:
+        buckets.set_loss(0.0)
+        for b in buckets.buckets:
+            if b.request is not None:
+                b.request.Wait()
+                b.request = None
+
+    def scatter_only() -> None:
+        buckets.start_step()
+        for s in reversed(specs):
+            buckets.ready(s.name)
+        scattered()
+
+    def step_scatter() -> None:
+        buckets.start_step()
+        model.loss_and_grads(params, x, y, buckets.grads, ready=buckets.ready)
+        scattered()
+
     def step() -> None:
         buckets.start_step()
         model.loss_and_grads(params, x, y, buckets.grads, ready=buckets.ready)
@@ -254,7 +277,13 @@ def kernel_buckets(args: argparse.Namespace) -> None:
 
     runs: dict[str, list[float]] = {}
     for _ in range(3):  # interleaved
-        for name, fn in (("reduce", reduce_only), ("compute", compute), ("step", step)):
+        for name, fn in (
+            ("reduce", reduce_only),
+            ("compute", compute),
+            ("step", step),
+            ("scatter", scatter_only),
+            ("step_scatter", step_scatter),
+        ):
             fn()
             samples = []
             for _ in range(args.reps):
@@ -717,20 +746,24 @@ def print_overlap_table(overlap: dict) -> None:
     print("\n## (d) Sync: allreduce hidden behind backward\n")
     print(
         "| link | workload | buckets | reduce alone ms | f+b alone ms | f+b with buckets ms | "
-        "hidden (kernel) | job: wait after backward ms/step | hidden (job) |"
+        "hidden (kernel) | job: wait after backward ms/step | hidden (job) | "
+        "reduce-scatters alone ms | their share | f+b with them ms | theirs hidden (kernel) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (link, w), r in overlap.items():
         k, job = r["kernel"], r["job"]
         hidden_k = 1 - (k["step"] - k["compute"]) / k["reduce"]
         waits = [s / u for s, u in zip(job["waited_s"], job["updates"], strict=False) if u]
         per_step = statistics.mean(waits) if waits else float("nan")
         hidden_j = 1 - per_step / k["reduce"]
+        hidden_s = 1 - (k["step_scatter"] - k["compute"]) / k["scatter"]
         busy = " *" if max(k["other_load"], job["other_load"]) > BUSY else ""
         print(
             f"| {link} | {w} | {k['buckets']} ({k['bytes'] / 1e6:.2f} MB) | "
             f"{k['reduce'] * 1e3:.2f} | {k['compute'] * 1e3:.2f} | {k['step'] * 1e3:.2f} | "
-            f"{hidden_k:.0%} | {per_step * 1e3:.2f} | {hidden_j:.0%}{busy} |"
+            f"{hidden_k:.0%} | {per_step * 1e3:.2f} | {hidden_j:.0%}{busy} | "
+            f"{k['scatter'] * 1e3:.2f} | {k['scatter'] / k['reduce']:.0%} | "
+            f"{k['step_scatter'] * 1e3:.2f} | {hidden_s:.0%} |"
         )
 
 

@@ -3,8 +3,9 @@ the initial broadcast, and the replica check. With store/, the only code that mo
 over MPI.
 
 A replica's variables, optimizer slots and gradients live in a few flat buffers (buckets),
-filled in the order backward produces the gradients. When a bucket's last gradient is
-written its ``Ireduce_scatter`` starts at once, so reducing it overlaps the rest of
+filled in the order backward produces the gradients; a matrix that would overfill one is
+cut between rows. When a bucket's last gradient (or its rows of one: ``ready(name, rows)``)
+is written its ``Ireduce_scatter`` starts at once, so reducing it overlaps the rest of
 backward: MPICH moves a nonblocking collective only inside MPI calls, so pending requests
 are tested between layers, and a thread enters MPI every 100 us while a layer's matrix
 products run (``_Pump``). Each replica then owns one contiguous part of every bucket: it
@@ -66,7 +67,7 @@ class _Store:
 
 @dataclass
 class Bucket:
-    names: list[str]
+    needs: dict[str, int]  # variable: how many of its first rows backward must have written
     store: _Store
     start: int  # where the bucket begins in its store
     counts: list[int]  # the part of the bucket each replica owns, in elements
@@ -85,6 +86,43 @@ class Bucket:
 
 def _count(spec: VariableSpec) -> int:
     return int(np.prod(spec.shape))
+
+
+def _rows(spec: VariableSpec) -> int:
+    """How many rows (along axis 0) a bucket may cut ``spec`` between: 1 for a vector."""
+    return spec.shape[0] if len(spec.shape) >= 2 and spec.shape[0] > 1 and _count(spec) else 1
+
+
+Segment = tuple[VariableSpec, int, int]  # rows [start, stop) of a variable
+
+
+def _segments(order: list[VariableSpec], bucket_bytes: int) -> list[list[Segment]]:
+    """``order`` (backward's) cut into buckets: a bucket closes once it holds
+    ``bucket_bytes``, and a matrix that would overfill it is cut between rows, so that its
+    first rows are reduced while backward still writes the rest (a model says so with
+    ``ready(name, rows)``). A bucket holds one dtype."""
+    buckets: list[list[Segment]] = []
+    current: list[Segment] = []
+    size = 0
+    for spec in order:
+        if current and np.dtype(current[0][0].dtype) != np.dtype(spec.dtype):
+            buckets.append(current)
+            current, size = [], 0
+        rows = _rows(spec)
+        row_bytes = spec.nbytes // rows
+        start = 0
+        while start < rows:
+            take = rows - start
+            if size + take * row_bytes > bucket_bytes:
+                take = min(take, max(1, -(-(bucket_bytes - size) // row_bytes)))
+            current.append((spec, start, start + take))
+            size, start = size + take * row_bytes, start + take
+            if size >= bucket_bytes:
+                buckets.append(current)
+                current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def _parts(n: int, size: int) -> list[int]:
@@ -132,8 +170,8 @@ class GradientBuckets:
         self.values: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
         self.slots: dict[str, dict[str, np.ndarray]] = {}
-        self._bucket_of: dict[str, int] = {}
-        self._pending: dict[int, set[str]] = {}
+        self._buckets_of: dict[str, list[int]] = {}  # each variable's buckets, in order
+        self._pending: dict[int, set[str]] = {}  # buckets not started: what they wait for
         self._exposed: list[tuple[Exposed, _Store]] = []  # the slots, for collect_slots
         self._shared: NodeShared | None = None
         self._pump: _Pump | None = None
@@ -152,19 +190,11 @@ class GradientBuckets:
                 for d, n in totals.items()
             }
         used = dict.fromkeys(self.stores, 0)
-        current: list[VariableSpec] = []
-        for spec in order:
-            if current and np.dtype(current[0].dtype) != np.dtype(spec.dtype):
-                used = self._add(current, used)
-                current = []
-            current.append(spec)
-            if sum(s.nbytes for s in current) >= bucket_bytes:
-                used = self._add(current, used)
-                current = []
-        if current:
-            self._add(current, used)
+        for segments in _segments(order, bucket_bytes):
+            used = self._add(segments, used)
         threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        if self.size > 1 and not shared and threads:
+        big = sum(s.nbytes for s in specs) >= PUMP_BYTES
+        if self.size > 1 and not shared and threads and big:
             self._pump = _Pump(comm)
         if self.size > 1 and slot_names and not shared:
             for store in self.stores.values():
@@ -196,29 +226,32 @@ class GradientBuckets:
         self._fence("the replicas' shared memory")  # zeroed by every owner before any use
         return stores
 
-    def _add(self, specs: list[VariableSpec], used: dict[str, int]) -> dict[str, int]:
-        key = np.dtype(specs[0].dtype).str
-        store, start = self.stores[key], -(-used[key] // ALIGN) * ALIGN
-        n = sum(_count(s) for s in specs)
+    def _add(self, segments: list[Segment], used: dict[str, int]) -> dict[str, int]:
+        key = np.dtype(segments[0][0].dtype).str
+        store = self.stores[key]
+        # a bucket that goes on with a variable begins where the last one ended; others on a line
+        start = used[key] if segments[0][1] else -(-used[key] // ALIGN) * ALIGN
+        n = sum(_count(s) // _rows(s) * (stop - first) for s, first, stop in segments)
         counts = _parts(n, self.size)
         displs = [sum(counts[:r]) for r in range(self.size)]
         mine_lo, mine_hi = start + displs[self.rank], start + displs[self.rank] + counts[self.rank]
         pieces = []
         offset = start
         index = len(self.buckets)
-        for s in specs:
-            lo, hi = offset, offset + _count(s)
-            self.values[s.name] = store.values[lo:hi].reshape(s.shape)
-            self.grads[s.name] = store.grads[lo:hi].reshape(s.shape)
-            self.slots[s.name] = {k: b[lo:hi].reshape(s.shape) for k, b in store.slots.items()}
+        for s, first, stop in segments:
+            lo, hi = offset, offset + _count(s) // _rows(s) * (stop - first)
+            if first == 0:  # the whole variable, from here on (a later bucket may hold its end)
+                whole = slice(lo, lo + _count(s))
+                self.values[s.name] = store.values[whole].reshape(s.shape)
+                self.grads[s.name] = store.grads[whole].reshape(s.shape)
+                self.slots[s.name] = {k: b[whole].reshape(s.shape) for k, b in store.slots.items()}
             if max(lo, mine_lo) < min(hi, mine_hi):
                 pieces.append((s.name, max(lo, mine_lo), min(hi, mine_hi)))
-            self._bucket_of[s.name] = index
+            self._buckets_of.setdefault(s.name, []).append(index)
             offset = hi
         shard = np.zeros(counts[self.rank], store.values.dtype)
-        self.buckets.append(
-            Bucket([s.name for s in specs], store, start, counts, displs, pieces, shard)
-        )
+        needs = {s.name: stop for s, _, stop in segments}
+        self.buckets.append(Bucket(needs, store, start, counts, displs, pieces, shard))
         return {**used, key: offset}
 
     @property
@@ -235,17 +268,22 @@ class GradientBuckets:
 
     def start_step(self) -> None:
         if self._shared is None:  # (shared memory: nothing is reduced during backward)
-            self._pending = {i: set(b.names) for i, b in enumerate(self.buckets)}
+            self._pending = {i: set(b.needs) for i, b in enumerate(self.buckets)}
 
-    def ready(self, name: str) -> None:
-        """Backward has written gradient ``name``: start its bucket's reduction if complete."""
+    def ready(self, name: str, rows: int | None = None) -> None:
+        """Backward has written gradient ``name`` (``rows``: only its first rows so far; a
+        later call says more): start the reduction of each bucket this completes."""
         if self._shared is not None:
             return  # the others read it in place once every replica is done
-        index = self._bucket_of[name]
-        waiting = self._pending[index]
-        waiting.discard(name)
-        if not waiting:
-            self._reduce(index)
+        for index in self._buckets_of[name]:
+            waiting = self._pending.get(index)
+            if waiting is None or name not in waiting:
+                continue
+            if rows is not None and rows < self.buckets[index].needs[name]:
+                break  # (a variable's later buckets need later rows)
+            waiting.discard(name)
+            if not waiting:
+                self._reduce(index)
         for b in self.buckets:  # poke progress on what is in flight
             if b.request is not None and b.request.Test():
                 b.request = None
@@ -256,10 +294,10 @@ class GradientBuckets:
         self.ready(LOSS)
 
     def _reduce(self, index: int) -> None:
-        self._pending[index].clear()
+        del self._pending[index]
         b = self.buckets[index]
         b.request = self.comm.Ireduce_scatter(b.span(b.store.grads), b.shard, b.counts, MPI.SUM)
-        if self._pump is not None and b.size * b.store.grads.itemsize >= PUMP_BYTES:
+        if self._pump is not None:
             self._pump.on.set()  # until finish, which enters MPI itself
 
     def finish(self, update: Update | None, clip_norm: float = 0.0) -> float:
@@ -282,9 +320,8 @@ class GradientBuckets:
         return math.nan if update is None else float(self.values[LOSS][0])
 
     def _finish_messages(self, update: Update | None, clip_norm: float) -> None:
-        for index in range(len(self.buckets)):
-            if self._pending.get(index):
-                self._reduce(index)
+        for index in sorted(self._pending):
+            self._reduce(index)
         if self._pump is not None:
             self._pump.on.clear()  # from here on this thread enters MPI itself
         whole_first = update is None or clip_norm > 0  # every mean before any update
@@ -405,14 +442,14 @@ class GradientBuckets:
 
 PUMP_SECONDS = 1e-4  # how often the pump enters MPI while a bucket is reduced during backward
 PUMP_TAG = 7101  # never sent: the pump's Iprobe only drives MPICH's progress
-# the pump runs for a bucket this big (transfers of several ms): at 10 Gbit/s it made the
-# wide MLP's 16.8 MB bucket 5% faster, the reference MLP's ~1 MB ones 5% slower (its wake-ups
-# take the core from backward, and the tests between layers were enough)
+# the pump runs for gradients this big in all (transfers of several ms): at 10 Gbit/s it made
+# the wide MLP's 23 MB 5% faster, the reference MLP's 2.7 MB 5% slower (its wake-ups take the
+# core from backward, and the tests between layers were enough)
 PUMP_BYTES = 4 << 20
 
 
 class _Pump:
-    """While a big bucket is reduced during backward, a thread that enters MPI every
+    """While a big model's buckets are reduced during backward, a thread that enters MPI every
     PUMP_SECONDS (an Iprobe on a communicator of its own; set ``on``). Without shared memory
     MPICH moves a nonblocking collective only inside MPI calls, and a layer's matrix
     products make none for milliseconds; they release the GIL, so this thread runs beside

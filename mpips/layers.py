@@ -14,7 +14,7 @@ import numpy as np
 
 from .backend import scatter_add, to_host
 from .metrics import accuracy, auc
-from .model import Model
+from .model import Model, Ready
 from .placement import VariableSpec
 
 
@@ -34,6 +34,9 @@ def dense_forward(x: Any, kernel: Any, bias: Any) -> Any:
     return x @ kernel + bias
 
 
+BLOCK_BYTES = 512 << 10  # a kernel gradient reported to ``ready`` is written in blocks this big
+
+
 def dense_backward(
     xp: ModuleType,
     x: Any,
@@ -41,23 +44,36 @@ def dense_backward(
     dy: Any,
     grad_kernel: Any,
     grad_bias: Any,
-    written: Callable[[], None] | None = None,
+    written: Callable[[int], None] | None = None,
     input_grad: bool = True,
 ) -> Any:
-    """The gradients of ``dense_forward`` from ``dy``, the output's: kernel and bias into
-    ``grad_kernel`` and ``grad_bias`` (in place; ``written()`` then), and the input's,
-    returned (None unless ``input_grad``)."""
-    xp.matmul(x.T, dy, out=grad_kernel)
+    """The gradients of ``dense_forward`` from ``dy``, the output's: bias and kernel into
+    ``grad_bias`` and ``grad_kernel`` (in place), and the input's, returned (None unless
+    ``input_grad``). ``written(rows)``, if given, is called once the bias and the first
+    ``rows`` rows of the kernel are final (0 for the bias alone): then the kernel's gradient
+    is written in blocks of rows, so sync replicas can reduce the first while the rest are
+    computed."""
     dy.sum(axis=0, out=grad_bias)
+    rows = grad_kernel.shape[0]
+    step = rows
     if written is not None:
-        written()
+        written(0)
+        blocks = max(1, -(-grad_kernel.nbytes // BLOCK_BYTES))
+        step = max(1, -(-rows // blocks))
+    for first in range(0, rows, step):
+        stop = min(rows, first + step)
+        xp.matmul(x.T[first:stop], dy, out=grad_kernel[first:stop])
+        if written is not None:
+            written(stop)
     return dy @ kernel.T if input_grad else None
 
 
-def _each_ready(ready: Callable[[str], None], *names: str) -> None:
-    """``ready(name)`` for each of ``names``, in order."""
-    for name in names:
-        ready(name)
+def _report(ready: Ready, bias: str, kernel: str, rows: int) -> None:
+    """``dense_backward``'s progress as ``ready`` calls: the bias, then the kernel's rows."""
+    if rows:
+        ready(kernel, rows)
+    else:
+        ready(bias)
 
 
 class DenseStack:
@@ -102,7 +118,7 @@ class DenseStack:
         acts: list[Any],
         d: Any,
         grads: dict[str, Any],
-        ready: Callable[[str], None] | None = None,
+        ready: Ready | None = None,
         input_grad: bool = False,
     ) -> Any:
         """Gradients of every kernel and bias into ``grads`` (in place) from ``d``, the
@@ -110,7 +126,7 @@ class DenseStack:
         Returns the gradient of the input if ``input_grad``, else None."""
         for i in reversed(range(self.num_layers)):
             k, b = self.names[i]
-            written = None if ready is None else partial(_each_ready, ready, b, k)
+            written = None if ready is None else partial(_report, ready, b, k)
             d = dense_backward(
                 self.xp, acts[i], params[k], d, grads[k], grads[b], written, bool(i or input_grad)
             )
@@ -528,7 +544,7 @@ class Sequential(Model):
         x: Any,
         y: Any,
         grads: dict[str, Any],
-        ready: Callable[[str], None] | None = None,
+        ready: Ready | None = None,
     ) -> float:
         self.steps += 1
         rng = np.random.default_rng([self.seed, self.worker, self.steps])

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -27,6 +27,16 @@ if TYPE_CHECKING:
     from .data import DatasetInfo
 
 Variable = VariableSpec  # the public name: Variable(name, shape, dtype="float32")
+
+
+class Ready(Protocol):
+    """What ``loss_and_grads`` may call as backward goes: ``ready(name)`` once gradient
+    ``name`` is final; ``ready(name, rows)`` once its first ``rows`` rows (along axis 0) are,
+    so a large gradient written in blocks of rows is reduced block by block."""
+
+    def __call__(self, name: str, rows: int | None = None) -> None: ...
+
+
 BUILT_IN = ("mlp", "logreg", "wide_deep")
 
 
@@ -54,11 +64,12 @@ class Model:
         x: Any,
         y: Any,
         grads: dict[str, Any],
-        ready: Callable[[str], None] | None = None,
+        ready: Ready | None = None,
     ) -> float:
         """*Required.* The batch's mean loss; writes d loss / d variable into ``grads[name]``
         in place (``grads[name][...] = ...``, never rebinding it). ``ready(name)``, if given,
-        may be called as each gradient is final (sync mode starts reducing it at once)."""
+        may be called as each gradient is final (sync mode starts reducing it at once), and
+        ``ready(name, rows)`` as its first ``rows`` rows are (see ``Ready``)."""
         raise NotImplementedError
 
     def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> dict[str, float]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +14,7 @@ from .metrics import accuracy, auc
 from .model import (
     BUILT_IN,
     Model,
+    Ready,
     build_from_factory,
     check_model,
     factory_name,
@@ -76,12 +76,12 @@ class MLP(Model):
         x: Any,
         y: Any,
         grads: dict[str, Any],
-        ready: Callable[[str], None] | None = None,
+        ready: Ready | None = None,
     ) -> float:
         """Mean cross-entropy of the batch; writes d loss / d variable into ``grads`` in place.
 
-        ``ready(name)`` is called as soon as each gradient is written (last layer first), so a
-        caller can start reducing it while backward goes on.
+        ``ready`` is told as soon as each gradient, or a block of a kernel's rows, is written
+        (last layer first), so a caller can start reducing it while backward goes on.
         """
         z, acts = self.layers.forward(params, x)
         loss, d = softmax_cross_entropy(self.xp, z, y)

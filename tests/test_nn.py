@@ -56,3 +56,64 @@ def test_the_mlp_reports_auc_on_two_classes():
     z = model.logits(params, x)
     assert got["auc"] == auc(y, z[:, 1] - z[:, 0]) and 0 <= got["auc"] <= 1
     assert "auc" not in MLP([5, 8, 3]).evaluate(MLP([5, 8, 3]).initial_values(0), x, y)
+
+
+def test_backward_reports_a_big_kernel_block_by_block_each_block_final(monkeypatch):
+    """Given ``ready``, the MLP writes a kernel's gradient in blocks of rows and says each
+    block once it is final (bias first, then the kernel's rows in order), so sync replicas
+    can reduce the first rows while the rest are computed. Gradients equal those written
+    whole."""
+    from mpips import layers
+
+    monkeypatch.setattr(layers, "BLOCK_BYTES", 1024)
+    model = MLP([40, 24, 3])  # dense_0/kernel: 40 rows of 96 bytes, 4 blocks
+    params = model.initial_values(0)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 40)).astype(np.float32)
+    y = rng.integers(0, 3, 8)
+    whole = {k: np.zeros_like(v) for k, v in params.items()}
+    model.loss_and_grads(params, x, y, whole)
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    said = []
+
+    def ready(name, rows=None):
+        final = whole[name] if rows is None else whole[name][:rows]
+        now = grads[name] if rows is None else grads[name][:rows]
+        np.testing.assert_array_equal(now, final, err_msg=f"{name} rows {rows} not final")
+        said.append((name, rows))
+
+    model.loss_and_grads(params, x, y, grads, ready)
+    assert said == [
+        ("dense_1/bias", None),
+        ("dense_1/kernel", 24),
+        ("dense_0/bias", None),
+        *[("dense_0/kernel", r) for r in (10, 20, 30, 40)],
+    ]
+    for name, g in whole.items():
+        np.testing.assert_array_equal(grads[name], g, err_msg=name)
+
+
+def test_buckets_cut_a_big_matrix_between_rows():
+    """A bucket closes once it holds bucket_bytes; a matrix that would overfill it is cut
+    between rows, a vector never. Every row lies in one bucket, in backward's order, and each
+    variable is one view over its rows."""
+    from mpi4py import MPI
+
+    from mpips.allreduce import GradientBuckets
+    from mpips.placement import VariableSpec
+
+    specs = [VariableSpec("w", (50, 32)), VariableSpec("v", (600,)), VariableSpec("u", (3, 4))]
+    buckets = GradientBuckets(MPI.COMM_SELF, specs, bucket_bytes=2048)
+    # backward's order: u (48 B), v (2400 B: closes a bucket), w (128 B a row) in 16-row cuts
+    assert [b.needs for b in buckets.buckets] == [
+        {"u": 3, "v": 1},
+        {"w": 16},
+        {"w": 32},
+        {"w": 48},
+        {"w": 50, "__loss__": 1},
+    ]
+    assert [b.size for b in buckets.buckets] == [612, 512, 512, 512, 65]
+    w = buckets.buckets[1]
+    assert buckets.values["w"].base is not None and buckets.values["w"].shape == (50, 32)
+    assert np.shares_memory(buckets.values["w"][:16], w.span(w.store.values))
+    buckets.close()

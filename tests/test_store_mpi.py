@@ -637,3 +637,43 @@ def test_a_big_bucket_is_reduced_while_backward_makes_no_mpi_call():
     mean = sum(range(1, comm.size + 1)) / comm.size
     np.testing.assert_array_equal(buckets.values["w"], np.full(n, -mean, np.float32))
     buckets.close()
+
+
+def test_a_matrix_cut_over_buckets_is_reduced_as_its_rows_are_written():
+    """Sync replicas over messages: a matrix bigger than a bucket is cut between rows, and
+    each bucket starts its reduction as soon as backward says the rows it holds are written
+    (``ready(name, rows)``), not once the whole gradient is. Every row gets its mean."""
+    from mpi4py import MPI
+
+    from mpips.allreduce import GradientBuckets
+
+    comm = MPI.COMM_WORLD
+    rows, cols = 64, 256  # 1 KiB a row
+    specs = [VariableSpec("w", (rows, cols)), VariableSpec("b", (cols,))]
+    buckets = GradientBuckets(comm, specs, bucket_bytes=16 << 10)
+    holding = {i: b.needs["w"] for i, b in enumerate(buckets.buckets) if "w" in b.needs}
+    assert len(holding) == 5, holding  # b and 15 rows, then 16, 16, 16 and the last 1
+    buckets.start_step()
+    grads = buckets.grads
+    grads["b"][:] = comm.rank + 1
+    buckets.ready("b")
+    fill = (comm.rank + 1) * np.arange(1, rows + 1, dtype=np.float32)[:, None]
+    grads["w"][:32] = fill[:32]
+    buckets.ready("w", 32)
+    started = {i for i in holding if i not in buckets._pending}
+    assert started == {i for i, need in holding.items() if need <= 32}, (started, holding)
+    grads["w"][32:] = fill[32:]
+    buckets.ready("w", rows)
+    assert list(buckets._pending) == [4], "only the last bucket waits, for the loss"
+    buckets.set_loss(0.0)
+    assert not buckets._pending
+
+    def sgd(var, grad, slots):
+        var -= grad
+
+    buckets.finish(sgd)
+    mean = sum(range(1, comm.size + 1)) / comm.size
+    np.testing.assert_array_equal(buckets.values["b"], np.full(cols, -mean, np.float32))
+    want = -mean * np.arange(1, rows + 1, dtype=np.float32)[:, None] * np.ones(cols, np.float32)
+    np.testing.assert_array_equal(buckets.values["w"], want)
+    buckets.close()
