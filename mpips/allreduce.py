@@ -47,7 +47,8 @@ from .store import (
 from .waits import poll
 
 LOSS = "__loss__"  # the batch loss: rides in the last bucket, averaged, never updated
-ALIGN = 16  # elements: buckets, and parts where they can, start on a 64-byte line
+ALIGN = 16  # elements: buckets (but one going on with a cut matrix), and parts where they
+# can, start on a 64-byte line
 
 # update(part of the variable, its summed gradient (mean once divided), its slots' parts):
 # applies the optimizer in place to the part of one variable a replica owns
@@ -91,6 +92,11 @@ def _count(spec: VariableSpec) -> int:
 def _rows(spec: VariableSpec) -> int:
     """How many rows (along axis 0) a bucket may cut ``spec`` between: 1 for a vector."""
     return spec.shape[0] if len(spec.shape) >= 2 and spec.shape[0] > 1 and _count(spec) else 1
+
+
+def _length(spec: VariableSpec) -> int:
+    """Rows along axis 0, as ``ready(name, rows)`` counts them (1 for a scalar)."""
+    return spec.shape[0] if spec.shape else 1
 
 
 Segment = tuple[VariableSpec, int, int]  # rows [start, stop) of a variable
@@ -250,7 +256,8 @@ class GradientBuckets:
             self._buckets_of.setdefault(s.name, []).append(index)
             offset = hi
         shard = np.zeros(counts[self.rank], store.values.dtype)
-        needs = {s.name: stop for s, _, stop in segments}
+        # rows along axis 0 that ``ready(name, rows)`` must have said (all, where it ends)
+        needs = {s.name: stop if stop < _rows(s) else _length(s) for s, _, stop in segments}
         self.buckets.append(Bucket(needs, store, start, counts, displs, pieces, shard))
         return {**used, key: offset}
 

@@ -321,7 +321,9 @@ class Replica:
         x, params, grads = self._inputs(x)
         if tl and params is not self.params:
             t = tl.span("pull", t)
-        loss = self.model.loss_and_grads(params, x, y, grads, ready=buckets.ready)
+        # (one copy in shared memory: nothing is reduced during backward, so nothing to say)
+        ready = None if buckets.shared else buckets.ready
+        loss = self.model.loss_and_grads(params, x, y, grads, ready=ready)
         if tl:
             t = tl.span("compute", t)
         buckets.set_loss(loss)

@@ -104,9 +104,10 @@ def test_buckets_cut_a_big_matrix_between_rows():
 
     specs = [VariableSpec("w", (50, 32)), VariableSpec("v", (600,)), VariableSpec("u", (3, 4))]
     buckets = GradientBuckets(MPI.COMM_SELF, specs, bucket_bytes=2048)
-    # backward's order: u (48 B), v (2400 B: closes a bucket), w (128 B a row) in 16-row cuts
+    # backward's order: u (48 B), v (2400 B: closes a bucket), w (128 B a row) in 16-row cuts;
+    # needs: the rows along axis 0 ready(name, rows) must have said (a vector's: all of it)
     assert [b.needs for b in buckets.buckets] == [
-        {"u": 3, "v": 1},
+        {"u": 3, "v": 600},
         {"w": 16},
         {"w": 32},
         {"w": 48},

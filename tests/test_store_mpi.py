@@ -613,8 +613,8 @@ def test_the_cpus_atomics_lose_nothing_between_processes():
 
 
 def test_a_big_bucket_is_reduced_while_backward_makes_no_mpi_call():
-    """Sync replicas over messages: once a bucket of PUMP_BYTES or more is ready, its
-    reduction goes on while the replica makes no MPI call (as during a long matrix
+    """Sync replicas over messages, a model of PUMP_BYTES or more: once a bucket is ready,
+    its reduction goes on while the replica makes no MPI call (as during a long matrix
     product): a thread enters MPI meanwhile. The update gets the mean gradient."""
     from mpi4py import MPI
 
@@ -642,7 +642,8 @@ def test_a_big_bucket_is_reduced_while_backward_makes_no_mpi_call():
 def test_a_matrix_cut_over_buckets_is_reduced_as_its_rows_are_written():
     """Sync replicas over messages: a matrix bigger than a bucket is cut between rows, and
     each bucket starts its reduction as soon as backward says the rows it holds are written
-    (``ready(name, rows)``), not once the whole gradient is. Every row gets its mean."""
+    (``ready(name, rows)``), not once the whole gradient is; a vector's first values do not
+    start a bucket that holds all of it. Every row gets its mean."""
     from mpi4py import MPI
 
     from mpips.allreduce import GradientBuckets
@@ -655,13 +656,17 @@ def test_a_matrix_cut_over_buckets_is_reduced_as_its_rows_are_written():
     assert len(holding) == 5, holding  # b and 15 rows, then 16, 16, 16 and the last 1
     buckets.start_step()
     grads = buckets.grads
-    grads["b"][:] = comm.rank + 1
-    buckets.ready("b")
     fill = (comm.rank + 1) * np.arange(1, rows + 1, dtype=np.float32)[:, None]
     grads["w"][:32] = fill[:32]
     buckets.ready("w", 32)
     started = {i for i in holding if i not in buckets._pending}
-    assert started == {i for i, need in holding.items() if need <= 32}, (started, holding)
+    assert started == {i for i, need in holding.items() if need <= 32 and i}, (started, holding)
+    grads["b"][:100] = comm.rank + 1
+    buckets.ready("b", 100)  # a vector's first 100 values: its bucket waits for the rest
+    assert 0 in buckets._pending, "a bucket started on part of a vector"
+    grads["b"][100:] = comm.rank + 1
+    buckets.ready("b")
+    assert 0 not in buckets._pending
     grads["w"][32:] = fill[32:]
     buckets.ready("w", rows)
     assert list(buckets._pending) == [4], "only the last bucket waits, for the loss"

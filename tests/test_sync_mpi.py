@@ -131,6 +131,33 @@ def test_w_replicas_equal_one_process_with_w_times_the_batch(
             np.testing.assert_allclose(slots[f"{name}/{slot}"], value, rtol=2e-4, atol=2e-6)
 
 
+BLOCKS = """
+import mpips
+from mpips import layers
+layers.BLOCK_BYTES = 256  # every kernel written in blocks of a few rows
+with mpips.abort_on_error():
+    mpips.train(mpips.load_job("job.toml"))
+"""
+
+
+def test_kernels_written_in_blocks_train_as_one_process(tmp_path):
+    """Across nodes: kernels written in blocks of rows (``ready(name, rows)``), which
+    buckets of 300 bytes cut; each bucket starts on its own rows, and the replicas still
+    train exactly as one process with W x the batch."""
+    job = write_job(tmp_path, "adam", bucket_bytes=300)
+    (tmp_path / "blocks.py").write_text(BLOCKS)
+    r = run_mpi(3, ["blocks.py"], cwd=tmp_path, **MESSAGES)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(SAYS["messages"]) == 3, r.stdout
+    variables, slots, _ = read_ckpt(tmp_path / "runs/ckpt/ckpt-20.json")
+    want, want_slots = one_process(job, 3, 20)
+    for name, value in want.items():
+        np.testing.assert_allclose(variables[name], value, rtol=2e-4, atol=2e-6, err_msg=name)
+    for name, per in want_slots.items():
+        for slot, value in per.items():
+            np.testing.assert_allclose(slots[f"{name}/{slot}"], value, rtol=2e-4, atol=2e-6)
+
+
 PERTURB = """
 import mpips
 class Perturb(mpips.Hook):
