@@ -68,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -221,7 +222,7 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
-    from mpips.allreduce import GradientBuckets
+    from mpips.allreduce import GradientBuckets, Update
     from mpips.job import TrainConfig
     from mpips.nn import MLP
     from mpips.optim import Optimizer
@@ -241,45 +242,36 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     def sgd(var: np.ndarray, grad: np.ndarray, slots: dict) -> None:
         Optimizer("sgd").apply(var, grad, {}, WORKLOADS[args.workload][2], 1)
 
-    def reduce_only() -> None:
-        buckets.start_step()
+    def without_compute() -> None:  # every gradient ready at once
         for s in reversed(specs):
             buckets.ready(s.name)
-        buckets.set_loss(0.0)
-        buckets.finish(sgd)
+
+    def backward() -> None:  # each bucket started as backward writes it
+        model.loss_and_grads(params, x, y, buckets.grads, ready=buckets.ready)
+
+    def exchange(start: Callable[[], None], update: Update | None) -> Callable[[], None]:
+        """One step's buckets: started by ``start``, then finished with ``update`` (None: a
+        step not applied, its mean gradients only: the reduce-scatters, no allgather)."""
+
+        def run() -> None:
+            buckets.start_step()
+            start()
+            buckets.set_loss(0.0)
+            buckets.finish(update)
+
+        return run
 
     def compute() -> None:
         model.loss_and_grads(params, x, y, local)
 
-    def scattered() -> None:
-        buckets.set_loss(0.0)
-        buckets.finish(None)  # a step not applied: its mean gradients, no update, no allgather
-
-    def scatter_only() -> None:
-        buckets.start_step()
-        for s in reversed(specs):
-            buckets.ready(s.name)
-        scattered()
-
-    def step_scatter() -> None:
-        buckets.start_step()
-        model.loss_and_grads(params, x, y, buckets.grads, ready=buckets.ready)
-        scattered()
-
-    def step() -> None:
-        buckets.start_step()
-        model.loss_and_grads(params, x, y, buckets.grads, ready=buckets.ready)
-        buckets.set_loss(0.0)
-        buckets.finish(sgd)
-
     runs: dict[str, list[float]] = {}
     for _ in range(3):  # interleaved
         for name, fn in (
-            ("reduce", reduce_only),
+            ("reduce", exchange(without_compute, sgd)),
             ("compute", compute),
-            ("step", step),
-            ("scatter", scatter_only),
-            ("step_scatter", step_scatter),
+            ("step", exchange(backward, sgd)),
+            ("scatter", exchange(without_compute, None)),
+            ("step_scatter", exchange(backward, None)),
         ):
             fn()
             samples = []

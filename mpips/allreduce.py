@@ -237,15 +237,15 @@ class GradientBuckets:
         store = self.stores[key]
         # a bucket that goes on with a variable begins where the last one ended; others on a line
         start = used[key] if segments[0][1] else -(-used[key] // ALIGN) * ALIGN
-        n = sum(_count(s) // _rows(s) * (stop - first) for s, first, stop in segments)
-        counts = _parts(n, self.size)
+        sizes = [_count(s) // _rows(s) * (stop - first) for s, first, stop in segments]
+        counts = _parts(sum(sizes), self.size)
         displs = [sum(counts[:r]) for r in range(self.size)]
         mine_lo, mine_hi = start + displs[self.rank], start + displs[self.rank] + counts[self.rank]
         pieces = []
         offset = start
         index = len(self.buckets)
-        for s, first, stop in segments:
-            lo, hi = offset, offset + _count(s) // _rows(s) * (stop - first)
+        for (s, first, _), size in zip(segments, sizes, strict=True):
+            lo, hi = offset, offset + size
             if first == 0:  # the whole variable, from here on (a later bucket may hold its end)
                 whole = slice(lo, lo + _count(s))
                 self.values[s.name] = store.values[whole].reshape(s.shape)

@@ -121,14 +121,21 @@ def test_w_replicas_equal_one_process_with_w_times_the_batch(
     assert len({crc for _, crc in done}) == 1, "replicas are bitwise identical"
     steps = [int(s) for s in re.findall(r"\] step (\d+) loss", r.stdout)]
     assert steps == list(range(1, 21)), "each step said once (by the chief)"
-    variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-20.json")
+    clocks = assert_one_process(tmp_path, job, workers)
     assert clocks == [20] * workers
+
+
+def assert_one_process(tmp_path, job, workers):
+    """The chief's checkpoint at step 20 (variables, and slots collected from their owners)
+    equals one process with W x the batch; returns its clocks."""
+    variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-20.json")
     want, want_slots = one_process(job, workers, 20)
     for name, value in want.items():
         np.testing.assert_allclose(variables[name], value, rtol=2e-4, atol=2e-6, err_msg=name)
     for name, per in want_slots.items():
         for slot, value in per.items():
             np.testing.assert_allclose(slots[f"{name}/{slot}"], value, rtol=2e-4, atol=2e-6)
+    return clocks
 
 
 BLOCKS = """
@@ -149,13 +156,7 @@ def test_kernels_written_in_blocks_train_as_one_process(tmp_path):
     r = run_mpi(3, ["blocks.py"], cwd=tmp_path, **MESSAGES)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count(SAYS["messages"]) == 3, r.stdout
-    variables, slots, _ = read_ckpt(tmp_path / "runs/ckpt/ckpt-20.json")
-    want, want_slots = one_process(job, 3, 20)
-    for name, value in want.items():
-        np.testing.assert_allclose(variables[name], value, rtol=2e-4, atol=2e-6, err_msg=name)
-    for name, per in want_slots.items():
-        for slot, value in per.items():
-            np.testing.assert_allclose(slots[f"{name}/{slot}"], value, rtol=2e-4, atol=2e-6)
+    assert_one_process(tmp_path, job, 3)
 
 
 PERTURB = """
