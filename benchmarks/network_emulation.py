@@ -216,8 +216,8 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     train.bucket_bytes) reduced and updated (SGD) with no compute; forward+backward alone;
     and with the buckets started during backward (as benchmarks/sync_allreduce.py does).
     Both also with the reduce-scatters alone (each bucket's ``Ireduce_scatter`` completed,
-    no update, no allgather): the half of the exchange that can overlap backward, since a
-    part's update and its allgather wait for the replicas' agreement after backward."""
+    no update, no allgather: a step not applied). With the update, a bucket reduced while
+    backward runs is updated and its allgather started then too."""
     import numpy as np
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
@@ -254,10 +254,10 @@ def kernel_buckets(args: argparse.Namespace) -> None:
         step not applied, its mean gradients only: the reduce-scatters, no allgather)."""
 
         def run() -> None:
-            buckets.start_step()
+            buckets.start_step(update, votes=[0, 0])  # (as a job: a stop signal, a hook's)
             start()
             buckets.set_loss(0.0)
-            buckets.finish(update)
+            buckets.finish()
 
         return run
 

@@ -85,20 +85,20 @@ def main() -> None:
         sgd.apply(whole, flat, {}, lr, 1)
 
     def reduce_only(b=buckets):
-        b.start_step()
+        b.start_step(update, votes=[0, 0])
         for s in reversed(specs):
             b.ready(s.name)
         b.set_loss(0.0)
-        b.finish(update)
+        b.finish()
 
     def compute():
         model.loss_and_grads(params, x, y, local)
 
     def step():
-        buckets.start_step()
+        buckets.start_step(update, votes=[0, 0])
         model.loss_and_grads(params, x, y, buckets.grads, ready=buckets.ready)
         buckets.set_loss(0.0)
-        buckets.finish(update)
+        buckets.finish()
 
     runs: dict[str, list[float]] = {}
     for _ in range(3):  # interleave, so every kind of sample sees the same machine load

@@ -10,7 +10,10 @@ backward: MPICH moves a nonblocking collective only inside MPI calls, so pending
 are tested between layers, and a thread enters MPI every 100 us while a layer's matrix
 products run (``_Pump``). Each replica then owns one contiguous part of every bucket: it
 applies the update to that part only, with the summed gradients it received, and an
-in-place ``Iallgatherv`` of the variables gives every replica the whole update. That moves
+in-place ``Iallgatherv`` of the variables gives every replica the whole update. Whether a
+step is applied (no replica asked to stop) is agreed in a small allreduce started with the
+step, so a bucket reduced while backward still runs is updated and gathered then too
+(backward no longer reads a variable it said ``ready``). That moves
 the same bytes as an allreduce of the gradients, applies each update once instead of W
 times, and leaves the replicas bitwise identical by construction: every value is computed
 by one replica and copied to the others. Optimizer slots stay with their owner;
@@ -25,7 +28,7 @@ import math
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, cast
 
@@ -46,7 +49,7 @@ from .store import (
 )
 from .waits import poll
 
-LOSS = "__loss__"  # the batch loss: rides in the last bucket, averaged, never updated
+LOSS = "__loss__"  # every replica's batch loss (its own entry): rides in the last bucket
 ALIGN = 16  # elements: buckets (but one going on with a cut matrix), and parts where they
 # can, start on a 64-byte line
 
@@ -75,7 +78,8 @@ class Bucket:
     displs: list[int]
     pieces: list[tuple[str, int, int]]  # (variable, start, stop) in the store: this replica's
     shard: np.ndarray  # this replica's part of the summed gradients
-    request: MPI.Request | None = None
+    request: MPI.Request | None = None  # the reduce-scatter, until it completed
+    gather: MPI.Request | None = None  # the allgather of the updated variables
 
     @property
     def size(self) -> int:
@@ -83,6 +87,18 @@ class Bucket:
 
     def span(self, buffer: np.ndarray) -> np.ndarray:
         return buffer[self.start : self.start + self.size]
+
+
+@dataclass
+class _Step:
+    """A step's plan: its update and clipping, and the replicas' agreement to apply it."""
+
+    update: Update | None = None
+    clip_norm: float = 0.0
+    agreement: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    request: MPI.Request | None = None  # the agreement's allreduce, until it completed
+    early: bool = False  # buckets reduced during backward may be updated then (once agreed)
+    gathered: int = 0  # buckets updated and their allgathers started, in bucket order
 
 
 def _count(spec: VariableSpec) -> int:
@@ -181,8 +197,10 @@ class GradientBuckets:
         self._exposed: list[tuple[Exposed, _Store]] = []  # the slots, for collect_slots
         self._shared: NodeShared | None = None
         self._pump: _Pump | None = None
+        self._gathers: MPI.Comm | None = None  # the allgathers' own communicator
+        self._step = _Step()
         self.reduce_seconds = 0.0  # time spent reducing and updating after backward
-        loss = VariableSpec(LOSS, (1,), specs[0].dtype if specs else "float32")
+        loss = VariableSpec(LOSS, (self.size,), specs[0].dtype if specs else "float32")
         order = [*reversed(specs), loss]  # backward produces the last layer's gradients first
         totals: dict[str, int] = {}
         for spec in order:  # with room to start every bucket on a line
@@ -200,6 +218,8 @@ class GradientBuckets:
             used = self._add(segments, used)
         threads = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         big = sum(s.nbytes for s in specs) >= PUMP_BYTES
+        if not shared:  # (allgathers may start during backward, in another order)
+            self._gathers = comm.Dup()
         if self.size > 1 and not shared and threads and big:
             self._pump = _Pump(comm)
         if self.size > 1 and slot_names and not shared:
@@ -273,13 +293,31 @@ class GradientBuckets:
         arrays = [a for s in self.stores.values() for a in (s.values, *s.slots.values())]
         broadcast(self.comm, arrays, root)
 
-    def start_step(self) -> None:
+    def start_step(
+        self,
+        update: Update | None = None,
+        clip_norm: float = 0.0,
+        votes: Sequence[int] = (),
+        during_backward: bool = True,
+    ) -> None:
+        """Begin a step, before backward. It is applied with ``update`` (None: not applied,
+        the mean gradients only) unless a replica's ``votes`` (small integers: a stop signal,
+        a hook's request to stop) are not all 0; their maxima over the replicas are agreed
+        in one small allreduce that runs meanwhile (``agreed``). Once it says the step is
+        applied, and with no clipping (``clip_norm`` > 0 needs every mean gradient first), a
+        bucket whose reduction completes while backward runs is updated and its allgather
+        started at once (``during_backward`` False: all in ``finish``)."""
+        agreement = np.array(votes, np.int64)
+        request = self.comm.Iallreduce(MPI.IN_PLACE, agreement, MPI.MAX) if len(votes) else None
+        early = during_backward and update is not None and clip_norm <= 0
+        self._step = _Step(update, clip_norm, agreement, request, early)
         if self._shared is None:  # (shared memory: nothing is reduced during backward)
             self._pending = {i: set(b.needs) for i, b in enumerate(self.buckets)}
 
     def ready(self, name: str, rows: int | None = None) -> None:
-        """Backward has written gradient ``name`` (``rows``: only its first rows so far; a
-        later call says more): start the reduction of each bucket this completes."""
+        """Backward has written gradient ``name`` and no longer reads variable ``name``
+        (``rows``: only their first rows so far; a later call says more): start the reduction
+        of each bucket this completes."""
         if self._shared is not None:
             return  # the others read it in place once every replica is done
         for index in self._buckets_of[name]:
@@ -294,11 +332,57 @@ class GradientBuckets:
         for b in self.buckets:  # poke progress on what is in flight
             if b.request is not None and b.request.Test():
                 b.request = None
+            if b.gather is not None and b.gather.Test():
+                b.gather = None
+        if self._step.early and self._applied(wait=False):
+            self._update_reduced()
 
     def set_loss(self, loss: float) -> None:
-        """The batch loss rides in the last bucket: every replica learns the mean."""
-        self.grads[LOSS][0] = loss
+        """This replica's batch loss rides in the last bucket, in its own entry: every
+        replica learns every replica's loss (``losses``) with the step's update."""
+        self.grads[LOSS][...] = 0
+        self.grads[LOSS][self.rank] = loss
         self.ready(LOSS)
+
+    def agreed(self) -> list[int]:
+        """The maxima of the step's ``votes`` over the replicas (waits for them)."""
+        self._applied(wait=True)
+        return [int(v) for v in self._step.agreement]
+
+    def losses(self) -> list[float]:
+        """Every replica's batch loss, by replica, once a step was applied."""
+        return [float(v) * self.size for v in self.values[LOSS]]
+
+    def _applied(self, wait: bool) -> bool | None:
+        """Whether this step is applied; None while the agreement is not yet known."""
+        step = self._step
+        if step.request is not None:
+            if wait:
+                complete(self.comm, step.request, "the step's agreement")
+            elif not step.request.Test():
+                return None
+            step.request = None
+        return step.update is not None and not step.agreement.any()
+
+    def _update_reduced(self) -> None:
+        """Update, in bucket order, each bucket whose reduction completed, and start its
+        allgather (every replica starts them in this order, some here, some in finish)."""
+        step = self._step
+        assert step.update is not None
+        while step.gathered < len(self.buckets):
+            b = self.buckets[step.gathered]
+            if step.gathered in self._pending or b.request is not None:
+                return  # not yet reduced
+            self._mean(b)
+            self._update(b, step.update)
+            self._gather(b)
+            step.gathered += 1
+
+    def _gather(self, b: Bucket) -> None:
+        assert self._gathers is not None
+        b.gather = self._gathers.Iallgatherv(
+            MPI.IN_PLACE, [b.span(b.store.values), (b.counts, b.displs)]
+        )
 
     def _reduce(self, index: int) -> None:
         del self._pending[index]
@@ -307,28 +391,31 @@ class GradientBuckets:
         if self._pump is not None:
             self._pump.on.set()  # until finish, which enters MPI itself
 
-    def finish(self, update: Update | None, clip_norm: float = 0.0) -> float:
+    def finish(self) -> float:
         """Complete the step: sum this replica's part of every bucket over the replicas,
-        divide it by their number, ``update`` it (None: the step is not applied, every
-        variable stays as it was) and share the updated variables. ``clip_norm`` > 0 scales
-        the mean gradients so their joint L2 norm is at most that (one small allreduce
-        more). Returns the mean loss over the replicas' batches (nan when not applied).
+        divide it by their number, update it (unless the step is not applied: then every
+        variable stays as it was) and share the updated variables. A ``clip_norm`` > 0
+        scales the mean gradients so their joint L2 norm is at most that (one small
+        allreduce more). Returns the mean loss over the replicas' batches (nan when not
+        applied).
 
         Once the model's loss_and_grads has returned every gradient is final: buckets it did
         not report ready (a model that does not call ``ready``) start their reduction here,
         without the overlap with backward."""
         t0 = time.perf_counter()
-        if self._shared is not None:
-            if update is not None:
-                self._finish_shared(update, clip_norm)
-        else:
-            self._finish_messages(update, clip_norm)
-        self.reduce_seconds += time.perf_counter() - t0
-        return math.nan if update is None else float(self.values[LOSS][0])
-
-    def _finish_messages(self, update: Update | None, clip_norm: float) -> None:
         for index in sorted(self._pending):
             self._reduce(index)
+        applied = self._applied(wait=True)
+        update, clip_norm = self._step.update, self._step.clip_norm
+        if self._shared is not None:
+            if applied and update is not None:
+                self._finish_shared(update, clip_norm)
+        else:
+            self._finish_messages(update if applied else None, clip_norm)
+        self.reduce_seconds += time.perf_counter() - t0
+        return float(self.values[LOSS].sum(dtype=np.float64)) if applied else math.nan
+
+    def _finish_messages(self, update: Update | None, clip_norm: float) -> None:
         if self._pump is not None:
             self._pump.on.clear()  # from here on this thread enters MPI itself
         whole_first = update is None or clip_norm > 0  # every mean before any update
@@ -339,15 +426,17 @@ class GradientBuckets:
             return
         if clip_norm > 0:
             self._clip(clip_norm)
-        for b in self.buckets:  # in the order their reductions started
+        step = self._step
+        for b in self.buckets[step.gathered :]:  # in the order their reductions started
             if not whole_first:
                 self._mean(b)
             self._update(b, update)
-            b.request = self.comm.Iallgatherv(
-                MPI.IN_PLACE, [b.span(b.store.values), (b.counts, b.displs)]
-            )
+            self._gather(b)
+        step.gathered = len(self.buckets)
         for b in self.buckets:
-            self._complete(b, "the variables' allgather")
+            if b.gather is not None:
+                complete(self.comm, b.gather, "the variables' allgather")
+            b.gather = None
 
     def _finish_shared(self, update: Update, clip_norm: float) -> None:
         self._fence("the replicas' gradients")  # every replica has written its gradients
@@ -381,13 +470,11 @@ class GradientBuckets:
         self._shared.sync()
 
     def _mean(self, b: Bucket) -> None:
-        self._complete(b, "the gradient reduction")
-        b.shard /= self.size
-
-    def _complete(self, b: Bucket, what: str) -> None:
+        """This replica's part of ``b``'s mean gradient, once reduced."""
         if b.request is not None:
-            complete(self.comm, b.request, what)
-        b.request = None
+            complete(self.comm, b.request, "the gradient reduction")
+            b.request = None
+        b.shard /= self.size
 
     def _grad_parts(self, b: Bucket) -> list[tuple[str, np.ndarray]]:
         first = b.start + b.displs[self.rank]
@@ -418,8 +505,9 @@ class GradientBuckets:
     def collect_slots(self) -> None:
         """Fetch every other replica's parts of the optimizer slots (one-sided, passive
         target: the owners go on waiting in their collectives), so this replica holds them
-        whole, e.g. to write a checkpoint. Owners change their parts only inside ``finish``,
-        which cannot complete before this replica joins the next step. (With shared memory
+        whole, e.g. to write a checkpoint. Owners change their parts only once the step's
+        agreement is known (in ``ready`` or ``finish``), which cannot happen before this
+        replica joins the next step. (With shared memory
         every replica sees them whole already.)"""
         for exposed, store in self._exposed:
             for r in range(self.size):
@@ -439,6 +527,9 @@ class GradientBuckets:
         if self._pump is not None:
             self._pump.close()
             self._pump = None
+        if self._gathers is not None:
+            self._gathers.Free()
+            self._gathers = None
         for exposed, _ in self._exposed:
             exposed.free()
         self._exposed = []

@@ -34,7 +34,8 @@ def dense_forward(x: Any, kernel: Any, bias: Any) -> Any:
     return x @ kernel + bias
 
 
-BLOCK_BYTES = 512 << 10  # a kernel gradient reported to ``ready`` is written in blocks this big
+BLOCK_BYTES = 256 << 10  # a kernel gradient reported to ``ready`` is written in blocks this big
+# (512 KiB hid less of the reference MLP's exchange: docs/performance.md)
 
 
 def dense_backward(
@@ -52,7 +53,9 @@ def dense_backward(
     ``input_grad``). ``written(rows)``, if given, is called once the bias and the first
     ``rows`` rows of the kernel are final (0 for the bias alone): then the kernel's gradient
     is written in blocks of rows, so sync replicas can reduce the first while the rest are
-    computed."""
+    computed. The input's gradient comes first: after ``written`` the kernel is not read
+    (sync replicas may update it then)."""
+    dx = dy @ kernel.T if input_grad else None
     dy.sum(axis=0, out=grad_bias)
     rows = grad_kernel.shape[0]
     step = rows
@@ -65,7 +68,7 @@ def dense_backward(
         xp.matmul(x.T[first:stop], dy, out=grad_kernel[first:stop])
         if written is not None:
             written(stop)
-    return dy @ kernel.T if input_grad else None
+    return dx
 
 
 def _report(ready: Ready, bias: str, kernel: str, rows: int) -> None:

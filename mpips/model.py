@@ -31,8 +31,10 @@ Variable = VariableSpec  # the public name: Variable(name, shape, dtype="float32
 
 class Ready(Protocol):
     """What ``loss_and_grads`` may call as backward goes: ``ready(name)`` once gradient
-    ``name`` is final; ``ready(name, rows)`` once its first ``rows`` rows (along axis 0) are,
-    so a large gradient written in blocks of rows is reduced block by block."""
+    ``name`` is final and backward no longer reads variable ``name``; ``ready(name, rows)``
+    once its first ``rows`` rows (along axis 0) are, so a large gradient written in blocks of
+    rows is reduced block by block. Sync replicas may update the variable from then on
+    (compute a layer's input gradient before you say its kernel is ready)."""
 
     def __call__(self, name: str, rows: int | None = None) -> None: ...
 
@@ -68,8 +70,9 @@ class Model:
     ) -> float:
         """*Required.* The batch's mean loss; writes d loss / d variable into ``grads[name]``
         in place (``grads[name][...] = ...``, never rebinding it). ``ready(name)``, if given,
-        may be called as each gradient is final (sync mode starts reducing it at once), and
-        ``ready(name, rows)`` as its first ``rows`` rows are (see ``Ready``)."""
+        may be called as each gradient is final and its variable no longer read (sync mode
+        starts reducing it at once, and may update the variable), and ``ready(name, rows)``
+        as its first ``rows`` rows are (see ``Ready``)."""
         raise NotImplementedError
 
     def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> dict[str, float]:

@@ -17,7 +17,7 @@ import math
 import os
 import shutil
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -172,6 +172,9 @@ class Replica:
         self.per_epoch = _batches_per_epoch(job, prep.info.rows["train"], self.workers)
         self.step_count = self.clock = self.updates = 0
         self.stopped = 0  # the signal every replica agreed to stop on (0: none)
+        # buckets reduced during backward are updated and shared then (hybrid: not before
+        # its pushes, see there)
+        self.update_in_backward = True
         self.stop_asked = 0  # a hook on this replica asked to stop the run
         self.timeline = job_timeline(job, "worker", self.role.task)
         optimizer.prepare()  # a replica applies every update itself: compile its kernel now
@@ -226,23 +229,20 @@ class Replica:
             stop_from_ps(self.cluster.comm) if self.listen_to_ps else 0
         )
 
-    def _agree(self, loss: float, step: int) -> bool:
-        """One small allreduce a step: a signal on any replica (or forwarded by a PS rank),
-        the first replica whose loss is not finite (NonFinite, said by the chief), and a
-        hook's request to stop, so all act on it together. True: go on with this step."""
-        stopped, bad, asked = agree_max(
-            self.comm,
-            [self._signal(), 0 if math.isfinite(loss) else self.role.task + 1, self.stop_asked],
-        )
+    def _check_losses(self, step: int) -> None:
+        """The first replica whose loss is not finite, if any, ends the job on every replica:
+        all of them see every replica's loss once the step is shared."""
+        losses = self.buckets.losses()
+        bad = [task for task, loss in enumerate(losses) if not math.isfinite(loss)]
         if bad:
-            message = loss_not_finite(
-                bad - 1, loss if bad - 1 == self.role.task else "not finite", step
-            )
-            raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
-        self.stopped = stopped
-        return not (stopped or asked)
+            self._not_finite(bad[0], losses[bad[0]], step)
 
-    def _push_rows(self, grads: dict[str, Any], lr: float) -> None:
+    def _not_finite(self, task: int, loss: float | str, step: int) -> NoReturn:
+        """End the job on every replica: NonFinite, said by the chief."""
+        message = loss_not_finite(task, loss, step)
+        raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
+
+    def _push_rows(self, grads: dict[str, Any], lr: float, loss: float, step: int) -> None:
         """Hybrid mode sends its table rows' gradients to the PS tasks (sync has none)."""
 
     def _start(self) -> int:
@@ -317,36 +317,41 @@ class Replica:
             return None
         buckets, tl = self.buckets, self.timeline
         t = tl.now() if tl else 0.0  # the timeline's phases (summary.timeline), if on
-        buckets.start_step()
         x, params, grads = self._inputs(x)
         if tl and params is not self.params:
             t = tl.span("pull", t)
+        lr = learning_rate(self.oc, step)
+
+        def update(var: Any, grad: Any, slots: dict[str, Any]) -> None:
+            self.optimizer.apply(var, grad, slots, lr, step + 1)
+
+        # whether to stop (a signal on any replica or forwarded by a PS rank, a hook's
+        # request) is agreed while backward runs, so buckets reduced meanwhile are updated
+        # then too; not applied when stopping: the checkpoint is exact at `step`
+        votes = [self._signal(), self.stop_asked]
+        buckets.start_step(update, self.oc.clip_norm, votes, self.update_in_backward)
         # (one copy in shared memory: nothing is reduced during backward, so nothing to say)
         ready = None if buckets.shared else buckets.ready
         loss = self.model.loss_and_grads(params, x, y, grads, ready=ready)
         if tl:
             t = tl.span("compute", t)
         buckets.set_loss(loss)
-        # agree on stopping while the buckets reduce (hybrid: the agreement also orders
-        # every replica's pull of a step before any push of its rows)
-        go = self._agree(loss, step)
+        # (hybrid: the agreement, started after this replica's pull, also orders every
+        # replica's pull of a step before any push of its rows)
+        self.stopped, asked = buckets.agreed()
+        go = not (self.stopped or asked)
         if tl:
             t = tl.span("agreement", t)
-        lr = learning_rate(self.oc, step)
         if go:
-            self._push_rows(grads, lr)
+            self._push_rows(grads, lr, loss, step)
             if tl and params is not self.params:
                 t = tl.span("push and ack", t)
-
-        def update(var: Any, grad: Any, slots: dict[str, Any]) -> None:
-            self.optimizer.apply(var, grad, slots, lr, step + 1)
-
-        # not applied when stopping: the checkpoint is exact at `step`
-        mean_loss = buckets.finish(update if go else None, self.oc.clip_norm)
+        mean_loss = buckets.finish()
         if tl:
             tl.span("reduce and update", t)
         if not go:
             return None
+        self._check_losses(step)
         self.step_count, self.clock, self.updates = step + 1, self.clock + 1, self.updates + 1
         if self.tc.check_every and self.step_count % self.tc.check_every == 0:
             check_replicas(self.comm, self.arrays, self.step_count)

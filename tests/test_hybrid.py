@@ -113,3 +113,41 @@ def test_hybrid_needs_tables_and_no_clip_norm(tmp_path):
     )
     r = run_mpi(3, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
     assert r.returncode == 2 and "MLP has no tables to keep on the PS" in r.stderr + r.stdout
+
+
+NAN_ON_WORKER_1 = """
+import mpips
+from mpips import ctr
+from mpips.store import StoreClient
+
+real_loss, real_push = ctr.WideDeep.loss_and_grads, StoreClient.push
+
+
+def loss_and_grads(self, params, x, y, grads, ready=None):
+    loss = real_loss(self, params, x, y, grads, ready)
+    self.calls = getattr(self, "calls", 0) + 1
+    return float("nan") if self.worker == 1 and self.calls == 4 else loss
+
+
+def push(self, *args, **kwargs):
+    print(f"pushed by {self.task}", flush=True)
+    return real_push(self, *args, **kwargs)
+
+
+ctr.WideDeep.loss_and_grads, StoreClient.push = loss_and_grads, push
+with mpips.abort_on_error():
+    mpips.train(mpips.load_job("job.toml"))
+"""
+
+
+def test_nothing_of_a_hybrid_step_whose_loss_is_not_finite_is_pushed(tmp_path):
+    """Worker 1's loss is NaN at its fourth step: the job stops naming it, and no worker
+    pushes that step's rows to the tables (the dense replicas agree on it first)."""
+    hybrid_job(tmp_path, "wide_deep", "sgd", 0.5, 50)
+    (tmp_path / "nan.py").write_text(NAN_ON_WORKER_1)
+    r = run_mpi(3, ["nan.py"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-3000:])
+    said = "the loss of /job:worker/task:1 is not finite at global_step 3: training stopped"
+    assert r.stderr.count(said) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    pushes = re.findall(r"pushed by (\d)", r.stdout)
+    assert sorted(pushes) == ["0"] * 3 + ["1"] * 3, r.stdout[-2000:]

@@ -7,6 +7,7 @@ Under plain pytest these are run by test_mpi_suite.py in an mpiexec subprocess, 
 
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -615,7 +616,7 @@ def test_the_cpus_atomics_lose_nothing_between_processes():
 def test_a_big_bucket_is_reduced_while_backward_makes_no_mpi_call():
     """Sync replicas over messages, a model of PUMP_BYTES or more: once a bucket is ready,
     its reduction goes on while the replica makes no MPI call (as during a long matrix
-    product): a thread enters MPI meanwhile. The update gets the mean gradient."""
+    product): a thread enters MPI meanwhile. This replica's part gets the mean gradient."""
     from mpi4py import MPI
 
     from mpips.allreduce import PUMP_BYTES, GradientBuckets
@@ -623,19 +624,15 @@ def test_a_big_bucket_is_reduced_while_backward_makes_no_mpi_call():
     comm = MPI.COMM_WORLD
     n = 2 * PUMP_BYTES // 4
     buckets = GradientBuckets(comm, [VariableSpec("w", (n,))], bucket_bytes=1 << 20)
-    buckets.start_step()
+    buckets.start_step()  # (no update: the bucket's request stays until finish)
     buckets.grads["w"][:] = comm.rank + 1
     buckets.ready("w")  # starts the reduction (and tests it once)
     time.sleep(1.0)  # no MPI call on this thread
     assert buckets.buckets[0].request.Test(), "the reduction stood still without MPI calls"
     buckets.set_loss(0.0)
-
-    def sgd(var, grad, slots):
-        var -= grad
-
-    buckets.finish(sgd)
+    buckets.finish()
     mean = sum(range(1, comm.size + 1)) / comm.size
-    np.testing.assert_array_equal(buckets.values["w"], np.full(n, -mean, np.float32))
+    np.testing.assert_array_equal(buckets.buckets[0].shard, mean)
     buckets.close()
 
 
@@ -654,7 +651,11 @@ def test_a_matrix_cut_over_buckets_is_reduced_as_its_rows_are_written():
     buckets = GradientBuckets(comm, specs, bucket_bytes=16 << 10)
     holding = {i: b.needs["w"] for i, b in enumerate(buckets.buckets) if "w" in b.needs}
     assert len(holding) == 5, holding  # b and 15 rows, then 16, 16, 16 and the last 1
-    buckets.start_step()
+
+    def sgd(var, grad, slots):
+        var -= grad
+
+    buckets.start_step(sgd)
     grads = buckets.grads
     fill = (comm.rank + 1) * np.arange(1, rows + 1, dtype=np.float32)[:, None]
     grads["w"][:32] = fill[:32]
@@ -672,13 +673,75 @@ def test_a_matrix_cut_over_buckets_is_reduced_as_its_rows_are_written():
     assert list(buckets._pending) == [4], "only the last bucket waits, for the loss"
     buckets.set_loss(0.0)
     assert not buckets._pending
-
-    def sgd(var, grad, slots):
-        var -= grad
-
-    buckets.finish(sgd)
+    buckets.finish()
     mean = sum(range(1, comm.size + 1)) / comm.size
     np.testing.assert_array_equal(buckets.values["b"], np.full(cols, -mean, np.float32))
     want = -mean * np.arange(1, rows + 1, dtype=np.float32)[:, None] * np.ones(cols, np.float32)
     np.testing.assert_array_equal(buckets.values["w"], want)
+    buckets.close()
+
+
+def test_a_step_is_updated_during_backward_once_the_replicas_agree():
+    """Sync replicas over messages: whether a step is applied (no replica's vote to stop) is
+    agreed while backward runs, and a bucket reduced meanwhile is updated and gathered then,
+    before backward ends. A vote on one replica leaves every variable as it was, on all."""
+    from mpi4py import MPI
+
+    from mpips.allreduce import GradientBuckets
+
+    comm = MPI.COMM_WORLD
+    rows, cols = 64, 256  # 1 KiB a row: 16 rows a bucket
+    buckets = GradientBuckets(comm, [VariableSpec("w", (rows, cols))], bucket_bytes=16 << 10)
+    first = buckets.buckets[0].needs["w"]
+    grads, values = buckets.grads["w"], buckets.values["w"]
+
+    def sgd(var, grad, slots):
+        var -= grad
+
+    def first_rows_updated() -> bool:
+        """Backward goes on (says its rows again, as between layers) until the first
+        bucket's rows are updated on this replica, or 20 s."""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            buckets.ready("w", first)
+            if buckets.buckets[0].gather is None and (values[:first] != 0).all():
+                return True
+            time.sleep(0.001)
+        return False
+
+    def backward_from(first_rows: Callable[[], None]) -> float:
+        """A step: the first bucket's rows written, ``first_rows``, the rest, and the end."""
+        grads[...] = comm.rank + 1
+        buckets.ready("w", first)
+        first_rows()
+        buckets.ready("w", rows)
+        buckets.set_loss(float(comm.rank))
+        return buckets.finish()
+
+    def updated_meanwhile() -> None:
+        assert first_rows_updated(), "a reduced bucket waited for the end of backward"
+        assert (values[first:] == 0).all(), "rows updated before backward wrote them"
+
+    buckets.start_step(sgd, votes=[0])
+    loss = backward_from(updated_meanwhile)
+    assert buckets.agreed() == [0]
+    mean = sum(range(1, comm.size + 1)) / comm.size
+    np.testing.assert_array_equal(values, np.full((rows, cols), -mean, np.float32))
+    assert buckets.losses() == pytest.approx(range(comm.size), rel=1e-6)
+    assert loss == pytest.approx(sum(range(comm.size)) / comm.size, rel=1e-6)
+    before = values.copy()
+
+    def not_updated() -> None:
+        """Backward goes on until the agreement and the first bucket's reduction are in."""
+        deadline = time.monotonic() + 20
+        while buckets._step.request is not None or buckets.buckets[0].request is not None:
+            assert time.monotonic() < deadline, "the agreement or the reduction stood still"
+            buckets.ready("w", first)
+            time.sleep(0.001)
+        assert (values == before).all(), "a step some replica voted against was updated"
+
+    buckets.start_step(sgd, votes=[1 if comm.rank == 1 else 0])  # replica 1: stop
+    loss = backward_from(not_updated)
+    assert buckets.agreed() == [1]
+    assert np.isnan(loss) and (values == before).all()
     buckets.close()

@@ -92,8 +92,8 @@ SAYS = {
         *[(k, w, 1 << 20, 0.0, "shared") for k in ("sgd", "momentum", "adam") for w in (2, 3)],
         ("sgd", 2, 1 << 20, 0.0, "messages"),
         ("adam", 3, 1 << 20, 0.0, "messages"),
-        # 16 buckets: matrices cut between rows, parts that cut variables; the loss alone,
-        # owned by one replica
+        # 16 buckets: matrices cut between rows, parts that cut variables; the replicas'
+        # losses alone
         ("adam", 3, 300, 0.0, "shared"),
         ("adam", 3, 300, 0.0, "messages"),
         # the norm is summed over the replicas' parts
