@@ -95,7 +95,7 @@ class _Step:
 
     update: Update | None = None
     clip_norm: float = 0.0
-    agreement: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    agreement: np.ndarray | None = None  # the votes, then their maxima (None: not cast)
     request: MPI.Request | None = None  # the agreement's allreduce, until it completed
     early: bool = False  # buckets reduced during backward may be updated then (once agreed)
     gathered: int = 0  # buckets updated and their allgathers started, in bucket order
@@ -297,20 +297,21 @@ class GradientBuckets:
         self,
         update: Update | None = None,
         clip_norm: float = 0.0,
-        votes: Sequence[int] = (),
+        votes: Sequence[int] | None = (),
         during_backward: bool = True,
     ) -> None:
         """Begin a step, before backward. It is applied with ``update`` (None: not applied,
         the mean gradients only) unless a replica's ``votes`` (small integers: a stop signal,
         a hook's request to stop) are not all 0; their maxima over the replicas are agreed
-        in one small allreduce that runs meanwhile (``agreed``). Once it says the step is
-        applied, and with no clipping (``clip_norm`` > 0 needs every mean gradient first), a
-        bucket whose reduction completes while backward runs is updated and its allgather
-        started at once (``during_backward`` False: all in ``finish``)."""
-        agreement = np.array(votes, np.int64)
-        request = self.comm.Iallreduce(MPI.IN_PLACE, agreement, MPI.MAX) if len(votes) else None
+        in one small allreduce that runs meanwhile (``agreed``; None: cast later with
+        ``vote``). Once it says the step is applied, and with no clipping (``clip_norm`` > 0
+        needs every mean gradient first), a bucket whose reduction completes while backward
+        runs is updated and its allgather started at once (``during_backward`` False: all in
+        ``finish``)."""
         early = during_backward and update is not None and clip_norm <= 0
-        self._step = _Step(update, clip_norm, agreement, request, early)
+        self._step = _Step(update, clip_norm, early=early)
+        if votes is not None:
+            self.vote(votes)
         if self._shared is None:  # (shared memory: nothing is reduced during backward)
             self._pending = {i: set(b.needs) for i, b in enumerate(self.buckets)}
 
@@ -344,9 +345,18 @@ class GradientBuckets:
         self.grads[LOSS][self.rank] = loss
         self.ready(LOSS)
 
+    def vote(self, votes: Sequence[int]) -> None:
+        """Cast this replica's votes on the step (once a step, at the same point on every
+        replica): any nonzero maximum and the step is not applied."""
+        step = self._step
+        step.agreement = np.array(votes, np.int64)
+        if len(votes):
+            step.request = self.comm.Iallreduce(MPI.IN_PLACE, step.agreement, MPI.MAX)
+
     def agreed(self) -> list[int]:
         """The maxima of the step's ``votes`` over the replicas (waits for them)."""
         self._applied(wait=True)
+        assert self._step.agreement is not None
         return [int(v) for v in self._step.agreement]
 
     def losses(self) -> list[float]:
@@ -356,6 +366,10 @@ class GradientBuckets:
     def _applied(self, wait: bool) -> bool | None:
         """Whether this step is applied; None while the agreement is not yet known."""
         step = self._step
+        if step.agreement is None:
+            if wait:
+                raise RuntimeError("finish or agreed before the step's vote")
+            return None
         if step.request is not None:
             if wait:
                 complete(self.comm, step.request, "the step's agreement")

@@ -3,16 +3,15 @@ move row by row, asynchronously, as in async mode; the dense part of the model (
 deep's MLP, biases) is trained by the workers as synchronous replicas, as in sync mode.
 
 A step of every worker: pull the rows of its batch's ids from the PS tasks, forward and
-backward (the dense gradients' reduction starts during it across nodes), learn the
-agreement on stopping (started after its pull: every replica has pulled), agree that every
-replica's loss is finite (nothing of a step that is not is pushed), push its rows' gradients
-to the PS tasks (Accumulate for SGD, the inbox for stateful optimizers; applied before the
-push returns), then update its part of the dense variables and share it (which waits for
-every replica, so every push has landed before any replica's next pull: unlike sync mode,
-no part is shared during backward). The tables thus
-see the workers' gradients in lockstep, each worker's applied on its own (as in async
-mode), while every replica's dense variables stay identical (checked every
-``train.check_every`` steps); one step is one global step.
+backward (the dense gradients' reduction starts during it across nodes), agree on stopping
+and on every replica's loss being finite (so every replica has pulled, and nothing of a
+step whose loss is not finite is pushed), push its rows' gradients to the PS tasks
+(Accumulate for SGD, the inbox for stateful optimizers; applied before the push returns),
+then update its part of the dense variables and share it (which waits for every replica,
+so every push has landed before any replica's next pull: unlike sync mode, no part is
+shared during backward). The tables thus see the workers' gradients in lockstep, each
+worker's applied on its own (as in async mode), while every replica's dense variables stay
+identical (checked every ``train.check_every`` steps); one step is one global step.
 
 A checkpoint holds the tables' partitions in the PS tasks' shards and the dense variables
 (with their slots) in one more shard the chief writes, so it restores in any mode.
@@ -20,13 +19,11 @@ A checkpoint holds the tables' partitions in the PS tasks' shards and the dense 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from . import preemption
-from .allreduce import agree_max
 from .async_training import close_store, open_store, run_ps, save_from_ps
 from .backend import Device
 from .errors import ConfigError
@@ -107,14 +104,10 @@ class HybridReplica(Replica):
         """Its own signal, or one any task (a PS task included) set in the control window."""
         return preemption.requested() or self.control.stop_signal()
 
-    def _push_rows(self, grads: dict[str, Any], lr: float, loss: float, step: int) -> None:
+    def _push_rows(self, grads: dict[str, Any], lr: float) -> None:
         """This worker's gradient rows (deltas for SGD) to the PS tasks, applied there before
         this returns (and so before the dense update is shared, and before any replica's
-        next pull); the step's clock, for the PS tasks' watchdogs. First the replicas agree
-        that every loss is finite: nothing of a step that is not reaches the tables."""
-        bad = agree_max(self.comm, [0 if math.isfinite(loss) else self.role.task + 1])[0]
-        if bad:
-            self._not_finite(bad - 1, loss if bad - 1 == self.role.task else "not finite", step)
+        next pull); the step's clock, for the PS tasks' watchdogs."""
         if not self.optimizer.stateful:
             for table in self.client.tables:
                 grads[table] *= -lr

@@ -172,8 +172,9 @@ class Replica:
         self.per_epoch = _batches_per_epoch(job, prep.info.rows["train"], self.workers)
         self.step_count = self.clock = self.updates = 0
         self.stopped = 0  # the signal every replica agreed to stop on (0: none)
-        # buckets reduced during backward are updated and shared then (hybrid: not before
-        # its pushes, see there)
+        # buckets reduced during backward are updated and shared then, and the replicas
+        # vote on stopping before compute (hybrid: after compute, with the loss: nothing is
+        # shared before its pushes, and nothing of a step whose loss is not finite pushed)
         self.update_in_backward = True
         self.stop_asked = 0  # a hook on this replica asked to stop the run
         self.timeline = job_timeline(job, "worker", self.role.task)
@@ -242,7 +243,7 @@ class Replica:
         message = loss_not_finite(task, loss, step)
         raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
 
-    def _push_rows(self, grads: dict[str, Any], lr: float, loss: float, step: int) -> None:
+    def _push_rows(self, grads: dict[str, Any], lr: float) -> None:
         """Hybrid mode sends its table rows' gradients to the PS tasks (sync has none)."""
 
     def _start(self) -> int:
@@ -328,22 +329,26 @@ class Replica:
         # whether to stop (a signal on any replica or forwarded by a PS rank, a hook's
         # request) is agreed while backward runs, so buckets reduced meanwhile are updated
         # then too; not applied when stopping: the checkpoint is exact at `step`
+        early = self.update_in_backward
         votes = [self._signal(), self.stop_asked]
-        buckets.start_step(update, self.oc.clip_norm, votes, self.update_in_backward)
+        buckets.start_step(update, self.oc.clip_norm, votes if early else None, early)
         # (one copy in shared memory: nothing is reduced during backward, so nothing to say)
         ready = None if buckets.shared else buckets.ready
         loss = self.model.loss_and_grads(params, x, y, grads, ready=ready)
         if tl:
             t = tl.span("compute", t)
         buckets.set_loss(loss)
-        # (hybrid: the agreement, started after this replica's pull, also orders every
-        # replica's pull of a step before any push of its rows)
-        self.stopped, asked = buckets.agreed()
-        go = not (self.stopped or asked)
+        if not early:  # (hybrid) after compute: every replica has pulled, and its loss
+            buckets.vote([*votes, 0 if math.isfinite(loss) else self.role.task + 1])
+        stopped, asked, *bad = buckets.agreed()
+        if bad and bad[0]:  # nothing of the step is pushed
+            task = bad[0] - 1
+            self._not_finite(task, loss if task == self.role.task else "not finite", step)
+        self.stopped, go = stopped, not (stopped or asked)
         if tl:
             t = tl.span("agreement", t)
         if go:
-            self._push_rows(grads, lr, loss, step)
+            self._push_rows(grads, lr)
             if tl and params is not self.params:
                 t = tl.span("push and ack", t)
         mean_loss = buckets.finish()
