@@ -84,21 +84,25 @@ def main() -> None:
         flat[...] /= comm.size
         sgd.apply(whole, flat, {}, lr, 1)
 
-    def reduce_only(b=buckets):
-        b.start_step(update, votes=[0, 0])
-        for s in reversed(specs):
-            b.ready(s.name)
+    def exchange(b, backward=False):
+        """One step of ``b``: every gradient ready at once, or as backward writes it."""
+        b.start_step(update, votes=[0, 0])  # (as a job: a stop signal, a hook's)
+        if backward:
+            model.loss_and_grads(params, x, y, b.grads, ready=b.ready)
+        else:
+            for s in reversed(specs):
+                b.ready(s.name)
         b.set_loss(0.0)
         b.finish()
+
+    def reduce_only(b=buckets):
+        exchange(b)
 
     def compute():
         model.loss_and_grads(params, x, y, local)
 
     def step():
-        buckets.start_step(update, votes=[0, 0])
-        model.loss_and_grads(params, x, y, buckets.grads, ready=buckets.ready)
-        buckets.set_loss(0.0)
-        buckets.finish()
+        exchange(buckets, backward=True)
 
     runs: dict[str, list[float]] = {}
     for _ in range(3):  # interleave, so every kind of sample sees the same machine load

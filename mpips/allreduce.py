@@ -298,18 +298,16 @@ class GradientBuckets:
         update: Update | None = None,
         clip_norm: float = 0.0,
         votes: Sequence[int] | None = (),
-        during_backward: bool = True,
     ) -> None:
         """Begin a step, before backward. It is applied with ``update`` (None: not applied,
         the mean gradients only) unless a replica's ``votes`` (small integers: a stop signal,
         a hook's request to stop) are not all 0; their maxima over the replicas are agreed
-        in one small allreduce that runs meanwhile (``agreed``; None: cast later with
-        ``vote``). Once it says the step is applied, and with no clipping (``clip_norm`` > 0
-        needs every mean gradient first), a bucket whose reduction completes while backward
-        runs is updated and its allgather started at once (``during_backward`` False: all in
-        ``finish``)."""
-        early = during_backward and update is not None and clip_norm <= 0
-        self._step = _Step(update, clip_norm, early=early)
+        in one small allreduce that runs meanwhile (``agreed``). Once it says the step is
+        applied, and with no clipping (``clip_norm`` > 0 needs every mean gradient first), a
+        bucket whose reduction completes while backward runs is updated and its allgather
+        started at once. ``votes`` None: cast later with ``vote``, and nothing is updated
+        before."""
+        self._step = _Step(update, clip_norm, early=update is not None and clip_norm <= 0)
         if votes is not None:
             self.vote(votes)
         if self._shared is None:  # (shared memory: nothing is reduced during backward)

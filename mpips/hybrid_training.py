@@ -73,7 +73,7 @@ class HybridReplica(Replica):
         if device.xp is not np:
             raise ConfigError('train.mode = "hybrid" runs on the CPU (numpy and scipy.sparse)')
         self.windows = windows
-        self.update_in_backward = False  # the dense update is shared after the pushes
+        self.vote_after_compute = True  # the dense update is shared after the pushes
         self.client = StoreClient(windows, self.role.task, optimizer.stateful)
         self.control = self.client.control
 

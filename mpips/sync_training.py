@@ -172,10 +172,10 @@ class Replica:
         self.per_epoch = _batches_per_epoch(job, prep.info.rows["train"], self.workers)
         self.step_count = self.clock = self.updates = 0
         self.stopped = 0  # the signal every replica agreed to stop on (0: none)
-        # buckets reduced during backward are updated and shared then, and the replicas
-        # vote on stopping before compute (hybrid: after compute, with the loss: nothing is
-        # shared before its pushes, and nothing of a step whose loss is not finite pushed)
-        self.update_in_backward = True
+        # the replicas vote on stopping before compute, so buckets reduced during backward
+        # are updated and shared then (hybrid: after compute, with the loss: nothing is
+        # updated before its pushes, and nothing of a step whose loss is not finite pushed)
+        self.vote_after_compute = False
         self.stop_asked = 0  # a hook on this replica asked to stop the run
         self.timeline = job_timeline(job, "worker", self.role.task)
         optimizer.prepare()  # a replica applies every update itself: compile its kernel now
@@ -329,16 +329,16 @@ class Replica:
         # whether to stop (a signal on any replica or forwarded by a PS rank, a hook's
         # request) is agreed while backward runs, so buckets reduced meanwhile are updated
         # then too; not applied when stopping: the checkpoint is exact at `step`
-        early = self.update_in_backward
+        late = self.vote_after_compute
         votes = [self._signal(), self.stop_asked]
-        buckets.start_step(update, self.oc.clip_norm, votes if early else None, early)
+        buckets.start_step(update, self.oc.clip_norm, None if late else votes)
         # (one copy in shared memory: nothing is reduced during backward, so nothing to say)
         ready = None if buckets.shared else buckets.ready
         loss = self.model.loss_and_grads(params, x, y, grads, ready=ready)
         if tl:
             t = tl.span("compute", t)
         buckets.set_loss(loss)
-        if not early:  # (hybrid) after compute: every replica has pulled, and its loss
+        if late:  # (hybrid) after compute: every replica has pulled, and its loss
             buckets.vote([*votes, 0 if math.isfinite(loss) else self.role.task + 1])
         stopped, asked, *bad = buckets.agreed()
         if bad and bad[0]:  # nothing of the step is pushed
@@ -356,7 +356,8 @@ class Replica:
             tl.span("reduce and update", t)
         if not go:
             return None
-        self._check_losses(step)
+        if not late:  # (voted on already otherwise)
+            self._check_losses(step)
         self.step_count, self.clock, self.updates = step + 1, self.clock + 1, self.updates + 1
         if self.tc.check_every and self.step_count % self.tc.check_every == 0:
             check_replicas(self.comm, self.arrays, self.step_count)
