@@ -328,7 +328,7 @@ class AsyncWorker:
             t = tl.span("pull", t)
         loss = model.loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):  # nothing of it is pushed; said once over all workers
-            message = loss_not_finite(self.role.task, loss, pulled_at)
+            message = loss_not_finite(self.role.task, loss, pulled_at, self.job.train.mode)
             raise NonFinite(message) if control.claim_failure() else AlreadyReported(message)
         clip_by_global_norm(list(grads.values()), self.oc.clip_norm)
         lr = learning_rate(self.oc, pulled_at)
@@ -488,7 +488,7 @@ class ReplicasWorker(AsyncWorker):
             t = tl.span("pull", t)
         loss = model.loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):
-            message = loss_not_finite(self.role.task, loss, tags[0])
+            message = loss_not_finite(self.role.task, loss, tags[0], self.job.train.mode)
             raise NonFinite(message) if control.claim_failure() else AlreadyReported(message)
         device.stage_out(grads, client.gradients())
         if tl:

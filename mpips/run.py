@@ -254,12 +254,14 @@ def say_preempted(role: Role, signum: int, job: Job) -> None:
     )
 
 
-def loss_not_finite(task: int, loss: float | str, step: int) -> str:
-    """The message for a loss that is NaN or infinite (training stops there, said once)."""
+def loss_not_finite(task: int, loss: float | str, step: int, mode: str) -> str:
+    """The message for a loss that is NaN or infinite (training stops there, said once);
+    clipping is suggested only in the modes that take optimizer.clip_norm."""
+    clip = ", or set optimizer.clip_norm" if mode in ("async", "sync") else ""
     return (
         f"the loss of /job:worker/task:{task} is {loss} at global_step {step}: training "
         f"stopped, and no checkpoint holds non-finite values (learning rate too high? "
-        f"lower optimizer.learning_rate, or set optimizer.clip_norm)"
+        f"lower optimizer.learning_rate{clip})"
     )
 
 

@@ -240,7 +240,7 @@ class Replica:
 
     def _not_finite(self, task: int, loss: float | str, step: int) -> NoReturn:
         """End the job on every replica: NonFinite, said by the chief."""
-        message = loss_not_finite(task, loss, step)
+        message = loss_not_finite(task, loss, step, self.job.train.mode)
         raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
 
     def _push_rows(self, grads: dict[str, Any], lr: float) -> None:

@@ -14,6 +14,9 @@ import pytest
 from conftest import BackgroundJob, run_mpi
 
 from mpips import checkpoint
+from mpips.errors import ConfigError
+from mpips.job import parse_job
+from mpips.run import loss_not_finite
 
 pytestmark = pytest.mark.launcher
 
@@ -290,6 +293,20 @@ def test_a_loss_that_is_not_finite_stops_the_job(tmp_path, mode, ranks, every):
         variables, slots = checkpoint.Checkpoint(manifest).read_all()
         for name, value in {**variables, **slots}.items():
             assert np.isfinite(value).all(), f"{manifest.name}: {name} is not finite"
+
+
+@pytest.mark.parametrize("mode", ["async", "sync", "sync_replicas", "hybrid"])
+def test_the_nan_message_suggests_clip_norm_only_where_the_mode_takes_it(mode):
+    """Its advice must be one the job can follow: sync_replicas and hybrid refuse
+    optimizer.clip_norm, so there it only says to lower the learning rate."""
+    try:
+        parse_job(f'[train]\nmode = "{mode}"\nsteps = 5\n[optimizer]\nclip_norm = 1.0\n')
+        takes = True
+    except ConfigError:
+        takes = False
+    said = loss_not_finite(1, float("nan"), 7, mode)
+    assert "task:1 is nan at global_step 7" in said and "optimizer.learning_rate" in said
+    assert ("clip_norm" in said) == takes, said
 
 
 def test_a_checkpoint_dir_that_cannot_be_written_is_found_before_training(tmp_path):
