@@ -8,11 +8,12 @@ whose failure another rank reports (AlreadyReported) aborts quietly, a little la
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from .errors import AgreedError, AlreadyReported, MpipsError
 
@@ -75,5 +76,25 @@ def _abort(code: int) -> None:
         # MPI_Abort tears the launcher's stdio forwarding down at once; without a moment's
         # grace the message just written (the one that names this rank) was sometimes lost
         time.sleep(ABORT_GRACE_SECONDS)
+        _unlink_runtime_shm()
         comm.Abort(code)
     sys.exit(code)
+
+
+RUNTIME_SHM = "/dev/shm/mpich_shm_"  # MPICH's node segment, named until MPI_Finalize
+
+
+def _unlink_runtime_shm() -> None:
+    """Remove the names of the MPI runtime's shared-memory files this process maps. MPICH
+    keeps one per node named until MPI_Finalize, so a job ended by MPI_Abort would leave it
+    in /dev/shm (a few MB of memory each) until someone deletes it; the ranks' mappings
+    stay valid until they exit."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(maxsplit=5)[-1].rstrip("\n") for line in f}
+    except OSError:
+        return
+    for path in paths:
+        if path.startswith(RUNTIME_SHM) and "(deleted)" not in path:
+            with suppress(OSError):  # another rank of the node was first
+                os.unlink(path)

@@ -120,6 +120,29 @@ def pytest_runtest_logreport(report):
         MPI.COMM_WORLD.Abort(1)
 
 
+_SESSION_START = time.time()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Jobs the tests kill outright (kill -9, timeouts, scancel) leave MPICH's node segment
+    in /dev/shm (an abort does not: mpips removes it). Plain pytest, which launches them,
+    removes those made during this session that no process maps any more."""
+    if WORLD_SIZE > 1:
+        return
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split()[-1] for line in maps.read_text().splitlines())
+        except OSError:  # a process that ended meanwhile, or not ours
+            pass
+    for seg in Path("/dev/shm").glob("mpich_shm_*"):
+        try:
+            if seg.stat().st_mtime >= _SESSION_START and str(seg) not in mapped:
+                seg.unlink()
+        except OSError:
+            pass
+
+
 def mpiexec_path() -> str:
     """The mpiexec that belongs to this Python's environment (the PyPI MPICH), else PATH's."""
     local = Path(sys.executable).parent / "mpiexec"

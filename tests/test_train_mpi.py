@@ -2,6 +2,7 @@
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -127,6 +128,8 @@ import sys, mpips
 class Boom(mpips.Hook):
     def after_step(self, run, info):
         if run.role.task == 1 and info.local_updates == 5:
+            shm = {l.split()[-1] for l in open("/proc/self/maps") if "/dev/shm/mpich_shm_" in l}
+            print("runtime shm:", *sorted(shm - {"(deleted)"}), flush=True)
             raise RuntimeError("injected failure")
 with mpips.abort_on_error():
     job = mpips.load_job(None)
@@ -143,6 +146,10 @@ def test_exception_on_one_worker_ends_the_job(tmp_path):
     assert r.returncode != 0
     assert "rank 2 (/job:worker/task:1) failed with RuntimeError: injected failure" in r.stderr
     assert elapsed < PROMPT, elapsed
+    # MPICH's node segment, named until MPI_Finalize, is not left in /dev/shm by the abort
+    shm = re.search(r"runtime shm:(.*)", r.stdout)
+    assert shm and shm[1].split(), r.stdout[-2000:]
+    assert not [p for p in shm[1].split() if Path(p).exists()], shm[1]
 
 
 FASHION = "/usr/share/datasets/fashion-mnist"
