@@ -76,25 +76,27 @@ def _abort(code: int) -> None:
         # MPI_Abort tears the launcher's stdio forwarding down at once; without a moment's
         # grace the message just written (the one that names this rank) was sometimes lost
         time.sleep(ABORT_GRACE_SECONDS)
-        _unlink_runtime_shm()
-        comm.Abort(code)
+        try:
+            _unlink_runtime_shm()
+        finally:
+            comm.Abort(code)
     sys.exit(code)
 
 
-RUNTIME_SHM = "/dev/shm/mpich_shm_"  # MPICH's node segment, named until MPI_Finalize
+RUNTIME_SHM = b"/dev/shm/mpich_shm_"  # MPICH's node segment, named until MPI_Finalize
 
 
 def _unlink_runtime_shm() -> None:
-    """Remove the names of the MPI runtime's shared-memory files this process maps. MPICH
-    keeps one per node named until MPI_Finalize, so a job ended by MPI_Abort would leave it
-    in /dev/shm (a few MB of memory each) until someone deletes it; the ranks' mappings
-    stay valid until they exit."""
+    """Best effort: remove the names of the MPI runtime's shared-memory files this process
+    maps. MPICH (5.x) keeps one per node named until MPI_Finalize, so a job ended by
+    MPI_Abort would leave it in /dev/shm (a few MB of memory each) until someone deletes it;
+    the ranks' mappings stay valid until they exit. Never raises: the abort must follow."""
     try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split(maxsplit=5)[-1].rstrip("\n") for line in f}
-    except OSError:
-        return
-    for path in paths:
-        if path.startswith(RUNTIME_SHM) and "(deleted)" not in path:
-            with suppress(OSError):  # another rank of the node was first
-                os.unlink(path)
+        with open("/proc/self/maps", "rb") as f:  # bytes: any path, whatever its encoding
+            paths = {line.split(maxsplit=5)[-1].rstrip(b"\n") for line in f}
+        for path in paths:
+            if path.startswith(RUNTIME_SHM) and b"(deleted)" not in path:
+                with suppress(OSError):  # another rank of the node was first
+                    os.unlink(path)
+    except Exception:  # noqa: BLE001 (whatever /proc says, the job must still abort)
+        pass

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -126,21 +127,24 @@ _SESSION_START = time.time()
 def pytest_sessionfinish(session, exitstatus):
     """Jobs the tests kill outright (kill -9, timeouts, scancel) leave MPICH's node segment
     in /dev/shm (an abort does not: mpips removes it). Plain pytest, which launches them,
-    removes those made during this session that no process maps any more."""
+    removes those made during this session that no process maps: listed first, older than
+    10 s, so one a starting job has just made (and maps next) is left alone."""
     if WORLD_SIZE > 1:
         return
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            mapped.update(line.split()[-1] for line in maps.read_text().splitlines())
-        except OSError:  # a process that ended meanwhile, or not ours
-            pass
+    now = time.time()
+    stale = []
     for seg in Path("/dev/shm").glob("mpich_shm_*"):
-        try:
-            if seg.stat().st_mtime >= _SESSION_START and str(seg) not in mapped:
+        with contextlib.suppress(OSError):
+            if _SESSION_START <= seg.stat().st_mtime < now - 10:
+                stale.append(seg)
+    mapped: set[bytes] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile, or not ours
+            mapped.update(line.split()[-1] for line in maps.read_bytes().splitlines() if line)
+    for seg in stale:
+        if os.fsencode(seg) not in mapped:
+            with contextlib.suppress(OSError):
                 seg.unlink()
-        except OSError:
-            pass
 
 
 def mpiexec_path() -> str:

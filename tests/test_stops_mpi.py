@@ -302,7 +302,8 @@ def test_the_nan_message_suggests_clip_norm_only_where_the_mode_takes_it(mode):
     try:
         parse_job(f'[train]\nmode = "{mode}"\nsteps = 5\n[optimizer]\nclip_norm = 1.0\n')
         takes = True
-    except ConfigError:
+    except ConfigError as e:
+        assert "optimizer.clip_norm" in str(e)
         takes = False
     said = loss_not_finite(1, float("nan"), 7, mode)
     assert "task:1 is nan at global_step 7" in said and "optimizer.learning_rate" in said

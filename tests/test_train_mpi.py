@@ -146,9 +146,9 @@ def test_exception_on_one_worker_ends_the_job(tmp_path):
     assert r.returncode != 0
     assert "rank 2 (/job:worker/task:1) failed with RuntimeError: injected failure" in r.stderr
     assert elapsed < PROMPT, elapsed
-    # MPICH's node segment, named until MPI_Finalize, is not left in /dev/shm by the abort
+    # MPICH's node segment (5.x keeps it named until MPI_Finalize) is not left in /dev/shm
     shm = re.search(r"runtime shm:(.*)", r.stdout)
-    assert shm and shm[1].split(), r.stdout[-2000:]
+    assert shm, r.stdout[-2000:]
     assert not [p for p in shm[1].split() if Path(p).exists()], shm[1]
 
 
