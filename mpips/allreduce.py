@@ -97,8 +97,13 @@ class _Step:
     clip_norm: float = 0.0
     agreement: np.ndarray | None = None  # the votes, then their maxima (None: not cast)
     request: MPI.Request | None = None  # the agreement's allreduce, until it completed
-    early: bool = False  # buckets reduced during backward may be updated then (once agreed)
     gathered: int = 0  # buckets updated and their allgathers started, in bucket order
+
+    @property
+    def early(self) -> bool:
+        """Buckets reduced during backward may be updated then, once agreed (clipping needs
+        every mean gradient first)."""
+        return self.update is not None and self.clip_norm <= 0
 
 
 def _count(spec: VariableSpec) -> int:
@@ -307,7 +312,7 @@ class GradientBuckets:
         bucket whose reduction completes while backward runs is updated and its allgather
         started at once. ``votes`` None: cast later with ``vote``, and nothing is updated
         before."""
-        self._step = _Step(update, clip_norm, early=update is not None and clip_norm <= 0)
+        self._step = _Step(update, clip_norm)
         if votes is not None:
             self.vote(votes)
         if self._shared is None:  # (shared memory: nothing is reduced during backward)
