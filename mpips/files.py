@@ -4,8 +4,61 @@ exported models, converted datasets) appears whole or not at all, even after a c
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
+
+from .errors import MpipsError
+
+TEXT_LIMIT = 64 << 20  # job, layout and manifest files are small: more is not one of them
+
+
+def check_regular(
+    path: str | Path, error: type[MpipsError], what: str, max_bytes: int | None = None
+) -> int:
+    """The size of ``path`` after checking that it is a regular file (following links) of at
+    most ``max_bytes``; ``error`` naming ``what`` otherwise. Opening a FIFO blocks and a
+    device such as /dev/zero never ends, so every file mpips reads is checked here first."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{what}: not found") from None
+    except OSError as e:
+        raise error(f"{what}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(st.st_mode)
+            else "a device"
+            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+            else "a socket"
+            if stat.S_ISSOCK(st.st_mode)
+            else "not a regular file"
+        )
+        raise error(f"{what}: is {kind}, not a regular file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise error(f"{what}: {st.st_size} bytes, more than the {max_bytes} such a file may hold")
+    return st.st_size
+
+
+def read_text(
+    path: str | Path, error: type[MpipsError], what: str, max_bytes: int = TEXT_LIMIT
+) -> str:
+    """A small text file (job, layout, manifest) read whole, after check_regular: never more
+    than ``max_bytes`` (a file that grows while read is refused too), UTF-8."""
+    check_regular(path, error, what, max_bytes)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+        if len(raw) > max_bytes:
+            raise error(f"{what}: more than the {max_bytes} bytes such a file may hold")
+        return raw.decode()
+    except UnicodeDecodeError as e:
+        raise error(f"{what}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise error(f"{what}: cannot read ({e.strerror or e})") from None
 
 
 def fsync_path(path: Path) -> None:

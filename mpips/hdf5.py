@@ -14,6 +14,7 @@ from pathlib import Path
 import h5py
 
 from .errors import MpipsError
+from .files import check_regular
 
 _PLAIN_LAYOUTS = (h5py.h5d.CONTIGUOUS, h5py.h5d.CHUNKED, h5py.h5d.COMPACT)
 
@@ -46,7 +47,9 @@ def _problem(f: h5py.File) -> str | None:
 
 def open_plain(path: str | Path, error: type[MpipsError], what: str) -> h5py.File:
     """``path`` opened read-only, after checking it holds plain data only; ``error`` (with
-    ``what``, e.g. "data file x.h5") if it does not. OSError from h5py passes through."""
+    ``what``, e.g. "data file x.h5") if it does not, or if it is no regular file (a FIFO
+    would block the open). OSError from h5py passes through."""
+    check_regular(path, error, what)
     f = h5py.File(path, "r")
     try:
         problem = _problem(f)

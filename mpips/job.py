@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .files import read_text
 from .layout import Layout, make_layout
 from .placement import STRATEGIES, Placement, VariableSpec, place_blocks, place_tables
 from .schema import check_keys
@@ -375,13 +376,7 @@ def load_job(path: str | Path | None = None) -> Job:
     if path is None:
         text = resources.files("mpips.builtin").joinpath("default.toml").read_text()
         return parse_job(text, "<built-in default job>")
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"job file {path}: not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"job file {path}: cannot read: {e}") from None
-    return parse_job(text, str(path))
+    return parse_job(read_text(path, ConfigError, f"job file {path}"), str(path))
 
 
 def job_layout(job: Job, world_size: int, nodes: list[int] | None = None) -> Layout:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .files import read_text
 from .schema import check_keys
 
 PS, WORKER = "ps", "worker"
@@ -150,11 +151,9 @@ LAYOUT_KEYS = ("ps", "world_size")
 
 def read_layout_file(path: str | Path) -> dict[str, Any]:
     """Parse a rank-layout TOML file (``ps = 2`` or ``ps = [0, 4]``, optional ``world_size``)."""
+    text = read_text(path, ConfigError, f"layout file {path}")
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"layout file {path}: not found") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"layout file {path}: invalid TOML: {e}") from None
     check_keys(data, LAYOUT_KEYS, f"layout file {path}")
