@@ -205,3 +205,69 @@ def test_a_ps_task_that_starts_serving_late_aggregates_the_same_steps(tmp_path):
     r = run_mpi(4, ["slow_ps.py", "train", "--no-progress", "job.toml"], cwd=tmp_path, timeout=90)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[/job:ps/task:1] aggregated 20 steps of 2 gradients each; late gradients " in r.stdout
+
+
+COUNTING = """
+import json, time
+import numpy as np
+import mpips
+
+class Counting(mpips.Model):
+    \"\"\"One variable with a slot per worker task; worker k's gradient is 1 in slot k, 0
+    elsewhere, whatever the batch: -w / lr is then the sum over steps of the mean of the
+    gradients aggregated, and n * -w / lr counts each worker's aggregated gradients.\"\"\"
+
+    def variables(self):
+        return [mpips.Variable("w", (3,))]
+
+    def initial_values(self, seed):
+        return {"w": np.zeros(3, np.float32)}
+
+    def loss_and_grads(self, params, x, y, grads, ready=None):
+        if self.worker == 2:
+            time.sleep(0.01)  # a straggler: its gradients are mostly the late ones
+        grads["w"][...] = 0
+        grads["w"][self.worker] = 1
+        return 0.0
+
+    def evaluate(self, params, x, y):
+        return {"loss": 0.0}
+
+with mpips.abort_on_error():
+    job = mpips.parse_job('''
+[data]
+builtin = "digits"
+[optimizer]
+kind = "sgd"
+learning_rate = 0.015625
+[train]
+mode = "sync_replicas"
+replicas_to_aggregate = 2
+steps = 60
+batch_size = 32
+progress = false
+[checkpoint]
+dir = "run"
+''')
+    result = mpips.train(job, model=lambda data: Counting())
+    if result.role.is_chief:
+        json.dump(result.to_json(), open("r.json", "w"))
+"""
+
+
+def test_a_step_applies_the_mean_of_exactly_the_gradients_aggregated(tmp_path):
+    """1 PS + 3 workers, 2 gradients a step, SGD: each step subtracts lr x the mean of the
+    2 gradients it aggregated (divided by replicas_to_aggregate, not by the 3 workers), and
+    a dropped gradient adds nothing. Worker k's gradient is the unit vector e_k, so the
+    final variable counts, per worker, the gradients aggregated (lr = 2^-6: exact sums)."""
+    (tmp_path / "counting.py").write_text(COUNTING)
+    r = run_mpi(4, ["counting.py"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["global_step"] == 60
+    aggregated = [s["updates"] - s["dropped"] for s in result["staleness"]]
+    assert sum(aggregated) == 60 * 2, result["staleness"]
+    assert sum(s["dropped"] for s in result["staleness"]) >= 1, result["staleness"]
+    params, _ = checkpoint.Checkpoint(checkpoint.latest_checkpoint(tmp_path / "run")).read_all()
+    # w = -lr x sum over steps of (e_k + e_j) / 2 for the 2 workers k, j aggregated
+    np.testing.assert_array_equal(-params["w"] / 0.015625 * 2, aggregated)
