@@ -5,8 +5,12 @@
   plain pytest, so one command covers everything).
 * ``@pytest.mark.launcher``: spawns its own ``mpiexec`` (or another subprocess that must run
   once); skipped under mpirun.
-* Under mpirun, a failed test aborts the world at once and every test has a hard timeout
-  (faulthandler, outside the GIL), so one rank's failure never leaves the others hanging.
+* Under mpirun every test has a hard timeout (faulthandler, outside the GIL), so the suite
+  never hangs. A failed ``mpi`` test (it uses COMM_WORLD collectively: the other ranks may
+  be waiting for the failed one in a collective it left) aborts the world at once. Any other
+  failure is a failure of that rank alone: it is reported there, the rest of the suite runs,
+  and that rank exits 1 at the end (so does mpiexec). An unmarked test that still used
+  COMM_WORLD collectively is ended by the timeout.
 """
 
 from __future__ import annotations
@@ -63,10 +67,14 @@ def pytest_configure(config):
     )
 
 
+_COLLECTIVE: set[str] = set()  # node ids of the ``mpi`` tests: they use COMM_WORLD together
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         m = item.get_closest_marker("mpi")
         if m is not None:
+            _COLLECTIVE.add(item.nodeid)
             need = m.kwargs.get("ranks", 3)
             if WORLD_SIZE < need:
                 item.add_marker(
@@ -110,7 +118,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_runtest_logreport(report):
-    if WORLD_SIZE > 1 and report.failed:
+    """Under mpirun, end the job on the failure of a test that uses COMM_WORLD collectively
+    (another rank may be waiting for this one); any other failure is this rank's alone."""
+    if WORLD_SIZE > 1 and report.failed and report.nodeid in _COLLECTIVE:
         from mpi4py import MPI
 
         sys.stderr.write(
@@ -118,6 +128,7 @@ def pytest_runtest_logreport(report):
             f"{report.longreprtext}\naborting all ranks\n"
         )
         sys.stderr.flush()
+        time.sleep(0.5)  # MPI_Abort tears the launcher's stdio down: let the words out first
         MPI.COMM_WORLD.Abort(1)
 
 

@@ -61,8 +61,10 @@ def test_the_mlp_reports_auc_on_two_classes():
 def test_backward_reports_a_big_kernel_block_by_block_each_block_final(monkeypatch):
     """Given ``ready``, the MLP writes a kernel's gradient in blocks of rows and says each
     block once it is final (bias first, then the kernel's rows in order), so sync replicas
-    can reduce the first rows while the rest are computed. Gradients equal those written
-    whole."""
+    can reduce the first rows while the rest are computed. "Final": what a block holds when
+    it is said is what it holds at the end (bitwise: the same run). The gradients equal
+    those written whole up to rounding (a block's product is another BLAS call than the
+    whole matrix's, which may differ in the last bit: OpenBLAS on AMD EPYC does)."""
     from mpips import layers
 
     monkeypatch.setattr(layers, "BLOCK_BYTES", 1024)
@@ -74,23 +76,23 @@ def test_backward_reports_a_big_kernel_block_by_block_each_block_final(monkeypat
     whole = {k: np.zeros_like(v) for k, v in params.items()}
     model.loss_and_grads(params, x, y, whole)
     grads = {k: np.zeros_like(v) for k, v in params.items()}
-    said = []
+    said = []  # (name, rows, the block as it was when said)
 
     def ready(name, rows=None):
-        final = whole[name] if rows is None else whole[name][:rows]
-        now = grads[name] if rows is None else grads[name][:rows]
-        np.testing.assert_array_equal(now, final, err_msg=f"{name} rows {rows} not final")
-        said.append((name, rows))
+        said.append((name, rows, (grads[name] if rows is None else grads[name][:rows]).copy()))
 
     model.loss_and_grads(params, x, y, grads, ready)
-    assert said == [
+    assert [(name, rows) for name, rows, _ in said] == [
         ("dense_1/bias", None),
         ("dense_1/kernel", 24),
         ("dense_0/bias", None),
         *[("dense_0/kernel", r) for r in (10, 20, 30, 40)],
     ]
+    for name, rows, then in said:
+        final = grads[name] if rows is None else grads[name][:rows]
+        np.testing.assert_array_equal(then, final, err_msg=f"{name} rows {rows} not final")
     for name, g in whole.items():
-        np.testing.assert_array_equal(grads[name], g, err_msg=name)
+        np.testing.assert_allclose(grads[name], g, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 def test_buckets_cut_a_big_matrix_between_rows():
