@@ -11,7 +11,10 @@ appends to the same files.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -102,28 +105,119 @@ def _ends_mid_line(path: Path) -> bool:
         return False
 
 
+CLOSE_SECONDS = 5.0  # the most the end of a run (or a stop) waits for a task's summaries
+QUEUE_RECORDS = 1000  # records waiting for the writer thread; more: it is stuck
+FLUSH_SECONDS = 10.0  # event files reach the disk at least this often
+_CLOSE = object()  # the writer thread's last item
+
+
+def _problem(e: BaseException) -> str:
+    """An error in a few words: "No space left on device" rather than a traceback."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} (errno {e.errno})"
+    return f"{type(e).__name__}: {e}"
+
+
 class MetricsWriter:
     """One task's scalars: appended to ``<folder>/metrics.jsonl`` and, with ``tensorboard``,
-    to TensorBoard event files in the same folder."""
+    to a TensorBoard event file in the same folder.
+
+    A thread of its own writes them, so a slow, full or vanished disk never stalls training
+    or a stop. When writing fails (disk full, folder removed, the thread stuck or gone) this
+    task's summaries are switched off with one warning naming the folder and the cause, and
+    training goes on, as in TensorFlow; ``close`` waits at most CLOSE_SECONDS."""
 
     def __init__(self, folder: Path, task: str, tensorboard: bool):
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "metrics.jsonl"
-        torn = _ends_mid_line(path)
-        self.file = open(path, "a", buffering=1)  # line-buffered
-        if torn:  # a killed run's half line stays a line of its own (plot skips it)
-            self.file.write("\n")
-        self.writer: Any = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter  # imported only when summaries are on
-
-            self.writer = SummaryWriter(str(folder), flush_secs=10)
-        self.task = task
+        self.folder, self.task, self.tensorboard = folder, task, tensorboard
+        self.failed = ""  # why this task's summaries are off ("" while they are on)
+        self.warned = False
+        self.queue: queue.Queue[Any] = queue.Queue(QUEUE_RECORDS)
+        self.thread = threading.Thread(
+            target=self._write_all, name=f"summaries {folder}", daemon=True
+        )
+        self.thread.start()
 
     def record(self, step: int, values: dict[str, float]) -> None:
-        """Write scalars at a global step (both formats)."""
-        now = time.time()
-        self.file.write(
+        """Write scalars at a global step (both formats), without waiting for the disk."""
+        if not self.failed and not self.thread.is_alive():
+            self.failed = "its writer thread ended"
+        if not self.failed:
+            try:
+                self.queue.put_nowait((time.time(), step, values))
+            except queue.Full:
+                self.failed = (
+                    f"{QUEUE_RECORDS} records wait to be written, none was for a while "
+                    f"(a hung file system?)"
+                )
+        self._warn()
+
+    def close(self) -> None:
+        """Write what waits and close the files, within CLOSE_SECONDS (then leave the thread
+        behind: a stop must not hang on the disk); warn if summaries were switched off."""
+        if not self.failed and self.thread.is_alive():
+            deadline = time.monotonic() + CLOSE_SECONDS
+            try:
+                self.queue.put(_CLOSE, timeout=CLOSE_SECONDS)
+            except queue.Full:
+                pass
+            self.thread.join(max(deadline - time.monotonic(), 0.0))
+            if self.thread.is_alive() and not self.failed:
+                self.failed = (
+                    f"its last records were not written within {CLOSE_SECONDS:g} s "
+                    f"(a hung file system?)"
+                )
+        self._warn()
+
+    def _warn(self) -> None:
+        if self.failed and not self.warned:
+            self.warned = True
+            log(
+                self.task,
+                f"warning: cannot write summaries in {self.folder} ({self.failed}): they are "
+                f"switched off, training goes on",
+            )
+
+    def _write_all(self) -> None:
+        """The writer thread: every record queued, until _CLOSE or a failure."""
+        jsonl: Any = None
+        events: Any = None
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            path = self.folder / "metrics.jsonl"
+            torn = _ends_mid_line(path)
+            jsonl = open(path, "a")
+            if torn:  # a killed run's half line stays a line of its own (plot skips it)
+                jsonl.write("\n")
+            if self.tensorboard:  # imported only when summaries are on
+                from tensorboardX.event_file_writer import EventsWriter  # type: ignore[import-untyped]
+
+                events = EventsWriter(str(self.folder / "events"))
+            flush_at = time.monotonic() + FLUSH_SECONDS
+            while True:
+                try:
+                    item = self.queue.get(timeout=max(flush_at - time.monotonic(), 0.01))
+                except queue.Empty:
+                    item = None
+                if item is _CLOSE:
+                    break
+                if item is not None:
+                    self._write(jsonl, events, *item)
+                if time.monotonic() >= flush_at:
+                    if events is not None:
+                        events.flush()
+                    flush_at = time.monotonic() + FLUSH_SECONDS
+            for f in (events, jsonl):
+                if f is not None:
+                    f.close()
+        except Exception as e:  # noqa: BLE001 - any failure: summaries off, training on
+            self.failed = _problem(e)
+            for f in (events, jsonl):
+                with contextlib.suppress(Exception):  # unwritten bytes of a full disk
+                    if f is not None:
+                        f.close()
+
+    def _write(self, jsonl: Any, events: Any, now: float, step: int, values: dict[str, float]):
+        jsonl.write(
             "".join(
                 json.dumps(
                     {"time": round(now, 3), "task": self.task, "step": step, "name": k, "value": v}
@@ -132,19 +226,20 @@ class MetricsWriter:
                 for k, v in values.items()
             )
         )
-        if self.writer is not None:
-            for k, v in values.items():
-                self.writer.add_scalar(k, v, step, walltime=now)
+        jsonl.flush()  # whole lines: `mpips plot` may read them while the run goes on
+        if events is not None:
+            from tensorboardX.proto.event_pb2 import Event  # type: ignore[import-untyped]
+            from tensorboardX.summary import scalar  # type: ignore[import-untyped]
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.file.close()
+            for k, v in values.items():
+                events.write_event(Event(summary=scalar(k, v), wall_time=now, step=step))
 
 
 class Summaries(Hook):
-    """Every ``every`` local updates of this worker: its scalars to metrics.jsonl and
-    TensorBoard. Validation results and checkpoint pauses are recorded when they happen."""
+    """The worker's scalars to metrics.jsonl and TensorBoard, every ``every`` global steps
+    (as TensorFlow's summary hook): at its first update at or past each multiple of
+    ``every``, the means since its last record. Validation results and checkpoint pauses
+    are recorded when they happen."""
 
     def __init__(
         self, directory: str | Path, every: int, all_workers: bool = False, tensorboard: bool = True
@@ -153,6 +248,8 @@ class Summaries(Hook):
         self.all_workers, self.tensorboard = all_workers, tensorboard
         self.out: MetricsWriter | None = None
         self._reset(time.perf_counter(), 0)
+        self.next = every  # the global step of the next record
+        self.started = False  # the first step began (the rates count from there)
         self.validations = 0
         self.save_seconds = 0.0
 
@@ -172,11 +269,21 @@ class Summaries(Hook):
         folder = summary_dir(self.directory, run.role.task)
         self.out = MetricsWriter(folder, str(run.role), self.tensorboard)
         self._reset(time.perf_counter(), run.start_step)
+        self.next = self._after(run.start_step)
+
+    def _after(self, step: int) -> int:
+        """The first multiple of ``every`` past ``step``."""
+        return (step // self.every + 1) * self.every if self.every else 0
 
     def record(self, step: int, values: dict[str, float]) -> None:
         """Write scalars at a global step (both formats), if this worker writes."""
         if self.out is not None:
             self.out.record(step, values)
+
+    def before_step(self, run: Run) -> None:
+        if not self.started:  # the rates count from the first step, not from the start-up
+            self.started = True
+            self.t0 = time.perf_counter()
 
     def after_step(self, run: Run, info: StepInfo) -> None:
         if self.out is None:
@@ -186,8 +293,9 @@ class Summaries(Hook):
         self.delays.append(info.delay)
         self.examples += run.job.train.batch_size
         self._events(run, info.step)
-        if not self.every or info.local_updates % self.every:
+        if not self.every or info.step < self.next:
             return
+        self.next = self._after(info.step)
         now = time.perf_counter()
         seconds = max(now - self.t0, 1e-9)
         values = {

@@ -19,6 +19,7 @@ from typing import Any
 
 from .errors import DataError
 from .files import atomic_write
+from .log import log
 
 MAX_EVENTS = 500_000  # per task (~40 MB at most); later phases are counted, not kept
 
@@ -60,8 +61,10 @@ class Timeline:
 
         return call
 
-    def write(self) -> Path:
-        """This task's Chrome trace events (a complete file, written atomically)."""
+    def write(self) -> Path | None:
+        """This task's Chrome trace events (a complete file, written atomically). A failed
+        write (a full disk) is a warning, not the run's failure: the timeline is a trace
+        (None then)."""
         meta = [
             {
                 "name": "process_name",
@@ -98,8 +101,11 @@ class Timeline:
                 "host": os.uname().nodename,
             },
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.path, lambda tmp: tmp.write_text(json.dumps(trace)))
+        try:
+            atomic_write(self.path, lambda tmp: tmp.write_text(json.dumps(trace)))
+        except OSError as e:
+            log(self.name, f"warning: cannot write the timeline {self.path} ({e.strerror or e})")
+            return None
         return self.path
 
 
