@@ -263,9 +263,10 @@ every_steps = {every}
 def test_a_loss_that_is_not_finite_stops_the_job(tmp_path, mode, ranks, every):
     """TensorFlow's NanTensorHook: a learning rate of 1e6 makes the loss NaN or infinite; the
     job stops at once with one message naming the worker and the global step (exit 1), and
-    no committed checkpoint holds a non-finite value. With no periodic checkpoint in the
-    diverging run (every = 0) only the loss check can stop it; with one every 3 steps, the
-    checkpoint guard may see the non-finite variables first."""
+    no committed checkpoint holds a non-finite value. The loss check speaks, with or
+    without periodic checkpoints in the diverging run (every = 3 or 0): a step's loss is
+    checked before that step can reach a checkpoint, so the checkpoint guard (tested in
+    test_hostile_files.py) is only a second line and must not be the one that stops it."""
     # first a sane run commits checkpoints, then the diverging one restores and goes on
     (tmp_path / "job.toml").write_text(DIVERGE.format(mode=mode, lr=0.01, every=3))
     sane = run_mpi(
@@ -276,17 +277,11 @@ def test_a_loss_that_is_not_finite_stops_the_job(tmp_path, mode, ranks, every):
     r = run_mpi(ranks, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path, timeout=120)
     assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
     assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    said = re.search(
+    assert re.search(
         r"the loss of /job:worker/task:\d+ is (nan|inf|-inf|not finite) at "
         r"global_step \d+: training stopped",
         r.stderr,
-    )
-    guard = re.search(
-        r"'[\w/]+' holds NaN or infinite values at global_step \d+: not "
-        r"checkpointed",
-        r.stderr,
-    )
-    assert said or (guard and every), r.stderr[-3000:]
+    ), r.stderr[-3000:]
     committed = checkpoint.list_checkpoints(tmp_path / "runs/nan")
     assert committed
     for _, manifest in committed:
