@@ -21,6 +21,7 @@ from .errors import AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, store_placement
 from .log import log
+from .model import first_loss_and_grads, said_once
 from .optim import Optimizer, clip_by_global_norm, learning_rate
 from .placement import imbalance, slot_placement
 from .run import (
@@ -326,7 +327,7 @@ class AsyncWorker:
         grads = device.mirrors(client.gradients())  # on the CPU: the push buffers themselves
         if tl:
             t = tl.span("pull", t)
-        loss = model.loss_and_grads(params, x, y, grads)
+        loss = self._loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):  # nothing of it is pushed; said once over all workers
             message = loss_not_finite(self.role.task, loss, pulled_at, self.job.train.mode)
             raise NonFinite(message) if control.claim_failure() else AlreadyReported(message)
@@ -348,6 +349,17 @@ class AsyncWorker:
         self.clock, self.updates = self.clock + 1, self.updates + 1
         self.stats.add(lead, step - 1 - pulled_at)
         return StepInfo(step, loss, epoch, self.updates, lead, step - 1 - pulled_at)
+
+    def _loss_and_grads(self, params: Any, x: Any, y: Any, grads: dict[str, Any]) -> float:
+        """The model's loss and gradients; on this worker's first step with its gradient
+        buffers checked (first_loss_and_grads), a mistake said once over all workers
+        before anything is pushed."""
+        if self.updates:
+            return self.model.loss_and_grads(params, x, y, grads)
+        loss, problem = first_loss_and_grads(self.model, params, x, y, grads)
+        if problem:
+            raise said_once(problem, self.control.claim_failure())
+        return loss
 
     def _start(self) -> int:
         """Chief: write variables and slots, set the counters, raise ready. Others: wait for it.
@@ -486,7 +498,7 @@ class ReplicasWorker(AsyncWorker):
         grads = device.mirrors(client.gradients())
         if tl:
             t = tl.span("pull", t)
-        loss = model.loss_and_grads(params, x, y, grads)
+        loss = self._loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):
             message = loss_not_finite(self.role.task, loss, tags[0], self.job.train.mode)
             raise NonFinite(message) if control.claim_failure() else AlreadyReported(message)

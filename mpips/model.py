@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import AlreadyReported, ConfigError, MpipsError
 from .placement import VariableSpec
 
 if TYPE_CHECKING:
@@ -93,6 +94,52 @@ class Model:
         """The initial ``range(*rows)`` rows of a table (sparse models only)."""
         raise NotImplementedError(f"{type(self).__name__} declares no tables")
 
+    def checked_initial_values(self, seed: int) -> dict[str, np.ndarray]:
+        """``initial_values(seed)`` checked against ``variables()`` (what mpips calls; not
+        to override): every declared name and no other, each a numpy array of the declared
+        shape and dtype. A mismatch is one ConfigError at start-up (the chief makes the
+        values), not a traceback on several ranks once they meet the windows or the
+        replicas' buffers."""
+        who = f"{type(self).__name__}.initial_values()"
+        values = self.initial_values(seed)
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{who} returned {type(values).__name__}, not a dict of numpy arrays by "
+                f"variable name"
+            )
+        specs = self.variables()
+        declared = [s.name for s in specs]
+        missing = [n for n in declared if n not in values]
+        extra = [str(n) for n in values if n not in declared]
+        if missing or extra:
+            raise ConfigError(
+                f"{who} does not match variables(): "
+                + "; ".join(
+                    ([f"it lacks {', '.join(missing)}"] if missing else [])
+                    + ([f"it returns {', '.join(extra)}, not declared there"] if extra else [])
+                )
+            )
+        for spec in specs:
+            value = values[spec.name]
+            shape, dtype = tuple(spec.shape), np.dtype(spec.dtype)
+            if not isinstance(value, np.ndarray):
+                raise ConfigError(
+                    f"{who}[{spec.name!r}] is {type(value).__name__}, not a numpy array "
+                    f"(initial values are made on the host: numpy, even for a GPU worker)"
+                )
+            if value.shape != shape:
+                raise ConfigError(
+                    f"{who}[{spec.name!r}] has shape {value.shape}; variables() declares "
+                    f"{spec.name!r} with shape {shape}"
+                )
+            if value.dtype != dtype:
+                raise ConfigError(
+                    f"{who}[{spec.name!r}] is {value.dtype}; variables() declares {spec.name!r} "
+                    f"as {dtype} (make it with .astype(np.{dtype}), or declare dtype="
+                    f'"{value.dtype}")'
+                )
+        return values
+
     @staticmethod
     def prepare(x: Any) -> tuple[Any, Any]:
         """The batch as the model wants it, and the table rows it needs (None: no tables)."""
@@ -118,7 +165,94 @@ def check_model(model: Any, what: str) -> Model:
     names = [s.name for s in specs + model.tables()]
     if len(set(names)) != len(names):
         raise ConfigError(f"{what}: two variables share a name")
+    for spec in specs + model.tables():
+        _check_dtype(spec, what)
     return model
+
+
+FLOATS = ("float32", "float64", "float16")  # what the PS windows, MPI and the optimizers sum
+
+
+def _check_dtype(spec: VariableSpec, what: str) -> None:
+    """A variable's dtype must be a float type: gradients are summed and updates applied
+    to it (and a gradient buffer's first step is checked by filling it with NaN)."""
+    try:
+        dtype = np.dtype(spec.dtype)
+    except TypeError:
+        raise ConfigError(
+            f"{what}: variable {spec.name!r} has dtype {spec.dtype!r}, not a numpy dtype "
+            f"(use one of {', '.join(FLOATS)})"
+        ) from None
+    if dtype.name not in FLOATS:
+        raise ConfigError(
+            f"{what}: variable {spec.name!r} is {dtype.name}: mpips trains float variables "
+            f"only ({', '.join(FLOATS)}); keep counters and integer state out of variables()"
+        )
+
+
+def first_loss_and_grads(
+    model: Model,
+    params: dict[str, Any],
+    x: Any,
+    y: Any,
+    grads: dict[str, Any],
+    ready: Ready | None = None,
+) -> tuple[float, str]:
+    """The first step's ``loss_and_grads``, its gradient buffers checked: each is filled
+    with NaN before the call, and after it must still be the array mpips handed over (a
+    rebound ``grads[name] = ...`` never reaches the variable: the run would train nothing)
+    with every element written. Returns (loss, what is wrong, '' if nothing); the caller
+    says it once, before anything of the step is pushed. Later steps call loss_and_grads
+    directly: the check costs nothing after the first step.
+
+    NaN survives everything mpips does with a buffer before the check (sync replicas may
+    sum a bucket said ready, or update its variables, while backward goes on), so a NaN
+    left means an element not written (or a NaN gradient with a finite loss: as wrong)."""
+    names = [s.name for s in model.variables() + model.tables() if s.name in grads]
+    for name in names:
+        grads[name].fill(math.nan)
+    given = dict(grads)  # the model's own dict: what it rebinds leaves ``grads`` as it was
+    loss = model.loss_and_grads(params, x, y, given, ready)
+    who = f"{type(model).__name__}.loss_and_grads"
+    rebound = [n for n in names if given.get(n) is not grads[n]]
+    if rebound:
+        n = rebound[0]
+        return loss, (
+            f"{who} rebinds grads[{n!r}] (grads[{n!r}] = ...) instead of writing into the "
+            f"buffer mpips hands it, so that gradient would never reach the variable: "
+            f"write every gradient in place, grads[{n!r}][...] = ..."
+            + (f" (rebound too: {', '.join(rebound[1:])})" if len(rebound) > 1 else "")
+        )
+    if not math.isfinite(loss):  # NaN gradients are expected: the loss check says it
+        return loss, ""
+    for n in names:
+        g = grads[n]
+        left = int((g != g).sum()) if g.size else 0  # NaN: not written
+        if left:
+            extra = [str(k) for k in given if k not in grads]
+            return loss, (
+                f"{who} "
+                + (
+                    f"did not write grads[{n!r}]"
+                    if left == g.size
+                    else f"left {left} of {g.size} elements of grads[{n!r}] unwritten (or NaN)"
+                )
+                + f" at the first step: write every element of every gradient in place, "
+                f"grads[{n!r}][...] = ..."
+                + (f" (it set grads[{extra[0]!r}]: no variable has that name)" if extra else "")
+            )
+    return loss, ""
+
+
+def said_once(problem: str, speaker: bool) -> MpipsError:
+    """What a rank raises for a model's mistake found during the run: a ConfigError (exit
+    2) on the one rank that says it, a quiet AlreadyReported with the same exit code on the
+    others (they abort a little later, so the message is said once)."""
+    if speaker:
+        return ConfigError(problem)
+    quiet = AlreadyReported(problem)
+    quiet.exit_code = ConfigError.exit_code
+    return quiet
 
 
 def import_factory(kind: str, near: str | None = None) -> Callable[..., Any]:

@@ -230,7 +230,7 @@ def prepare(
             prep.val = load_split(info, "val") if prep.val_split == "val" else prep.test
         slot_specs = [e.spec for e in slot_placement(round_robin(specs, 1), optimizer.slots)]
         if ckpt is None:
-            prep.values = model.initial_values(job.model.init_seed)
+            prep.values = model.checked_initial_values(job.model.init_seed)
             prep.slots = {
                 f"{name}/{slot}": array
                 for name, v in prep.values.items()

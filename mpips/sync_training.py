@@ -38,6 +38,7 @@ from .errors import AgreedError, AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
 from .log import log
+from .model import first_loss_and_grads, said_once
 from .optim import Optimizer, learning_rate
 from .run import (
     Session,
@@ -243,6 +244,21 @@ class Replica:
         message = loss_not_finite(task, loss, step, self.job.train.mode)
         raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
 
+    def _first_loss_and_grads(
+        self, params: dict[str, Any], x: Any, y: Any, grads: dict[str, Any], ready: Any
+    ) -> float:
+        """This replica's first step, its gradient buffers checked (first_loss_and_grads);
+        the replicas agree on a mistake (one small allreduce, this step only), and the
+        first replica that found it says it, before the step is applied or pushed."""
+        loss, problem = first_loss_and_grads(self.model, params, x, y, grads, ready)
+        mine = self.workers - self.role.task if problem else 0  # the lowest task wins
+        worst = agree_max(self.comm, [mine], "the first step's gradient check")[0]
+        if worst:
+            raise said_once(
+                problem or "another replica's gradients were not written", worst == mine
+            )
+        return loss
+
     def _push_rows(self, grads: dict[str, Any], lr: float) -> None:
         """Hybrid mode sends its table rows' gradients to the PS tasks (sync has none)."""
 
@@ -334,7 +350,10 @@ class Replica:
         buckets.start_step(update, self.oc.clip_norm, None if late else votes)
         # (one copy in shared memory: nothing is reduced during backward, so nothing to say)
         ready = None if buckets.shared else buckets.ready
-        loss = self.model.loss_and_grads(params, x, y, grads, ready=ready)
+        if self.updates:
+            loss = self.model.loss_and_grads(params, x, y, grads, ready=ready)
+        else:
+            loss = self._first_loss_and_grads(params, x, y, grads, ready)
         if tl:
             t = tl.span("compute", t)
         buckets.set_loss(loss)

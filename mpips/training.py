@@ -4,7 +4,9 @@ job's training mode (async_training, sync_training or hybrid_training)."""
 from __future__ import annotations
 
 import os
+import shlex
 import socket
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -14,15 +16,18 @@ from mpi4py import MPI
 from . import preemption
 from .async_training import train_async
 from .backend import Device, pin_blas_threads
+from .data import open_data
+from .errors import ConfigError
 from .failure import set_role
 from .hooks import Hook
 from .hybrid_training import train_hybrid
 from .job import Job, job_layout
 from .log import log
 from .model import Model, factory_name
+from .nn import build_model
 from .optim import build_optimizer
 from .run import TrainResult
-from .startup import prepare
+from .startup import Prepared, prepare
 from .store import Cluster, agreed, node_of_each_rank
 from .sync_training import train_sync
 
@@ -92,10 +97,44 @@ def _train(
             else Device.select(job.train.device, cluster.local_worker_index)
         ),
     )
-    prep = agreed(
-        cluster.comm, lambda: prepare(job, cluster, optimizer, device.xp, factory, arrays)
-    )
+
+    def start() -> Prepared:
+        model = factory
+        if cluster.comm.size == 1:  # (one process: the model built first, to name it)
+            model = one_process_model(job, device.xp, factory, arrays)
+        return prepare(job, cluster, optimizer, device.xp, model, arrays)
+
+    prep = agreed(cluster.comm, start)
     if not cluster.is_ps:
         pin_blas_threads(cluster.local_size)
     mode = {"sync": train_sync, "hybrid": train_hybrid}.get(job.train.mode, train_async)
     return mode(job, cluster, prep.model, optimizer, prep, hooks, device)
+
+
+def one_process_model(
+    job: Job, xp: Any, factory: Any, arrays: Mapping[str, tuple[Any, Any]] | None
+) -> Model:
+    """The job's model for a run in one process (no mpirun): a model with row-partitioned
+    tables (the CTR models) needs PS tasks to hold them, which one process has not, so it
+    is refused here with its name and the command that runs it under MPI."""
+    model = build_model(job.model, open_data(job.data, arrays), xp, job.source, factory)
+    if model.tables():
+        table = model.tables()[0]
+        kind = job.model.kind
+        name = kind if kind in ("logreg", "wide_deep") else f"{kind} ({type(model).__name__})"
+        raise ConfigError(
+            f"model.kind = {name!r} keeps its tables ({table.name} "
+            f"{table.dtype}{list(table.shape)}) on PS tasks, and one process (no mpirun) "
+            f"has none: run it with a PS task and workers, e.g. "
+            f"mpirun -n 3 {this_command()} (1 ps + 2 workers)"
+        )
+    return model
+
+
+def this_command() -> str:
+    """This process's command line as a user would type it (``python -m mpips train
+    JOB.toml ...``, or ``python script.py ...``), to show it under mpirun."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(os.path.join("mpips", "__main__.py")):
+        argv[0:1] = ["-m", "mpips"]
+    return shlex.join(["python", *argv])
