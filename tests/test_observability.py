@@ -4,6 +4,7 @@ sync loss averaged over replicas, and plain progress lines when stderr is not a 
 
 import json
 import re
+import time
 from collections import defaultdict
 
 import pytest
@@ -37,10 +38,54 @@ def records(path):
     return out
 
 
+ASYNC_LINE = re.compile(
+    r"\[/job:worker/task:(\d+)\] step (\d+) loss (\S+) epoch \d+ "
+    r"\(update \d+ of this worker, pulled (\d+) steps earlier\)"
+)
+SYNC_LINE = re.compile(r"\[/job:worker/task:0\] step (\d+) loss (\S+) epoch \d+ \(mean over all")
+
+
+def printed_updates(stdout):
+    """Each async worker's updates as it logged them (--log-every 1): task -> [(global
+    step, batch loss, delay)]."""
+    out = defaultdict(list)
+    for m in ASYNC_LINE.finditer(stdout):
+        out[int(m[1])].append((int(m[2]), float(m[3]), int(m[4])))
+    return out
+
+
+def check_against_printed(got, updates, every, batch=32):
+    """A worker's records against its logged updates: each at its first update at or past
+    a multiple of ``every`` global steps (one per multiple), its loss and delay the means of
+    the updates since its last record, its examples/s and global steps/s over the same
+    interval. Returns the seconds its records cover."""
+    steps = [t for t, _, _ in updates]
+    assert [s for s, _ in got["loss"]] == [s for s, _ in got["staleness/delay"]]
+    prev, covered = 0, 0.0
+    delays = got["staleness/delay"]
+    for j, ((at, loss), (_, delay)) in enumerate(zip(got["loss"], delays, strict=True)):
+        multiple = at // every * every
+        assert at in steps and prev < multiple <= at, (prev, at)
+        assert not [t for t in steps if multiple <= t < at], at  # its first update past it
+        since = [(x, d) for t, x, d in updates if prev < t <= at]
+        assert loss == pytest.approx(sum(x for x, _ in since) / len(since), abs=1e-4), at
+        assert delay == pytest.approx(sum(d for _, d in since) / len(since), abs=1e-9), at
+        rate = got["examples_per_sec"][j]
+        assert rate[0] == at and rate[1] > 0
+        seconds = batch * len(since) / rate[1]
+        if "global_steps_per_sec" in got:  # the chief: the same interval, in global steps
+            steps_rate = got["global_steps_per_sec"][j]
+            assert steps_rate[0] == at
+            assert (at - prev) / steps_rate[1] == pytest.approx(seconds, rel=1e-6)
+        covered += seconds
+        prev = at
+    return covered
+
+
 @pytest.mark.launcher
 def test_summaries_timeline_and_plots_of_an_async_run(tmp_path):
     (tmp_path / "job.toml").write_text(JOB.format(mode="async", timeline="true"))
-    r = run_train(tmp_path, 3, "job.toml", timeout=120)
+    r = run_train(tmp_path, 3, "job.toml", "--log-every", "1", timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     run_dir = tmp_path / "runs/obs"
     assert "summaries in runs/obs/worker-*/" in r.stdout
@@ -48,6 +93,23 @@ def test_summaries_timeline_and_plots_of_an_async_run(tmp_path):
         records(run_dir / "worker-0/metrics.jsonl"),
         records(run_dir / "worker-1/metrics.jsonl"),
     )
+    # the values: what each worker logged of its updates, and the chief's own report
+    updates = printed_updates(r.stdout)
+    assert sum(len(u) for u in updates.values()) == r.result["global_step"] == 300
+    covered = check_against_printed(chief, updates[0], 10)
+    check_against_printed(other, updates[1], 10)
+    assert 0.5 * r.result["seconds"] < covered <= r.result["seconds"] * 1.01, covered
+    for task, got in enumerate((chief, other)):
+        assert got["loss"][0][1] > 2 * got["loss"][-1][1]  # it learns
+        worst = r.result["staleness"][task]
+        assert all(0 <= v <= worst["lead"]["max"] for _, v in got["staleness/lead"])
+        assert all(0 <= v <= worst["delay"]["max"] for _, v in got["staleness/delay"])
+    assert [(s, round(v, 6)) for s, v in chief["validation/accuracy"]] == [
+        (v["global_step"], round(v["accuracy"], 6)) for v in r.result["validation"]
+    ]
+    assert [(s, round(v, 6)) for s, v in chief["validation/loss"]] == [
+        (v["global_step"], round(v["loss"], 6)) for v in r.result["validation"]
+    ]
     for got in (chief, other):
         for name in (
             "loss",
@@ -147,11 +209,17 @@ def test_the_sync_loss_is_the_mean_over_replicas(tmp_path):
     in the last gradient bucket), though each trains on its own batch; no timeline is
     written unless asked for."""
     (tmp_path / "job.toml").write_text(JOB.format(mode="sync", timeline="false"))
-    r = run_train(tmp_path, 3, "job.toml", "--log-every", "50", timeout=120)
+    r = run_train(tmp_path, 3, "job.toml", "--log-every", "1", timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     run_dir = tmp_path / "runs/obs"
     losses = [records(run_dir / f"worker-{k}/metrics.jsonl")["loss"] for k in range(3)]
     assert len(losses[0]) == 30 and losses[0] == losses[1] == losses[2]
+    logged = {int(m[1]): float(m[2]) for m in SYNC_LINE.finditer(r.stdout)}
+    assert sorted(logged) == list(range(1, 301))
+    for at, loss in losses[0]:  # every 10 steps, the mean of the 10 steps' logged losses
+        mean = sum(logged[t] for t in range(at - 9, at + 1)) / 10
+        assert at % 10 == 0 and loss == pytest.approx(mean, abs=1e-4), at
+    assert losses[0][0][1] > 2 * losses[0][-1][1]
     assert "mean over all replicas' batches" in r.stdout
     assert not (run_dir / "timeline").exists()
 
@@ -206,13 +274,14 @@ def test_a_torn_metrics_line_is_skipped_by_plot_and_not_glued_to_the_next(tmp_pa
     hook = Summaries(tmp_path, every=1, tensorboard=False)
     run = _chief_run(20, 0, 20)
     hook.begin(run)
+    before = time.time()
     hook.record(40, {"loss": 0.5})
+    after = time.time()
     hook.end(run)
     series, skipped = read_metrics(tmp_path)
-    assert skipped == 1 and series["loss"]["/job:worker/task:0"] == [
-        (1.0, 20.0, 1.5),
-        (pytest.approx(series["loss"]["/job:worker/task:0"][1][0]), 40.0, 0.5),
-    ]
+    (old, new) = series["loss"]["/job:worker/task:0"]
+    assert skipped == 1 and old == (1.0, 20.0, 1.5) and new[1:] == (40.0, 0.5)
+    assert before - 0.001 <= new[0] <= after + 0.001  # stamped when recorded (ms)
 
 
 @pytest.mark.launcher
