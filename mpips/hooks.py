@@ -289,7 +289,8 @@ class StopAtLoss(Hook):
             log(
                 run.role,
                 f"mean loss of the last {self.window} updates "
-                f"{sum(self.recent) / self.window:.4f} <= {self.loss}: stopping the run",
+                f"{sum(self.recent) / self.window:.4f} <= {self.loss} at global_step "
+                f"{info.step}: stopping the run",
             )
             run.request_stop()
 
