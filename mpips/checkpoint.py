@@ -12,17 +12,31 @@ renames the manifest last, after every shard is in place, and *that* is the comm
 at any moment leaves every earlier checkpoint loadable. Old checkpoints, and files of a write
 that never committed, are deleted only after a new commit. Restore is keyed by variable name:
 parts are reassembled, so a checkpoint loads on any number of PS tasks or workers. Loading
-reads JSON and arrays only (no pickle, no eval); file names come from a fixed pattern and
-never leave the checkpoint directory.
+reads JSON and arrays only (no pickle, no eval, no code the files name: the rows a sparse
+part leaves out are computed by a model the reader is given); every file is checked to be
+a regular file of bounded size before it is opened; file names come from a fixed pattern
+and never leave the checkpoint directory.
+
+A directory belongs to one run at a time: the chief holds an exclusive lock on
+``D/.mpips-lock`` for the whole run (released by the OS when it ends, however it ends), so a
+second run started on the same directory stops at start-up naming the first. Every shard
+and the manifest carry the run's id (agreed by all ranks at start-up): a manifest never
+commits, and a reader never reads, another run's shard.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import math
 import os
 import re
+import socket
+import stat
+import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +45,10 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .errors import CheckpointError, MpipsError, NonFinite
-from .files import atomic_write, temporary_name
+from .errors import CheckpointError, NonFinite
+from .files import TEXT_LIMIT, atomic_write, os_reason, read_text, temporary_name
 from .hdf5 import open_plain
-from .initial import CHUNK_ELEMENTS, InitialValues, from_job, row_chunks
+from .initial import CHUNK_ELEMENTS, InitialValues, row_chunks
 from .memory import ABSURD_BYTES, check_fits, human
 from .placement import Placement, VariableSpec
 
@@ -48,7 +62,24 @@ SPARSE = "sparse"  # the layout attribute of a part stored as (index, values)
 SPARSE_MIN_BYTES = 1 << 16  # smaller partitions are written whole: sparse saves too little
 SPARSE_MAX_FRACTION = 0.5  # sparse only if it writes at most this fraction of the bytes
 
+LOCK_FILE = ".mpips-lock"  # in a checkpoint directory: held by the run that writes there
+RUN = "run"  # the run id: a shard attribute and a manifest field
+HOLDER_BYTES = 4096  # what the lock file says of its holder: a short JSON object
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # a file system
+# without flock (some Lustre and NFS mounts): the run goes on unlocked, and says so
+
 Rows = tuple[int, int, int]  # range(start, stop, step) of axis 0
+
+
+class NeedsModel(CheckpointError):
+    """A sparse part's untouched rows are the initial values of the model that wrote it, and
+    the reader was given no model to compute them (mpips never builds one the files name)."""
+
+
+class ForeignShard(CheckpointError):
+    """A shard in place for a commit was written by another run: the run stops (exit 1)."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)
@@ -96,6 +127,134 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(directory: str | Path) -> Path | None:
     found = list_checkpoints(directory)
     return found[-1][1] if found else None
+
+
+_runs: dict[Path, str] = {}  # checkpoint directory -> the run this process writes there
+_locks: dict[Path, int] = {}  # checkpoint directory -> the lock file this process holds
+
+
+def _key(directory: str | Path) -> Path:
+    return Path(directory).resolve()
+
+
+def run_of(directory: str | Path) -> str | None:
+    """The id of the run this process writes checkpoints for in ``directory`` (see
+    lock_directory and join_run), or None: shards and manifests then carry no run id."""
+    return _runs.get(_key(directory))
+
+
+def join_run(directory: str | Path, run: str) -> None:
+    """This process writes shards of run ``run`` into ``directory``, whose lock another
+    process of the run holds (a PS task in async mode: the chief holds it)."""
+    _runs[_key(directory)] = run
+
+
+@dataclass(frozen=True)
+class DirectoryLock:
+    """A checkpoint directory taken for a run: its id, and why it is not locked, if the
+    file system has no locks (the run goes on; another run could still write there)."""
+
+    run: str
+    unlocked: str | None = None
+
+
+def lock_directory(directory: str | Path, job: str) -> DirectoryLock:
+    """Take ``directory`` (created if needed) for a new run of ``job``, until this process
+    ends or release_directory: an exclusive flock of its LOCK_FILE, which then says who
+    holds it (host, pid, start time, job, run id). CheckpointError naming the holder if
+    another run holds it, or if the directory cannot be written. A process that holds the
+    lock already (a second run in one Python process) keeps it, for the new run."""
+    d, run = Path(directory), uuid.uuid4().hex[:16]
+    key = _key(d)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd = _locks.get(key)
+        if fd is None:
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(d / LOCK_FILE, flags, 0o644)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise CheckpointError(
+                        f"checkpoint.dir {d}: {LOCK_FILE} is not a regular file; remove it"
+                    )
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise CheckpointError(
+                    f"checkpoint.dir {d} is in use by another run: {holder}. Two runs "
+                    f"writing into one directory would mix and lose their checkpoints: wait "
+                    f"for it to end, or give this run another directory with --ckpt-dir DIR"
+                ) from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in _NO_LOCKS:
+                    raise
+                _runs[key] = run
+                return DirectoryLock(run, f"its file system has no locks ({os_reason(e)})")
+            except BaseException:
+                os.close(fd)
+                raise
+            _locks[key] = fd
+        said = {
+            "job": job,
+            "run": run,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(said).encode(), 0)
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint.dir {d}: cannot write checkpoints there ({os_reason(e)}); choose "
+            f"another with --ckpt-dir"
+        ) from None
+    _runs[key] = run
+    return DirectoryLock(run)
+
+
+def release_directory(directory: str | Path) -> None:
+    """The end of this process's run in ``directory``: its lock released, its run id
+    forgotten (a process that ends releases it anyway)."""
+    key = _key(directory)
+    _runs.pop(key, None)
+    fd = _locks.pop(key, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    """Who holds a lock, as its lock file says (a bounded read of a small JSON object)."""
+    try:
+        said = json.loads(os.pread(fd, HOLDER_BYTES, 0))
+    except (OSError, ValueError, RecursionError):
+        said = None
+    if not isinstance(said, dict):
+        return "a run that did not say which"
+
+    def field(key: str) -> str:
+        return str(said.get(key, "?"))[:200]
+
+    return (
+        f"job {field('job')} (run {field('run')}, pid {field('pid')} on {field('host')}, "
+        f"started {field('started')})"
+    )
+
+
+def _text(value: Any) -> str | None:
+    """An HDF5 string attribute as str (None if absent)."""
+    if value is None:
+        return None
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def count_non_finite(a: np.ndarray) -> int:
+    """How many values of ``a`` are NaN or infinite (0 for integers), a chunk at a time."""
+    if np.asarray(a).dtype.kind not in "fc":
+        return 0
+    flat = np.asarray(a).reshape(-1)
+    return sum(int((~np.isfinite(c)).sum()) for c in np.array_split(flat, max(1, flat.size >> 20)))
 
 
 def check_finite(arrays: dict[str, np.ndarray], step: int) -> None:
@@ -301,14 +460,18 @@ def write_shard(
     variables: dict[str, np.ndarray],
     slots: dict[str, np.ndarray] | None = None,
     tables: SparseTables | None = None,
+    run: str | None = None,
 ) -> Path:
     """Write one shard atomically: ``variables`` (name -> array, or the part of it this
-    shard holds) and ``slots`` (``<variable>/<slot>`` -> array). With ``tables``, the table
-    partitions among them and their slots are written sparsely where that writes at most
-    SPARSE_MAX_FRACTION of their bytes (see _write_sparse), else whole. NonFinite, and
-    nothing written, if any value is NaN or infinite."""
+    shard holds) and ``slots`` (``<variable>/<slot>`` -> array), tagged with ``run`` (by
+    default the run this process writes in ``directory``, see run_of). With ``tables``, the
+    table partitions among them and their slots are written sparsely where that writes at
+    most SPARSE_MAX_FRACTION of their bytes (see _write_sparse), else whole. NonFinite, and
+    nothing written, if any value is NaN or infinite; WriteFailed (exit 1) if the file
+    system refuses it (disk full, read-only)."""
     slots = slots or {}
     check_finite({**variables, **slots}, step)
+    run = run or run_of(directory)
 
     def write(tmp: Path) -> None:
         sparse = _sparse_parts(variables, slots, tables)
@@ -316,6 +479,8 @@ def write_shard(
             f.attrs["format"] = FORMAT
             f.attrs["global_step"] = step
             f.attrs["shard"] = shard
+            if run:
+                f.attrs[RUN] = run
             for is_slot, arrays in ((False, variables), (True, slots)):
                 for name, value in arrays.items():
                     path = h5_path(name, is_slot)
@@ -324,7 +489,11 @@ def write_shard(
                     else:
                         f.create_dataset(path, data=value)
 
-    return atomic_write(Path(directory) / shard_name(step, shard, num_shards), write)
+    return atomic_write(
+        Path(directory) / shard_name(step, shard, num_shards),
+        write,
+        f"checkpoint at global_step {step} not committed; the ones before it are intact",
+    )
 
 
 def index_of(
@@ -364,16 +533,30 @@ def commit(
     slots: dict[str, Entry],
     meta: dict[str, Any],
     max_to_keep: int = 3,
+    run: str | None = None,
 ) -> Path:
-    """After every shard of ``step`` is in place: write the manifest (the commit), then prune
-    to the newest ``max_to_keep`` and delete what uncommitted writes left behind."""
+    """After every shard of ``step`` is in place, each written by run ``run`` (by default
+    the run this process writes in ``directory``, see run_of; None: not checked): write the
+    manifest (the commit), then prune to the newest ``max_to_keep`` and delete what
+    uncommitted writes left behind."""
     d = Path(directory)
+    run = run or run_of(d)
     for k in range(num_shards):
-        if not (d / shard_name(step, k, num_shards)).is_file():
+        path = d / shard_name(step, k, num_shards)
+        if not path.is_file():
             raise CheckpointError(
                 f"checkpoint {d}: shard {k} of {num_shards} for global_step "
                 f"{step} is missing; not committed"
             )
+        if run:
+            with open_plain(path, CheckpointError, f"checkpoint {d}: shard {path.name}") as f:
+                wrote = _text(f.attrs.get(RUN))
+            if wrote != run:
+                raise ForeignShard(
+                    f"checkpoint {d}: shard {path.name} was written by "
+                    f"{f'run {wrote}' if wrote else 'a run with no id'}, not by this run "
+                    f"({run}): not committed (another run writes into {d}?)"
+                )
 
     def encode(index: dict[str, Entry]) -> dict[str, Any]:
         return {
@@ -392,6 +575,7 @@ def commit(
         "global_step": step,
         "shards": num_shards,
         **meta,
+        **({RUN: run} if run else {}),
         "variables": encode(variables),
         "slots": encode(slots),
     }
@@ -399,7 +583,11 @@ def commit(
     def write(tmp: Path) -> None:
         tmp.write_text(json.dumps(manifest, indent=1))
 
-    path = atomic_write(d / manifest_name(step), write)
+    path = atomic_write(
+        d / manifest_name(step),
+        write,
+        f"checkpoint at global_step {step} not committed; the ones before it are intact",
+    )
     committed = list_checkpoints(d)
     for _, old in committed[:-max_to_keep]:
         old.unlink(missing_ok=True)  # uncommit first, then delete its shards below
@@ -491,9 +679,9 @@ class Checkpoint:
         if not m:
             raise CheckpointError(f"{path}: not a checkpoint manifest (ckpt-<step>.json)")
         try:
-            size = self.path.stat().st_size
-            check_fits(8 * size, f"checkpoint {path}: parsing its manifest", CheckpointError)
-            raw = json.loads(self.path.read_text())
+            text = read_text(self.path, CheckpointError, f"checkpoint {path}", TEXT_LIMIT)
+            check_fits(8 * len(text), f"checkpoint {path}: parsing its manifest", CheckpointError)
+            raw = json.loads(text)
             if not isinstance(raw, dict) or raw.get("format") != FORMAT:
                 raise CheckpointError(f"checkpoint {path}: not an mpips checkpoint manifest")
             self.step = raw["global_step"]
@@ -506,14 +694,20 @@ class Checkpoint:
             self.slots = _parse_index(raw.get("slots", {}), self.num_shards, "slots")
             clocks = raw.get("clocks")
             self.clocks = _ints(clocks, "clocks") if clocks is not None else None
+            self.run: str | None = raw.get(RUN)
+            if self.run is not None and not isinstance(self.run, str):
+                raise ValueError(f"{RUN} must be a string")
         except CheckpointError:
             raise
+        except RecursionError:
+            raise CheckpointError(
+                f"checkpoint {path}: corrupt (its JSON is nested too deeply to be a manifest)"
+            ) from None
         except (OSError, KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"checkpoint {path}: corrupt or unreadable ({e})") from None
         self.meta = {k: v for k, v in raw.items() if k not in ("variables", "slots")}
         self.stored_bytes = 0  # of the last read: bytes read from the shards
         self.regenerated_bytes = 0  # and bytes of rows not stored, computed again
-        self._job_initial: InitialValues | None = None
 
     def shard_path(self, k: int) -> Path:
         return self.directory / shard_name(self.step, k, self.num_shards)
@@ -529,10 +723,11 @@ class Checkpoint:
         whole, or for a name in ``rows`` only ``range(*rows[name])`` of axis 0, read from the
         shards that hold them (a PS restoring its partition never holds the whole table).
         Rows that a sparse part does not store are computed again: a constant, or
-        ``initial``'s rows (without it, those of the model of the job file the manifest
-        names). Anything missing or of another shape or dtype is an error naming it;
-        ``stored_bytes`` and ``regenerated_bytes`` then say how much was read from the shards
-        and how much computed."""
+        ``initial``'s rows (without it, NeedsModel: a checkpoint never makes mpips build the
+        model it names). Every shard read must carry the manifest's run id. Anything missing
+        or of another shape or dtype is an error naming it; ``stored_bytes`` and
+        ``regenerated_bytes`` then say how much was read from the shards and how much
+        computed."""
         rows = rows or {}
         wanted = [(s, False) for s in specs] + [(s, True) for s in slot_specs]
         out: dict[str, np.ndarray] = {}
@@ -609,9 +804,16 @@ class Checkpoint:
             path = self.shard_path(part.shard)
             if not path.is_file():
                 raise CheckpointError(f"checkpoint {self.path}: shard {path.name} is missing")
-            files[part.shard] = open_plain(
-                path, CheckpointError, f"checkpoint {self.path}: shard {path.name}"
-            )
+            f = open_plain(path, CheckpointError, f"checkpoint {self.path}: shard {path.name}")
+            files[part.shard] = f
+            wrote = _text(f.attrs.get(RUN))
+            if self.run is not None and wrote != self.run:
+                raise CheckpointError(
+                    f"checkpoint {self.path}: shard {path.name} was written by "
+                    f"{f'run {wrote}' if wrote else 'a run with no id'}, not by the run that "
+                    f"committed this manifest ({self.run}): two runs wrote into "
+                    f"{self.directory}; this checkpoint cannot be read"
+                )
         entry = w.entry
         obj = files[part.shard].get(h5_path(w.name, w.is_slot))
         if isinstance(obj, h5py.Group) and entry.shape:
@@ -715,7 +917,14 @@ class Checkpoint:
     def _regenerate(self, w: _Wanted, rows: range, seed: int, view: np.ndarray) -> None:
         """The initial values of ``rows`` of ``w`` (a table, or a slot of one) into ``view``,
         a chunk of rows at a time, each checked for shape and dtype."""
-        initial = w.initial or self._initial_of_job(w.name)
+        initial = w.initial
+        if initial is None:
+            raise NeedsModel(
+                f"checkpoint {self.path}: '{w.name}' stores only its trained rows; the others "
+                f"are the initial values of the model that wrote it, and mpips builds a "
+                f"model only from a job you give, never from one a checkpoint names: pass "
+                f"the job file that trained it (--job JOB)"
+            )
         table, slot = w.name.rsplit("/", 1) if w.is_slot else (w.name, "")
         for lo, hi in row_chunks(len(rows), view[:1].size, initial.chunk_elements):
             sub = rows[lo:hi]
@@ -734,27 +943,6 @@ class Checkpoint:
                     f"that wrote the checkpoint?)"
                 )
             view[lo:hi] = got
-
-    def _initial_of_job(self, name: str) -> InitialValues:
-        """For a reader with no model at hand: the initial values of the model of the job
-        file the manifest names (built once)."""
-        if self._job_initial is None:
-            job = self.meta.get("job")
-            if not isinstance(job, str) or not Path(job).is_file():
-                where = f"the job file that wrote it ({job}) is not here" if job else "no job file"
-                raise CheckpointError(
-                    f"checkpoint {self.path}: the rows of '{name}' that were never trained are "
-                    f"not stored (they are the model's initial values), and {where} to compute "
-                    f"them: give it (--job JOB)"
-                )
-            try:
-                self._job_initial = from_job(job, self.meta.get("model"))
-            except MpipsError as e:
-                raise CheckpointError(
-                    f"checkpoint {self.path}: the rows of '{name}' that were never trained are "
-                    f"the initial values of the model of {job}, which cannot be built: {e}"
-                ) from None
-        return self._job_initial
 
     def layouts(self, name: str, is_slot: bool = False) -> list[tuple[int, int | None]]:
         """How each part of a variable (or slot) is stored: (shard, rows stored) for a
@@ -787,7 +975,7 @@ class Checkpoint:
 @dataclass(frozen=True)
 class _Wanted:
     """What a read wants of one variable or slot: its rows (None: all), and how to compute
-    initial rows a sparse part does not store (None: from the manifest's job)."""
+    initial rows a sparse part does not store (None: the reader has no model)."""
 
     name: str
     is_slot: bool
@@ -879,7 +1067,8 @@ def export(
 ) -> Path:
     """Write the full variables (and, optionally, slots) of a checkpoint to one plain HDF5
     file: one dataset per variable at its name, global_step as an attribute; atomically.
-    Sparse parts are written whole (``initial``: see Checkpoint.read)."""
+    Sparse parts are written whole (``initial``: see Checkpoint.read). WriteFailed (exit
+    1) if the file system refuses ``out``."""
     variables, slots = ckpt.read_all(initial)
     out = Path(out)
 
@@ -892,4 +1081,4 @@ def export(
             for name, value in (slots if with_slots else {}).items():
                 f.create_dataset(h5_path(name, True), data=value)
 
-    return atomic_write(out, write)
+    return atomic_write(out, write, "nothing exported")

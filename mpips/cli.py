@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _job_args(ev)
     ev.add_argument("--ckpt", metavar="PATH", help="a manifest (ckpt-S.json) or a directory")
+    ev.add_argument(
+        "--result",
+        metavar="FILE",
+        help="write the metrics as JSON to FILE (checkpoint, global_step, model, "
+        "test_<metric> and test_metrics), for scripts and tests to read",
+    )
     ev.set_defaults(func=cmd_eval)
 
     pr = sub.add_parser(
@@ -154,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--job",
             metavar="JOB",
-            help="the job file that wrote it, whose model computes the table rows a sparse "
-            "checkpoint does not store (default: the one its manifest names)",
+            help="the job file that trained it, whose model computes the table rows a "
+            "sparse checkpoint does not store (mpips never loads the job a checkpoint "
+            "names: it could run any code)",
         )
     c.set_defaults(func=cmd_ckpt)
 
@@ -291,17 +298,30 @@ def cmd_train(args: argparse.Namespace) -> int:
             from .files import atomic_write
 
             text = json.dumps(result.to_json(), indent=1)
-            atomic_write(args.result, lambda tmp: tmp.write_text(text))
+            atomic_write(args.result, lambda tmp: tmp.write_text(text), "no result written")
     return EXIT_PREEMPTED if result.stopped_by else 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation import evaluate
+    from .files import atomic_write
 
+    _check_result_path(args.result)
     job = _resolve_job(args)
     metrics, step, path = evaluate(job, args.ckpt)
     shown = " ".join(f"test_{k} {v:.4f}" for k, v in metrics.items())
     print(f"{path} (global_step {step}, model {job.model.kind}): {shown}")
+    if args.result:
+        plain = {k: (None if v != v else v) for k, v in metrics.items()}  # strict JSON
+        said = {
+            "checkpoint": str(path),
+            "global_step": step,
+            "model": job.model.kind,
+            **{f"test_{k}": v for k, v in plain.items()},
+            "test_metrics": plain,
+        }
+        text = json.dumps(said, indent=1)
+        atomic_write(args.result, lambda tmp: tmp.write_text(text), "no result written")
     return 0
 
 
@@ -381,7 +401,6 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    import numpy as np
 
     from . import checkpoint
     from .summaries import validation_at, where_to_look
@@ -421,7 +440,20 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         out = checkpoint.export(ckpt, args.out, args.slots, initial)
         print(f"exported {ckpt.path} -> {out}")
         return 0
-    variables, slots = ckpt.read_all(initial)
+    return _inspect(ckpt, initial)
+
+
+def _inspect(ckpt: Checkpoint, initial: InitialValues | None) -> int:
+    """``ckpt inspect``: what the manifest says, then each variable and slot (shape, dtype,
+    mean, std, where it is stored), a warning for each holding NaN or infinity; without
+    ``initial``, the statistics of a sparse part whose untouched rows need the model are
+    left out, and the note says what to pass."""
+    import numpy as np
+
+    from . import checkpoint
+    from .placement import VariableSpec
+    from .summaries import where_to_look
+
     meta = ckpt.meta
     layout = meta.get("layout", {})
     print(
@@ -439,15 +471,37 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     if look:
         print(look)
     print(f"{'variable':<28} {'shape':<12} {'dtype':<8} {'mean':>11} {'std':>11}  shards")
-    for name, a in list(variables.items()) + list(slots.items()):
-        where = ",".join(
-            f"{k}" if stored is None else f"{k} (sparse: {stored} rows stored)"
-            for k, stored in ckpt.layouts(name, name not in variables)
-        )
-        shape = "x".join(map(str, a.shape)) or "scalar"
+    warnings, need_model = [], []
+    for is_slot, index in ((False, ckpt.variables), (True, ckpt.slots)):
+        for name, entry in index.items():
+            spec = [VariableSpec(name, entry.shape, entry.dtype)]
+            where = ",".join(
+                f"{k}" if stored is None else f"{k} (sparse: {stored} rows stored)"
+                for k, stored in ckpt.layouts(name, is_slot)
+            )
+            shape = "x".join(map(str, entry.shape)) or "scalar"
+            try:
+                a = ckpt.read([] if is_slot else spec, spec if is_slot else [], initial=initial)
+            except checkpoint.NeedsModel:
+                need_model.append(name)
+                print(f"{name:<28} {shape:<12} {entry.dtype:<8} {'?':>11} {'?':>11}  {where}")
+                continue
+            value = a[name]
+            bad = checkpoint.count_non_finite(value)
+            if bad:
+                warnings.append(
+                    f"warning: '{name}' holds {bad} NaN or infinite value(s) of {value.size}"
+                )
+            with np.errstate(all="ignore"):
+                mean, std = float(np.mean(value)), float(np.std(value))
+            print(f"{name:<28} {shape:<12} {entry.dtype:<8} {mean:>11.4g} {std:>11.4g}  {where}")
+    for line in warnings:
+        print(line)
+    if need_model:
         print(
-            f"{name:<28} {shape:<12} {str(a.dtype):<8} {float(np.mean(a)):>11.4g} "
-            f"{float(np.std(a)):>11.4g}  {where}"
+            f"note: {', '.join(repr(n) for n in need_model)} store(s) only the trained rows; "
+            f"for their mean and std, pass the job file that trained the checkpoint: "
+            f"--job JOB (mpips never loads the job a checkpoint names)"
         )
     return 0
 

@@ -29,7 +29,8 @@ def restore_model(
     """The job's model, every variable and table of the checkpoint (``ckpt_path``: a manifest
     or a directory; default the job's checkpoint.dir), the checkpoint and the job's data. The
     manifest must name the same model as the job (a checkpoint of another model is one clear
-    error)."""
+    error), and every value must be finite (NaN weights give NaN metrics and predictions:
+    one clear error naming the variable instead)."""
     where = ckpt_path or job.checkpoint.dir
     if not where:
         raise ConfigError("no checkpoint: the job has no checkpoint.dir; give --ckpt PATH")
@@ -43,6 +44,15 @@ def restore_model(
             f"job's model.kind is {job.model.kind!r}"
         )
     params = ckpt.read(model.variables() + model.tables(), initial=from_model(model))
+    for name, value in params.items():
+        bad = checkpoint.count_non_finite(value)
+        if bad:
+            raise CheckpointError(
+                f"checkpoint {ckpt.path}: '{name}' holds {bad} NaN or infinite value(s) of "
+                f"{np.size(value)}: its metrics and predictions would be meaningless; use an "
+                f"earlier checkpoint (--ckpt {ckpt.directory}/ckpt-<step>.json, see "
+                f"python -m mpips ckpt list {ckpt.directory})"
+            )
     return model, params, ckpt, info
 
 
@@ -121,5 +131,10 @@ def predict(job: Job, inputs: str, output: str, ckpt_path: str | None = None) ->
     x = x * np.float32(info.x_scale) if info.x_scale != 1.0 else x
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         out = np.asarray(model.predict(params, x))
-    atomic_write(output, lambda tmp: np.save(open(tmp, "wb"), out, allow_pickle=False))
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file, not a name: np.save would add ".npy" to it
+            np.save(f, out, allow_pickle=False)
+
+    atomic_write(output, write, "no predictions written")
     return len(x), ckpt.step

@@ -13,6 +13,22 @@ from .errors import MpipsError
 TEXT_LIMIT = 64 << 20  # job, layout and manifest files are small: more is not one of them
 
 
+class WriteFailed(MpipsError):
+    """A file could not be written (disk full, read-only file system, an I/O error): a
+    failure of the machine, not of the input, so exit 1; what was there before is intact."""
+
+    exit_code = 1
+
+
+def os_reason(e: OSError) -> str:
+    """The cause of ``e`` in a few words ("No space left on device"), also for h5py's
+    errors, whose text runs over several lines but whose errno is set."""
+    if e.errno:
+        return os.strerror(e.errno)
+    text = e.strerror or str(e)
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def check_regular(
     path: str | Path, error: type[MpipsError], what: str, max_bytes: int | None = None
 ) -> int:
@@ -76,17 +92,32 @@ def temporary_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.uname().nodename}-{os.getpid()}")
 
 
-def atomic_write(final: str | Path, write: Callable[[Path], object]) -> Path:
+def atomic_write(
+    final: str | Path, write: Callable[[Path], object], failed: str | None = None
+) -> Path:
     """``write(tmp)`` (its return value is ignored), fsync it, rename it to ``final``, fsync
-    the directory; on any failure no trace is left and an existing ``final`` is untouched."""
+    the directory; on any failure no trace is left and an existing ``final`` is untouched.
+    With ``failed`` (what a failure means, e.g. "checkpoint not committed"), an OSError
+    (disk full, read-only file system) becomes WriteFailed naming ``final``, the cause and
+    ``failed``; without it, it passes through. Cleaning up never hides the first error (on
+    a read-only file system even removing a file that is not there fails)."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(final)
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
         fsync_path(tmp)
         os.replace(tmp, final)
         fsync_path(final.parent)
+    except OSError as e:
+        if failed is None:
+            raise
+        raise WriteFailed(
+            f"cannot write {final} ({os_reason(e)}: an I/O failure, not bad input); {failed}"
+        ) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # the write's own error (if any) is the one to say
     return final

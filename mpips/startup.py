@@ -32,7 +32,7 @@ from .memory import check_fits, human
 from .nn import build_model
 from .optim import Optimizer
 from .placement import round_robin, slot_placement
-from .store import Cluster, WindowPlan, has_inboxes
+from .store import Cluster, WindowPlan, allgather_json, has_inboxes
 from .summaries import summary_root
 
 
@@ -55,6 +55,38 @@ class Prepared:
     # PS: what it fills itself, by name: restored arrays, or fillers of fresh table
     # partitions (called with the window's view, they write it a chunk of rows at a time)
     local: dict[str, Any] = field(default_factory=dict)
+
+
+def _take_checkpoint_dir(job: Job, cluster: Cluster) -> None:
+    """The checkpoint directory taken for this run, before anything reads or writes there:
+    the chief locks it (checkpoint.lock_directory: a second run on the same directory
+    stops here, naming the first) and every rank learns the run's id, or the chief's
+    refusal, in one exchange (the first step of start-up: nothing before it can fail, so
+    every rank reaches it). The ranks that write shards tag them with that id."""
+    c = job.checkpoint
+    if not c.dir:
+        return
+    said: dict[str, str] = {}
+    if cluster.is_chief:
+        try:
+            lock = checkpoint.lock_directory(c.dir, job.source)
+            said = {"run": lock.run}
+            if lock.unlocked:
+                log(
+                    cluster.role,
+                    f"warning: checkpoint.dir {c.dir} is not locked for this run: "
+                    f"{lock.unlocked}; make sure no other run writes there meanwhile",
+                )
+        except Exception as e:  # noqa: BLE001 (said on every rank, after the exchange)
+            said = {"error": str(e) if isinstance(e, CheckpointError) else repr(e)}
+    if cluster.comm.size > 1:
+        said = allgather_json(cluster.comm, said, "the checkpoint directory's lock")[
+            cluster.layout.chief_rank
+        ]
+    if "error" in said:
+        raise CheckpointError(said["error"])
+    if not cluster.is_chief and cluster.is_ps and job.train.mode != "sync":
+        checkpoint.join_run(c.dir, said["run"])
 
 
 def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
@@ -175,6 +207,7 @@ def prepare(
     ``factory``: a model (or a callable making one) from the Python API, instead of
     model.kind; ``arrays``: the data as arrays from the Python API, instead of job.data.
     """
+    _take_checkpoint_dir(job, cluster)
     _check_checkpoint_dir(job, cluster)
     _check_summary_dir(job, cluster)
     if job.train.zero_copy and not cluster.one_node:

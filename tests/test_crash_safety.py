@@ -102,8 +102,10 @@ def test_kill_9_at_random_moments_never_loses_the_last_checkpoint(tmp_path):
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    # the files of checkpoints (the summaries' worker-K folders live beside them)
-    left = sorted(p.name for p in (tmp_path / "runs/crash").iterdir() if p.is_file())
+    # the files of checkpoints (the summaries' worker-K folders live beside them; the lock
+    # file stays: removing it would let two runs lock two different files)
+    here = (tmp_path / "runs/crash").iterdir()
+    left = sorted(p.name for p in here if p.is_file() and p.name != checkpoint.LOCK_FILE)
     assert not [n for n in left if n.startswith(".")], f"stale temporaries remain: {left}"
     committed = {f"ckpt-{s}" for s, _ in checkpoint.list_checkpoints(tmp_path / "runs/crash")}
     assert {n.split(".")[0] for n in left} == committed, f"orphan shards remain: {left}"

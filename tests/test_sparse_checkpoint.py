@@ -5,6 +5,8 @@ the run goes on exactly as one that never stopped; its shards are a small fracti
 dense checkpoint's bytes; `ckpt export` and `ckpt inspect` read it whole; a corrupted sparse
 part is one clear error."""
 
+import json
+import re
 import shutil
 
 import h5py
@@ -133,10 +135,14 @@ def test_the_shards_of_a_run_that_touched_few_rows_are_a_fraction_of_dense_ones(
 
 @pytest.mark.launcher
 def test_ckpt_export_and_inspect_read_sparse_parts_whole(runs, tmp_path):
-    """`ckpt export` writes full arrays (the model of the manifest's job, or of --job,
-    computes the untouched rows); `ckpt inspect` says which parts are sparse."""
+    """`ckpt export` writes full arrays (the model of the job given with --job computes the
+    untouched rows; never one the manifest names); `ckpt inspect` says which parts are
+    sparse."""
     d, _ = runs
-    r = run_py(["-m", "mpips", "ckpt", "export", "runs/resumed", "out.h5", "--slots"], d)
+    r = run_py(
+        ["-m", "mpips", "ckpt", "export", "runs/resumed", "out.h5", "--slots", "--job", "job.toml"],
+        d,
+    )
     assert r.returncode == 0, r.stderr
     want_vars, want_slots = Checkpoint(d / "runs/straight/ckpt-30.json").read_all(model_initial(d))
     with h5py.File(d / "out.h5", "r") as f:
@@ -144,12 +150,13 @@ def test_ckpt_export_and_inspect_read_sparse_parts_whole(runs, tmp_path):
             assert f[name][()].tobytes() == value.tobytes(), name
         for name, value in want_slots.items():
             assert f[checkpoint.h5_path(name, True)][()].tobytes() == value.tobytes(), name
-    r = run_py(["-m", "mpips", "ckpt", "inspect", "runs/resumed"], d)
+    r = run_py(["-m", "mpips", "ckpt", "inspect", "runs/resumed", "--job", "job.toml"], d)
     assert r.returncode == 0, r.stderr
     assert f"{EMBEDDING}" in r.stdout and "(sparse:" in r.stdout and "rows stored)" in r.stdout
-    # elsewhere the job the manifest names is not found: one message, or give it with --job
+    assert "note:" not in r.stdout and " ? " not in r.stdout, r.stdout
+    # without --job: the job the manifest names is not loaded; one message says what to pass
     r = run_py(["-m", "mpips", "ckpt", "export", str(d / "runs/resumed"), "o.h5"], tmp_path)
-    assert r.returncode == 2 and "give it (--job JOB)" in r.stderr, r.stderr
+    assert r.returncode == 2 and "pass the job file that trained it (--job JOB)" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     job = str(d / "job.toml")
     r = run_py(
@@ -158,6 +165,38 @@ def test_ckpt_export_and_inspect_read_sparse_parts_whole(runs, tmp_path):
     assert r.returncode == 0, r.stderr
     with h5py.File(tmp_path / "o.h5", "r") as f:
         assert f[EMBEDDING][()].tobytes() == want_vars[EMBEDDING].tobytes()
+
+
+@pytest.mark.launcher
+def test_eval_of_a_sparse_ctr_checkpoint_matches_what_training_reported(runs, tmp_path):
+    """`mpips eval` of the CTR job's sparse checkpoint (table rows gathered for the test
+    ids, untouched rows computed by the job's model) gives the test metrics the run itself
+    reported at its end."""
+    d, logs = runs
+    final = next(line for line in logs[30].splitlines() if "final: " in line)
+    reported = {k: float(v) for k, v in re.findall(r"test_(\w+) ([0-9.]+)", final)}
+    assert {"auc", "loss"} <= reported.keys(), logs[30][-2000:]
+    r = run_py(
+        [
+            "-m",
+            "mpips",
+            "eval",
+            "job.toml",
+            "--ckpt",
+            "runs/resumed",
+            "--result",
+            str(tmp_path / "e.json"),
+        ],
+        d,
+    )
+    assert r.returncode == 0, r.stderr
+    said = json.loads((tmp_path / "e.json").read_text())
+    assert said["global_step"] == 30
+    for name in ("auc", "loss"):
+        value = said[f"test_{name}"]
+        assert isinstance(value, float) and np.isfinite(value), said
+        assert value == pytest.approx(reported[name], abs=1.5e-4), (name, said, reported)
+    assert 0.0 < said["test_loss"] and 0.0 <= said["test_auc"] <= 1.0
 
 
 def corrupt(path, name, how):
@@ -334,7 +373,7 @@ def test_a_small_partition_is_written_whole_and_a_constant_needs_no_model(tmp_pa
     # the slot's untouched rows are one constant: no model needed to read it
     got = ckpt.read([], [VariableSpec(f"{EMBEDDING}/accumulator", slot.shape)])
     assert got[f"{EMBEDDING}/accumulator"].tobytes() == slot.tobytes()
-    with pytest.raises(CheckpointError, match="give it"):
+    with pytest.raises(checkpoint.NeedsModel, match=r"pass the job file that trained it"):
         write(tmp_path / "t", 1, big, opt, {0: ((0, 40_000, 1), table, slot)}).read_all()
 
 
