@@ -4,7 +4,9 @@ Each worker that writes (the chief, or every worker with ``summary.all_workers``
 folder ``<summary.dir>/worker-K/`` holding ``metrics.jsonl`` (one object per scalar:
 ``time``, ``task``, ``step``, ``name``, ``value``; easy to load with pandas) and TensorBoard
 event files (tensorboardX), so ``tensorboard --logdir <summary.dir>`` shows each worker as a
-run; a hook writes them. A PS task that applies updates itself (stateful optimizers,
+run; a hook writes them every ``summary.every_steps`` global steps. A thread per task writes
+the files: a disk that fails or hangs switches that task's summaries off with one warning,
+never training or its stop. A PS task that applies updates itself (stateful optimizers,
 sync_replicas) writes its apply rate to ``<summary.dir>/ps-K/`` the same way. A resumed run
 appends to the same files.
 """
