@@ -166,3 +166,15 @@ def test_a_full_summary_disk_lets_training_go_on_and_a_sigterm_checkpoint(tmp_pa
         assert _warnings(text, folder) == 1, text[-3000:]
         assert f"in {folder} (No space left on device (errno 28))" in text
     assert "Traceback" not in text and "mpips: error" not in text, text[-3000:]
+
+
+def test_a_timeline_that_cannot_be_written_is_a_warning(tmp_path, capsys):
+    """The timeline is a trace: a run's end does not fail on it."""
+    from mpips.timeline import Timeline
+
+    (tmp_path / "afile").write_text("not a directory")
+    timeline = Timeline(tmp_path / "afile", "worker", 0)
+    timeline.span("pull", timeline.now())
+    assert timeline.write() is None
+    said = capsys.readouterr().out
+    assert said.startswith(f"[{WORKER}] warning: cannot write the timeline {tmp_path}/afile/")
