@@ -4,16 +4,36 @@ Errors every rank knows about (bad job or layout, agreed collectively) are print
 rank 0 and every rank exits 2. Anything else on one rank prints there and aborts the world,
 the way ``python -m mpi4py`` does, so no other rank waits forever in a collective; a rank
 whose failure another rank reports (AlreadyReported) aborts quietly, a little later.
+
+A rank killed outright (kill -9, the out-of-memory killer, a crash) cannot speak, and MPICH's
+launcher then SIGKILLs every other rank at once (no SIGTERM first, so they cannot either)
+and names a PID of its own choosing, often not the dead one. So one watcher process per node
+(``start_watcher``; in a session of its own, which the launcher does not kill) names it: the
+node's ranks connect to it at start-up, say who they are, hand it copies of what the
+launcher watches (stdout, stderr and hydra's PMI connection), and say "bye" when they exit
+on purpose. Hydra notices a death when the dead rank's PMI connection closes; the watcher
+holds it open, so it sees the death first, names the rank on the dead rank's stderr, then
+lets go, and the launcher ends the job. It names nobody when the other ranks of the node
+are already being ended too (the launcher's teardown after a failure elsewhere, a second
+Ctrl-C), nor after a rank said it aborts (that rank speaks for itself).
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 
 from .errors import AgreedError, AlreadyReported, MpipsError
 
@@ -76,6 +96,7 @@ def _abort(code: int) -> None:
         # MPI_Abort tears the launcher's stdio forwarding down at once; without a moment's
         # grace the message just written (the one that names this rank) was sometimes lost
         time.sleep(ABORT_GRACE_SECONDS)
+        leaving(ABORT)  # this rank speaks for itself: the node's watcher stays quiet
         try:
             _unlink_runtime_shm()
         finally:
@@ -100,3 +121,190 @@ def _unlink_runtime_shm() -> None:
                     os.unlink(path)
     except Exception:  # noqa: BLE001 (whatever /proc says, the job must still abort)
         pass
+
+
+# -- the node's watcher: names a rank that died without a word ----------------------------
+
+BYE, ABORT = b"bye\n", b"abort\n"  # what a rank says to its watcher when it ends on purpose
+_watch: socket.socket | None = None  # this rank's connection to its node's watcher
+
+
+def _address(pid: int, token: int) -> str:
+    """The watcher's socket: in the abstract namespace (no file to leave behind)."""
+    return f"\0mpips-watch-{pid}-{token:x}"
+
+
+def start_watcher() -> tuple[int, int]:
+    """The node's first rank: listen, and start the watcher (in its own session, so the
+    launcher's SIGKILL of the ranks does not reach it) on that socket. Returns the
+    address to hand to the node's ranks, as (pid, token); (0, 0) if it could not start
+    (the job runs unwatched)."""
+    if _watch is not None:  # a second Cluster in this process: its ranks are watched already
+        return 0, 0
+    token = secrets.randbits(62)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(_address(os.getpid(), token))
+            listener.listen(socket.SOMAXCONN)  # every rank of a big node at once
+            package = str(Path(__file__).resolve().parent)
+            code = (  # mpips.failure alone: the package (numpy, the models) is not needed
+                "import sys, types; p = types.ModuleType('mpips'); p.__path__ = [sys.argv[1]]; "
+                "sys.modules['mpips'] = p; from mpips.failure import watch; watch(int(sys.argv[2]))"
+            )
+            subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", code, package, str(listener.fileno())],
+                pass_fds=(listener.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                env={},
+            )
+    except OSError:
+        return 0, 0
+    return os.getpid(), token
+
+
+def join_watcher(pid: int, token: int, rank: int, task: str) -> None:
+    """Every rank of the node: tell the watcher who this rank is, hand it copies of this
+    process's stdout and stderr, and say "bye" to it at a deliberate exit. Best effort: a
+    rank that cannot reach it runs unwatched."""
+    global _watch
+    if not pid or _watch is not None:
+        return
+    hello = {"rank": rank, "task": task, "pid": os.getpid(), "host": socket.gethostname()}
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(10)
+        sock.connect(_address(pid, token))
+        socket.send_fds(sock, [json.dumps(hello).encode() + b"\n"], _launcher_fds())
+    except OSError:
+        sock.close()
+        return
+    _watch = sock
+    atexit.register(leaving, BYE)
+
+
+def _launcher_fds() -> list[int]:
+    """What the launcher watches to see this process end: stdout, stderr, and MPICH hydra's
+    PMI connection (``PMI_FD``: its closing, not the pipes', starts hydra's teardown)."""
+    fds = [1, 2]
+    with suppress(ValueError, OSError):
+        pmi = int(os.environ.get("PMI_FD", ""))
+        os.fstat(pmi)
+        fds.append(pmi)
+    return fds
+
+
+def leaving(word: bytes) -> None:
+    """Tell the watcher this rank ends on purpose (BYE), or aborts and speaks for itself
+    (ABORT). Never raises: it runs on the way out."""
+    global _watch
+    sock, _watch = _watch, None
+    if sock is not None:
+        with suppress(OSError):
+            sock.sendall(word)
+            sock.close()
+
+
+class _Peer:
+    """One rank as its watcher knows it."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn, self.buffer = conn, b""
+        self.fds: list[int] = []
+        self.who: dict = {}
+        self.said = b""
+
+    def name(self) -> str:
+        w = self.who
+        return f"rank {w['rank']} ({w['task']}, pid {w['pid']} on {w['host']})" if w else "a rank"
+
+    def release(self) -> None:
+        """Close this rank's output pipes (the launcher then sees it gone) and its socket."""
+        for fd in self.fds:
+            with suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        self.conn.close()
+
+
+_HARMLESS = sum(
+    1 << (s - 1) for s in (signal.SIGCHLD, signal.SIGWINCH, signal.SIGURG, signal.SIGCONT)
+)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` lives and nothing is ending it (not exiting, no signal
+    pending that could end it): what tells one rank's death from the launcher's SIGKILL of
+    them all, which marks every rank of the node before the first of them is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if fields.get("State", "").strip()[:1] in ("Z", "X"):
+        return False
+    if any(int(fields.get(k, "0").strip() or "0", 16) & ~_HARMLESS for k in ("SigPnd", "ShdPnd")):
+        return False  # a signal on its way: SIGKILL from the launcher, a second Ctrl-C...
+    flags = int(stat.rsplit(")", 1)[1].split()[6])  # field 9 of /proc/PID/stat
+    return not flags & 0x4  # PF_EXITING
+
+
+def watch(listener_fd: int) -> None:
+    """The watcher's loop (a process of its own, stdlib only): until every rank that
+    connected is gone. Blocks in select: it uses no CPU while the job runs."""
+    listener = socket.socket(fileno=listener_fd)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    peers: list[_Peer] = []
+    quiet = False  # a rank aborted (it speaks for itself), or a death was judged
+    deadline = time.monotonic() + 600  # nobody connects at all: go
+    accepted = False
+    while peers or (not accepted and time.monotonic() < deadline):
+        gone = []
+        for key, _ in sel.select(5.0):
+            if key.fileobj is listener:
+                with suppress(OSError):
+                    conn, _ = listener.accept()
+                    peer = _Peer(conn)
+                    peers.append(peer)
+                    sel.register(conn, selectors.EVENT_READ, peer)
+                    accepted = True
+                continue
+            peer = key.data
+            try:
+                data, fds, _, _ = socket.recv_fds(peer.conn, 4096, 4)
+            except OSError:
+                data, fds = b"", []
+            peer.fds += fds
+            peer.buffer += data
+            while b"\n" in peer.buffer:
+                line, peer.buffer = peer.buffer.split(b"\n", 1)
+                if not peer.who:
+                    with suppress(ValueError):
+                        peer.who = json.loads(line)
+                else:
+                    peer.said = line + b"\n"
+                    quiet = quiet or peer.said == ABORT
+            if not data:
+                sel.unregister(peer.conn)
+                peers.remove(peer)
+                gone.append(peer)
+        dead = [p for p in gone if not p.said]  # their launcher connections are still held
+        if dead and not quiet:
+            quiet = True  # one verdict: what follows is the launcher ending the job
+            if any(_running(p.who.get("pid", 0)) for p in peers if not p.said):
+                for p in dead:  # another rank here is alive and untouched: it died alone
+                    message = (
+                        f"mpips: {p.name()} died without a word: killed (kill -9, the "
+                        f"out-of-memory killer) or crashed. The launcher now ends the job; "
+                        f"the PID its message names may be another rank's, one it stopped\n"
+                    )
+                    with suppress(OSError, IndexError):
+                        os.write(p.fds[1], message.encode())  # its stderr
+        for p in gone:
+            p.release()  # the launcher sees it gone now
+    for p in peers:
+        p.release()

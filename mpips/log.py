@@ -1,11 +1,39 @@
-"""Log lines that name the task: ``[/job:worker/task:3] step 120 ...``."""
+"""Log lines that name the task: ``[/job:worker/task:3] step 120 ...``.
+
+Two levels, so that a first run prints a handful of lines: ``log`` for what every run says
+(start, progress, warnings, the result), ``detail`` for what one looks at when something is
+off (each rank's pid, each worker's rows and "done" line, per-worker statistics that the
+result file holds anyway). Details are printed when ``MPIPS_VERBOSE`` is set (to anything
+but 0, false, no or off) or after ``set_verbose(True)`` (``-v/--verbose``).
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+
+OFF = ("", "0", "false", "no", "off")
+_verbose = os.environ.get("MPIPS_VERBOSE", "").strip().lower() not in OFF
+
+
+def set_verbose(on: bool) -> None:
+    """Print ``detail`` lines too (``-v/--verbose``); MPIPS_VERBOSE sets the default."""
+    global _verbose
+    _verbose = on
+
+
+def verbose() -> bool:
+    """Whether ``detail`` lines are printed."""
+    return _verbose
 
 
 def log(role: object, message: str) -> None:
     """Print one whole line in a single write, so mpirun never splices two ranks' lines."""
     sys.stdout.write(f"[{role}] {message}\n")
     sys.stdout.flush()
+
+
+def detail(role: object, message: str) -> None:
+    """A line only a verbose run prints (see the module's docstring)."""
+    if _verbose:
+        log(role, message)

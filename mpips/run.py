@@ -23,7 +23,7 @@ from .hooks import (
 )
 from .job import Job
 from .layout import Role
-from .log import log
+from .log import detail, log
 from .store import Cluster, allgather_json
 from .summaries import Summaries, summary_root
 from .timeline import Timeline
@@ -135,8 +135,9 @@ class Session:
         self.updates, self.examples, self.seconds = run_steps(steps, self.run, self.hooks)
 
     def done(self, note: str = "") -> None:
-        """This worker's last line about its loop, ``note`` (the mode's) at its end."""
-        log(
+        """This worker's last line about its loop, ``note`` (the mode's) at its end: a
+        detail (verbose runs), as the result file holds its updates and examples."""
+        detail(
             self.run.role,
             f"done: {self.updates} updates, {self.examples} examples in {self.seconds:.1f} s{note}",
         )

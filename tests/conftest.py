@@ -129,6 +129,9 @@ def pytest_runtest_logreport(report):
         )
         sys.stderr.flush()
         time.sleep(0.5)  # MPI_Abort tears the launcher's stdio down: let the words out first
+        from mpips.failure import ABORT, leaving
+
+        leaving(ABORT)  # this rank speaks for itself: the node's watcher names nobody
         MPI.COMM_WORLD.Abort(1)
 
 
@@ -165,7 +168,8 @@ def mpiexec_path() -> str:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The environment minus any launcher variables (so a child mpiexec starts fresh)."""
+    """The environment minus any launcher variables (so a child mpiexec starts fresh),
+    verbose (MPIPS_VERBOSE=1) unless ``extra`` says otherwise."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -174,6 +178,7 @@ def clean_env(**extra: str) -> dict[str, str]:
         )
     }
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("MPIPS_VERBOSE", "1")  # tests read the detail lines (each rank's pid...)
     env.update(extra)
     return env
 
@@ -301,7 +306,12 @@ class BackgroundJob:
         pytest.fail(f"no {pattern!r} within {timeout} s:\n{self.text()[-3000:]}")
 
     def pid_of(self, task: str) -> int:
-        return int(self.wait_for(rf"\[{re.escape(task)}\] rank \d+, pid (\d+) on ").group(1))
+        return self.rank_and_pid(task)[1]
+
+    def rank_and_pid(self, task: str) -> tuple[int, int]:
+        """A task's rank and pid, from its start-up line (a detail: the job runs verbose)."""
+        m = self.wait_for(rf"\[{re.escape(task)}\] rank (\d+), pid (\d+) on ")
+        return int(m.group(1)), int(m.group(2))
 
     def end(self, timeout: float = 60) -> int:
         """The launcher's exit code, once it ends (within ``timeout`` s)."""

@@ -229,14 +229,25 @@ def signal_and_wait(job, task, sig, within=PROMPT):
     return rc
 
 
-@pytest.mark.parametrize("victim", ["/job:worker/task:1", "/job:ps/task:0"])
-def test_kill_9_of_a_worker_or_ps_ends_the_job(tmp_path, victim):
+DIED = re.compile(r"mpips: rank (\d+) \(([^,]+), pid (\d+) on \S+\) died without a word")
+
+
+@pytest.mark.parametrize(
+    "victim,args",
+    [("/job:worker/task:1", ()), ("/job:ps/task:0", ()), ("/job:ps/task:1", ("--ps", "2"))],
+)
+def test_kill_9_of_a_worker_or_ps_ends_the_job_naming_it(tmp_path, victim, args):
+    """MPICH's launcher SIGKILLs the other ranks and names a PID of its choosing (often rank
+    0's or 1's); the node's watcher names the rank that died, its task and pid, once."""
     import signal
 
-    job = under_way(tmp_path, 4, "--steps", str(10**9))
+    job = under_way(tmp_path, 4, "--steps", str(10**9), *args)
+    rank, pid = job.rank_and_pid(victim)
     rc = signal_and_wait(job, victim, signal.SIGKILL)
     assert rc != 0
-    assert "signal 9" in job.text()  # said by the launcher; the start lines map pids to tasks
+    text = job.text()
+    assert "signal 9" in text  # said by the launcher
+    assert DIED.findall(text) == [(str(rank), victim, str(pid))], text[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -334,3 +345,17 @@ def test_a_worker_hung_mid_run_ends_the_job(tmp_path, task, kind, bound, mode, s
     assert r.returncode == 1, r.stderr
     assert r.stderr.count(said) == 1, r.stderr
     assert time.monotonic() - t0 < PROMPT
+
+
+def test_each_workers_done_line_is_a_detail_for_verbose_runs(tmp_path):
+    """A first run prints a handful of lines; each worker's "done" line (its updates and
+    examples: the result file holds them) only with MPIPS_VERBOSE=1 (tests run verbose)."""
+    args = ["-m", "mpips", "train", "--no-progress", "--steps", "30"]
+    quiet = run_mpi(4, [*args, "--ckpt-dir", "runs/a"], tmp_path, MPIPS_VERBOSE="0")
+    loud = run_mpi(4, [*args, "--ckpt-dir", "runs/b"], tmp_path, MPIPS_VERBOSE="1")
+    assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr + loud.stderr
+    assert "final: global_step 30" in quiet.stdout and "] done: " not in quiet.stdout
+    done = re.findall(r"^\[/job:worker/task:(\d)\] done: \d+ updates", loud.stdout, re.M)
+    assert sorted(done) == ["0", "1", "2"], loud.stdout
+    for r in (quiet, loud):  # every rank said bye to its node's watcher: nobody "died"
+        assert "died without a word" not in r.stderr, r.stderr

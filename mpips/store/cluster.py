@@ -17,6 +17,7 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 from mpi4py import MPI
 
+from .. import failure
 from ..errors import AgreedError, MpipsError, PlacementMismatch, StartTimeout
 from ..layout import Layout, Role
 from ..placement import Placement
@@ -204,13 +205,17 @@ class Cluster:
         self.workers = comm.Split(0 if self.is_ps else 1, self.role.task)
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.rank, node.size
-        ranks = np.zeros(node.size, np.int64)
+        # the node's watcher names a rank killed outright (see failure.py); with one rank on
+        # the node there is nobody left to tell a death from the launcher's teardown
+        watcher = failure.start_watcher() if node.rank == 0 and node.size > 1 else (0, 0)
+        ranks = np.zeros((node.size, 3), np.int64)
         wait(
-            node.Iallgather(np.array([self.rank], np.int64), ranks),
+            node.Iallgather(np.array([self.rank, *watcher], np.int64), ranks),
             "the node's ranks",
             START_TIMEOUT,
         )
-        self.node_ranks: tuple[int, ...] = tuple(int(r) for r in ranks)  # world ranks here
+        self.node_ranks: tuple[int, ...] = tuple(int(r) for r in ranks[:, 0])  # world ranks here
+        failure.join_watcher(int(ranks[0, 1]), int(ranks[0, 2]), self.rank, str(self.role))
         node.Free()
 
     @property
