@@ -59,16 +59,18 @@ class Prepared:
 
 def _take_checkpoint_dir(job: Job, cluster: Cluster) -> None:
     """The checkpoint directory taken for this run, before anything reads or writes there:
-    the chief locks it (checkpoint.lock_directory: a second run on the same directory
-    stops here, naming the first) and every rank learns the run's id, or the chief's
-    refusal, in one exchange (the first step of start-up: nothing before it can fail, so
-    every rank reaches it). The ranks that write shards tag them with that id."""
+    the chief checks a fresh start would not mix with an earlier run, then locks it
+    (checkpoint.lock_directory: a second run on the same directory stops here, naming the
+    first), and every rank learns the run's id, or the chief's refusal, in one exchange
+    (the first step of start-up: nothing before it can fail, so every rank reaches it).
+    The ranks that write shards tag them with that id."""
     c = job.checkpoint
     if not c.dir:
         return
     said: dict[str, str] = {}
     if cluster.is_chief:
         try:
+            _refuse_mixed_start(job)
             lock = checkpoint.lock_directory(c.dir, job.source)
             said = {"run": lock.run}
             if lock.unlocked:
@@ -89,14 +91,12 @@ def _take_checkpoint_dir(job: Job, cluster: Cluster) -> None:
         checkpoint.join_run(c.dir, said["run"])
 
 
-def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
-    """Found at start-up, not after training: a directory the writers cannot write, and a
-    fresh start (``--no-restore``) into a directory that holds another run's checkpoints
-    (the two runs would mix: pruning by step would keep the old run's later checkpoints, and
-    the next plain rerun would restore the old run)."""
+def _refuse_mixed_start(job: Job) -> None:
+    """A fresh start (``--no-restore``) into a directory that holds another run's
+    checkpoints is refused, changing nothing there (the two runs would mix: pruning by step
+    would keep the old run's later checkpoints, and the next plain rerun would restore the
+    old run)."""
     c = job.checkpoint
-    if not c.dir:
-        return
     if not c.restore:
         found = checkpoint.list_checkpoints(c.dir)
         if found:
@@ -106,6 +106,13 @@ def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
                 f"the two runs. Resume it (drop --no-restore), delete {c.dir}, or start afresh "
                 f"in a new directory with --ckpt-dir DIR"
             )
+
+
+def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
+    """Found at start-up, not after training: a directory the writers cannot write."""
+    c = job.checkpoint
+    if not c.dir:
+        return
     writes = cluster.is_chief or (cluster.is_ps and job.train.mode != "sync")
     if writes:
         checkpoint.check_writable(c.dir)
