@@ -20,7 +20,7 @@ from .data import epoch_batches, full_batches
 from .errors import AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, store_placement
-from .log import log
+from .log import detail, log
 from .model import first_loss_and_grads, said_once
 from .optim import Optimizer, clip_by_global_norm, learning_rate
 from .placement import imbalance, slot_placement
@@ -389,7 +389,7 @@ class AsyncWorker:
             control.wait_ready(start_limit(role.task))
         self.clock = int(control.clocks()[0][role.task])
         start, stop = prep.rows
-        log(
+        detail(
             role,
             f"train rows [{start}, {stop}) of {prep.info.rows['train']}, "
             f"batch {tc.batch_size}, pulls {self.client.nbytes / 1e6:.2f} MB per step "
@@ -436,7 +436,7 @@ class AsyncWorker:
             log(role, "gradients dropped as late, per worker task: " + " ".join(map(str, dropped)))
         for task, s in enumerate(result.staleness):
             if s["updates"] and self.job.train.mode == "async":
-                log(role, f"staleness of /job:worker/task:{task}: {Staleness.describe(s)}")
+                detail(role, f"staleness of /job:worker/task:{task}: {Staleness.describe(s)}")
         assert self.prep.test is not None
         x_test, ids = self.model.prepare(self.prep.test[0])
         report(

@@ -271,8 +271,9 @@ def check_finite(arrays: dict[str, np.ndarray], step: int) -> None:
         ):
             raise NonFinite(
                 f"'{name}' holds NaN or infinite values at global_step {step}: not "
-                f"checkpointed, training stopped (the learning rate too high? "
-                f"lower optimizer.learning_rate or set optimizer.clip_norm)"
+                f"checkpointed, training stopped (the inputs were checked finite when read: "
+                f"the learning rate too high? lower optimizer.learning_rate or set "
+                f"optimizer.clip_norm)"
             )
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .errors import CheckpointError, DataError, MpipsError
 from .job import Job, load_job
+from .log import set_verbose
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from fresh variables even if the checkpoint dir has a checkpoint",
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar on the chief")
+    t.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print each rank's pid, each worker's rows, staleness and 'done' lines "
+        "(as MPIPS_VERBOSE=1 does)",
+    )
     t.add_argument("--log-every", type=int, help="override train.log_every")
     t.add_argument(
         "--result",
@@ -566,6 +574,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):
+        set_verbose(True)
     try:
         return args.func(args)
     except MpipsError as e:

@@ -13,6 +13,7 @@ import numpy as np
 from . import checkpoint
 from .data import DatasetInfo, load_split, open_data
 from .errors import CheckpointError, ConfigError, DataError
+from .files import check_regular
 from .hdf5 import open_plain
 from .initial import from_model
 from .job import Job
@@ -82,8 +83,7 @@ def load_inputs(path: str) -> np.ndarray:
     p = Path(path)
     if p.suffix not in INPUT_SUFFIXES:
         raise DataError(f"--input {path}: give a {', '.join(INPUT_SUFFIXES)} file")
-    if not p.is_file():
-        raise DataError(f"--input {path}: not found")
+    check_regular(p, DataError, f"--input {path}")
     try:
         if p.suffix == ".npy":
             x = np.load(p, mmap_mode="r", allow_pickle=False)

@@ -118,7 +118,7 @@ class CheckpointConfig:
 @dataclass
 class SummaryConfig:
     dir: str = ""  # metrics.jsonl and TensorBoard files (default: checkpoint.dir)
-    every_steps: int = 20  # a record every N updates of a worker (0: summaries off)
+    every_steps: int = 20  # a record every N global steps (0: summaries off)
     all_workers: bool = False  # every worker writes its own (default: the chief only)
     tensorboard: bool = True  # TensorBoard event files beside metrics.jsonl
     timeline: bool = False  # a trace of every task's phases (timeline/*.json)

@@ -261,8 +261,9 @@ def loss_not_finite(task: int, loss: float | str, step: int, mode: str) -> str:
     clip = ", or set optimizer.clip_norm" if mode in ("async", "sync") else ""
     return (
         f"the loss of /job:worker/task:{task} is {loss} at global_step {step}: training "
-        f"stopped, and no checkpoint holds non-finite values (learning rate too high? "
-        f"lower optimizer.learning_rate{clip})"
+        f"stopped, and no checkpoint holds non-finite values (the inputs were checked finite "
+        f"when read: the learning rate too high? lower optimizer.learning_rate{clip}; a "
+        f"model of your own can also make it, e.g. log(0))"
     )
 
 

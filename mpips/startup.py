@@ -27,7 +27,7 @@ from .data import (
 from .errors import CheckpointError, ConfigError, DataError
 from .initial import CHUNK_ELEMENTS, InitialValues, from_model, row_chunks, rows_of
 from .job import Job, store_placement
-from .log import log
+from .log import detail, log
 from .memory import check_fits, human
 from .nn import build_model
 from .optim import Optimizer
@@ -258,7 +258,7 @@ def prepare(
         )
     prep.train = train_part(info, prep.rows, job.data.chunk_rows, job.data.prefetch)
     if isinstance(prep.train, StreamedPart):
-        log(
+        detail(
             cluster.role,
             f"train rows [{prep.rows[0]}, {prep.rows[1]}) streamed in chunks of "
             f"{job.data.chunk_rows} rows, {job.data.prefetch} read ahead",

@@ -191,7 +191,7 @@ class MetricsWriter:
             if torn:  # a killed run's half line stays a line of its own (plot skips it)
                 jsonl.write("\n")
             if self.tensorboard:  # imported only when summaries are on
-                from tensorboardX.event_file_writer import EventsWriter  # type: ignore[import-untyped]
+                from tensorboardX.event_file_writer import EventsWriter
 
                 events = EventsWriter(str(self.folder / "events"))
             flush_at = time.monotonic() + FLUSH_SECONDS
@@ -230,8 +230,8 @@ class MetricsWriter:
         )
         jsonl.flush()  # whole lines: `mpips plot` may read them while the run goes on
         if events is not None:
-            from tensorboardX.proto.event_pb2 import Event  # type: ignore[import-untyped]
-            from tensorboardX.summary import scalar  # type: ignore[import-untyped]
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.summary import scalar
 
             for k, v in values.items():
                 events.write_event(Event(summary=scalar(k, v), wall_time=now, step=step))

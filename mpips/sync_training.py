@@ -37,7 +37,7 @@ from .data import full_batches
 from .errors import AgreedError, AlreadyReported, NonFinite
 from .hooks import Hook, PendingSave, Run, StepInfo
 from .job import Job, job_placement
-from .log import log
+from .log import detail, log
 from .model import first_loss_and_grads, said_once
 from .optim import Optimizer, learning_rate
 from .run import (
@@ -283,7 +283,7 @@ class Replica:
         if self.cluster.is_chief and self.tc.steps and self.step_count >= self.tc.steps:
             say_nothing_to_train(role, self.step_count, self.tc.steps)
         start, stop = prep.rows
-        log(
+        detail(
             role,
             f"sync replica: train rows [{start}, {stop}), {self.per_epoch} batches of "
             f"{self.tc.batch_size} an epoch, {len(self.buckets.buckets)} bucket(s) "

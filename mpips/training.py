@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import preemption
+from . import checkpoint, preemption
 from .async_training import train_async
 from .backend import Device, pin_blas_threads
 from .data import open_data
@@ -22,7 +22,7 @@ from .failure import set_role
 from .hooks import Hook
 from .hybrid_training import train_hybrid
 from .job import Job, job_layout
-from .log import log
+from .log import detail, log
 from .model import Model, factory_name
 from .nn import build_model
 from .optim import build_optimizer
@@ -65,8 +65,8 @@ def train(
     layout = agreed(comm, lambda: job_layout(job, comm.size, nodes))
     cluster = Cluster(comm, layout)
     set_role(cluster.role)
-    # if a process is killed, the launcher speaks only of pids: this line maps pids to tasks
-    log(cluster.role, f"rank {cluster.rank}, pid {os.getpid()} on {socket.gethostname()}")
+    # which process plays which task (a rank killed outright is named by failure.py's watcher)
+    detail(cluster.role, f"rank {cluster.rank}, pid {os.getpid()} on {socket.gethostname()}")
     if say_single:
         log(
             cluster.role,
@@ -77,6 +77,8 @@ def train(
     # job at the first loss that is not finite (naming the worker and the global step)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         result = _train(job, cluster, list(hooks), model, data)
+    if job.checkpoint.dir:  # the run is over: another (in this process or not) may take it
+        checkpoint.release_directory(job.checkpoint.dir)
     cluster.free()  # collective: only on success (an error aborts the world instead)
     return result
 

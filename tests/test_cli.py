@@ -1,7 +1,7 @@
 """The command line as a user meets it (plain processes, no MPI launch)."""
 
 import h5py
-from conftest import ROOT, run_py
+from conftest import ROOT, run_mpi, run_py
 
 
 def test_help_lists_commands():
@@ -157,3 +157,29 @@ def test_version_comes_from_the_package():
         [sys.executable, "-m", "mpips", "--version"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0 and r.stdout.strip() == f"mpips {mpips.__version__}"
+
+
+def test_a_first_run_is_quiet_and_verbose_adds_the_details(tmp_path):
+    """Without MPIPS_VERBOSE or -v, a run prints no per-rank detail (pids, rows,
+    staleness); -v prints them, as MPIPS_VERBOSE=1 does."""
+    quiet = run_mpi(
+        3,
+        ["-m", "mpips", "train", "--steps", "30", "--no-progress"],
+        tmp_path,
+        90,
+        MPIPS_VERBOSE="0",
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    assert "final:" in quiet.stdout
+    for word in ("pid ", "train rows", "staleness of"):
+        assert word not in quiet.stdout, quiet.stdout
+    loud = run_mpi(
+        3,
+        ["-m", "mpips", "train", "--steps", "60", "--no-progress", "-v"],
+        tmp_path,
+        90,
+        MPIPS_VERBOSE="0",
+    )
+    assert loud.returncode == 0, loud.stderr
+    for word in ("rank 0, pid ", "rank 2, pid ", "train rows", "staleness of"):
+        assert word in loud.stdout, loud.stdout
