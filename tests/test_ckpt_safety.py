@@ -361,3 +361,27 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_is_intact(t
     r = run_py(["-m", "mpips", "eval"], tmp_path)
     assert r.returncode == 0 and f"global_step {ckpt.step}" in r.stdout, r.stderr
     assert not any(p.name.startswith(".ckpt-") for p in (tmp_path / "runs/default").iterdir())
+
+
+RELEASE = """
+import fcntl, os, sys
+import mpips
+job = mpips.load_job(None)
+job.train.progress, job.train.steps, job.checkpoint.dir = False, 20, "ck"
+mpips.train(job)
+fd = os.open("ck/.mpips-lock", os.O_RDWR)  # another open file: flock conflicts if held
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("free")
+except BlockingIOError:
+    print("held")
+"""
+
+
+def test_a_run_through_the_python_api_releases_its_directory_when_it_returns(tmp_path):
+    """A notebook (a long-lived process) that called mpips.train() must not keep the
+    checkpoint directory from other runs once its run is over."""
+    (tmp_path / "run.py").write_text(RELEASE)
+    r = run_py(["run.py"], tmp_path, timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[-1] == "free", r.stdout[-2000:]
