@@ -184,7 +184,9 @@ def lock_directory(directory: str | Path, job: str) -> DirectoryLock:
                 raise CheckpointError(
                     f"checkpoint.dir {d} is in use by another run: {holder}. Two runs "
                     f"writing into one directory would mix and lose their checkpoints: wait "
-                    f"for it to end, or give this run another directory with --ckpt-dir DIR"
+                    f"for it to end, or give this run another directory with --ckpt-dir DIR "
+                    f"(if that run is gone with its node, a network file system may keep its "
+                    f"lock until the server notices, ~90 s for NFSv4: retry then)"
                 ) from None
             except OSError as e:
                 os.close(fd)
@@ -581,8 +583,16 @@ def commit(
         "slots": encode(slots),
     }
 
+    text = json.dumps(manifest, indent=1)
+    if len(text) > TEXT_LIMIT:  # a reader would refuse it: never commit what cannot load
+        raise CheckpointError(
+            f"checkpoint {d}: the manifest of global_step {step} would be {len(text)} bytes, "
+            f"more than the {TEXT_LIMIT} a reader accepts (too many variables or parts); "
+            f"not committed"
+        )
+
     def write(tmp: Path) -> None:
-        tmp.write_text(json.dumps(manifest, indent=1))
+        tmp.write_text(text)
 
     path = atomic_write(
         d / manifest_name(step),

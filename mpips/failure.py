@@ -23,10 +23,12 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import resource
 import secrets
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -158,11 +160,17 @@ def start_watcher() -> tuple[int, int]:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
-                env={},
+                # what the interpreter itself may need to start (a module-built Python's
+                # libpython); nothing of the job's own environment
+                env={k: os.environ[k] for k in _INTERPRETER_ENV if k in os.environ},
             )
     except OSError:
         return 0, 0
     return os.getpid(), token
+
+
+_INTERPRETER_ENV = ("LD_LIBRARY_PATH", "PYTHONHOME", "PATH")
+MAX_HELLO = 1 << 16  # what a rank says to its watcher is a line of JSON: more is not a rank
 
 
 def join_watcher(pid: int, token: int, rank: int, task: str) -> None:
@@ -252,9 +260,22 @@ def _running(pid: int) -> bool:
     return not flags & 0x4  # PF_EXITING
 
 
+def _peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a unix socket (-1 if unknown)."""
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", creds)[1])
+    except OSError:
+        return -1
+
+
 def watch(listener_fd: int) -> None:
     """The watcher's loop (a process of its own, stdlib only): until every rank that
-    connected is gone. Blocks in select: it uses no CPU while the job runs."""
+    connected is gone. Blocks in select: it uses no CPU while the job runs. It holds four
+    descriptors a rank: it raises its own limit as far as it may."""
+    with suppress(ValueError, OSError):
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     listener = socket.socket(fileno=listener_fd)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
@@ -266,12 +287,18 @@ def watch(listener_fd: int) -> None:
         gone = []
         for key, _ in sel.select(5.0):
             if key.fileobj is listener:
-                with suppress(OSError):
+                try:
                     conn, _ = listener.accept()
-                    peer = _Peer(conn)
-                    peers.append(peer)
-                    sel.register(conn, selectors.EVENT_READ, peer)
-                    accepted = True
+                except OSError:  # out of descriptors: watch who came, take no more
+                    sel.unregister(listener)
+                    continue
+                if _peer_uid(conn) != os.getuid():  # only this user's processes are ranks
+                    conn.close()
+                    continue
+                peer = _Peer(conn)
+                peers.append(peer)
+                sel.register(conn, selectors.EVENT_READ, peer)
+                accepted = True
                 continue
             peer = key.data
             try:
@@ -280,6 +307,8 @@ def watch(listener_fd: int) -> None:
                 data, fds = b"", []
             peer.fds += fds
             peer.buffer += data
+            if len(peer.buffer) > MAX_HELLO:  # not a rank speaking: drop it, quietly
+                peer.buffer, peer.said, data = b"", BYE, b""
             while b"\n" in peer.buffer:
                 line, peer.buffer = peer.buffer.split(b"\n", 1)
                 if not peer.who:

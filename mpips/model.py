@@ -227,7 +227,7 @@ def first_loss_and_grads(
         return loss, ""
     for n in names:
         g = grads[n]
-        left = int((g != g).sum()) if g.size else 0  # NaN: not written
+        left = _nan_count(g)  # NaN: not written
         if left:
             extra = [str(k) for k in given if k not in grads]
             return loss, (
@@ -242,6 +242,16 @@ def first_loss_and_grads(
                 + (f" (it set grads[{extra[0]!r}]: no variable has that name)" if extra else "")
             )
     return loss, ""
+
+
+NAN_CHUNK = 1 << 22  # elements compared at a time: no temporary the size of a big buffer
+
+
+def _nan_count(g: Any) -> int:
+    """How many elements of a (numpy or cupy) buffer are NaN, a chunk at a time."""
+    flat = g.reshape(-1)
+    chunks = (flat[i : i + NAN_CHUNK] for i in range(0, flat.size, NAN_CHUNK))
+    return sum(int((c != c).sum()) for c in chunks)
 
 
 def said_once(problem: str, speaker: bool) -> MpipsError:

@@ -75,10 +75,12 @@ def train(
         )
     # numpy's overflow warnings, one storm per rank, give way to the check that stops the
     # job at the first loss that is not finite (naming the worker and the global step)
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        result = _train(job, cluster, list(hooks), model, data)
-    if job.checkpoint.dir:  # the run is over: another (in this process or not) may take it
-        checkpoint.release_directory(job.checkpoint.dir)
+    try:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            result = _train(job, cluster, list(hooks), model, data)
+    finally:  # the run is over, whether or not it raised: another run may take the directory
+        if job.checkpoint.dir:
+            checkpoint.release_directory(job.checkpoint.dir)
     cluster.free()  # collective: only on success (an error aborts the world instead)
     return result
 

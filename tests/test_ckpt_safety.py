@@ -52,6 +52,16 @@ def test_a_shard_of_another_run_is_refused_at_commit_and_at_read(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_a_manifest_no_reader_would_accept_is_never_committed(tmp_path, monkeypatch):
+    """Readers refuse manifests over files.TEXT_LIMIT; a commit that would write one is
+    refused instead, and the checkpoint before it stays the latest."""
+    save(tmp_path, 1)
+    monkeypatch.setattr(checkpoint, "TEXT_LIMIT", 200)
+    with pytest.raises(CheckpointError, match="more than the 200 a reader accepts"):
+        save(tmp_path, 2, {f"v{k}": W["w"] for k in range(10)})
+    assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "ckpt-1.json"
+
+
 def test_the_run_a_process_writes_for_tags_its_shards_and_manifests(tmp_path):
     """After lock_directory (the chief) or join_run (a PS task), writes carry the run id
     without being told; a directory held by another process is refused, naming it."""
@@ -366,9 +376,15 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_is_intact(t
 RELEASE = """
 import fcntl, os, sys
 import mpips
+class Boom(mpips.Hook):
+    def after_step(self, run, info):
+        raise RuntimeError("boom")
 job = mpips.load_job(None)
 job.train.progress, job.train.steps, job.checkpoint.dir = False, 20, "ck"
-mpips.train(job)
+try:
+    mpips.train(job, hooks=[Boom()] if sys.argv[1:] == ["raise"] else [])
+except RuntimeError as e:
+    print("raised", e)
 fd = os.open("ck/.mpips-lock", os.O_RDWR)  # another open file: flock conflicts if held
 try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -378,10 +394,13 @@ except BlockingIOError:
 """
 
 
-def test_a_run_through_the_python_api_releases_its_directory_when_it_returns(tmp_path):
+@pytest.mark.parametrize("end", ["return", "raise"])
+def test_a_run_through_the_python_api_releases_its_directory_when_it_ends(tmp_path, end):
     """A notebook (a long-lived process) that called mpips.train() must not keep the
-    checkpoint directory from other runs once its run is over."""
+    checkpoint directory from other runs once its run is over, whether it returned or
+    raised."""
     (tmp_path / "run.py").write_text(RELEASE)
-    r = run_py(["run.py"], tmp_path, timeout=90)
+    r = run_py(["run.py", end], tmp_path, timeout=90)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert ("raised boom" in r.stdout) == (end == "raise"), r.stdout[-2000:]
     assert r.stdout.splitlines()[-1] == "free", r.stdout[-2000:]
