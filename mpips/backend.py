@@ -19,14 +19,56 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def pin_blas_threads(local_size: int) -> int:
-    """Give each of the ``local_size`` ranks on this node an equal share of the cores.
+BLAS_THREADS_ENV = "MPIPS_BLAS_THREADS"  # a rank's BLAS threads, set by hand (benchmarks)
 
-    Default BLAS threading made the reference MLP ~10x slower with 8 ranks on 2 cores.
+
+def node_blas_threads(cores: int, ranks: int, ps: int = 0) -> list[int]:
+    """BLAS threads of each of the ``ranks`` ranks on a node of ``cores`` cores, ``ps`` of
+    them PS tasks: the PS tasks' first, then the workers' in their order on the node.
+
+    A PS task computes no matrix products (its updates are serial kernels), so it gets 1;
+    the workers split the other cores, the remainder going one each to the first workers, so
+    the node's total is its cores: 1 PS + 8 workers on 16 cores is 1 + 7 x 2 + 1 (an even
+    split of 16 // 9 left 7 cores idle). With more ranks than cores every rank gets 1.
+    """
+    if cores < 1 or ranks < 1 or not 0 <= ps <= ranks:
+        raise ValueError(f"node_blas_threads({cores}, {ranks}, {ps}): no such node")
+    workers = ranks - ps
+    base, extra = divmod(max(0, cores - ps), workers) if workers else (0, 0)
+    return [1] * ps + [max(1, base + (i < extra)) for i in range(workers)]
+
+
+def blas_threads_override() -> int | None:
+    """The threads MPIPS_BLAS_THREADS asks for (None when unset or empty)."""
+    value = os.environ.get(BLAS_THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{BLAS_THREADS_ENV} must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def pin_blas_threads(
+    local_size: int, ps_on_node: int | None = None, local_worker: int | None = None
+) -> int:
+    """Limit this rank's BLAS threads to its share of the node's cores; returns the share.
+
+    With ``ps_on_node`` (the PS tasks among the ``local_size`` ranks on this node), the share
+    is ``node_blas_threads``'s: 1 for a PS task (``local_worker`` None), else worker number
+    ``local_worker`` of the node's workers gets its part of the other cores. Without it,
+    every rank gets ``cores // local_size`` (the rule before PS tasks were told apart).
+    MPIPS_BLAS_THREADS, when set, is the share. Default BLAS threading made the reference
+    MLP ~10x slower with 8 ranks on 2 cores.
     """
     from threadpoolctl import threadpool_limits
 
-    threads = max(1, cpu_count() // max(1, local_size))
+    threads = blas_threads_override()
+    if threads is None:
+        if ps_on_node is None:
+            threads = max(1, cpu_count() // max(1, local_size))
+        else:
+            shares = node_blas_threads(cpu_count(), max(1, local_size), ps_on_node)
+            threads = 1 if local_worker is None else shares[ps_on_node + local_worker]
     threadpool_limits(limits=threads)
     return threads
 

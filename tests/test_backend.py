@@ -162,3 +162,75 @@ def test_scatter_add_sums_repeated_indices_with_either_array_module(monkeypatch)
     t, i, v = object(), object(), object()
     scatter_add(fake_xp(), t, i, v)
     assert calls == [(t, i, v)]
+
+
+def test_every_core_goes_to_a_rank_and_every_rank_gets_one():
+    """The node's cores split over its ranks: the total is the cores (the ranks when there
+    are more ranks than cores), no rank below 1, a PS task 1, workers within 1 of each other
+    and the first ones taking the remainder."""
+    from mpips.backend import node_blas_threads
+
+    for cores in range(1, 70):
+        for ranks in (1, 2, 3, 5, 8, 9, 16, 17, 33):
+            for ps in range(ranks + 1):
+                shares = node_blas_threads(cores, ranks, ps)
+                assert len(shares) == ranks and min(shares) >= 1
+                assert shares[:ps] == [1] * ps
+                workers = shares[ps:]
+                if not workers:  # only PS tasks on the node: 1 each
+                    assert sum(shares) == ranks
+                    continue
+                assert sum(shares) == max(cores, ranks), (cores, ranks, ps)
+                assert max(workers) - min(workers) <= 1
+                assert workers == sorted(workers, reverse=True)
+
+
+def test_the_16_core_node_layouts():
+    """The reference node: 1 PS + 8 workers used 9 of 16 cores (16 // 9 each); now 16."""
+    from mpips.backend import node_blas_threads
+
+    assert node_blas_threads(16, 9, 1) == [1] + [2] * 7 + [1]
+    assert node_blas_threads(16, 5, 1) == [1, 4, 4, 4, 3]
+    assert node_blas_threads(16, 3, 1) == [1, 8, 7]
+    assert node_blas_threads(16, 8) == [2] * 8  # sync: no PS
+    assert node_blas_threads(16, 1) == [16]
+    assert node_blas_threads(2, 3, 1) == [1, 1, 1]  # oversubscribed: 1 each
+    with pytest.raises(ValueError):
+        node_blas_threads(16, 2, 3)
+
+
+@pytest.fixture
+def blas_limit_restored():
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    before = {i["user_api"]: i["num_threads"] for i in threadpool_info()}
+    yield
+    threadpool_limits(limits=before)
+
+
+def blas_threads_now() -> int:
+    from threadpoolctl import threadpool_info
+
+    return min(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas")
+
+
+def test_pin_blas_threads_sets_this_ranks_share(monkeypatch, blas_limit_restored):
+    """The share reaches the BLAS library: worker 7 of 1 PS + 8 on 16 cores gets 1, worker 0
+    gets 2, the PS 1; without the node's PS count, the old even split; MPIPS_BLAS_THREADS
+    wins over both, and a bad value is one readable error."""
+    from mpips import backend
+
+    monkeypatch.setattr(backend, "cpu_count", lambda: 16)
+    monkeypatch.delenv(backend.BLAS_THREADS_ENV, raising=False)
+    if not any(i["user_api"] == "blas" for i in __import__("threadpoolctl").threadpool_info()):
+        pytest.skip("no BLAS library that threadpoolctl can limit")
+    assert backend.pin_blas_threads(9, ps_on_node=1, local_worker=0) == 2 == blas_threads_now()
+    assert backend.pin_blas_threads(9, ps_on_node=1, local_worker=7) == 1 == blas_threads_now()
+    assert backend.pin_blas_threads(5, ps_on_node=1, local_worker=0) == 4 == blas_threads_now()
+    assert backend.pin_blas_threads(9, ps_on_node=1) == 1  # the PS task
+    assert backend.pin_blas_threads(4) == 4 == blas_threads_now()  # the old call: 16 // 4
+    monkeypatch.setenv(backend.BLAS_THREADS_ENV, "3")
+    assert backend.pin_blas_threads(9, ps_on_node=1, local_worker=7) == 3 == blas_threads_now()
+    monkeypatch.setenv(backend.BLAS_THREADS_ENV, "0")
+    with pytest.raises(ConfigError, match="MPIPS_BLAS_THREADS must be a whole number >= 1"):
+        backend.pin_blas_threads(9, ps_on_node=1, local_worker=0)
