@@ -134,6 +134,13 @@ class MetricsWriter:
         self.failed = ""  # why this task's summaries are off ("" while they are on)
         self.warned = False
         self.queue: queue.Queue[Any] = queue.Queue(QUEUE_RECORDS)
+        if tensorboard:
+            # imported here, before training starts: importing tensorboardX (protobuf) in the
+            # thread took the GIL from the first steps (the default job's chief made 3 of
+            # its ~100 updates); later imports in the thread find the modules loaded
+            import tensorboardX.event_file_writer  # noqa: F401
+            import tensorboardX.proto.event_pb2  # noqa: F401
+            import tensorboardX.summary  # noqa: F401
         self.thread = threading.Thread(
             target=self._write_all, name=f"summaries {folder}", daemon=True
         )
