@@ -298,9 +298,13 @@ def phases(c: Config, data: str, tmp: Path) -> dict:
         for name, durs in by_name.items():
             kept = durs[len(durs) // 10 :]
             per_worker.setdefault(name, []).append(statistics.fmean(kept))
+    if not per_worker:
+        return {}
+    ms = {n: statistics.fmean(v) for n, v in per_worker.items()}
     return {
-        "ms_per_step": {n: statistics.fmean(v) for n, v in per_worker.items()},
+        "ms_per_step": ms,
         "compute_ms_each_worker": per_worker.get("compute", []),
+        "loop_rate": c.workers * BATCH / sum(ms.values()) * 1000,
     }
 
 
@@ -455,8 +459,7 @@ def print_phases(configs: list[Config]) -> None:
         ph = c.phases["ms_per_step"]
         parts = ", ".join(f"{n} {v:.2f}" for n, v in ph.items())
         each = " ".join(f"{v:.2f}" for v in c.phases["compute_ms_each_worker"])
-        loop = c.workers * BATCH / sum(ph.values()) * 1000
-        c.phases["loop_rate"] = loop
+        loop = c.phases["loop_rate"]
         print(f"  {c.label:<40} {parts}; compute each: {each}; loop rate {loop / 1e3:.1f}k")
 
 
