@@ -529,6 +529,8 @@ def main() -> None:
                 c.runs.append(got)
                 if "rate" in got:
                     c.guess = got["rate"]
+                elif "short" in got and not got["short"].get("failed"):
+                    c.guess *= 2  # start-up noise beat the extra steps: run longer next time
                 line = f"{got['rate']:9.0f} examples/s" if "rate" in got else "failed"
                 line += f", extra {got.get('extra_s', 0):.1f} s"
                 if got.get("other_load") is not None:
