@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# A real Slurm cluster of one node on this machine, for trying the sbatch scripts and for
+# A real Slurm cluster on this one machine, for trying the sbatch scripts and for
 # tests/test_slurm.py (Debian or Ubuntu, as root; no systemd or cgroups needed).
 #
 #   slurm/one-node-slurm.sh up       install (apt) if needed, configure, start munge,
 #                                    slurmctld and slurmd; wait until the node is idle
+#   slurm/one-node-slurm.sh up --nodes 2
+#                                    the same with two nodes, node1 and node2, one slurmd
+#                                    each: a job of --nodes=2 runs its ranks under two slurmd
+#                                    with two host names, as on two machines
 #   slurm/one-node-slurm.sh down     cancel its jobs and stop the daemons it started
 #   slurm/one-node-slurm.sh status
 #
 # Then: export SLURM_CONF=$MPIPS_SLURM_DIR/slurm.conf (printed by `up`) and use sbatch,
 # squeue, scancel, scontrol as usual. Settings (environment):
 #   MPIPS_SLURM_DIR   state, logs and config (default /tmp/mpips-one-node-slurm)
-#   MPIPS_SLURM_CPUS  CPUs the node claims (default 8: an 8-task job fits on a small machine;
+#   MPIPS_SLURM_CPUS  CPUs each node claims (default 8: an 8-task job fits on a small machine;
 #                     ranks then share cores, which mpips is built to tolerate)
+#
+# With --nodes N (N > 1) Slurm reaches node k's slurmd at 127.0.0.1, port 17000 + k
+# (`slurmd -N nodeK`; Debian's Slurm 22.05 runs several slurmd on one host this way). Each
+# slurmd runs in its own UTS and mount namespace (unshare): its host name is its node name
+# and a private /etc/hosts maps node1..nodeN to 127.0.0.1, so what runs under it (the batch
+# script, mpiexec's proxies, the ranks) reports that node's name and reaches the other nodes
+# by name. This machine's own host name and /etc/hosts are left alone.
 set -euo pipefail
 
 ROOT=${MPIPS_SLURM_DIR:-/tmp/mpips-one-node-slurm}
 CPUS=${MPIPS_SLURM_CPUS:-8}
+NODES=1
 CONF=$ROOT/slurm.conf
 export SLURM_CONF=$CONF
 
@@ -44,10 +56,21 @@ install_packages() {
     [ $ours = 0 ] || rm -f $blocker
 }
 
+node_names() {  # this cluster's nodes, one a line
+    if [ "$NODES" -eq 1 ]; then echo localhost; else seq -f 'node%g' "$NODES"; fi
+}
+
 write_config() {
     mkdir -p "$ROOT/state" "$ROOT/spool" "$ROOT/log"
-    local memory
+    local memory hardware node i=0
+    local spool=$ROOT/spool pidfile=$ROOT/slurmd.pid log=$ROOT/log/slurmd.log
     memory=$(awk '/^MemTotal/ {print int($2 / 1024 * 0.8)}' /proc/meminfo)
+    hardware="CPUs=$CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CPUS ThreadsPerCore=1"
+    hardware="$hardware RealMemory=$memory State=UNKNOWN"
+    if [ "$NODES" -gt 1 ]; then  # a spool, pid file and log per slurmd (%n: its node name)
+        spool=$ROOT/spool/%n pidfile=$ROOT/slurmd-%n.pid log=$ROOT/log/slurmd-%n.log
+        for node in $(node_names); do mkdir -p "$ROOT/spool/$node"; done
+    fi
     cat > "$CONF" <<EOF
 # written by mpips' slurm/one-node-slurm.sh
 ClusterName=mpips-local
@@ -59,11 +82,11 @@ CredType=cred/munge
 # a short credential life: a requeued job may start again after 10 s, not 120 s
 AuthInfo=cred_expire=10
 StateSaveLocation=$ROOT/state
-SlurmdSpoolDir=$ROOT/spool
+SlurmdSpoolDir=$spool
 SlurmctldPidFile=$ROOT/slurmctld.pid
-SlurmdPidFile=$ROOT/slurmd.pid
+SlurmdPidFile=$pidfile
 SlurmctldLogFile=$ROOT/log/slurmctld.log
-SlurmdLogFile=$ROOT/log/slurmd.log
+SlurmdLogFile=$log
 # plain process tracking: containers and VMs often have no usable cgroups
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -79,11 +102,19 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 MinJobAge=600
 KillWait=10
-# let the node claim more CPUs than it has, so an 8-task job runs on a 2-core machine
+# let a node claim more CPUs than it has, so an 8-task job runs on a 2-core machine
 SlurmdParameters=config_overrides
-NodeName=localhost CPUs=$CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$memory State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
+    if [ "$NODES" -eq 1 ]; then
+        echo "NodeName=localhost $hardware" >> "$CONF"
+    else
+        for node in $(node_names); do
+            i=$((i + 1))
+            echo "NodeName=$node NodeHostname=$node NodeAddr=127.0.0.1 Port=$((17000 + i)) $hardware" >> "$CONF"
+        done
+        { cat /etc/hosts; echo "127.0.0.1 $(node_names | paste -sd' ')"; } > "$ROOT/hosts"
+    fi
+    echo "PartitionName=debug Nodes=$(node_names | paste -sd,) Default=YES MaxTime=INFINITE State=UP" >> "$CONF"
 }
 
 start_munge() {
@@ -97,13 +128,28 @@ start_munge() {
     die "munged did not answer"
 }
 
-start_daemon() {  # NAME ARGS...: start a Slurm daemon unless it runs already
-    local name=$1; shift
-    running "$ROOT/$name.pid" "$name" && return 0
-    "/usr/sbin/$name" "$@" || true  # it daemonizes; success is judged by its pid file
-    for _ in $(seq 100); do running "$ROOT/$name.pid" "$name" && return 0; sleep 0.1; done
-    tail -n 20 "$ROOT/log/$name.log" >&2 || true
-    die "$name did not start"
+start_daemon() {  # COMM FILE COMMAND...: start a Slurm daemon unless it runs already
+    # (FILE: the name of its pid file in $ROOT and its log in $ROOT/log, without .pid/.log)
+    local comm=$1 file=$2; shift 2
+    running "$ROOT/$file.pid" "$comm" && return 0
+    "$@" || true  # it daemonizes; success is judged by its pid file
+    for _ in $(seq 100); do running "$ROOT/$file.pid" "$comm" && return 0; sleep 0.1; done
+    tail -n 20 "$ROOT/log/$file.log" >&2 || true
+    die "$file did not start"
+}
+
+start_nodes() {
+    local node
+    if [ "$NODES" -eq 1 ]; then
+        start_daemon slurmd slurmd /usr/sbin/slurmd -N localhost
+        return
+    fi
+    unshare --uts --mount true 2>/dev/null ||
+        die "--nodes $NODES needs 'unshare --uts --mount' (root with CAP_SYS_ADMIN): $(unshare --uts --mount true 2>&1)"
+    for node in $(node_names); do
+        start_daemon slurmd "slurmd-$node" unshare --uts --mount sh -c \
+            "mount --bind '$ROOT/hosts' /etc/hosts && hostname $node && exec /usr/sbin/slurmd -N $node"
+    done
 }
 
 stop_pidfile() {  # PIDFILE COMM
@@ -116,22 +162,31 @@ stop_pidfile() {  # PIDFILE COMM
     rm -f "$1"
 }
 
+stop_nodes() {  # every slurmd started here, by one-node or several-node `up`
+    local pidfile
+    for pidfile in "$ROOT"/slurmd.pid "$ROOT"/slurmd-*.pid; do
+        [ ! -e "$pidfile" ] || stop_pidfile "$pidfile" slurmd
+    done
+}
+
 up() {
     install_packages
     write_config
     start_munge
     # a daemon still running from an earlier `up` may hold an older config: restart it
-    stop_pidfile "$ROOT/slurmd.pid" slurmd
+    stop_nodes
     stop_pidfile "$ROOT/slurmctld.pid" slurmctld
-    start_daemon slurmctld
-    start_daemon slurmd -N localhost
-    local state=""
-    for _ in $(seq 600); do
-        state=$(sinfo -h -n localhost -o %T 2>/dev/null || true)
-        case $state in idle|mixed|allocated) break ;; esac
+    start_daemon slurmctld slurmctld /usr/sbin/slurmctld
+    start_nodes
+    local states="" ready=0
+    for _ in $(seq 600); do  # every node up: idle, or running a job kept from before
+        states=$(sinfo -h -N -o %T 2>/dev/null || true)
+        ready=$(printf '%s\n' "$states" | grep -cxE 'idle|mixed|allocated' || true)
+        [ "$ready" -eq "$NODES" ] && break
         sleep 0.1
     done
-    case $state in idle|mixed|allocated) ;; *) die "the node did not come up (state '$state'); logs in $ROOT/log" ;; esac
+    [ "$ready" -eq "$NODES" ] ||
+        die "$ready of $NODES nodes came up (states: $(echo "$states" | paste -sd' ')); logs in $ROOT/log"
     sinfo
     note "up; use it with: export SLURM_CONF=$CONF"
 }
@@ -141,21 +196,36 @@ down() {
         scancel --user="$(id -un)" 2>/dev/null || true
         for _ in $(seq 100); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.1; done
     fi
-    stop_pidfile "$ROOT/slurmd.pid" slurmd
+    stop_nodes
     stop_pidfile "$ROOT/slurmctld.pid" slurmctld
     stop_pidfile "$ROOT/munged.pid" munged
 }
 
 status() {
-    for name in munged slurmctld slurmd; do
-        if running "$ROOT/$name.pid" "$name"; then echo "$name: running"; else echo "$name: not started here"; fi
+    local pidfile name
+    for pidfile in "$ROOT"/munged.pid "$ROOT"/slurmctld.pid "$ROOT"/slurmd.pid "$ROOT"/slurmd-*.pid; do
+        [ -e "$pidfile" ] || [ "$pidfile" != "$ROOT/slurmd-*.pid" ] || continue
+        name=$(basename "$pidfile" .pid)
+        if running "$pidfile" "${name%%-*}"; then echo "$name: running"; else echo "$name: not started here"; fi
     done
     sinfo 2>/dev/null || true
 }
 
-case ${1:-up} in
+usage() { echo "usage: $0 up [--nodes N] | down | status" >&2; exit 2; }
+
+command=${1:-up}
+[ $# -eq 0 ] || shift
+while [ $# -gt 0 ]; do
+    case $1 in
+        --nodes) [ $# -ge 2 ] || usage; NODES=$2; shift 2 ;;
+        --nodes=*) NODES=${1#--nodes=}; shift ;;
+        *) usage ;;
+    esac
+done
+case $NODES in ''|*[!0-9]*|0*) die "--nodes takes a count of 1 or more, got '$NODES'" ;; esac
+case $command in
     up|start) up ;;
     down|stop) down ;;
     status) status ;;
-    *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+    *) usage ;;
 esac

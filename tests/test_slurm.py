@@ -1,9 +1,11 @@
-"""The project's own sbatch script on a real (one-node) Slurm: a job completes with a
+"""The project's own sbatch scripts on a real Slurm on this machine: a job completes with a
 checkpoint; `scancel --signal=USR1` makes it checkpoint and exit 3; with MPIPS_REQUEUE=1 the
-job is requeued and resumes with the global step continuing.
+job is requeued and resumes with the global step continuing; the several-node script runs
+over two Slurm nodes (two slurmd) with one PS on each.
 
-.ci/run starts the cluster (slurm/one-node-slurm.sh up) and exports SLURM_CONF; elsewhere
-these tests skip unless a Slurm controller answers (under CI=true they fail instead)."""
+.ci/run starts the cluster (slurm/one-node-slurm.sh up --nodes 2) and exports SLURM_CONF;
+elsewhere these tests skip unless a Slurm controller answers, and the two-node ones unless it
+has two nodes (under CI=true they fail instead)."""
 
 import os
 import re
@@ -32,6 +34,17 @@ def slurm():
         pytest.skip(
             "no Slurm controller (start one: slurm/one-node-slurm.sh up, then export SLURM_CONF)"
         )
+
+
+@pytest.fixture(scope="module")
+def two_nodes(slurm):
+    r = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=20
+    )
+    if len(set(r.stdout.split())) < 2:
+        if under_ci():
+            pytest.fail("the Slurm cluster has one node: .ci/run must start it with --nodes 2")
+        pytest.skip("the Slurm cluster has one node (slurm/one-node-slurm.sh up --nodes 2)")
 
 
 def sbatch(tmp_path, *args, script="train.sbatch", options=(), **env):
@@ -130,6 +143,59 @@ def test_multinode_script_puts_one_ps_on_each_node(slurm, tmp_path):
     assert "restored global_step 200" in text, text
 
 
+def job_nodes(job):
+    """The nodes Slurm gave the job, in its order (task blocks fill them in this order)."""
+    r = subprocess.run(
+        ["scontrol", "show", "hostnames", job_field(job, "NodeList")],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    return r.stdout.split()
+
+
+def placement(text):
+    """{rank: (task, host)} from the "[/job:ps/task:0] rank 0, pid 123 on node1" lines."""
+    lines = re.findall(r"^\[/job:(\w+/task:\d+)\] rank (\d+), pid \d+ on (\S+)$", text, re.M)
+    return {int(rank): (task, host) for task, rank, host in lines}
+
+
+def assert_one_ps_per_node(text, nodes, per_node):
+    """Rank r ran on Slurm's node r // per_node (block distribution), and each node's PS
+    is its lowest rank (ps = per_node): the ranks' host names are their slurmd's node name."""
+    seen = placement(text)
+    expected = {
+        rank: (
+            f"ps/task:{rank // per_node}" if rank % per_node == 0 else "",
+            nodes[rank // per_node],
+        )
+        for rank in range(per_node * len(nodes))
+    }
+    assert {r: (t if t.startswith("ps/") else "", h) for r, (t, h) in seen.items()} == expected, (
+        text
+    )
+
+
+def test_multinode_script_runs_over_two_slurm_nodes(two_nodes, tmp_path):
+    """--nodes=2 --ntasks-per-node=2 under two slurmd: mpiexec inside the allocation starts
+    each node's ranks under that node's slurmd (srun), so per_node makes 2 PS + 2 workers."""
+    job = sbatch(
+        tmp_path,
+        "--steps",
+        "100",
+        script="train-multinode.sbatch",
+        options=("--nodes=2", "--ntasks-per-node=2"),
+    )
+    assert wait_end(job) == "COMPLETED", output(tmp_path, job)
+    assert job_field(job, "ExitCode") == "0:0"
+    nodes = job_nodes(job)
+    assert len(nodes) == 2, nodes
+    text = output(tmp_path, job)
+    assert_one_ps_per_node(text, nodes, 2)
+    assert "final: global_step 100" in text and "on 2 workers" in text, text
+    assert "ckpt-100.shard-1-of-2.h5" in os.listdir(tmp_path / "runs/default")
+
+
 def test_usr1_checkpoints_exits_3_and_requeue_resumes(slurm, tmp_path):
     job = sbatch(tmp_path, "--steps", str(10**9), MPIPS_REQUEUE="1")
     try:
@@ -167,5 +233,57 @@ def test_usr1_checkpoints_exits_3_and_requeue_resumes(slurm, tmp_path):
         )
         assert int(resumed.group(1)) == step
         assert "preempted with a checkpoint; requeueing job" in output(tmp_path, job)
+    finally:
+        subprocess.run(["scancel", job], timeout=20)
+
+
+def test_two_node_job_over_srun_is_preempted_requeued_and_completes(two_nodes, tmp_path):
+    """MPIPS_LAUNCHER=srun over two nodes: USR1 reaches the ranks on both nodes, each node's
+    PS writes its shard, the requeued job resumes there and (its step target lowered in the
+    job file meanwhile) ends with exit 0."""
+    job_file = tmp_path / "job.toml"
+    default = (ROOT / "jobs/default.toml").read_text()
+    assert "\nsteps = 600 " in default
+    job_file.write_text(default.replace("\nsteps = 600 ", f"\nsteps = {10**9} "))
+    job = sbatch(
+        tmp_path,
+        str(job_file),
+        script="train-multinode.sbatch",
+        options=("--nodes=2", "--ntasks-per-node=2"),
+        MPIPS_REQUEUE="1",
+        MPIPS_LAUNCHER="srun",
+    )
+    try:
+        wait_for(lambda: "update" in output(tmp_path, job), 120, "training to start")
+        nodes = job_nodes(job)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=20)
+        first = wait_for(
+            lambda: re.search(
+                r"stopped early by SIGUSR1: checkpoint at global_step (\d+)",
+                output(tmp_path, job),
+            ),
+            60,
+            "the preemption checkpoint",
+        )
+        step = int(first.group(1))
+        files = os.listdir(tmp_path / "runs/default")
+        assert {f"ckpt-{step}.shard-{k}-of-2.h5" for k in (0, 1)} <= set(files), files
+        wait_for(lambda: job_field(job, "Restarts") == "1", 60, "the requeue")
+        wait_for(lambda: job_field(job, "JobState") == "PENDING", 60, "the requeued job to wait")
+        assert_one_ps_per_node(output(tmp_path, job), nodes, 2)  # the first run's ranks
+        job_file.write_text(default.replace("\nsteps = 600 ", f"\nsteps = {step + 50} "))
+        # as in the one-node test: start it once the nodes are idle and the old credential
+        # is past its revocation second
+        wait_for(lambda: node_state() == "idle", 60, "the nodes to finish the first run")
+        time.sleep(5)
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=20)
+        assert wait_end(job) == "COMPLETED", output(tmp_path, job)
+        assert job_field(job, "ExitCode") == "0:0"
+        text = output(tmp_path, job)
+        assert "preempted with a checkpoint; requeueing job" in text
+        resumed = text.split("requeueing job", 1)[1]
+        assert f"restored global_step {step}" in resumed, resumed
+        assert f"final: global_step {step + 50}" in resumed, resumed
+        assert_one_ps_per_node(resumed, job_nodes(job), 2)
     finally:
         subprocess.run(["scancel", job], timeout=20)
