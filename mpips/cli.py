@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes",
         type=int,
         default=1,
-        help="nodes the ranks fill in blocks, as srun places them (default 1)",
+        help="nodes the ranks fill in blocks, as srun and mpiexec place them (default 1); "
+        "with several, each rank's node is shown",
     )
     lay.set_defaults(func=cmd_layout)
 
@@ -348,23 +349,27 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_layout(args: argparse.Namespace) -> int:
     from .data import open_data
     from .job import job_layout, store_placement
-    from .layout import block_nodes
+    from .layout import block_nodes, node_indices, ps_imbalance
     from .nn import build_model
     from .placement import imbalance
 
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8
-    layout = job_layout(job, n, block_nodes(n, args.nodes))
+    nodes = block_nodes(n, args.nodes)
+    layout = job_layout(job, n, nodes)
     info = open_data(job.data)
     model = build_model(job.model, info, job_file=job.source)
+    index = node_indices(nodes)
+    on = f" on {index[-1] + 1} nodes" if index[-1] else ""
     print(
-        f"job {job.name} ({job.source}) on {n} ranks: {layout.num_ps} ps, "
+        f"job {job.name} ({job.source}) on {n} ranks{on}: {layout.num_ps} ps, "
         f"{layout.num_workers} workers, chief = rank {layout.chief_rank}"
     )
-    print(f"\n{'rank':>4}  task")
+    print(f"\n{'rank':>4}  {'node  ' if on else ''}task")
     for r in range(n):
         role = layout.role(r)
-        print(f"{r:>4}  {role}{'  (chief)' if role.is_chief else ''}")
+        node = f"{index[r]:>4}  " if on else ""
+        print(f"{r:>4}  {node}{role}{'  (chief)' if role.is_chief else ''}")
     if job.train.mode == "sync":
         size = sum(s.nbytes for s in model.variables())
         print(
@@ -402,8 +407,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
             f"/job:ps/task:{p} (rank {layout.ps_ranks[p]}): "
             f"{len(placement.on_ps(p))} variables, {placement.ps_bytes(p)} bytes"
         )
-    warning = imbalance(placement, job.layout.placement)
-    if warning:
+    spread = ps_imbalance(layout.ps_ranks, nodes)  # (not in sync mode: its PS tasks hold nothing)
+    warnings = [w for w in (spread, imbalance(placement, job.layout.placement)) if w]
+    for warning in warnings:
         print(f"\nwarning: {warning}")
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,37 @@ def block_nodes(world_size: int, num_nodes: int) -> list[int]:
     mpiexec place them by default."""
     per = -(-world_size // max(1, num_nodes))
     return [r // per * per for r in range(world_size)]
+
+
+def node_indices(nodes: Sequence[int]) -> list[int]:
+    """Each rank's node as 0, 1, ... in order of their lowest ranks (``nodes`` names each
+    rank's node by its lowest rank), as ``mpips layout`` and the warnings say them."""
+    order = {node: i for i, node in enumerate(sorted(set(nodes)))}
+    return [order[node] for node in nodes]
+
+
+def ps_imbalance(ps_ranks: Sequence[int], nodes: Sequence[int]) -> str | None:
+    """A warning, or None: every PS task (two or more) on one node of several. That node's
+    network link then carries every other node's pulls and pushes, and its cores serve
+    them all, while the other nodes' links to it wait. (One PS task is on one node by
+    necessity: nothing to say.) ``nodes``: each rank's node, named by its lowest rank."""
+    hosts = sorted(set(nodes))
+    on = {nodes[r] for r in ps_ranks}
+    if len(ps_ranks) < 2 or len(hosts) < 2 or len(on) != 1:
+        return None
+    (node,) = on
+    ranks = [r for r, n in enumerate(nodes) if n == node]
+    here = (
+        f"ranks {ranks[0]}-{ranks[-1]}"
+        if ranks == list(range(ranks[0], ranks[-1] + 1))
+        else ("ranks " + ",".join(map(str, ranks)))
+    )
+    return (
+        f"all {len(ps_ranks)} ps tasks run on node {hosts.index(node)} ({here}) of "
+        f"{len(hosts)} nodes: that node's network link carries every pull and push of the "
+        f'other nodes\' workers; ps = "per_node" puts one ps task on each node (or list '
+        f"ranks on several nodes: ps = [...])"
+    )
 
 
 def make_layout(

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -183,12 +184,34 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+FAKE_SSH = ROOT / "tests" / "fake_ssh"  # a stand-in for ssh: "nodes" on this machine
+
+
+def launch_args(n: int, nodes: Sequence[int] | None = None) -> list[str]:
+    """mpiexec's arguments for N ranks: on this node (``nodes`` None), or on ``len(nodes)``
+    nodes of ``nodes[i]`` ranks each, all on this machine. MPICH takes which ranks share a
+    node from the hosts its launcher starts them on: the ssh launcher through FAKE_SSH (which
+    runs the command here) makes each host a node of its own (node-shared memory inside it,
+    TCP on loopback between them), so the job's multi-node code paths run for real."""
+    if nodes is None:
+        return ["-n", str(n)]
+    assert sum(nodes) == n, f"{n} ranks, but nodes = {nodes}"
+    hosts = ",".join(f"node{i}:{k}" for i, k in enumerate(nodes))
+    return ["-hosts", hosts, "-launcher", "ssh", "-launcher-exec", str(FAKE_SSH), "-n", str(n)]
+
+
 def run_mpi(
-    n: int, args: list[str], cwd: Path, timeout: float = 90, **env: str
+    n: int,
+    args: list[str],
+    cwd: Path,
+    timeout: float = 90,
+    nodes: Sequence[int] | None = None,
+    **env: str,
 ) -> subprocess.CompletedProcess:
     """``mpiexec -n N python ARGS`` with a hard timeout; output captured as text. A job that
-    hangs is ended with its ranks (stop_launcher), and the test fails with its output."""
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, *args]
+    hangs is ended with its ranks (stop_launcher), and the test fails with its output.
+    ``nodes``: ranks per node, e.g. (2, 2): two nodes on this machine (launch_args)."""
+    cmd = [mpiexec_path(), *launch_args(n, nodes), sys.executable, *args]
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -204,7 +227,8 @@ def run_mpi(
         stop_launcher(proc)
         out, err = proc.communicate()
         pytest.fail(
-            f"mpiexec -n {n} {' '.join(args)} hung for {timeout} s\nstdout:\n{out}\nstderr:\n{err}"
+            f"mpiexec {' '.join(launch_args(n, nodes))} {' '.join(args)} hung for {timeout} s"
+            f"\nstdout:\n{out}\nstderr:\n{err}"
         )
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
@@ -245,34 +269,40 @@ def read_result(cwd: Path) -> dict | None:
 
 
 def run_train(
-    cwd: Path, n: int | None, *args: str, timeout: float = 90, **env: str
+    cwd: Path,
+    n: int | None,
+    *args: str,
+    timeout: float = 90,
+    nodes: Sequence[int] | None = None,
+    **env: str,
 ) -> subprocess.CompletedProcess:
     """``python -m mpips train --no-progress --result result.json ARGS`` in ``cwd``, under
-    ``mpiexec -n N`` (N None: one plain process), the run's result read into ``.result``
-    (None if the run wrote none: it failed). A result left by an earlier run is removed."""
+    ``mpiexec -n N`` (N None: one plain process; ``nodes``: ranks per node, as run_mpi), the
+    run's result read into ``.result`` (None if the run wrote none: it failed). A result
+    left by an earlier run is removed."""
     (Path(cwd) / RESULT).unlink(missing_ok=True)
     argv = ["-m", "mpips", "train", "--no-progress", "--result", RESULT, *args]
     if n is None:
         assert not env, "run_py takes no environment"
         r = run_py(argv, cwd, timeout)
     else:
-        r = run_mpi(n, argv, cwd, timeout, **env)
+        r = run_mpi(n, argv, cwd, timeout, nodes, **env)
     r.result = read_result(cwd)
     return r
 
 
 class BackgroundJob:
     """``python -m mpips train`` run in the background under mpiexec, its output in a file:
-    wait for log lines, find a task's pid, signal it, and always stop the launcher."""
+    wait for log lines, find a task's pid, signal it, and always stop the launcher.
+    ``nodes``: ranks per node, as run_mpi."""
 
-    def __init__(self, tmp_path: Path, ranks: int, *args: str):
+    def __init__(self, tmp_path: Path, ranks: int, *args: str, nodes: Sequence[int] | None = None):
         self.log = tmp_path / "out.log"
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(
             [
                 mpiexec_path(),
-                "-n",
-                str(ranks),
+                *launch_args(ranks, nodes),
                 sys.executable,
                 "-m",
                 "mpips",
