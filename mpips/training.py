@@ -22,6 +22,7 @@ from .failure import set_role
 from .hooks import Hook
 from .hybrid_training import train_hybrid
 from .job import Job, job_layout
+from .layout import ps_imbalance
 from .log import detail, log
 from .model import Model, factory_name
 from .nn import build_model
@@ -65,6 +66,9 @@ def train(
     layout = agreed(comm, lambda: job_layout(job, comm.size, nodes))
     cluster = Cluster(comm, layout)
     set_role(cluster.role)
+    spread = ps_imbalance(layout.ps_ranks, nodes) if job.train.mode != "sync" else None
+    if spread and cluster.rank == 0:
+        log(cluster.role, f"warning: {spread}")
     # which process plays which task (a rank killed outright is named by failure.py's watcher)
     detail(cluster.role, f"rank {cluster.rank}, pid {os.getpid()} on {socket.gethostname()}")
     if say_single:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -180,14 +179,18 @@ def agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
 
 
 def node_of_each_rank(comm: MPI.Comm) -> list[int]:
-    """Each rank's node (host), named by the lowest rank on it. The first start-up step, so
-    a rank that never gets here is named, not waited for."""
+    """Each rank's node, named by the lowest rank of the ranks MPI says share its memory
+    (COMM_TYPE_SHARED: what the launcher placed on one host, which is also what the
+    store's shared-memory paths use). The first start-up step, so a rank that never gets
+    here is named, not waited for."""
     check_arrival(comm, "start-up")
-    hosts = allgather_json(
-        comm, socket.gethostname(), "every rank to reach start-up", START_TIMEOUT + 5
-    )
-    first: dict[str, int] = {}
-    return [first.setdefault(host, rank) for rank, host in enumerate(hosts)]
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    group, world = node.Get_group(), comm.Get_group()
+    lowest = int(MPI.Group.Translate_ranks(group, [0], world)[0])
+    group.Free()
+    world.Free()
+    node.Free()
+    return allgather_json(comm, lowest, "every rank to reach start-up", START_TIMEOUT + 5)
 
 
 class Cluster:
