@@ -113,8 +113,13 @@ def _train(
         return prepare(job, cluster, optimizer, device.xp, model, arrays)
 
     prep = agreed(cluster.comm, start)
-    if not cluster.is_ps:
-        pin_blas_threads(cluster.local_size)
+    # a PS task 1 BLAS thread, the node's workers the other cores (none left idle)
+    ps_here = sum(r in cluster.layout.ps_ranks for r in cluster.node_ranks)
+    pin_blas_threads(
+        cluster.local_size,
+        ps_on_node=ps_here,
+        local_worker=None if cluster.is_ps else cluster.local_worker_index,
+    )
     mode = {"sync": train_sync, "hybrid": train_hybrid}.get(job.train.mode, train_async)
     return mode(job, cluster, prep.model, optimizer, prep, hooks, device)
 
