@@ -49,6 +49,32 @@ def under_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    """A tmpfs of ``size`` (e.g. "64k") mounted at ``path`` (created) for a test of a full
+    disk, unmounted afterwards. Mounting needs root: CI runs as root, so there it must work
+    (a refusal fails the test); elsewhere a refusal skips it."""
+    path.mkdir(exist_ok=True)
+    try:
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        refused = r.stderr.strip() if r.returncode else None
+    except OSError as e:
+        refused = str(e)
+    if refused is not None:
+        if under_ci():
+            pytest.fail(f"mount -t tmpfs refused in CI (it runs as root): {refused}")
+        pytest.skip(f"mount -t tmpfs refused here: {refused}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, timeout=30)
+
+
 def _rank_from_env() -> int:
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
         if os.environ.get(var):

@@ -14,7 +14,7 @@ import time
 import h5py
 import numpy as np
 import pytest
-from conftest import BackgroundJob, clean_env, run_mpi, run_py, stop_launcher, under_ci
+from conftest import BackgroundJob, clean_env, run_mpi, run_py, small_tmpfs, stop_launcher
 
 from mpips import checkpoint, files, initial
 from mpips.checkpoint import Checkpoint
@@ -220,26 +220,9 @@ def test_a_failed_write_is_said_and_cleanup_never_hides_it(tmp_path, monkeypatch
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A 1 MiB tmpfs at tmp_path/fs (needs root: CI runs as root, so there it must work),
-    unmounted afterwards."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    try:
-        r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        refused = r.stderr.strip() if r.returncode else None
-    except OSError as e:
-        refused = str(e)
-    if refused is not None:
-        if under_ci():
-            pytest.fail(f"mount -t tmpfs refused in CI (it runs as root): {refused}")
-        pytest.skip(f"mount -t tmpfs refused here: {refused}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=30)
+    """A 1 MiB tmpfs at tmp_path/fs."""
+    with small_tmpfs(tmp_path / "fs", "1m") as mnt:
+        yield mnt
 
 
 def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(small_fs):

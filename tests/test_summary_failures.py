@@ -7,12 +7,11 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 
 import pytest
-from conftest import BackgroundJob, under_ci
+from conftest import BackgroundJob, small_tmpfs
 
 from mpips import summaries
 from mpips.summaries import MetricsWriter
@@ -122,26 +121,9 @@ all_workers = true
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 64 KiB tmpfs (needs root: CI runs as root, so there it must work; elsewhere the
-    test is skipped where mounting is refused), unmounted afterwards."""
-    small = tmp_path / "small"
-    small.mkdir()
-    try:
-        m = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        refused = m.stderr.strip() if m.returncode else None
-    except OSError as e:
-        refused = str(e)
-    if refused is not None:
-        if under_ci():
-            pytest.fail(f"mount -t tmpfs refused in CI (it runs as root): {refused}")
-        pytest.skip(f"mount -t tmpfs refused here: {refused}")
-    yield small
-    subprocess.run(["umount", "-l", str(small)], check=False, timeout=30)
+    """A 64 KiB tmpfs at tmp_path/small."""
+    with small_tmpfs(tmp_path / "small", "64k") as small:
+        yield small
 
 
 @pytest.mark.launcher
