@@ -341,7 +341,7 @@ def _ps_fill(
         initial=table_initial(model, optimizer),
     )
     mb, seconds = sum(a.nbytes for a in out.values()) / 1e6, time.perf_counter() - t0
-    log(
+    detail(
         cluster.role,
         f"read its {mb:.1f} MB of {ckpt.path.name} in {seconds:.2f} s "
         f"({mb / max(seconds, 1e-9):.0f} MB/s"

@@ -22,7 +22,7 @@ from .failure import set_role
 from .hooks import Hook
 from .hybrid_training import train_hybrid
 from .job import Job, job_layout
-from .layout import ps_imbalance
+from .layout import node_indices, ps_imbalance
 from .log import detail, log
 from .model import Model, factory_name
 from .nn import build_model
@@ -70,7 +70,12 @@ def train(
     if spread and cluster.rank == 0:
         log(cluster.role, f"warning: {spread}")
     # which process plays which task (a rank killed outright is named by failure.py's watcher)
-    detail(cluster.role, f"rank {cluster.rank}, pid {os.getpid()} on {socket.gethostname()}")
+    node = node_indices(nodes)
+    detail(
+        cluster.role,
+        f"rank {cluster.rank}, pid {os.getpid()} on {socket.gethostname()}, node "
+        f"{node[cluster.rank]} of {max(node) + 1}",
+    )
     if say_single:
         log(
             cluster.role,

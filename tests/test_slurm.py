@@ -156,7 +156,9 @@ def job_nodes(job):
 
 def placement(text):
     """{rank: (task, host)} from the "[/job:ps/task:0] rank 0, pid 123 on node1" lines."""
-    lines = re.findall(r"^\[/job:(\w+/task:\d+)\] rank (\d+), pid \d+ on (\S+)$", text, re.M)
+    lines = re.findall(
+        r"^\[/job:(\w+/task:\d+)\] rank (\d+), pid \d+ on (\S+), node \d+ of \d+$", text, re.M
+    )
     return {int(rank): (task, host) for task, rank, host in lines}
 
 

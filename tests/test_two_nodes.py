@@ -201,6 +201,8 @@ def test_ps_per_node_puts_one_ps_task_on_each_node(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     tasks = {int(rank): task for task, rank, _ in STARTED.findall(r.stdout)}
     assert [tasks[r] for r in (0, 2)] == ["/job:ps/task:0", "/job:ps/task:1"], tasks
+    nodes = dict(re.findall(r"rank (\d+), pid \d+ on \S+, node (\d) of 2$", r.stdout, re.M))
+    assert nodes == {"0": "0", "1": "0", "2": "1", "3": "1"}, r.stdout[-3000:]
     assert sum(t.startswith("/job:ps") for t in tasks.values()) == 2
     assert r.result["global_step"] == 30
     assert "warning: all" not in r.stdout + r.stderr
