@@ -269,6 +269,12 @@ def _peer_uid(conn: socket.socket) -> int:
         return -1
 
 
+def _clock() -> str:
+    """The wall-clock time to the millisecond (nodes' clocks agree to about that, by NTP)."""
+    now = time.time()
+    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+
+
 def watch(listener_fd: int) -> None:
     """The watcher's loop (a process of its own, stdlib only): until every rank that
     connected is gone. Blocks in select: it uses no CPU while the job runs. It holds four
@@ -325,9 +331,10 @@ def watch(listener_fd: int) -> None:
         if dead and not quiet:
             quiet = True  # one verdict: what follows is the launcher ending the job
             if any(_running(p.who.get("pid", 0)) for p in peers if not p.said):
+                seen = _clock()  # to order the verdicts of several nodes' watchers
                 for p in dead:  # another rank here is alive and untouched: it died alone
                     message = (
-                        f"mpips: {p.name()} died without a word: killed (kill -9, the "
+                        f"mpips: {p.name()} died without a word at {seen}: killed (kill -9, the "
                         f"out-of-memory killer) or crashed. The launcher now ends the job; "
                         f"the PID its message names may be another rank's, one it stopped\n"
                     )
