@@ -348,10 +348,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     from .data import open_data
-    from .job import job_layout, store_placement
     from .layout import block_nodes, node_indices, ps_imbalance
     from .nn import build_model
     from .placement import imbalance
+    from .placing import job_layout, store_placement
 
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8

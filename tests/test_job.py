@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 
 from mpips.errors import ConfigError
-from mpips.job import job_layout, load_job, parse_job
+from mpips.job import load_job, parse_job
+from mpips.placing import job_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 

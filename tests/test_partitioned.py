@@ -20,7 +20,7 @@ SPECS = [
 
 
 def placement_of(layout: str, num_ps: int, specs=SPECS):
-    from mpips.job import job_placement
+    from mpips.placing import job_placement
 
     return job_placement(parse_job(f"[train]\nsteps = 1\n[layout]\n{layout}\n"), specs, num_ps)
 

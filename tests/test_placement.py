@@ -63,7 +63,7 @@ def test_pinned_variables_go_to_their_ps_task_and_the_rest_follow_the_rule():
 def test_pins_from_the_job_are_checked():
     import mpips
     from mpips.errors import ConfigError
-    from mpips.job import job_placement
+    from mpips.placing import job_placement
 
     specs = [VariableSpec("w", (4, 4)), VariableSpec("b", (4,))]
     base = '[data]\nbuiltin = "digits"\n[train]\nsteps = 1\n[layout.pin]\n'
