@@ -50,7 +50,8 @@ from .files import TEXT_LIMIT, atomic_write, os_reason, read_text, temporary_nam
 from .hdf5 import open_plain
 from .initial import CHUNK_ELEMENTS, InitialValues, row_chunks
 from .memory import ABSURD_BYTES, check_fits, human
-from .placement import Placement, VariableSpec
+from .placement import Placement
+from .variables import VariableSpec
 
 FORMAT = "mpips-checkpoint-2"
 _MANIFEST = re.compile(r"^ckpt-(\d+)\.json$")

@@ -465,8 +465,8 @@ def _inspect(ckpt: Checkpoint, initial: InitialValues | None) -> int:
     import numpy as np
 
     from . import checkpoint
-    from .placement import VariableSpec
     from .summaries import where_to_look
+    from .variables import VariableSpec
 
     meta = ckpt.meta
     layout = meta.get("layout", {})

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import numpy as np
 
 from .errors import AlreadyReported, ConfigError, MpipsError
-from .placement import VariableSpec
+from .variables import VariableSpec
 
 if TYPE_CHECKING:
     from .data import DatasetInfo

@@ -5,24 +5,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from math import prod
 
 import numpy as np
 
+# re-exported until its callers move (issue 32): layers.py, nn.py, ctr.py and allreduce.py
+# import VariableSpec from here; placement itself needs it too
+from .variables import VariableSpec
+
 ALIGN = 64  # bytes; every variable starts on a cache line of its PS window
-
-
-@dataclass(frozen=True)
-class VariableSpec:
-    """A named, shaped, typed parameter, as the model creates it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str = "float32"
-
-    @property
-    def nbytes(self) -> int:
-        return prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)

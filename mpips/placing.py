@@ -9,7 +9,8 @@ from typing import Any
 from .errors import ConfigError
 from .job import Job, LayoutConfig
 from .layout import Layout, make_layout
-from .placement import STRATEGIES, Placement, VariableSpec, place_blocks, place_tables
+from .placement import STRATEGIES, Placement, place_blocks, place_tables
+from .variables import VariableSpec
 
 
 def job_layout(job: Job, world_size: int, nodes: list[int] | None = None) -> Layout:

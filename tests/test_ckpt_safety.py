@@ -19,7 +19,7 @@ from conftest import BackgroundJob, clean_env, run_mpi, run_py, small_tmpfs, sto
 from mpips import checkpoint, files, initial
 from mpips.checkpoint import Checkpoint
 from mpips.errors import CheckpointError
-from mpips.placement import VariableSpec
+from mpips.variables import VariableSpec
 
 W = {"w": np.arange(8, dtype=np.float32).reshape(2, 4)}
 

@@ -14,7 +14,7 @@ from mpips import checkpoint, data, sparse
 from mpips.checkpoint import Entry, Part
 from mpips.errors import CheckpointError, DataError, NonFinite
 from mpips.memory import ABSURD_BYTES, available_bytes
-from mpips.placement import VariableSpec
+from mpips.variables import VariableSpec
 
 SECRET = b"the user's private file: \x00\x01\x02\x03" * 4
 

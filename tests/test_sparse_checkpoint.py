@@ -21,7 +21,7 @@ from mpips.ctr import EMBEDDING, WIDE, WideDeep
 from mpips.errors import CheckpointError
 from mpips.job import OptimizerConfig, load_job
 from mpips.optim import build_optimizer
-from mpips.placement import VariableSpec
+from mpips.variables import VariableSpec
 
 FEATURES = 100_000  # a table of 100k rows, of which a run touches under 1%
 JOB = """
