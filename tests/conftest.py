@@ -92,6 +92,11 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "launcher: spawns mpiexec or other subprocesses itself (plain pytest only)"
     )
+    config.addinivalue_line(
+        "markers",
+        "slow: launches whole jobs (every launcher test is slow); "
+        '-m "not slow" is the fast tier, in-process only',
+    )
 
 
 _COLLECTIVE: set[str] = set()  # node ids of the ``mpi`` tests: they use COMM_WORLD together
@@ -110,8 +115,10 @@ def pytest_collection_modifyitems(config, items):
                         "(run by test_mpi_suite.py under plain pytest)"
                     )
                 )
-        if item.get_closest_marker("launcher") is not None and WORLD_SIZE > 1:
-            item.add_marker(pytest.mark.skip(reason="spawns mpiexec; run under plain pytest"))
+        if item.get_closest_marker("launcher") is not None:
+            item.add_marker(pytest.mark.slow)  # a whole job: the fast tier leaves it out
+            if WORLD_SIZE > 1:
+                item.add_marker(pytest.mark.skip(reason="spawns mpiexec; run under plain pytest"))
 
 
 _REAL_STDERR = None

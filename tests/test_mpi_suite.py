@@ -1,27 +1,30 @@
-"""Runs the in-process multi-rank tests (test_store_mpi.py) under mpiexec at two layouts (1 PS
-+ 2 workers on 3 ranks, 2 PS + 2 workers on 4), and checks from each rank's JUnit XML report
-that every collected test ran and passed there."""
+"""Runs the in-process multi-rank tests (test_store_mpi.py: the store's contracts;
+test_modes_mpi.py: each mode trained in process) under mpiexec at two layouts (1 PS + 2
+workers on 3 ranks, 2 PS + 2 workers on 4; the modes on 3), and checks from each rank's JUnit
+XML report that every collected test ran and passed there."""
 
 import xml.etree.ElementTree as ET
 
 import pytest
 from conftest import ROOT, run_mpi, run_py
 
-SUITE = "tests/test_store_mpi.py"
+STORE, MODES = "tests/test_store_mpi.py", "tests/test_modes_mpi.py"
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("ranks,ps", [(3, ""), (4, "2")])
-def test_store_contracts_under_mpiexec(tmp_path, ranks, ps):
+@pytest.mark.parametrize(
+    "ranks,ps,suite", [(3, "", STORE), (4, "2", STORE), (3, "", MODES)], ids=str
+)
+def test_in_process_suites_under_mpiexec(tmp_path, ranks, ps, suite):
     collected = run_py(
-        ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", SUITE], cwd=ROOT
+        ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", suite], cwd=ROOT
     )
-    ids = [line for line in collected.stdout.splitlines() if line.startswith(SUITE + "::")]
-    assert len(ids) >= 9, collected.stdout
+    ids = [line for line in collected.stdout.splitlines() if line.startswith(suite + "::")]
+    assert len(ids) >= 4, collected.stdout
     report = tmp_path / "junit.xml"
     r = run_mpi(
         ranks,
-        ["-m", "pytest", "-q", "-p", "no:cacheprovider", SUITE, f"--junitxml={report}"],
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", suite, f"--junitxml={report}"],
         cwd=ROOT,
         timeout=240,
         MPIPS_TEST_TIMEOUT="60",

@@ -1,0 +1,104 @@
+"""Every training mode, trained in process across COMM_WORLD (``mpips.train(job, comm)`` on
+each rank, no launcher): the fast tier under MPI, ``mpirun -n 3 python -m pytest -m "not
+slow"``, trains all four modes in seconds. Under plain pytest test_mpi_suite.py runs this
+file in an mpiexec subprocess. N ranks: 1 PS task + N-1 workers (sync: N replicas). Each mode
+is checked against what it must equal: sync and sync_replicas one process with W x the
+batch, hybrid its lockstep reference, async every global step counted once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_hybrid import assert_close, hybrid_job, lockstep
+from test_optimizers_mpi import read_ckpt
+from test_sync_mpi import assert_one_process, one_process
+from test_sync_mpi import write_job as sync_job
+from test_sync_replicas import JOB as REPLICAS_JOB
+
+import mpips
+from mpips.job import load_job
+
+pytestmark = pytest.mark.mpi(ranks=3)
+
+
+def world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def shared(tmp_path, monkeypatch) -> Path:
+    """Rank 0's tmp_path, every rank's working directory (the job's relative paths)."""
+    comm = world()
+    path = Path(comm.bcast(str(tmp_path) if comm.rank == 0 else None))
+    monkeypatch.chdir(path)
+    return path
+
+
+def train(write) -> tuple[mpips.Job, mpips.TrainResult]:
+    """Rank 0 writes the job file (``write()``), every rank loads it and trains it."""
+    comm = world()
+    if comm.rank == 0:
+        write()
+    comm.Barrier()
+    job = load_job("job.toml")
+    return job, mpips.train(job, comm=comm)
+
+
+def test_sync_replicas_in_process_equal_one_process(shared):
+    job, result = train(lambda: sync_job(shared, "adam"))
+    assert (result.global_step, result.updates) == (20, 20)
+    world().Barrier()
+    if world().rank == 0:
+        assert assert_one_process(shared, job, world().size) == [20] * world().size
+
+
+def test_sync_replicas_mode_through_a_ps_equals_one_process(shared):
+    """train.mode = "sync_replicas": the workers' gradients averaged on the PS each step."""
+    text = REPLICAS_JOB.format(mode="sync_replicas", optimizer="sgd", lr=0.1)
+    job, result = train(lambda: (shared / "job.toml").write_text(text))
+    if world().rank == 1:  # the chief
+        assert result.global_step == 20
+    world().Barrier()
+    if world().rank == 0:
+        variables, _, _ = read_ckpt(shared / "runs/sync_replicas/ckpt-20.json")
+        want, _ = one_process(job, world().size - 1, 20)
+        for name, value in want.items():
+            np.testing.assert_allclose(variables[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_async_counts_every_global_step_once_and_learns(shared):
+    text = REPLICAS_JOB.format(mode="async", optimizer="sgd", lr=0.1).replace(
+        "steps = 20", "steps = 60"
+    )
+    job, result = train(lambda: (shared / "job.toml").write_text(text))
+    updates = world().allgather(0 if result.role.job == "ps" else result.updates)
+    assert sum(updates) == 60 and updates[0] == 0, updates
+    if result.role.job == "worker":
+        assert 0 < result.examples <= result.updates * job.train.batch_size
+    if world().rank == 1:  # the chief
+        assert result.global_step == 60
+        assert result.test_accuracy is not None and result.test_accuracy > 0.5
+    world().Barrier()
+    if world().rank == 0:
+        _, _, clocks = read_ckpt(shared / "runs/async/ckpt-60.json")
+        assert clocks == updates[1:], "each worker's clock in the checkpoint"
+
+
+def test_hybrid_tables_on_the_ps_dense_replicas_equal_lockstep(shared):
+    job, result = train(lambda: hybrid_job(shared, "wide_deep", "sgd", 0.5, 24))
+    if world().rank == 1:  # the chief
+        assert result.global_step == 24
+    world().Barrier()
+    if world().rank == 0:
+        variables, _ = mpips_checkpoint(shared / "runs/s/ckpt-24.json").read_all()
+        assert_close(variables, lockstep(job, 24, world().size - 1))
+
+
+def mpips_checkpoint(path: Path):
+    from mpips.checkpoint import Checkpoint
+
+    return Checkpoint(path)
