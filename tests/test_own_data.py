@@ -8,7 +8,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
-from conftest import ROOT, clean_env, run_mpi
+from conftest import clean_env, run_mpi
 
 import mpips
 from mpips import data
@@ -274,15 +274,6 @@ dir = "runs/mine"
         env=clean_env(),
     )
     assert ev.returncode == 0 and "accuracy" in ev.stdout, ev.stderr
-
-
-def test_the_readme_data_example_is_a_valid_job():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("**Your own data**") : readme.index("Synchronous replicas, all")]
-    import re
-
-    for block in re.findall(r"```toml\n(.*?)```", section, re.S):
-        mpips.parse_job(block + "[train]\nsteps = 1\n")
 
 
 def test_small_unsigned_labels_are_counted(tmp_path):

@@ -55,15 +55,6 @@ def test_a_factory_that_is_not_a_model_is_one_clear_error(tmp_path, monkeypatch)
     sys.modules.pop("bad_models", None)
 
 
-def test_the_readme_example_is_the_shipped_file():
-    import re
-
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Your own model") : readme.index("## Python API")]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    assert code in (ROOT / "jobs/my_model.py").read_text()
-
-
 def test_the_built_in_models_are_models():
     from mpips.ctr import WideDeep
     from mpips.nn import MLP
