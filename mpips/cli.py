@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 from . import __version__
 from .errors import CheckpointError, DataError, MpipsError
@@ -18,6 +18,8 @@ from .log import set_verbose
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
     from .initial import InitialValues
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # one per command
 
 EPILOG = """examples:
   mpirun -n 8 python -m mpips train                  # built-in default job (digits, 2 PS + 6 workers)
@@ -56,6 +58,7 @@ def _ps_spec(text: str) -> int | list[int] | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per _add_* below."""
     parser = argparse.ArgumentParser(
         prog="python -m mpips",
         epilog=EPILOG,
@@ -65,7 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mpips {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(sub)
+    _add_eval(sub)
+    _add_predict(sub)
+    _add_layout(sub)
+    _add_ckpt(sub)
+    _add_plot(sub)
+    _add_data(sub)
+    return parser
 
+
+def _add_train(sub: Subparsers) -> None:
+    """``train``: a job and its command-line overrides."""
     t = sub.add_parser(
         "train",
         help="train a job (run under mpirun/srun)",
@@ -98,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=cmd_train)
 
+
+def _add_eval(sub: Subparsers) -> None:
+    """``eval``: a checkpoint on the job's test split."""
     ev = sub.add_parser(
         "eval",
         help="evaluate a checkpoint on the job's test split (one process, no MPI)",
@@ -114,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.set_defaults(func=cmd_eval)
 
+
+def _add_predict(sub: Subparsers) -> None:
+    """``predict``: a checkpoint's predictions for an array file."""
     pr = sub.add_parser(
         "predict",
         help="write a checkpoint's predictions for an array file",
@@ -127,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--output", required=True, metavar="FILE")
     pr.set_defaults(func=cmd_predict)
 
+
+def _add_layout(sub: Subparsers) -> None:
+    """``layout``: roles and placement for N ranks."""
     lay = sub.add_parser(
         "layout",
         help="print roles and placement for N ranks (no MPI launch)",
@@ -150,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lay.set_defaults(func=cmd_layout)
 
+
+def _add_ckpt(sub: Subparsers) -> None:
+    """``ckpt list|inspect|export``."""
     c = sub.add_parser(
         "ckpt",
         help="list, inspect or export checkpoints",
@@ -175,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
     c.set_defaults(func=cmd_ckpt)
 
+
+def _add_plot(sub: Subparsers) -> None:
+    """``plot``: figures of a run."""
     pl = sub.add_parser(
         "plot",
         help="PNG figures of a run from its summaries and timeline",
@@ -187,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: RUN_DIR)")
     pl.set_defaults(func=cmd_plot)
 
+
+def _add_data(sub: Subparsers) -> None:
+    """``data``: a dataset converted to mpips HDF5."""
     d = sub.add_parser(
         "data",
         help="convert a dataset to mpips HDF5",
@@ -240,7 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--hash-bits", type=int, default=20, help="clothing-reviews / criteo: ids < 2^bits"
     )
     d.set_defaults(func=cmd_data)
-    return parser
 
 
 def _resolve_job(args: argparse.Namespace) -> Job:
@@ -523,12 +554,33 @@ def _inspect(ckpt: Checkpoint, initial: InitialValues | None) -> int:
 def _initial_of(job: str, ckpt: Checkpoint) -> InitialValues:
     """The initial values of the tables of ``job``'s model, for the rows a sparse checkpoint
     does not store; CheckpointError naming the job if it cannot be built."""
-    from .initial import from_job
-
     try:
-        return from_job(job, ckpt.meta.get("model"))
+        return _initial_from_job(job, ckpt.meta.get("model"))
     except MpipsError as e:
         raise CheckpointError(f"--job {job}: cannot compute the initial table rows: {e}") from None
+
+
+def _initial_from_job(path: str, model_kind: object = None) -> InitialValues:
+    """The initial values of the tables of the model that the job file ``path`` builds (on
+    its data file's facts, as ``mpips train`` does), with its optimizer's slots: for readers
+    that have no model at hand (``mpips ckpt export``). ``model_kind``: the kind a checkpoint
+    says wrote it, which the job must name too. ConfigError or DataError if it cannot."""
+    import numpy as np
+
+    from .data import open_data
+    from .errors import ConfigError
+    from .initial import from_model
+    from .nn import build_model
+    from .optim import build_optimizer
+
+    job = load_job(path)
+    if model_kind is not None and model_kind != job.model.kind:
+        raise ConfigError(
+            f"job file {path} builds model {job.model.kind!r}, the checkpoint was written "
+            f"by {model_kind!r}"
+        )
+    model = build_model(job.model, open_data(job.data), np, job.source)
+    return from_model(model, build_optimizer(job.optimizer))
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ A table partition (split by rows over the PS tasks, see placement.py) starts as
 ``model.initial_rows(table, rows, seed)`` and its optimizer slots as
 ``optimizer.init_slots(values)``: a function of (table, row, seed) only, the same whatever
 the partition. A run touches few rows of a big table, so a PS writes only the rows that
-differ from these (checkpoint.py) and every reader computes the others again.
+differ from these (mpips.checkpoint) and every reader computes the others again.
 ``InitialValues`` is how the writer and the readers compute them, a chunk of rows at a time
 (``row_chunks``), so that no whole partition's initial values are ever in memory.
 """
@@ -58,24 +58,3 @@ def from_model(
         return rows_of(model, optimizer, table, rows, seed)
 
     return InitialValues(compute, chunk_elements)
-
-
-def from_job(path: str, model_kind: Any = None) -> InitialValues:
-    """The initial values of the tables of the model that the job file ``path`` builds (on
-    its data file's facts, as ``mpips train`` does), with its optimizer's slots: for readers
-    that have no model at hand (``mpips ckpt export``). ``model_kind``: the kind a checkpoint
-    says wrote it, which the job must name too. ConfigError or DataError if it cannot."""
-    from .data import open_data
-    from .errors import ConfigError
-    from .job import load_job
-    from .nn import build_model
-    from .optim import build_optimizer
-
-    job = load_job(path)
-    if model_kind is not None and model_kind != job.model.kind:
-        raise ConfigError(
-            f"job file {path} builds model {job.model.kind!r}, the checkpoint was written "
-            f"by {model_kind!r}"
-        )
-    model = build_model(job.model, open_data(job.data), np, job.source)
-    return from_model(model, build_optimizer(job.optimizer))

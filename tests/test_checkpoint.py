@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from mpips import checkpoint
 from mpips.checkpoint import Checkpoint, Entry, Part
+from mpips.checkpoint.manifest import _covers_once
+from mpips.checkpoint.reading import _overlap
 from mpips.errors import CheckpointError
 from mpips.placement import VariableSpec, round_robin, slot_placement
 
@@ -114,7 +116,7 @@ def test_overlap_of_two_row_ranges(want, held):
     """The rows two partitions share, as slices of each, equal the brute-force intersection."""
     want, held = range(*want), range(*held)
     both = sorted(set(want) & set(held))
-    got = checkpoint._overlap(want, held)
+    got = _overlap(want, held)
     if not both:
         assert got is None
     else:
@@ -135,7 +137,7 @@ def test_covers_once_agrees_with_counting_rows(num_rows, bounds, step):
     for a, b in bounds:
         np.add.at(counts, list(range(a, b, step)), 1)
     brute = bool((counts[:num_rows] == 1).all() and counts[num_rows:].sum() == 0)
-    assert checkpoint._covers_once(parts, num_rows) == brute
+    assert _covers_once(parts, num_rows) == brute
 
 
 def test_crafted_manifest_parts_are_checked_quickly(tmp_path):
@@ -312,3 +314,20 @@ def test_corrupt_and_foreign_files(tmp_path):
     save(tmp_path, 4, values())
     with pytest.raises(CheckpointError, match=r"one shard of a checkpoint; give its manifest"):
         checkpoint.resolve(tmp_path / "ckpt-4.shard-0-of-1.h5")
+
+
+def test_the_checkpoint_package_builds_no_job_dataset_or_model():
+    """Checkpoints read and write arrays and a manifest, with initial values handed in:
+    nothing under mpips.checkpoint imports (even indirectly) a job, a dataset or a model."""
+    from test_structure import modules, runtime_imports
+
+    mods = modules()
+    graph = {n: runtime_imports(n, t, set(mods)) for n, t in mods.items()}
+    seen = {n for n in mods if n.startswith("mpips.checkpoint")}
+    todo = list(seen)
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    reached = seen & {"mpips.job", "mpips.data", "mpips.model", "mpips.nn", "mpips.ctr"}
+    assert not reached, sorted(seen)

@@ -17,7 +17,7 @@ import pytest
 from conftest import BackgroundJob, clean_env, run_mpi, run_py, small_tmpfs, stop_launcher
 
 from mpips import checkpoint, files, initial
-from mpips.checkpoint import Checkpoint
+from mpips.checkpoint import Checkpoint, writing
 from mpips.errors import CheckpointError
 from mpips.variables import VariableSpec
 
@@ -56,7 +56,7 @@ def test_a_manifest_no_reader_would_accept_is_never_committed(tmp_path, monkeypa
     """Readers refuse manifests over files.TEXT_LIMIT; a commit that would write one is
     refused instead, and the checkpoint before it stays the latest."""
     save(tmp_path, 1)
-    monkeypatch.setattr(checkpoint, "TEXT_LIMIT", 200)
+    monkeypatch.setattr(writing, "TEXT_LIMIT", 200)  # the limit a commit checks
     with pytest.raises(CheckpointError, match="more than the 200 a reader accepts"):
         save(tmp_path, 2, {f"v{k}": W["w"] for k in range(10)})
     assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "ckpt-1.json"

@@ -115,3 +115,18 @@ def test_a_job_with_pins_trains_and_places_them(tmp_path):
         manifest = checkpoint.Checkpoint(checkpoint.latest_checkpoint(tmp_path / f"runs/{mode}"))
         shards = {name: [p.shard for p in e.parts] for name, e in manifest.variables.items()}
         assert shards["dense_0/kernel"] == [1] and shards["dense_1/kernel"] == [1], shards
+
+
+def test_the_model_api_does_not_depend_on_ps_sharding():
+    """mpips.Variable is VariableSpec from variables.py, which model.py imports; neither
+    reaches placement (where each variable lives on the PS tasks)."""
+    import ast
+    from pathlib import Path
+
+    import mpips.variables
+
+    assert mpips.Variable is mpips.variables.VariableSpec
+    for name in ("model.py", "variables.py"):
+        tree = ast.parse((Path(mpips.__file__).parent / name).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not imported & {"placement", "placing"}, (name, imported)

@@ -1,0 +1,257 @@
+"""Table partitions stored sparsely: only the rows that differ from their initial values.
+
+A PS writes a table partition (and its slots) as ``index`` and ``values`` where that writes at
+most SPARSE_MAX_FRACTION of its bytes, saying what the other rows hold: one constant, or the
+model's initial rows of a seed (computed by the InitialValues the writer is handed, never by
+a model the file names). A reader checks such a part here before it trusts any of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from ..errors import CheckpointError
+from ..initial import InitialValues, row_chunks
+from ..memory import check_fits
+from .format import NUMBER_KINDS, SPARSE, Entry, Part, Rows, h5_path
+
+SPARSE_MIN_BYTES = 1 << 16  # smaller partitions are written whole: sparse saves too little
+SPARSE_MAX_FRACTION = 0.5  # sparse only if it writes at most this fraction of the bytes
+
+
+@dataclass(frozen=True)
+class SparseTables:
+    """What a PS knows to write its table partitions sparsely: each partition's rows by
+    table name, the seed of their initial values, and how to compute those."""
+
+    rows: dict[str, Rows]
+    seed: int
+    initial: InitialValues
+
+
+@dataclass
+class _Changed:
+    """Rows of one array of a table partition found to differ from their initial values,
+    gathered a chunk at a time while storing them sparsely still pays."""
+
+    array: np.ndarray
+    limit: int  # more changed rows than this: the whole array is smaller
+    index_dtype: np.dtype[Any]
+    found: list[np.ndarray] = field(default_factory=list)
+    count: int = 0
+    constant: np.ndarray | None = None  # the bits every initial row holds, if one value
+    varies: bool = False  # the initial rows are not one value
+
+    def add(self, lo: int, initial: np.ndarray) -> bool:
+        """Compare rows [lo, lo + len(initial)) with their ``initial`` values, bit for bit
+        (-0.0 is not 0.0: a restore must give the same bits); False once sparse no longer
+        pays, or if ``initial`` is not rows of this array."""
+        current = self.array[lo : lo + len(initial)]
+        if initial.shape != current.shape or initial.dtype != current.dtype:
+            return False
+        old = _bits(initial)
+        changed = np.flatnonzero((_bits(current) != old).any(axis=1))
+        self.count += len(changed)
+        if self.count > self.limit:
+            return False
+        if len(changed):
+            self.found.append((changed + lo).astype(self.index_dtype))
+        if old.dtype.itemsize != current.dtype.itemsize:
+            self.varies = True  # compared as bytes: no one value to name
+        if not self.varies and old.size:
+            self.constant = old.flat[0] if self.constant is None else self.constant
+            self.varies = bool((old != self.constant).any())
+        return True
+
+    def index(self) -> np.ndarray:
+        """Positions of the changed rows in the partition, ascending."""
+        return np.concatenate(self.found) if self.found else np.zeros(0, self.index_dtype)
+
+    def base(self) -> np.ndarray | None:
+        """The one value every untouched row holds (a 0-d array of the array's dtype), or
+        None: they hold the model's initial rows."""
+        if self.varies or self.constant is None:
+            return None
+        return np.asarray(self.constant).view(self.array.dtype).reshape(())
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """``a`` as rows of unsigned integers of the same bits, for exact comparison."""
+    rows = a.reshape(len(a), -1)
+    size = rows.dtype.itemsize
+    return rows.view(f"u{size}") if size in (1, 2, 4, 8) else rows.view(np.uint8)
+
+
+def _may_be_sparse(array: np.ndarray) -> bool:
+    """Worth comparing with its initial rows: a numeric array with rows, large enough."""
+    return (
+        array.ndim >= 1
+        and array.dtype.kind in NUMBER_KINDS
+        and array.size * array.dtype.itemsize >= SPARSE_MIN_BYTES
+    )
+
+
+def _changed_rows(
+    table: str, rows: Rows, arrays: dict[str, np.ndarray], tables: SparseTables
+) -> dict[str, _Changed]:
+    """For each array of one table partition (the table itself as "", its slots by slot
+    name) that pays to write sparsely: its rows that differ from their initial values. One
+    pass over the partition, a chunk of rows at a time; the initial values of each chunk are
+    computed once for the table and all its slots, and the pass stops early once no array
+    pays."""
+    part = range(*rows)
+    pending: dict[str, _Changed] = {}
+    for key, a in arrays.items():
+        if _may_be_sparse(a) and len(a) == len(part):
+            row_bytes = a[:1].nbytes
+            index_dtype = np.dtype(np.uint32 if len(a) <= 1 << 32 else np.int64)
+            limit = int(SPARSE_MAX_FRACTION * len(a) * row_bytes) // (
+                row_bytes + index_dtype.itemsize
+            )
+            pending[key] = _Changed(a, limit, index_dtype)
+    width = max((a[:1].size for a in arrays.values()), default=1)
+    for lo, hi in row_chunks(len(part), width, tables.initial.chunk_elements):
+        if not pending:
+            break
+        sub = part[lo:hi]
+        initial = tables.initial.compute(table, (sub.start, sub.stop, sub.step), tables.seed)
+        for key in list(pending):
+            values = initial.get(key)
+            if values is None or not pending[key].add(lo, np.asarray(values)):
+                del pending[key]
+    return pending
+
+
+def sparse_parts(
+    variables: dict[str, np.ndarray], slots: dict[str, np.ndarray], tables: SparseTables | None
+) -> dict[str, _Changed]:
+    """The arrays of a shard that are written sparsely, by their path in it, with their
+    changed rows: those of the table partitions (and their slots) where sparse pays."""
+    out: dict[str, _Changed] = {}
+    for table, rows in (tables.rows if tables else {}).items():
+        assert tables is not None
+        found = _changed_rows(table, rows, _table_arrays(table, variables, slots), tables)
+        out.update({h5_path(f"{table}/{k}" if k else table, bool(k)): c for k, c in found.items()})
+    return out
+
+
+def write_sparse(f: h5py.File, path: str, changed: _Changed, tables: SparseTables) -> None:
+    """One array of a table partition as a group: ``index`` (positions of the rows that
+    differ from their initial values, ascending), ``values`` (those rows), and attributes
+    saying what the other rows hold: ``base`` "constant" (``value``) or "initial" (the
+    model's initial rows of ``seed``)."""
+    a, index = changed.array, changed.index()
+    g = f.create_group(path)
+    g.attrs["layout"] = SPARSE
+    g.attrs["rows"] = len(a)
+    base = changed.base()
+    if base is not None:
+        g.attrs["base"] = "constant"
+        g.attrs["value"] = base
+    else:
+        g.attrs["base"] = "initial"
+        g.attrs["seed"] = tables.seed
+    g.create_dataset("index", data=index)
+    values = g.create_dataset("values", (len(index),) + a.shape[1:], a.dtype)
+    for lo, hi in row_chunks(len(index), a[:1].size, tables.initial.chunk_elements):
+        values[lo:hi] = a[index[lo:hi]]
+
+
+def _table_arrays(
+    table: str, variables: dict[str, np.ndarray], slots: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """A table's partition ("") and its slots' (by slot name) among a shard's arrays."""
+    out = {"": variables[table]} if table in variables else {}
+    for name, a in slots.items():
+        var, slot = name.rsplit("/", 1)
+        if var == table:
+            out[slot] = a
+    return out
+
+
+@dataclass(frozen=True)
+class SparsePart:
+    """A part stored sparsely, checked: its rows of the whole variable, the ascending
+    positions (in the part) of the rows it stores, those rows, and what the other rows hold
+    (``constant``, or the initial values of ``seed``)."""
+
+    rows: range
+    index: np.ndarray
+    values: h5py.Dataset
+    constant: np.ndarray | None
+    seed: int
+
+
+def check_sparse(path: Path, name: str, entry: Entry, part: Part, g: h5py.Group) -> SparsePart:
+    """A sparse part checked: its attributes, the shapes and dtypes of its index and
+    values, and every index entry (in range, strictly ascending); a CheckpointError
+    saying what is wrong otherwise."""
+    dtype = np.dtype(entry.dtype)
+    rows = range(*(part.rows or (0, entry.shape[0], 1)))
+
+    def bad(problem: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {path}: shard {part.shard} holds '{name}' sparsely, but {problem}"
+        )
+
+    attrs = dict(g.attrs)
+    if attrs.get("layout") != SPARSE:
+        raise bad(f"its layout is {attrs.get('layout')!r}, not {SPARSE!r}")
+    if integer(attrs.get("rows")) != len(rows):
+        raise bad(f"it says it has {attrs.get('rows')} rows, the manifest {len(rows)}")
+    index, values = g.get("index"), g.get("values")
+    if not isinstance(index, h5py.Dataset) or index.ndim != 1 or index.dtype.kind not in "iu":
+        raise bad("its row index is not a 1-D array of integers")
+    if not isinstance(values, h5py.Dataset):
+        raise bad("it has no values")
+    k = index.shape[0]
+    if k > len(rows):
+        raise bad(f"its row index has {k} entries for {len(rows)} rows")
+    if values.shape != (k,) + entry.shape[1:] or values.dtype != dtype:
+        raise bad(
+            f"its values are {values.dtype}{list(values.shape)}, not "
+            f"{dtype}{[k, *entry.shape[1:]]} (one row per index entry)"
+        )
+    constant, seed = _sparse_base(attrs, dtype, bad)
+    check_fits(8 * k, f"reading checkpoint {path}", CheckpointError)
+    positions = index[()].astype(np.int64)
+    if k and (positions.min() < 0 or positions.max() >= len(rows)):
+        raise bad(f"its row index holds positions outside 0..{len(rows) - 1}")
+    if k and bool((positions[1:] <= positions[:-1]).any()):
+        raise bad("its row index is not strictly ascending (sorted, no repeats)")
+    return SparsePart(rows, positions, values, constant, seed)
+
+
+def _sparse_base(
+    attrs: dict[str, Any], dtype: np.dtype[Any], bad: Callable[[str], CheckpointError]
+) -> tuple[np.ndarray | None, int]:
+    """(the constant the unstored rows hold, or None; the seed of their initial values)."""
+    base = attrs.get("base")
+    if base == "constant":
+        value = attrs.get("value")
+        if not isinstance(value, np.generic | np.ndarray) or value.dtype != dtype:
+            raise bad(f"its constant is not one {dtype}")
+        if np.size(value) != 1:
+            raise bad(f"its constant is not one {dtype}")
+        return np.asarray(value).reshape(()), 0
+    if base == "initial":
+        seed = integer(attrs.get("seed"))
+        if seed is None:
+            raise bad("the seed of its initial values is not an integer")
+        return None, seed
+    raise bad(f"what its other rows hold is {base!r}, not 'constant' or 'initial'")
+
+
+def integer(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (a Python or numpy one, not a bool)."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        return None
+    return int(value)

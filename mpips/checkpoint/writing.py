@@ -1,0 +1,136 @@
+"""Writing a checkpoint: each writer's shard, then the commit, the manifest renamed into
+place after every shard is (a crash at any moment leaves the checkpoints before intact)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from ..errors import CheckpointError
+from ..files import TEXT_LIMIT, atomic_write
+from ..hdf5 import open_plain
+from .checks import check_finite
+from .format import FORMAT, RUN, Entry, h5_path, manifest_name, shard_name, text_attr
+from .lock import run_of
+from .manifest import encode_index
+from .pruning import prune
+from .sparse import SparseTables, sparse_parts, write_sparse
+
+NOT_COMMITTED = "checkpoint at global_step {step} not committed; the ones before it are intact"
+
+
+class ForeignShard(CheckpointError):
+    """A shard in place for a commit was written by another run: the run stops (exit 1)."""
+
+    exit_code = 1
+
+
+def write_shard(
+    directory: str | Path,
+    step: int,
+    shard: int,
+    num_shards: int,
+    variables: dict[str, np.ndarray],
+    slots: dict[str, np.ndarray] | None = None,
+    tables: SparseTables | None = None,
+    run: str | None = None,
+) -> Path:
+    """Write one shard atomically: ``variables`` (name -> array, or the part of it this
+    shard holds) and ``slots`` (``<variable>/<slot>`` -> array), tagged with ``run`` (by
+    default the run this process writes in ``directory``, see run_of). With ``tables``, the
+    table partitions among them and their slots are written sparsely where that writes at
+    most SPARSE_MAX_FRACTION of their bytes (see write_sparse), else whole. NonFinite, and
+    nothing written, if any value is NaN or infinite; WriteFailed (exit 1) if the file
+    system refuses it (disk full, read-only)."""
+    slots = slots or {}
+    check_finite({**variables, **slots}, step)
+    run = run or run_of(directory)
+
+    def write(tmp: Path) -> None:
+        sparse = sparse_parts(variables, slots, tables)
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["global_step"] = step
+            f.attrs["shard"] = shard
+            if run:
+                f.attrs[RUN] = run
+            for is_slot, arrays in ((False, variables), (True, slots)):
+                for name, value in arrays.items():
+                    path = h5_path(name, is_slot)
+                    if tables is not None and path in sparse:
+                        write_sparse(f, path, sparse[path], tables)
+                    else:
+                        f.create_dataset(path, data=value)
+
+    return atomic_write(
+        Path(directory) / shard_name(step, shard, num_shards),
+        write,
+        NOT_COMMITTED.format(step=step),
+    )
+
+
+def commit(
+    directory: str | Path,
+    step: int,
+    num_shards: int,
+    variables: dict[str, Entry],
+    slots: dict[str, Entry],
+    meta: dict[str, Any],
+    max_to_keep: int = 3,
+    run: str | None = None,
+) -> Path:
+    """After every shard of ``step`` is in place, each written by run ``run`` (by default
+    the run this process writes in ``directory``, see run_of; None: not checked): write the
+    manifest (the commit), then prune to the newest ``max_to_keep`` and delete what
+    uncommitted writes left behind."""
+    d = Path(directory)
+    run = run or run_of(d)
+    _check_shards(d, step, num_shards, run)
+    manifest = {
+        "format": FORMAT,
+        "global_step": step,
+        "shards": num_shards,
+        **meta,
+        **({RUN: run} if run else {}),
+        "variables": encode_index(variables),
+        "slots": encode_index(slots),
+    }
+    text = json.dumps(manifest, indent=1)
+    if len(text) > TEXT_LIMIT:  # a reader would refuse it: never commit what cannot load
+        raise CheckpointError(
+            f"checkpoint {d}: the manifest of global_step {step} would be {len(text)} bytes, "
+            f"more than the {TEXT_LIMIT} a reader accepts (too many variables or parts); "
+            f"not committed"
+        )
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    path = atomic_write(d / manifest_name(step), write, NOT_COMMITTED.format(step=step))
+    prune(d, max_to_keep)
+    return path
+
+
+def _check_shards(d: Path, step: int, num_shards: int, run: str | None) -> None:
+    """Every shard of ``step`` is in place and, if ``run``, was written by that run: else
+    CheckpointError (a shard missing) or ForeignShard (another run's), nothing committed."""
+    for k in range(num_shards):
+        path = d / shard_name(step, k, num_shards)
+        if not path.is_file():
+            raise CheckpointError(
+                f"checkpoint {d}: shard {k} of {num_shards} for global_step "
+                f"{step} is missing; not committed"
+            )
+        if run:
+            with open_plain(path, CheckpointError, f"checkpoint {d}: shard {path.name}") as f:
+                wrote = text_attr(f.attrs.get(RUN))
+            if wrote != run:
+                raise ForeignShard(
+                    f"checkpoint {d}: shard {path.name} was written by "
+                    f"{f'run {wrote}' if wrote else 'a run with no id'}, not by this run "
+                    f"({run}): not committed (another run writes into {d}?)"
+                )
