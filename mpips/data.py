@@ -192,51 +192,9 @@ def _open(
                 if rows["train"] == 0:
                     raise DataError(f"{where}: 'train' has no rows")
                 return DatasetInfo(info.path, num_features, 2, rows, sparse=True, max_nnz=max_nnz)
-            get, attrs = source.get, source.attrs
-            rows, widths, names = {}, {}, {}
-            for split in splits:
-                x_name, y_name = info.names[split]
-                missing = [n for n in (x_name, y_name) if not source.has(n)]
-                if missing:
-                    if split in required:
-                        raise DataError(
-                            f"{where}: missing {_what(info, missing[0])} (the {split} split)"
-                            + (_relative(missing[0]) if info.kind == "npy" else "")
-                        )
-                    continue
-                x, y = get(x_name), get(y_name)
-                if x.ndim < 1 or x.dtype.kind not in "biuf":
-                    raise DataError(
-                        f"{where}: {_what(info, x_name)} must be rows of numbers, "
-                        f"got {x.ndim}-D {x.dtype}"
-                    )
-                if y.ndim != 1 or y.dtype.kind not in "iu":
-                    raise DataError(
-                        f"{where}: {_what(info, y_name)} must be 1-D integer "
-                        f"labels, got {y.ndim}-D {y.dtype}"
-                    )
-                if x.shape[0] != y.shape[0]:
-                    raise DataError(
-                        f"{where}: {_what(info, x_name)} has {x.shape[0]} rows "
-                        f"but {_what(info, y_name)} has {y.shape[0]}"
-                    )
-                rows[split], names[split] = int(x.shape[0]), (x_name, y_name)
-                widths[split] = math.prod(int(d) for d in x.shape[1:])
-            if len(set(widths.values())) != 1:
-                raise DataError(f"{where}: its splits have different widths {widths}")
-            if rows["train"] == 0:
-                raise DataError(f"{where}: 'train' has no rows")
-            if not num_classes:
-                num_classes = int(attrs.get("num_classes", 0)) or _count_classes(
-                    get(names["train"][1])
-                )
-            if not 2 <= num_classes <= MAX_CLASSES:
-                raise DataError(
-                    f"{where}: num_classes must be in 2..{MAX_CLASSES}, got "
-                    f"{num_classes} (the attribute num_classes, data.num_classes, "
-                    f"or the largest train label + 1)"
-                )
-            x_scale = x_scale or float(attrs.get("x_scale", 1.0))
+            rows, widths, names = _check_splits(source, info, splits, required)
+            num_classes = _num_classes(source, where, num_classes, names["train"][1])
+            x_scale = x_scale or float(source.attrs.get("x_scale", 1.0))
             if not 0 < x_scale < float("inf"):
                 raise DataError(f"{where}: x_scale must be a positive number, got {x_scale}")
     except DataError:
@@ -254,6 +212,61 @@ def _open(
         names=names,
         arrays=info.arrays,
     )
+
+
+def _check_splits(
+    source: _Arrays, info: DatasetInfo, splits: tuple[str, ...], required: tuple[str, ...]
+) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[str, str]]]:
+    """Each split's arrays present (if ``required``), rows of numbers with as many integer
+    labels, all splits of one width: (rows, widths, array names) of the splits there."""
+    where = _where(info)
+    rows, widths, names = {}, {}, {}
+    for split in splits:
+        x_name, y_name = info.names[split]
+        missing = [n for n in (x_name, y_name) if not source.has(n)]
+        if missing:
+            if split in required:
+                raise DataError(
+                    f"{where}: missing {_what(info, missing[0])} (the {split} split)"
+                    + (_relative(missing[0]) if info.kind == "npy" else "")
+                )
+            continue
+        x, y = source.get(x_name), source.get(y_name)
+        if x.ndim < 1 or x.dtype.kind not in "biuf":
+            raise DataError(
+                f"{where}: {_what(info, x_name)} must be rows of numbers, got {x.ndim}-D {x.dtype}"
+            )
+        if y.ndim != 1 or y.dtype.kind not in "iu":
+            raise DataError(
+                f"{where}: {_what(info, y_name)} must be 1-D integer "
+                f"labels, got {y.ndim}-D {y.dtype}"
+            )
+        if x.shape[0] != y.shape[0]:
+            raise DataError(
+                f"{where}: {_what(info, x_name)} has {x.shape[0]} rows "
+                f"but {_what(info, y_name)} has {y.shape[0]}"
+            )
+        rows[split], names[split] = int(x.shape[0]), (x_name, y_name)
+        widths[split] = math.prod(int(d) for d in x.shape[1:])
+    if len(set(widths.values())) != 1:
+        raise DataError(f"{where}: its splits have different widths {widths}")
+    if rows["train"] == 0:
+        raise DataError(f"{where}: 'train' has no rows")
+    return rows, widths, names
+
+
+def _num_classes(source: _Arrays, where: str, num_classes: int, train_y: str) -> int:
+    """The number of classes: ``num_classes``, else the file's attribute num_classes, else
+    the largest train label + 1; DataError unless in 2..MAX_CLASSES."""
+    if not num_classes:
+        num_classes = int(source.attrs.get("num_classes", 0)) or _count_classes(source.get(train_y))
+    if not 2 <= num_classes <= MAX_CLASSES:
+        raise DataError(
+            f"{where}: num_classes must be in 2..{MAX_CLASSES}, got "
+            f"{num_classes} (the attribute num_classes, data.num_classes, "
+            f"or the largest train label + 1)"
+        )
+    return num_classes
 
 
 def _relative(path: str) -> str:
