@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm import tqdm
 
@@ -16,6 +16,21 @@ from .log import log
 if TYPE_CHECKING:
     from .job import Job
     from .layout import Role
+
+
+class LoopMode(Protocol):
+    """What the loop's hooks ask of the training mode (mpips.modes.Mode), nothing more."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def chief_speaks_for_all(self) -> bool: ...
+
+    @property
+    def has_staleness(self) -> bool: ...
+
+    def step_note(self, info: StepInfo) -> str: ...
 
 
 @dataclass
@@ -45,6 +60,7 @@ class Run:
     validation: list[dict[str, Any]] = field(default_factory=list)  # what Validation found
     save_seconds: float = 0.0  # chief: time spent writing checkpoints so far
     stop_requested: bool = False  # a hook asked to stop (this worker saw it)
+    mode: LoopMode | None = None  # the training mode (mpips.modes), as hooks see it
 
     @property
     def is_chief(self) -> bool:
@@ -94,30 +110,14 @@ class StepLogger(Hook):
         self.every = every
 
     def after_step(self, run: Run, info: StepInfo) -> None:
-        mode = run.job.train.mode
-        if mode != "async" and not run.is_chief:
+        mode = run.mode
+        assert mode is not None
+        if mode.chief_speaks_for_all and not run.is_chief:
             return  # every replica makes the same step: the chief says it once
         if not self.every or info.local_updates % self.every:
             return
-        if mode == "sync_replicas":
-            log(
-                run.role,
-                f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} (the chief's "
-                f"batch; the PS tasks average the step's first replicas_to_aggregate gradients)",
-            )
-        elif mode == "sync":
-            log(
-                run.role,
-                f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
-                f"(mean over all replicas' batches)",
-            )
-        else:
-            log(
-                run.role,
-                f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} "
-                f"(update {info.local_updates} of this worker, pulled "
-                f"{info.delay} steps earlier)",
-            )
+        note = mode.step_note(info)
+        log(run.role, f"step {info.step} loss {info.loss:.4f} epoch {info.epoch} {note}")
 
 
 class ProgressBar(Hook):

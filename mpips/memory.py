@@ -8,6 +8,7 @@ corrupt file is one clear error, not a MemoryError traceback or an OOM kill.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from .errors import MpipsError
@@ -92,3 +93,16 @@ def check_fits(
         raise error(
             f"{what} needs {human(nbytes)}, more than the {human(room)} of memory available here"
         )
+
+
+SHM_DIR = "/dev/shm"  # where MPI's shared memory lives on Linux
+
+
+def shared_memory_free(nbytes: int) -> int:
+    """Bytes free in the node's shared-memory file system (SHM_DIR): a process that runs
+    past the end of its MPI shared memory there dies of SIGBUS. With no SHM_DIR here, twice
+    ``nbytes`` (MPI finds its own place)."""
+    try:
+        return shutil.disk_usage(SHM_DIR).free
+    except OSError:
+        return nbytes * 2

@@ -13,7 +13,7 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,13 @@ Array = Any  # numpy.ndarray or cupy.ndarray
 
 def apply_sgd(var: Array, grad: Array, lr: float) -> None:
     var -= lr * grad
+
+
+def sgd_deltas(grads: Iterable[Array], lr: float) -> None:
+    """Plain SGD as deltas, in place (``grad *= -lr``): what a worker pushes for a PS to add
+    (Accumulate) instead of applying apply_sgd itself."""
+    for grad in grads:
+        grad *= -lr
 
 
 def apply_momentum(

@@ -255,10 +255,10 @@ def say_preempted(role: Role, signum: int, job: Job) -> None:
     )
 
 
-def loss_not_finite(task: int, loss: float | str, step: int, mode: str) -> str:
+def loss_not_finite(task: int, loss: float | str, step: int, takes_clip_norm: bool) -> str:
     """The message for a loss that is NaN or infinite (training stops there, said once);
-    clipping is suggested only in the modes that take optimizer.clip_norm."""
-    clip = ", or set optimizer.clip_norm" if mode in ("async", "sync") else ""
+    clipping is suggested only where the mode takes optimizer.clip_norm."""
+    clip = ", or set optimizer.clip_norm" if takes_clip_norm else ""
     return (
         f"the loss of /job:worker/task:{task} is {loss} at global_step {step}: training "
         f"stopped, and no checkpoint holds non-finite values (the inputs were checked finite "

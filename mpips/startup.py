@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -18,7 +18,6 @@ from .data import (
     DatasetInfo,
     Part,
     StreamedPart,
-    full_batches,
     load_split,
     open_data,
     train_part,
@@ -26,14 +25,35 @@ from .data import (
 )
 from .errors import CheckpointError, ConfigError, DataError
 from .initial import CHUNK_ELEMENTS, InitialValues, from_model, row_chunks, rows_of
-from .job import Job, store_placement
+from .job import Job
+from .layout import Layout
 from .log import detail, log
 from .memory import check_fits, human
 from .nn import build_model
 from .optim import Optimizer
-from .placement import round_robin, slot_placement
-from .store import Cluster, WindowPlan, allgather_json, has_inboxes
+from .placement import Placement, round_robin, slot_placement
+from .store import Cluster, allgather_json
 from .summaries import summary_root
+
+
+class StartMode(Protocol):
+    """What start-up asks of the training mode (mpips.modes.Mode)."""
+
+    @property
+    def ps_holds_variables(self) -> bool: ...
+
+    @property
+    def chief_holds_dense(self) -> bool: ...
+
+    def ps_applies(self, stateful: bool) -> bool: ...
+
+    def store_placement(self, job: Job, model: Any, num_ps: int) -> Placement: ...
+
+    def check(self, job: Job, cluster: Cluster, model: Any, info: DatasetInfo) -> None: ...
+
+    def rank_bytes(
+        self, job: Job, layout: Layout, model: Any, optimizer: Optimizer, info: DatasetInfo
+    ) -> list[int]: ...
 
 
 @dataclass
@@ -57,7 +77,7 @@ class Prepared:
     local: dict[str, Any] = field(default_factory=dict)
 
 
-def _take_checkpoint_dir(job: Job, cluster: Cluster) -> None:
+def _take_checkpoint_dir(job: Job, mode: StartMode, cluster: Cluster) -> None:
     """The checkpoint directory taken for this run, before anything reads or writes there:
     the chief checks a fresh start would not mix with an earlier run, then locks it
     (checkpoint.lock_directory: a second run on the same directory stops here, naming the
@@ -87,7 +107,7 @@ def _take_checkpoint_dir(job: Job, cluster: Cluster) -> None:
         ]
     if "error" in said:
         raise CheckpointError(said["error"])
-    if not cluster.is_chief and cluster.is_ps and job.train.mode != "sync":
+    if not cluster.is_chief and cluster.is_ps and mode.ps_holds_variables:
         checkpoint.join_run(c.dir, said["run"])
 
 
@@ -108,46 +128,24 @@ def _refuse_mixed_start(job: Job) -> None:
             )
 
 
-def _check_checkpoint_dir(job: Job, cluster: Cluster) -> None:
+def _check_checkpoint_dir(job: Job, mode: StartMode, cluster: Cluster) -> None:
     """Found at start-up, not after training: a directory the writers cannot write."""
     c = job.checkpoint
     if not c.dir:
         return
-    writes = cluster.is_chief or (cluster.is_ps and job.train.mode != "sync")
+    writes = cluster.is_chief or (cluster.is_ps and mode.ps_holds_variables)
     if writes:
         checkpoint.check_writable(c.dir)
 
 
-def _check_sync_replicas(job: Job, cluster: Cluster, info: DatasetInfo) -> None:
-    """What sync_replicas needs of the layout and the data: no more gradients a step than
-    workers; backup workers only with one PS task (several would aggregate different
-    workers' gradients and drift apart); a full batch a step on every worker."""
-    aggregate, workers = job.train.replicas_to_aggregate, cluster.layout.num_workers
-    if aggregate > workers:
-        raise ConfigError(
-            f"train.replicas_to_aggregate = {aggregate}: more than the {workers} worker(s) "
-            f"of this layout"
-        )
-    if 0 < aggregate < workers and cluster.layout.num_ps > 1:
-        raise ConfigError(
-            f"train.replicas_to_aggregate = {aggregate} of {workers} workers (backup workers) "
-            f"needs a single PS task for now; this layout has {cluster.layout.num_ps}"
-        )
-    if full_batches(info.rows["train"], workers, job.train.batch_size) == 0:
-        raise DataError(
-            f"{info.path}: {info.rows['train']} train rows make no full batch of "
-            f"{job.train.batch_size} on each of {workers} workers (sync_replicas)"
-        )
-
-
-def _check_summary_dir(job: Job, cluster: Cluster) -> None:
+def _check_summary_dir(job: Job, mode: StartMode, cluster: Cluster) -> None:
     """The summaries' directory, checked like the checkpoints' by every rank that writes
     there (the chief, every worker with summary.all_workers, every task with a timeline,
     every PS task that applies updates itself)."""
     root, s = summary_root(job), job.summary
     if not root or not (s.every_steps or s.timeline):
         return
-    ps_applies = job.optimizer.kind != "sgd" or job.train.mode == "sync_replicas"
+    ps_applies = mode.ps_applies(job.optimizer.kind != "sgd")
     writes = (
         cluster.is_chief
         or s.timeline
@@ -168,27 +166,19 @@ def _check_summary_dir(job: Job, cluster: Cluster) -> None:
 
 
 def _check_memory(
-    job: Job, cluster: Cluster, model: Any, optimizer: Optimizer, info: DatasetInfo
+    job: Job,
+    mode: StartMode,
+    cluster: Cluster,
+    model: Any,
+    optimizer: Optimizer,
+    info: DatasetInfo,
 ) -> None:
     """What the ranks on this node will allocate for the model (PS windows, worker buffers;
     sync replicas: variables, slots and gradients) must fit in the memory available here.
     Sizes come from the data file's attributes and the job: a corrupt or hostile file must
     give one message, not an OOM kill."""
-    layout, here = cluster.layout, cluster.node_ranks
-    replica = sum(s.nbytes for s in model.variables()) * (2 + len(optimizer.slots))
-    if job.train.mode == "sync":
-        per_rank = [0 if layout.role(r).job == "ps" else replica for r in range(layout.world_size)]
-    else:
-        placement = store_placement(job, model, layout.num_ps)
-        slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
-        ps_applies = optimizer.stateful or job.train.mode == "sync_replicas"
-        inboxes = has_inboxes(placement, job.train.zero_copy, ps_applies)
-        plan = WindowPlan(placement, slots, job.train.batch_size * max(1, info.max_nnz))
-        per_rank = plan.rank_bytes(layout, inboxes, job.train.zero_copy)
-        if job.train.mode == "hybrid":  # the workers are replicas of the dense part too
-            per_rank = [
-                n + (0 if layout.role(r).job == "ps" else replica) for r, n in enumerate(per_rank)
-            ]
+    here = cluster.node_ranks
+    per_rank = mode.rank_bytes(job, cluster.layout, model, optimizer, info)
     largest = max(model.variables() + model.tables(), key=lambda s: s.nbytes)
     check_fits(
         sum(per_rank[r] for r in here),
@@ -200,6 +190,7 @@ def _check_memory(
 
 def prepare(
     job: Job,
+    mode: StartMode,
     cluster: Cluster,
     optimizer: Optimizer,
     xp: ModuleType = np,
@@ -214,9 +205,9 @@ def prepare(
     ``factory``: a model (or a callable making one) from the Python API, instead of
     model.kind; ``arrays``: the data as arrays from the Python API, instead of job.data.
     """
-    _take_checkpoint_dir(job, cluster)
-    _check_checkpoint_dir(job, cluster)
-    _check_summary_dir(job, cluster)
+    _take_checkpoint_dir(job, mode, cluster)
+    _check_checkpoint_dir(job, mode, cluster)
+    _check_summary_dir(job, mode, cluster)
     if job.train.zero_copy and not cluster.one_node:
         raise ConfigError(
             "train.zero_copy: every rank must run on one node (the workers read the PS "
@@ -232,25 +223,21 @@ def prepare(
         prep.start_step, prep.restored, prep.clocks = ckpt.step, latest, ckpt.clocks
     model = prep.model = build_model(job.model, info, xp, job.source, factory)
     model.worker = cluster.role.task if not cluster.is_ps else 0
-    if job.train.mode == "sync_replicas":
-        _check_sync_replicas(job, cluster, info)
-    if job.train.mode == "hybrid" and not model.tables():
-        raise ConfigError(
-            f'train.mode = "hybrid": {type(model).__name__} has no tables to keep on the PS '
-            f'tasks; train its dense variables with mode = "sync" (or "async")'
-        )
-    if job.train.mode not in ("async", "hybrid") and model.tables():
-        raise ConfigError(
-            f"{type(model).__name__} keeps row-partitioned tables on the PS "
-            f'tasks: it trains in mode = "async" or "hybrid" (with mpirun -n 2 or more)'
-        )
-    _check_memory(job, cluster, model, optimizer, info)
-    specs = model.variables()
+    mode.check(job, cluster, model, info)
+    _check_memory(job, mode, cluster, model, optimizer, info)
     if cluster.is_ps:
-        if job.train.mode != "sync":  # the PS tasks hold the variables
-            prep.local = _ps_fill(job, cluster, model, optimizer, ckpt)
+        if mode.ps_holds_variables:
+            prep.local = _ps_fill(job, mode, cluster, model, optimizer, ckpt)
         return prep
-    task, workers = cluster.role.task, cluster.layout.num_workers
+    _worker_part(job, cluster, prep)
+    if cluster.is_chief:
+        _chief_part(job, mode, model, optimizer, prep, ckpt)
+    return prep
+
+
+def _worker_part(job: Job, cluster: Cluster, prep: Prepared) -> None:
+    """A worker: its part of the train rows (read whole, or streamed in chunks)."""
+    info, task, workers = prep.info, cluster.role.task, cluster.layout.num_workers
     prep.rows = worker_rows(info.rows["train"], workers, task)
     if prep.rows[1] <= prep.rows[0]:
         raise DataError(
@@ -263,24 +250,35 @@ def prepare(
             f"train rows [{prep.rows[0]}, {prep.rows[1]}) streamed in chunks of "
             f"{job.data.chunk_rows} rows, {job.data.prefetch} read ahead",
         )
-    if cluster.is_chief:
-        prep.test = load_split(info, "test")
-        if job.train.eval_every:
-            prep.val_split = "val" if "val" in info.rows else "test"
-            prep.val = load_split(info, "val") if prep.val_split == "val" else prep.test
-        slot_specs = [e.spec for e in slot_placement(round_robin(specs, 1), optimizer.slots)]
-        if ckpt is None:
-            prep.values = model.checked_initial_values(job.model.init_seed)
-            prep.slots = {
-                f"{name}/{slot}": array
-                for name, v in prep.values.items()
-                for slot, array in optimizer.init_slots(v).items()
-            }
-        elif job.train.mode in ("sync", "hybrid"):  # the chief holds the dense variables
-            values = ckpt.read(specs, slot_specs)
-            prep.values = {s.name: values[s.name] for s in specs}
-            prep.slots = {s.name: values[s.name] for s in slot_specs}
-    return prep
+
+
+def _chief_part(
+    job: Job,
+    mode: StartMode,
+    model: Any,
+    optimizer: Optimizer,
+    prep: Prepared,
+    ckpt: checkpoint.Checkpoint | None,
+) -> None:
+    """The chief: the test (and validation) split, and the dense variables and slots it
+    writes or holds: fresh, or restored where the chief holds them (sync, hybrid)."""
+    info, specs = prep.info, model.variables()
+    prep.test = load_split(info, "test")
+    if job.train.eval_every:
+        prep.val_split = "val" if "val" in info.rows else "test"
+        prep.val = load_split(info, "val") if prep.val_split == "val" else prep.test
+    slot_specs = [e.spec for e in slot_placement(round_robin(specs, 1), optimizer.slots)]
+    if ckpt is None:
+        prep.values = model.checked_initial_values(job.model.init_seed)
+        prep.slots = {
+            f"{name}/{slot}": array
+            for name, v in prep.values.items()
+            for slot, array in optimizer.init_slots(v).items()
+        }
+    elif mode.chief_holds_dense:
+        values = ckpt.read(specs, slot_specs)
+        prep.values = {s.name: values[s.name] for s in specs}
+        prep.slots = {s.name: values[s.name] for s in slot_specs}
 
 
 FILL_ELEMENTS = CHUNK_ELEMENTS  # a fresh table partition is written this many elements at a time
@@ -313,13 +311,18 @@ def _fill_rows(
 
 
 def _ps_fill(
-    job: Job, cluster: Cluster, model: Any, optimizer: Optimizer, ckpt: checkpoint.Checkpoint | None
+    job: Job,
+    mode: StartMode,
+    cluster: Cluster,
+    model: Any,
+    optimizer: Optimizer,
+    ckpt: checkpoint.Checkpoint | None,
 ) -> dict[str, np.ndarray]:
     """What PS ``task`` writes into its own memory before training, by variable name:
     restoring, all it holds (split variables' row blocks re-sliced from any partitioning);
     afresh, its table partitions and their slots (the chief writes the dense variables)."""
     task, seed = cluster.role.task, job.model.init_seed
-    placement = store_placement(job, model, cluster.layout.num_ps)
+    placement = mode.store_placement(job, model, cluster.layout.num_ps)
     mine = placement.on_ps(task)
     slots = slot_placement(placement, optimizer.slots).on_ps(task)
     if ckpt is None:

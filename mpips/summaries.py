@@ -312,7 +312,7 @@ class Summaries(Hook):
             LEARNING_RATE: learning_rate(run.job.optimizer, info.step),
             EXAMPLES_PER_SEC: self.examples / seconds,
         }
-        if run.job.train.mode == "async":
+        if run.mode is not None and run.mode.has_staleness:
             values[LEAD] = sum(self.leads) / len(self.leads)
             values[DELAY] = sum(self.delays) / len(self.delays)
         if run.is_chief:

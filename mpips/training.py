@@ -1,8 +1,9 @@
-"""``train``: map the ranks to tasks, check everything at start-up, then hand over to the
-job's training mode (async_training, sync_training or hybrid_training)."""
+"""``train``: choose the training mode (mpips.modes), map the ranks to tasks, check
+everything at start-up, then hand over to the mode."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import socket
@@ -13,14 +14,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import checkpoint, preemption
-from .async_training import train_async
+from . import checkpoint, modes, preemption
 from .backend import Device, pin_blas_threads
 from .data import open_data
 from .errors import ConfigError
 from .failure import set_role
 from .hooks import Hook
-from .hybrid_training import train_hybrid
 from .job import Job, job_layout
 from .layout import node_indices, ps_imbalance
 from .log import detail, log
@@ -30,7 +29,6 @@ from .optim import build_optimizer
 from .run import TrainResult
 from .startup import Prepared, prepare
 from .store import Cluster, agreed, node_of_each_rank
-from .sync_training import train_sync
 
 __all__ = ["TrainResult", "train"]
 
@@ -53,20 +51,13 @@ def train(
     """
     preemption.install()  # first: a signal during start-up is acted on at the first step
     comm = comm or MPI.COMM_WORLD
-    if model is not None:
-        job.model.kind = factory_name(
-            model if callable(model) and not isinstance(model, Model) else type(model)
-        )
-    if comm.size == 1 and job.train.mode != "sync":
-        job.train.mode, job.train.max_staleness = "sync", None
-        say_single = True
-    else:
-        say_single = False
+    mode = modes.select(job, comm.size)
+    job = as_run(job, mode, model)
     nodes = node_of_each_rank(comm)
     layout = agreed(comm, lambda: job_layout(job, comm.size, nodes))
     cluster = Cluster(comm, layout)
     set_role(cluster.role)
-    spread = ps_imbalance(layout.ps_ranks, nodes) if job.train.mode != "sync" else None
+    spread = ps_imbalance(layout.ps_ranks, nodes) if mode.ps_holds_variables else None
     if spread and cluster.rank == 0:
         log(cluster.role, f"warning: {spread}")
     # which process plays which task (a rank killed outright is named by failure.py's watcher)
@@ -76,7 +67,7 @@ def train(
         f"rank {cluster.rank}, pid {os.getpid()} on {socket.gethostname()}, node "
         f"{node[cluster.rank]} of {max(node) + 1}",
     )
-    if say_single:
+    if mode.single:
         log(
             cluster.role,
             "one process (no mpirun): training as a single synchronous replica, "
@@ -86,7 +77,7 @@ def train(
     # job at the first loss that is not finite (naming the worker and the global step)
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            result = _train(job, cluster, list(hooks), model, data)
+            result = _train(job, mode, cluster, list(hooks), model, data)
     finally:  # the run is over, whether or not it raised: another run may take the directory
         if job.checkpoint.dir:
             checkpoint.release_directory(job.checkpoint.dir)
@@ -94,8 +85,24 @@ def train(
     return result
 
 
+def as_run(job: Job, mode: modes.Mode, model: Any = None) -> Job:
+    """The job as this run records it (manifest, digest, layout): a copy with the mode it
+    trains in (one process: sync, unbounded) and the name of a model of your own as
+    model.kind. The caller's Job is left as it was."""
+    train = job.train
+    if mode.single:
+        train = dataclasses.replace(train, mode=mode.name, max_staleness=None)
+    kind = job.model.kind
+    if model is not None:
+        kind = factory_name(
+            model if callable(model) and not isinstance(model, Model) else type(model)
+        )
+    return dataclasses.replace(job, train=train, model=dataclasses.replace(job.model, kind=kind))
+
+
 def _train(
     job: Job,
+    mode: modes.Mode,
     cluster: Cluster,
     hooks: list[Hook],
     factory: Any,
@@ -115,7 +122,7 @@ def _train(
         model = factory
         if cluster.comm.size == 1:  # (one process: the model built first, to name it)
             model = one_process_model(job, device.xp, factory, arrays)
-        return prepare(job, cluster, optimizer, device.xp, model, arrays)
+        return prepare(job, mode, cluster, optimizer, device.xp, model, arrays)
 
     prep = agreed(cluster.comm, start)
     # a PS task 1 BLAS thread, the node's workers the other cores (none left idle)
@@ -125,8 +132,7 @@ def _train(
         ps_on_node=ps_here,
         local_worker=None if cluster.is_ps else cluster.local_worker_index,
     )
-    mode = {"sync": train_sync, "hybrid": train_hybrid}.get(job.train.mode, train_async)
-    return mode(job, cluster, prep.model, optimizer, prep, hooks, device)
+    return mode.train(job, cluster, optimizer, prep, hooks, device)
 
 
 def one_process_model(

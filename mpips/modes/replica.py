@@ -1,46 +1,41 @@
-"""Synchronous replicas (``train.mode = "sync"``).
-
-Every worker computes gradients on its own batch. Each replica owns one part of every
-bucket of variables: it takes the mean of the replicas' gradients for that part and applies
-the same optimizer code as the async path to it, and the replicas share the result
+"""A synchronous replica: the engine of sync mode (every variable) and of hybrid mode (the
+dense part). Every worker computes gradients on its own batch. Each replica owns one part
+of every bucket of variables: it takes the mean of the replicas' gradients for that part and
+applies the same optimizer code as the async path to it, and the replicas share the result
 (allreduce.py: one copy in the node's shared memory, or reduce-scatter and allgather across
 nodes). Every update is applied once and the replicas are identical by construction (with a
 copy each, checked every ``train.check_every`` steps and at the end). global_step advances
-once per aggregated step, identically on every replica: no PS, no counter, no chief
-that can run ahead. PS ranks, if the layout has any, hold nothing in this mode and sleep
-(passing on a preemption signal they receive).
+once per aggregated step, identically on every replica.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import shutil
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import numpy as np
 
-from . import preemption
-from .allreduce import (
+from .. import preemption
+from ..allreduce import (
     GradientBuckets,
     agree_max,
     broadcast,
     check_replicas,
-    forward_stop,
-    idle_until_end,
     replica_hash,
     stop_from_ps,
 )
-from .backend import Device
-from .data import full_batches
-from .errors import AgreedError, AlreadyReported, NonFinite
-from .hooks import Hook, PendingSave, Run, StepInfo
-from .job import Job, job_placement
-from .log import detail, log
-from .model import first_loss_and_grads, said_once
-from .optim import Optimizer, learning_rate
-from .run import (
+from ..backend import Device
+from ..data import full_batches
+from ..errors import AgreedError, AlreadyReported, NonFinite
+from ..hooks import Hook, PendingSave, Run, StepInfo
+from ..job import Job
+from ..log import detail, log
+from ..memory import SHM_DIR, shared_memory_free
+from ..model import first_loss_and_grads, said_once
+from ..optim import Optimizer, learning_rate
+from ..run import (
     Session,
     TrainResult,
     evaluate_on,
@@ -52,49 +47,10 @@ from .run import (
     say_restored,
     target_steps,
 )
-from .startup import Prepared
-from .store import Cluster
-from .summaries import job_timeline
-
-SHM_DIR = "/dev/shm"  # where MPI's shared memory lives on Linux
-
-
-def train_sync(
-    job: Job,
-    cluster: Cluster,
-    model: Any,
-    optimizer: Optimizer,
-    prep: Prepared,
-    hooks: list[Hook],
-    device: Device,
-) -> TrainResult:
-    """Train ``job`` as synchronous replicas on the workers (collective over the world).
-
-    PS ranks, if the layout names any, hold nothing: they wait for the end of the run,
-    passing a preemption signal they receive to the chief. At the end every rank agrees on
-    the signal that stopped the run (if any), so every rank exits with the same code.
-    """
-    specs = model.variables()
-    cluster.check_placement(job_placement(job, specs, 1))  # same variables on every rank
-    comm, chief = cluster.comm, cluster.layout.chief_rank
-    if cluster.is_ps:
-        result = TrainResult(cluster.role, 0, 0)
-        forwarded = [False]
-
-        def forward() -> None:
-            if preemption.requested() and not forwarded[0]:
-                forward_stop(comm, chief, preemption.requested())
-                forwarded[0] = True
-
-        agreed_stop = idle_until_end(comm, preemption.requested(), forward)
-        result.stopped_by = agreed_stop  # a signal too late to stop the run changes nothing
-        return result
-    result = Replica(job, cluster, model, optimizer, prep, device).train(hooks)
-    # every rank, PS included, learns the signal that stopped the run: the same exit code
-    result.stopped_by = agree_max(
-        comm, [result.stopped_by or preemption.requested()], "the end of the run"
-    )[0]
-    return result
+from ..startup import Prepared
+from ..store import Cluster
+from ..summaries import job_timeline
+from .base import Mode
 
 
 def node_shared(cluster: Cluster, nbytes: int) -> bool:
@@ -104,10 +60,7 @@ def node_shared(cluster: Cluster, nbytes: int) -> bool:
     shared memory lives there, and a process that runs past its end dies of SIGBUS."""
     if not cluster.workers_on_one_node or os.environ.get("MPIPS_SHARED_MEMORY", "1") == "0":
         return False
-    try:
-        free = shutil.disk_usage(SHM_DIR).free
-    except OSError:  # no /dev/shm here: let MPI find its own place
-        free = nbytes * 2
+    free = shared_memory_free(nbytes)
     fits = free >= nbytes * 1.25
     if not agree_max(cluster.workers, [0 if fits else 1], "the shared-memory check")[0]:
         return True
@@ -138,20 +91,15 @@ class Replica:
     def __init__(
         self,
         job: Job,
+        mode: Mode,
         cluster: Cluster,
-        model: Any,
         optimizer: Optimizer,
         prep: Prepared,
         device: Device,
     ):
-        self.job, self.cluster, self.model, self.optimizer, self.prep = (
-            job,
-            cluster,
-            model,
-            optimizer,
-            prep,
-        )
-        self.device = device
+        self.job, self.mode, self.cluster, self.optimizer = job, mode, cluster, optimizer
+        self.model, self.prep, self.device = prep.model, prep, device
+        model = prep.model
         self.role, self.tc, self.oc = cluster.role, job.train, job.optimizer
         self.comm, self.workers = cluster.workers, cluster.layout.num_workers
         self.listen_to_ps = cluster.is_chief and cluster.layout.num_ps > 0
@@ -194,6 +142,7 @@ class Replica:
             self._hook_stop,
             self._validate if self.prep.val is not None else None,
             self.params,
+            mode=self.mode,
         )
         session = Session(self.job, run, extra_hooks, self.timeline)
         session.loop(self)
@@ -241,7 +190,7 @@ class Replica:
 
     def _not_finite(self, task: int, loss: float | str, step: int) -> NoReturn:
         """End the job on every replica: NonFinite, said by the chief."""
-        message = loss_not_finite(task, loss, step, self.job.train.mode)
+        message = loss_not_finite(task, loss, step, self.mode.takes_clip_norm)
         raise NonFinite(message) if self.cluster.is_chief else AlreadyReported(message)
 
     def _first_loss_and_grads(

@@ -23,37 +23,70 @@ from typing import Any
 
 import numpy as np
 
-from . import preemption
-from .async_training import close_store, open_store, run_ps, save_from_ps
-from .backend import Device
-from .errors import ConfigError
-from .hooks import Hook, PendingSave
-from .job import Job
-from .optim import Optimizer
-from .run import TrainResult, evaluate_on, report
-from .startup import Prepared
-from .store import Cluster, StoreClient, Windows, start_limit
-from .sync_training import Replica
+from .. import preemption
+from ..backend import Device
+from ..data import DatasetInfo
+from ..errors import ConfigError
+from ..hooks import Hook, PendingSave, StepInfo
+from ..job import Job
+from ..layout import Layout
+from ..optim import Optimizer, sgd_deltas
+from ..run import TrainResult, evaluate_on, report
+from ..startup import Prepared
+from ..store import Cluster, StoreClient, Windows, start_limit
+from .base import Mode, replica_bytes
+from .ps_store import close_store, open_store, run_ps, save_from_ps
+from .replica import Replica
 
 
-def train_hybrid(
-    job: Job,
-    cluster: Cluster,
-    model: Any,
-    optimizer: Optimizer,
-    prep: Prepared,
-    hooks: list[Hook],
-    device: Device,
-) -> TrainResult:
-    """Every rank: the windows of the tables; PS tasks serve them, workers train as
-    synchronous replicas of the dense part until the chief ends the run."""
-    windows = open_store(job, cluster, model, optimizer, prep)
-    num_shards = cluster.layout.num_ps + 1  # the PS tasks' tables, the chief's dense part
-    if cluster.is_ps:
-        result = run_ps(job, cluster, windows, optimizer, num_shards, model)
-    else:
-        result = HybridReplica(job, cluster, model, optimizer, prep, device, windows).train(hooks)
-    return close_store(cluster, windows, result)
+class Hybrid(Mode):
+    """The tables on the PS tasks, row by row; the dense variables on the workers, as
+    synchronous replicas."""
+
+    name = "hybrid"
+    dense_on_ps = False
+    chief_holds_dense = True
+    trains_tables = True
+
+    def check(self, job: Job, cluster: Cluster, model: Any, info: DatasetInfo) -> None:
+        if not model.tables():
+            raise ConfigError(
+                f'train.mode = "hybrid": {type(model).__name__} has no tables to keep on the '
+                f'PS tasks; train its dense variables with mode = "sync" (or "async")'
+            )
+        super().check(job, cluster, model, info)
+
+    def rank_bytes(
+        self, job: Job, layout: Layout, model: Any, optimizer: Optimizer, info: DatasetInfo
+    ) -> list[int]:
+        """The PS tasks' windows of the tables; the workers' buffers, and the dense part
+        each holds as a replica."""
+        replica = replica_bytes(model, optimizer)
+        per_rank = super().rank_bytes(job, layout, model, optimizer, info)
+        return [n + (0 if layout.role(r).job == "ps" else replica) for r, n in enumerate(per_rank)]
+
+    def step_note(self, info: StepInfo) -> str:
+        return f"(update {info.local_updates} of this worker, pulled {info.delay} steps earlier)"
+
+    def train(
+        self,
+        job: Job,
+        cluster: Cluster,
+        optimizer: Optimizer,
+        prep: Prepared,
+        hooks: list[Hook],
+        device: Device,
+    ) -> TrainResult:
+        """Every rank: the windows of the tables; PS tasks serve them, workers train as
+        synchronous replicas of the dense part until the chief ends the run."""
+        windows = open_store(job, self, cluster, optimizer, prep)
+        num_shards = cluster.layout.num_ps + 1  # the PS tasks' tables, the chief's dense part
+        if cluster.is_ps:
+            result = run_ps(job, cluster, windows, optimizer, num_shards, prep.model)
+        else:
+            replica = HybridReplica(job, self, cluster, optimizer, prep, device, windows)
+            result = replica.train(hooks)
+        return close_store(cluster, windows, result)
 
 
 class HybridReplica(Replica):
@@ -62,14 +95,14 @@ class HybridReplica(Replica):
     def __init__(
         self,
         job: Job,
+        mode: Mode,
         cluster: Cluster,
-        model: Any,
         optimizer: Optimizer,
         prep: Prepared,
         device: Device,
         windows: Windows,
     ):
-        super().__init__(job, cluster, model, optimizer, prep, device)
+        super().__init__(job, mode, cluster, optimizer, prep, device)
         if device.xp is not np:
             raise ConfigError('train.mode = "hybrid" runs on the CPU (numpy and scipy.sparse)')
         self.windows = windows
@@ -109,8 +142,7 @@ class HybridReplica(Replica):
         this returns (and so before the dense update is shared, and before any replica's
         next pull); the step's clock, for the PS tasks' watchdogs."""
         if not self.optimizer.stateful:
-            for table in self.client.tables:
-                grads[table] *= -lr
+            sgd_deltas([grads[table] for table in self.client.tables], lr)
         self.client.push(lr)
         self.control.publish_clock(self.role.task, self.clock + 1)
 

@@ -1,0 +1,108 @@
+"""Asynchronous training (``train.mode = "async"``): PS tasks serve the variables from their
+windows; each worker pulls, computes gradients on its own batch and pushes an update
+without waiting for the others (bounded by ``train.max_staleness``). The chief also
+initialises or restores the variables, commits checkpoints and evaluates at the end."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .. import preemption
+from ..backend import Device
+from ..hooks import Hook, StepInfo
+from ..job import Job
+from ..log import detail
+from ..optim import Optimizer, clip_by_global_norm, learning_rate, sgd_deltas
+from ..run import TrainResult
+from ..startup import Prepared
+from ..store import NO_MORE_TICKETS, Cluster
+from .base import Mode
+from .ps_store import close_store, open_store, run_ps
+from .store_worker import Staleness, StoreWorker
+
+
+class Async(Mode):
+    """PS tasks hold every variable; each worker steps on its own (TensorFlow's between-graph
+    replication without SyncReplicasOptimizer), its lead bounded by ``max_staleness``."""
+
+    name = "async"
+    trains_tables = True
+    takes_clip_norm = True
+    chief_speaks_for_all = False
+    has_staleness = True
+
+    def step_note(self, info: StepInfo) -> str:
+        return f"(update {info.local_updates} of this worker, pulled {info.delay} steps earlier)"
+
+    def train(
+        self,
+        job: Job,
+        cluster: Cluster,
+        optimizer: Optimizer,
+        prep: Prepared,
+        hooks: list[Hook],
+        device: Device,
+    ) -> TrainResult:
+        """Every rank: create the windows, then PS tasks serve and workers train until the
+        chief ends the run."""
+        windows = open_store(job, self, cluster, optimizer, prep)
+        if cluster.is_ps:
+            result = run_ps(job, cluster, windows, optimizer, cluster.layout.num_ps, prep.model)
+        else:
+            worker = AsyncWorker(job, self, cluster, windows, optimizer, prep, device)
+            result = worker.train(hooks)
+        return close_store(cluster, windows, result)
+
+
+class AsyncWorker(StoreWorker):
+    """One worker task: take a ticket, pull, compute, push, once per batch."""
+
+    def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
+        """Take a ticket (or stop), pull, compute, push: one update of the global step."""
+        control, client, model, tl = self.control, self.client, self.model, self.timeline
+        t = tl.now() if tl else 0.0  # the timeline's phases (summary.timeline), if on
+        if preemption.requested():  # every worker stops at its next ticket
+            control.request_stop(preemption.requested())
+            return None
+        ticket, pulled_at, lead = control.begin_step(self.clock)
+        if ticket >= (self.tc.steps or NO_MORE_TICKETS):
+            return None
+        bound = self.mode.max_staleness
+        if bound is not None and lead > bound:  # wait for the slowest worker
+            lead = control.wait_for_slowest(self.clock, bound, self.watchdog.check)
+            pulled_at = control.global_step()
+        if tl:
+            t = tl.span("ticket and staleness wait", t)
+        x, ids = model.prepare(x)  # sparse models: the batch's unique ids (rows to pull)
+        device = self.device
+        params = device.stage_in(client.pull(ids))
+        x, y = device.to_device(x), device.to_device(y)
+        grads = device.mirrors(client.gradients())  # on the CPU: the push buffers themselves
+        if tl:
+            t = tl.span("pull", t)
+        loss = self._loss_and_grads(params, x, y, grads)
+        if not math.isfinite(loss):
+            self._not_finite(loss, pulled_at)
+        clip_by_global_norm(list(grads.values()), self.oc.clip_norm)
+        lr = learning_rate(self.oc, pulled_at)
+        if not (self.optimizer.stateful or client.applies_in_place):
+            sgd_deltas(grads.values(), lr)  # plain SGD: the PS Accumulates the deltas
+        device.stage_out(grads, client.gradients())
+        if tl:
+            t = tl.span("compute", t)
+        # applied while this worker prepares its next batch; with a staleness bound it
+        # waits, so the clock it publishes counts only updates every pull can see (zero
+        # copy: applied here, as update ticket + 1, the count a PS task would give it)
+        client.push(lr, wait=bound is not None, t=ticket + 1)
+        step = control.end_step(self.role.task)  # global_step and this worker's clock
+        if tl:
+            tl.span("push and ack", t)
+        self.clock, self.updates = self.clock + 1, self.updates + 1
+        self.stats.add(lead, step - 1 - pulled_at)
+        return StepInfo(step, loss, epoch, self.updates, lead, step - 1 - pulled_at)
+
+    def _per_worker(self, staleness: list[dict[str, Any]]) -> None:
+        for task, s in enumerate(staleness):
+            if s["updates"]:
+                detail(self.role, f"staleness of /job:worker/task:{task}: {Staleness.describe(s)}")

@@ -1,0 +1,90 @@
+"""The training mode as an object: what differs between async, sync, sync_replicas and
+hybrid training (how a worker steps, what a PS task does, who holds the variables, what a
+step's log line says), chosen once (``mpips.modes.select``). Start-up, the loop's hooks,
+summaries and the run's result ask it; nothing outside this package compares train.mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backend import Device
+from ..data import DatasetInfo
+from ..errors import ConfigError
+from ..hooks import Hook, StepInfo
+from ..job import Job, job_placement
+from ..layout import Layout
+from ..optim import Optimizer
+from ..placement import Placement, slot_placement
+from ..run import TrainResult
+from ..startup import Prepared
+from ..store import Cluster, WindowPlan, has_inboxes
+
+
+class Mode:
+    """One training mode. The class attributes are its answers; ``train`` runs it on a rank.
+
+    ``max_staleness``: async's bound on a worker's lead (None: none, and in every other
+    mode); ``single``: one process (no mpirun) trains as a single synchronous replica,
+    whatever train.mode says (the Job itself is left as it was)."""
+
+    name = ""
+    ps_holds_variables = True  # False (sync): the PS tasks hold nothing and wait
+    dense_on_ps = True  # False (hybrid): the PS tasks hold the tables only
+    chief_holds_dense = False  # sync, hybrid: a restore reads the dense variables on the chief
+    aggregates = False  # sync_replicas: every gradient goes to a PS inbox and is averaged
+    trains_tables = False  # async, hybrid: a model with row-partitioned tables trains here
+    takes_clip_norm = False  # async, sync: optimizer.clip_norm is honoured
+    chief_speaks_for_all = True  # every worker makes the same step: the chief logs it once
+    has_staleness = False  # async: steps are made from stale pulls (lead, delay)
+
+    def __init__(self, max_staleness: int | None = None, single: bool = False):
+        self.max_staleness = max_staleness
+        self.single = single
+
+    def ps_applies(self, stateful: bool) -> bool:
+        """Whether a PS task applies the updates itself (then it needs inboxes)."""
+        return stateful or self.aggregates
+
+    def store_placement(self, job: Job, model: Any, num_ps: int) -> Placement:
+        """What the PS tasks hold: the model's tables and (but in hybrid) its variables."""
+        dense = model.variables() if self.dense_on_ps else []
+        return job_placement(job, dense, num_ps, model.tables())
+
+    def check(self, job: Job, cluster: Cluster, model: Any, info: DatasetInfo) -> None:
+        """What this mode refuses at start-up (one message, before anything is allocated)."""
+        if model.tables() and not self.trains_tables:
+            raise ConfigError(
+                f"{type(model).__name__} keeps row-partitioned tables on the PS "
+                f'tasks: it trains in mode = "async" or "hybrid" (with mpirun -n 2 or more)'
+            )
+
+    def rank_bytes(
+        self, job: Job, layout: Layout, model: Any, optimizer: Optimizer, info: DatasetInfo
+    ) -> list[int]:
+        """What each rank allocates for the model: the PS windows, the workers' buffers."""
+        placement = self.store_placement(job, model, layout.num_ps)
+        slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
+        inboxes = has_inboxes(placement, job.train.zero_copy, self.ps_applies(optimizer.stateful))
+        plan = WindowPlan(placement, slots, job.train.batch_size * max(1, info.max_nnz))
+        return plan.rank_bytes(layout, inboxes, job.train.zero_copy)
+
+    def step_note(self, info: StepInfo) -> str:
+        """What a step's log line adds after its loss and epoch."""
+        raise NotImplementedError
+
+    def train(
+        self,
+        job: Job,
+        cluster: Cluster,
+        optimizer: Optimizer,
+        prep: Prepared,
+        hooks: list[Hook],
+        device: Device,
+    ) -> TrainResult:
+        """Every rank of the world: train ``prep.model`` as this mode does (collective)."""
+        raise NotImplementedError
+
+
+def replica_bytes(model: Any, optimizer: Optimizer) -> int:
+    """What a synchronous replica holds of the dense variables: values, gradients, slots."""
+    return sum(s.nbytes for s in model.variables()) * (2 + len(optimizer.slots))

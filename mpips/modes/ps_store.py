@@ -1,0 +1,179 @@
+"""The PS tasks' store as the modes that keep variables there use it (async, sync_replicas,
+hybrid): open the windows, serve on a PS task, ask the PS tasks for a checkpoint's shards,
+close the store at the end."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import checkpoint, preemption
+from ..hooks import PendingSave
+from ..job import Job
+from ..log import log
+from ..optim import Optimizer
+from ..placement import imbalance, slot_placement
+from ..run import TrainResult, manifest_meta
+from ..startup import Prepared, table_initial
+from ..store import (
+    STALL_TIMEOUT,
+    Cluster,
+    RunControl,
+    Windows,
+    barrier,
+    has_inboxes,
+    publish_start_step,
+    serve,
+    stall_limit,
+    updates_in_place,
+)
+from ..summaries import job_timeline, ps_summaries
+from .base import Mode
+
+
+def open_store(
+    job: Job, mode: Mode, cluster: Cluster, optimizer: Optimizer, prep: Prepared
+) -> Windows:
+    """Every rank: the windows of what the PS tasks hold (Mode.store_placement), each PS
+    task's memory filled (restored state, fresh table partitions), up to the start barrier."""
+    placement = mode.store_placement(job, prep.model, cluster.layout.num_ps)
+    # zero copy: the workers apply their updates in PS memory (store/stripes.py), else a
+    # PS task applies those of stateful optimizers and sync_replicas
+    in_place = updates_in_place(placement, job.train.zero_copy)
+    inboxes = has_inboxes(placement, job.train.zero_copy, mode.ps_applies(optimizer.stateful))
+    if (cluster.is_ps and inboxes) or (in_place and not cluster.is_ps):
+        optimizer.prepare()  # its fused kernel compiles meanwhile, not at the first update
+    cluster.check_placement(placement)
+    warning = imbalance(placement, job.layout.placement)
+    if warning and cluster.is_chief:
+        log(cluster.role, warning)
+    slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
+    windows = Windows(
+        cluster.comm,
+        cluster.layout,
+        placement,
+        slots,
+        inboxes,
+        row_capacity=job.train.batch_size * max(1, prep.info.max_nnz),
+        shared=job.train.zero_copy,
+    )
+    if prep.local:  # a PS task: restored state or fresh table partitions
+        windows.fill_own(cluster.role.task, prep.local)
+    if cluster.is_ps and windows.inboxes:
+        # the step it starts from is set before any worker reads it (sync_replicas) or an
+        # update is posted (async: a worker counts its update before it is applied)
+        publish_start_step(windows, cluster.role.task, cluster.rank, prep.start_step)
+    barrier(cluster.comm, "the start of training")  # filled before the chief raises ready
+    return windows
+
+
+def run_ps(
+    job: Job,
+    cluster: Cluster,
+    windows: Windows,
+    optimizer: Optimizer,
+    num_shards: int,
+    model: Any = None,
+    aggregate: int = 0,
+) -> TrainResult:
+    """A PS task: serve until the chief ends the run (applying updates itself for stateful
+    optimizers and sync_replicas), writing its checkpoint shard (one of ``num_shards``)
+    when asked: its table partitions sparsely where that pays (with ``model``, whose
+    initial rows the untouched ones are). ``aggregate``: sync_replicas' gradients a step
+    (store.serve)."""
+    task = cluster.role.task
+    tables = sparse_tables(job, windows, task, model, optimizer)
+
+    def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
+        checkpoint.write_shard(job.checkpoint.dir, step, task, num_shards, variables, slots, tables)
+
+    timeline = job_timeline(job, "ps", task)
+    apply = optimizer.apply if windows.inboxes else None
+    rate = None  # this PS's apply rate, when it applies and summaries are on
+    if apply is not None and (rate := ps_summaries(job, task)):
+        apply = rate.timed(apply)
+    if timeline is not None:
+        apply = apply and timeline.timed("apply", apply)
+        write_shard = timeline.timed("checkpoint write", write_shard)
+    serve(
+        cluster,
+        windows,
+        apply,
+        optimizer.slots,
+        write_shard if job.checkpoint.dir else None,
+        preemption.requested,
+        aggregate=aggregate,
+        on_applied=rate.applied if rate else None,
+    )
+    if rate is not None:
+        rate.close()
+    if timeline is not None:
+        timeline.write()
+    return TrainResult(cluster.role, 0, 0)
+
+
+def sparse_tables(
+    job: Job, windows: Windows, task: int, model: Any, optimizer: Optimizer
+) -> checkpoint.SparseTables | None:
+    """What PS ``task`` needs to write its table partitions sparsely: their rows, the seed
+    and the model's initial values; None (every array whole) without a model or tables, or
+    with MPIPS_SPARSE_CHECKPOINTS=0."""
+    rows = {e.name: e.rows for e in windows.placement.on_ps(task) if e.table and e.rows}
+    if model is None or not rows or os.environ.get("MPIPS_SPARSE_CHECKPOINTS", "1") == "0":
+        return None
+    return checkpoint.SparseTables(rows, job.model.init_seed, table_initial(model, optimizer))
+
+
+def save_from_ps(
+    job: Job,
+    cluster: Cluster,
+    windows: Windows,
+    step: int,
+    clocks: list[int],
+    chief_part: tuple[dict[str, Any], dict[str, Any]] | None = None,
+) -> PendingSave:
+    """Chief: ask every PS task to write its shard of a checkpoint at ``step`` (in parallel,
+    while the chief trains on); ``chief_part`` (variables, slots): what the chief holds
+    itself, written now as one more shard (hybrid mode's dense part). The manifest is
+    committed once every shard is written (PendingSave.commit)."""
+    control, c = RunControl(windows), job.checkpoint
+    num_ps = windows.placement.num_ps
+    number, asked = control.request_checkpoint(step), time.monotonic()
+    variables, slots = checkpoint.index_of(windows.placement, windows.slots)
+    shards = num_ps
+    if chief_part is not None:
+        shards += 1
+        checkpoint.write_shard(c.dir, step, num_ps, shards, *chief_part)
+        variables.update(checkpoint.whole_index(chief_part[0], num_ps))
+        slots.update(checkpoint.whole_index(chief_part[1], num_ps))
+
+    def commit(block: bool) -> Path | None:
+        if block:
+            control.wait_shards(number, step, STALL_TIMEOUT - (time.monotonic() - asked))
+        elif control.shards_missing(number):
+            if time.monotonic() - asked > STALL_TIMEOUT:
+                control.wait_shards(number, step, 0)  # raises, naming the PS tasks
+            return None
+        return checkpoint.commit(
+            c.dir,
+            step,
+            shards,
+            variables,
+            slots,
+            manifest_meta(job, cluster, clocks),
+            c.max_to_keep,
+        )
+
+    return PendingSave(step, commit)
+
+
+def close_store(cluster: Cluster, windows: Windows, result: TrainResult) -> TrainResult:
+    """Every rank, once the chief has ended the run (its last checkpoint and evaluation are
+    done): the end barrier (a backstop only: a hung chief is named first by the PS tasks'
+    watchdogs), the signal that stopped the run, the windows freed."""
+    barrier(cluster.comm, "the end of the run", stall_limit(cluster.comm.size) + 5)
+    result.stopped_by = RunControl(windows).stop_signal()
+    windows.free()  # collective, so never in a finally: a failing rank must reach Abort
+    return result

@@ -1,0 +1,263 @@
+"""A worker task of the modes whose PS tasks hold the variables (async, sync_replicas): the
+chief initialises or restores the variables, raises ready, commits checkpoints and
+evaluates at the end; every worker trains on its part of the data until the run ends."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NoReturn
+
+import numpy as np
+
+from ..backend import Device
+from ..data import epoch_batches
+from ..errors import AlreadyReported, NonFinite
+from ..hooks import Hook, PendingSave, Run, StepInfo
+from ..job import Job
+from ..log import detail, log
+from ..model import first_loss_and_grads, said_once
+from ..optim import Optimizer
+from ..run import (
+    Session,
+    TrainResult,
+    evaluate_on,
+    loss_not_finite,
+    report,
+    say_nothing_to_train,
+    say_preempted,
+    say_restored,
+    target_steps,
+)
+from ..startup import Prepared
+from ..store import Cluster, StoreClient, Watchdog, Windows, start_limit, watched_barrier
+from ..summaries import job_timeline
+from .base import Mode
+from .ps_store import save_from_ps
+
+
+class StoreWorker:
+    """One worker task of a mode whose PS tasks hold the variables (async, sync_replicas):
+    the run's start, end and checkpoints; the mode's subclass says how a worker ``step``s."""
+
+    def __init__(
+        self,
+        job: Job,
+        mode: Mode,
+        cluster: Cluster,
+        windows: Windows,
+        optimizer: Optimizer,
+        prep: Prepared,
+        device: Device,
+    ):
+        self.job, self.mode, self.cluster, self.windows = job, mode, cluster, windows
+        self.model, self.optimizer, self.prep, self.device = prep.model, optimizer, prep, device
+        self.role, self.tc, self.oc = cluster.role, job.train, job.optimizer
+        stateful = mode.ps_applies(optimizer.stateful)
+        self.client = StoreClient(
+            windows, self.role.task, stateful, optimizer.apply, optimizer.slots
+        )
+        self.control = self.client.control
+        self.stats = Staleness()
+        self.watchdog = Watchdog(self.control, cluster.layout, self.role.task)
+        self.timeline = job_timeline(job, "worker", self.role.task)
+        self.clock = 0  # batches of this worker's part used (its data position)
+        self.updates = 0
+
+    def train(self, extra_hooks: list[Hook]) -> TrainResult:
+        control = self.control
+        per_epoch = epoch_batches(
+            self.prep.info.rows["train"], self.cluster.layout.num_workers, self.tc.batch_size
+        )
+        run = Run(
+            self.job,
+            self.role,
+            self.prep.start_step,
+            target_steps(self.tc.steps, self.tc.epochs, per_epoch),
+            control.global_step,
+            self.start_save,
+            lambda: {k: v.copy() for k, v in self.client.pull().items()},
+            control.end_tickets,
+            self._validate if self.prep.val is not None else None,
+            mode=self.mode,
+        )
+        # hooks begin before the chief raises ready, so their set-up (the progress bar's)
+        # does not delay the chief's first update behind every other worker's
+        session = Session(self.job, run, extra_hooks, self.timeline)
+        start_step = self._start()
+        session.loop(self)
+        self.client.settle()  # its last update is applied before it says it is done
+        control.publish_clock(self.role.task, self.clock, done=True)
+        session.done(
+            f"; {run.save_seconds:.2f} s of it writing checkpoints, the chief's duty"
+            if run.save_seconds
+            else ""
+        )
+        # every push has landed, so global_step is final; a worker that never gets here is hung
+        watched_barrier(self.cluster.workers, "the other workers", self.watchdog.check)
+        summary = self.stats.summary()
+        result, gathered = session.finish(
+            self.cluster.workers, start_step, "the workers' summaries", summary, staleness=[summary]
+        )
+        if self.cluster.is_chief:
+            self._conclude(result, gathered)
+        return result
+
+    def _validate(self) -> dict[str, float]:
+        """Chief: the model now on the validation split (the others train on meanwhile)."""
+        assert self.prep.val is not None
+        x, ids = self.model.prepare(self.prep.val[0])
+        return evaluate_on(self.model, self.device, self.client.pull(ids), (x, self.prep.val[1]))
+
+    def batches(self) -> Iterable[tuple[int, Any, Any]]:
+        assert self.prep.train is not None  # host memory; batches go to the device one at a time
+        return self.prep.train.batches(
+            self.tc.batch_size, self.tc.seed, self.role.task, self.tc.epochs, start_batch=self.clock
+        )
+
+    def _loss_and_grads(self, params: Any, x: Any, y: Any, grads: dict[str, Any]) -> float:
+        """The model's loss and gradients; on this worker's first step with its gradient
+        buffers checked (first_loss_and_grads), a mistake said once over all workers
+        before anything is pushed."""
+        if self.updates:
+            return self.model.loss_and_grads(params, x, y, grads)
+        loss, problem = first_loss_and_grads(self.model, params, x, y, grads)
+        if problem:
+            raise said_once(problem, self.control.claim_failure())
+        return loss
+
+    def _start(self) -> int:
+        """Chief: write variables and slots, set the counters, raise ready. Others: wait for it.
+        Returns the start global_step; sets this worker's clock (its data position)."""
+        control, role, prep, tc = self.control, self.role, self.prep, self.tc
+        workers = self.cluster.layout.num_workers
+        if self.cluster.is_chief:
+            clocks = prep.clocks
+            if prep.restored is None:  # else the PS tasks have restored their shards
+                self.client.initialise(prep.values, prep.slots)
+            control.set_counters(
+                prep.start_step, clocks if clocks and len(clocks) == workers else None
+            )
+            control.raise_ready()
+            if prep.restored is not None:
+                say_restored(role, prep.start_step, prep.restored)
+                if clocks and len(clocks) != workers:
+                    log(
+                        role,
+                        f"data position not restored: the checkpoint was written by "
+                        f"{len(clocks)} workers, this run has {workers} (parts start "
+                        f"afresh)",
+                    )
+            if tc.steps and prep.start_step >= tc.steps:
+                say_nothing_to_train(role, prep.start_step, tc.steps)
+        else:
+            control.wait_ready(start_limit(role.task))
+        self.clock = int(control.clocks()[0][role.task])
+        start, stop = prep.rows
+        detail(
+            role,
+            f"train rows [{start}, {stop}) of {prep.info.rows['train']}, "
+            f"batch {tc.batch_size}, pulls {self.client.nbytes / 1e6:.2f} MB per step "
+            f"from {self.windows.placement.num_ps} ps task(s)"
+            + (
+                f", reads {self.client.in_place_bytes / 1e6:.2f} MB in place (zero copy)"
+                + (" and applies its updates there" if self.client.applies_in_place else "")
+                if self.client.reads_in_place
+                else ""
+            )
+            + (f", resuming at batch {self.clock}" if self.clock else ""),
+        )
+        return prep.start_step  # global_step itself may have moved on: others are pushing
+
+    def start_save(self) -> PendingSave:
+        """Ask every PS task to write its shard (in parallel, while the chief trains on);
+        the chief commits the manifest when all are written."""
+        control = self.control
+        self.client.settle()  # the chief's own last update is in the checkpoint
+        step, clocks = control.global_step(), [int(c) for c in control.clocks()[0]]
+        return save_from_ps(self.job, self.cluster, self.windows, step, clocks)
+
+    def _conclude(self, result: TrainResult, gathered: list[Any]) -> None:
+        """Chief: who made how many updates, staleness, evaluation; then end the run."""
+        role = self.role
+        stopped = self.control.stop_signal()
+        if stopped:
+            say_preempted(role, stopped, self.job)
+        result.staleness = [g[2] for g in gathered]
+        counts = [s["updates"] for s in result.staleness]
+        fewer = len(counts) > 1 and counts[0] < 0.8 * sum(counts[1:]) / (len(counts) - 1)
+        log(
+            role,
+            "updates per worker task: "
+            + " ".join(map(str, counts))
+            + (
+                " (the chief made fewer: it also evaluates, logs and commits checkpoints)"
+                if fewer
+                else ""
+            ),
+        )
+        self._per_worker(result.staleness)
+        assert self.prep.test is not None
+        x_test, ids = self.model.prepare(self.prep.test[0])
+        report(
+            self.cluster,
+            self.model,
+            self.device,
+            self.client.pull(ids),
+            (x_test, self.prep.test[1]),
+            result,
+            gathered,
+        )
+        self.control.end_run()  # the PS tasks may stop serving
+
+    def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
+        """One update of this worker (None: its part of the run is over)."""
+        raise NotImplementedError
+
+    def _per_worker(self, staleness: list[dict[str, Any]]) -> None:
+        """Chief: what the mode says of each worker's updates at the end."""
+
+    def _not_finite(self, loss: float, step: int) -> NoReturn:
+        """A loss that is not finite: nothing of it is pushed; said once over all workers."""
+        message = loss_not_finite(self.role.task, loss, step, self.mode.takes_clip_norm)
+        raise NonFinite(message) if self.control.claim_failure() else AlreadyReported(message)
+
+
+class Staleness:
+    """Per-worker distribution of two staleness measures of its updates.
+
+    * lead: how many updates this worker was ahead of the slowest running worker when it
+      pulled (what ``train.max_staleness`` bounds: stale-synchronous-parallel clocks);
+    * delay: how many global steps other workers applied between its pull and its push.
+    """
+
+    def __init__(self) -> None:
+        self.leads: list[int] = []
+        self.delays: list[int] = []
+        self.dropped = 0  # sync_replicas: gradients the PS dropped as too late
+
+    def add(self, lead: int, delay: int) -> None:
+        self.leads.append(lead)
+        self.delays.append(delay)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"updates": len(self.leads), "dropped": self.dropped}
+        for name, values in (("lead", self.leads), ("delay", self.delays)):
+            if values:
+                a = np.asarray(values)
+                out[name] = {
+                    "mean": round(float(a.mean()), 3),
+                    "p50": int(np.percentile(a, 50)),
+                    "p90": int(np.percentile(a, 90)),
+                    "max": int(a.max()),
+                }
+        return out
+
+    @staticmethod
+    def describe(s: dict[str, Any]) -> str:
+        def one(d: dict[str, Any]) -> str:
+            return f"mean {d['mean']:.2f} p50 {d['p50']} p90 {d['p90']} max {d['max']}"
+
+        return (
+            f"{s['updates']} updates; lead over slowest worker {one(s['lead'])}; "
+            f"delay in global steps {one(s['delay'])}"
+        )

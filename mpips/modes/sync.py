@@ -1,0 +1,84 @@
+"""Synchronous replicas (``train.mode = "sync"``): every worker holds every variable and the
+replicas apply the mean gradient of each step together (replica.py): no PS, no counter, no
+chief that can run ahead. PS ranks, if the layout has any, hold nothing in this mode and
+sleep (passing on a preemption signal they receive). One process (no mpirun) trains in this
+mode, as a single replica, whatever train.mode says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import preemption
+from ..allreduce import agree_max, forward_stop, idle_until_end
+from ..backend import Device
+from ..data import DatasetInfo
+from ..hooks import Hook, StepInfo
+from ..job import Job, job_placement
+from ..layout import Layout
+from ..optim import Optimizer
+from ..run import TrainResult
+from ..startup import Prepared
+from ..store import Cluster
+from .base import Mode, replica_bytes
+from .replica import Replica
+
+
+class Sync(Mode):
+    """Synchronous replicas on the workers; the PS tasks, if any, hold nothing."""
+
+    name = "sync"
+    ps_holds_variables = False
+    chief_holds_dense = True
+    takes_clip_norm = True
+
+    def rank_bytes(
+        self, job: Job, layout: Layout, model: Any, optimizer: Optimizer, info: DatasetInfo
+    ) -> list[int]:
+        replica = replica_bytes(model, optimizer)
+        return [0 if layout.role(r).job == "ps" else replica for r in range(layout.world_size)]
+
+    def step_note(self, info: StepInfo) -> str:
+        return "(mean over all replicas' batches)"
+
+    def train(
+        self,
+        job: Job,
+        cluster: Cluster,
+        optimizer: Optimizer,
+        prep: Prepared,
+        hooks: list[Hook],
+        device: Device,
+    ) -> TrainResult:
+        """Train as synchronous replicas on the workers (collective over the world).
+
+        PS ranks, if the layout names any, hold nothing: they wait for the end of the run,
+        passing a preemption signal they receive to the chief. At the end every rank agrees
+        on the signal that stopped the run (if any), so every rank exits with the same code.
+        """
+        specs = prep.model.variables()
+        cluster.check_placement(job_placement(job, specs, 1))  # same variables on every rank
+        if cluster.is_ps:
+            return _idle_ps(cluster)
+        result = Replica(job, self, cluster, optimizer, prep, device).train(hooks)
+        # every rank, PS included, learns the signal that stopped the run: the same exit code
+        result.stopped_by = agree_max(
+            cluster.comm, [result.stopped_by or preemption.requested()], "the end of the run"
+        )[0]
+        return result
+
+
+def _idle_ps(cluster: Cluster) -> TrainResult:
+    """A PS rank of a sync job: wait for the end of the run, passing a signal it receives
+    on to the chief."""
+    comm, chief = cluster.comm, cluster.layout.chief_rank
+    result = TrainResult(cluster.role, 0, 0)
+    forwarded = [False]
+
+    def forward() -> None:
+        if preemption.requested() and not forwarded[0]:
+            forward_stop(comm, chief, preemption.requested())
+            forwarded[0] = True
+
+    agreed_stop = idle_until_end(comm, preemption.requested(), forward)
+    result.stopped_by = agreed_stop  # a signal too late to stop the run changes nothing
+    return result

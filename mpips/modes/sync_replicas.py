@@ -1,0 +1,161 @@
+"""``train.mode = "sync_replicas"``: TensorFlow's SyncReplicasOptimizer through the PS tasks.
+Each worker posts its gradient for the PS tasks' current step; each PS task averages the
+first ``train.replicas_to_aggregate`` gradients of a step, applies the mean once and moves
+on (gradients that come later are dropped, so backup workers hide a slow one)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from .. import preemption
+from ..backend import Device
+from ..data import DatasetInfo, full_batches
+from ..errors import ConfigError, DataError
+from ..hooks import Hook, StepInfo
+from ..job import Job
+from ..layout import Layout
+from ..log import log
+from ..optim import Optimizer, learning_rate
+from ..run import TrainResult
+from ..startup import Prepared
+from ..store import Cluster
+from .base import Mode
+from .ps_store import close_store, open_store, run_ps
+from .store_worker import StoreWorker
+
+
+class SyncReplicas(Mode):
+    """PS tasks hold every variable and apply each step's averaged gradients once."""
+
+    name = "sync_replicas"
+    aggregates = True
+
+    def check(self, job: Job, cluster: Cluster, model: Any, info: DatasetInfo) -> None:
+        check_sync_replicas(job, cluster, info)
+        super().check(job, cluster, model, info)
+
+    def aggregate_count(self, job: Job, layout: Layout) -> int:
+        """The gradients a PS task averages for each step."""
+        return job.train.replicas_to_aggregate or layout.num_workers
+
+    def step_note(self, info: StepInfo) -> str:
+        return (
+            "(the chief's batch; the PS tasks average the step's first "
+            "replicas_to_aggregate gradients)"
+        )
+
+    def train(
+        self,
+        job: Job,
+        cluster: Cluster,
+        optimizer: Optimizer,
+        prep: Prepared,
+        hooks: list[Hook],
+        device: Device,
+    ) -> TrainResult:
+        """Every rank: create the windows, then PS tasks aggregate and workers post their
+        gradients until the chief ends the run."""
+        windows = open_store(job, self, cluster, optimizer, prep)
+        if cluster.is_ps:
+            n = self.aggregate_count(job, cluster.layout)
+            num_ps = cluster.layout.num_ps
+            result = run_ps(job, cluster, windows, optimizer, num_ps, prep.model, n)
+        else:
+            worker = ReplicasWorker(job, self, cluster, windows, optimizer, prep, device)
+            result = worker.train(hooks)
+        return close_store(cluster, windows, result)
+
+
+class ReplicasWorker(StoreWorker):
+    """A worker of ``train.mode = "sync_replicas"``, TensorFlow's SyncReplicasOptimizer
+    through the PS: each step it pulls the variables of the PS tasks' current step, posts
+    its gradient tagged with that step, and waits until every PS task has aggregated the
+    step (the first ``train.replicas_to_aggregate`` gradients for it, averaged and applied
+    once). A gradient that comes after its step was aggregated is dropped, so with backup
+    workers (replicas_to_aggregate below the number of workers) a slow worker no longer
+    slows every step: it catches up on the next one."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.dropped = 0
+        # equal full batches on every worker, as sync replicas make them (checked > 0)
+        self.per_epoch = full_batches(
+            self.prep.info.rows["train"], self.cluster.layout.num_workers, self.tc.batch_size
+        )
+
+    def batches(self) -> Iterable[tuple[int, Any, Any]]:
+        assert self.prep.train is not None
+        return self.prep.train.batches(
+            self.tc.batch_size,
+            self.tc.seed,
+            self.role.task,
+            0,  # ends at train.steps
+            start_batch=self.clock,
+            per_epoch=self.per_epoch,
+        )
+
+    def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
+        """Post a gradient for the PS tasks' current step and wait until they move on."""
+        control, client, model, device = self.control, self.client, self.model, self.device
+        tl = self.timeline
+        t = tl.now() if tl else 0.0
+        if preemption.requested():
+            control.request_stop(preemption.requested())
+            return None
+        if control.tickets_ended():  # a stop (a signal or a hook's) ends the tickets
+            return None
+        tags = client.ps_steps()
+        if tags[0] >= self.tc.steps:
+            return None
+        x, _ = model.prepare(x)
+        params = device.stage_in(client.pull())
+        x, y = device.to_device(x), device.to_device(y)
+        grads = device.mirrors(client.gradients())
+        if tl:
+            t = tl.span("pull", t)
+        loss = self._loss_and_grads(params, x, y, grads)
+        if not math.isfinite(loss):
+            self._not_finite(loss, tags[0])
+        device.stage_out(grads, client.gradients())
+        if tl:
+            t = tl.span("compute", t)
+        if not client.push(learning_rate(self.oc, tags[0]), tags):
+            self.dropped += 1
+        if tl:
+            t = tl.span("push and ack", t)
+        client.wait_steps(tags, control.tickets_ended)
+        if tl:
+            tl.span("wait for the step", t)
+        self.clock, self.updates = self.clock + 1, self.updates + 1
+        control.publish_clock(self.role.task, self.clock)
+        self.stats.add(0, 0)
+        self.stats.dropped = self.dropped
+        return StepInfo(tags[0] + 1, loss, epoch, self.updates)
+
+    def _per_worker(self, staleness: list[dict[str, Any]]) -> None:
+        dropped = [s.get("dropped", 0) for s in staleness]
+        log(self.role, "gradients dropped as late, per worker task: " + " ".join(map(str, dropped)))
+
+
+def check_sync_replicas(job: Job, cluster: Cluster, info: DatasetInfo) -> None:
+    """What sync_replicas needs of the layout and the data: no more gradients a step than
+    workers; backup workers only with one PS task (several would aggregate different
+    workers' gradients and drift apart); a full batch a step on every worker."""
+    aggregate, workers = job.train.replicas_to_aggregate, cluster.layout.num_workers
+    if aggregate > workers:
+        raise ConfigError(
+            f"train.replicas_to_aggregate = {aggregate}: more than the {workers} worker(s) "
+            f"of this layout"
+        )
+    if 0 < aggregate < workers and cluster.layout.num_ps > 1:
+        raise ConfigError(
+            f"train.replicas_to_aggregate = {aggregate} of {workers} workers (backup workers) "
+            f"needs a single PS task for now; this layout has {cluster.layout.num_ps}"
+        )
+    if full_batches(info.rows["train"], workers, job.train.batch_size) == 0:
+        raise DataError(
+            f"{info.path}: {info.rows['train']} train rows make no full batch of "
+            f"{job.train.batch_size} on each of {workers} workers (sync_replicas)"
+        )
