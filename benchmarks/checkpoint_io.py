@@ -33,7 +33,7 @@ import numpy as np
 
 from mpips import checkpoint
 from mpips.nn import MLP
-from mpips.placement import VariableSpec
+from mpips.variables import VariableSpec
 
 
 def payloads() -> dict[str, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:

@@ -23,8 +23,9 @@ from mpi4py import MPI
 
 from mpips.layout import make_layout
 from mpips.nn import MLP
-from mpips.placement import VariableSpec, round_robin
+from mpips.placement import round_robin
 from mpips.store import Cluster, StoreClient, Windows, barrier, serve
+from mpips.variables import VariableSpec
 
 comm = MPI.COMM_WORLD
 

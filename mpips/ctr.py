@@ -16,7 +16,7 @@ import scipy.sparse as sp
 from .layers import DenseStack, log_loss
 from .metrics import auc
 from .model import Model
-from .placement import VariableSpec
+from .variables import VariableSpec
 
 WIDE, EMBEDDING = "wide/weights", "deep/embedding"
 

@@ -15,7 +15,7 @@ import numpy as np
 from .backend import scatter_add, to_host
 from .metrics import accuracy, auc
 from .model import Model, Ready
-from .placement import VariableSpec
+from .variables import VariableSpec
 
 
 def he_uniform(

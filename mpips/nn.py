@@ -20,7 +20,7 @@ from .model import (
     factory_name,
     import_factory,
 )
-from .placement import VariableSpec
+from .variables import VariableSpec
 
 if TYPE_CHECKING:
     from .data import DatasetInfo

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# re-exported until its callers move (issue 32): layers.py, nn.py, ctr.py and allreduce.py
-# import VariableSpec from here; placement itself needs it too
 from .variables import VariableSpec
 
 ALIGN = 64  # bytes; every variable starts on a cache line of its PS window

@@ -11,7 +11,8 @@ from mpips.checkpoint import Checkpoint, Entry, Part
 from mpips.checkpoint.manifest import _covers_once
 from mpips.checkpoint.reading import _overlap
 from mpips.errors import CheckpointError
-from mpips.placement import VariableSpec, round_robin, slot_placement
+from mpips.placement import round_robin, slot_placement
+from mpips.variables import VariableSpec
 
 SPECS = [VariableSpec("dense_0/kernel", (3, 2)), VariableSpec("dense_0/bias", (2,))]
 

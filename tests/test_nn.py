@@ -102,7 +102,7 @@ def test_buckets_cut_a_big_matrix_between_rows():
     from mpi4py import MPI
 
     from mpips.allreduce import GradientBuckets
-    from mpips.placement import VariableSpec
+    from mpips.variables import VariableSpec
 
     specs = [VariableSpec("w", (50, 32)), VariableSpec("v", (600,)), VariableSpec("u", (3, 4))]
     buckets = GradientBuckets(MPI.COMM_SELF, specs, bucket_bytes=2048)

@@ -9,7 +9,8 @@ from test_optimizers_mpi import assert_same_checkpoints, read_ckpt, reference, w
 
 from mpips.errors import ConfigError
 from mpips.job import parse_job
-from mpips.placement import VariableSpec, imbalance, round_robin
+from mpips.placement import imbalance, round_robin
+from mpips.variables import VariableSpec
 
 SPECS = [
     VariableSpec("k0", (784, 256)),

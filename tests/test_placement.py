@@ -1,7 +1,8 @@
 import pytest
 
 from mpips.nn import MLP
-from mpips.placement import ALIGN, VariableSpec, greedy_by_bytes, round_robin
+from mpips.placement import ALIGN, greedy_by_bytes, round_robin
+from mpips.variables import VariableSpec
 
 
 def specs(n):

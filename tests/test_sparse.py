@@ -9,7 +9,8 @@ from mpips.ctr import EMBEDDING, WIDE, WideDeep
 from mpips.data import open_dataset
 from mpips.errors import DataError
 from mpips.metrics import auc
-from mpips.placement import VariableSpec, owner_and_row, partition_rows, place_tables, round_robin
+from mpips.placement import owner_and_row, partition_rows, place_tables, round_robin
+from mpips.variables import VariableSpec
 
 
 @pytest.mark.parametrize("rule", ["mod", "div"])
