@@ -36,7 +36,6 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import AlreadyReported, ReplicasDiverged, Stalled
-from .optim import clip_by_global_norm
 from .placement import VariableSpec
 from .store import (
     STALL_TIMEOUT,
@@ -56,6 +55,9 @@ ALIGN = 16  # elements: buckets (but one going on with a cut matrix), and parts 
 # update(part of the variable, its summed gradient (mean once divided), its slots' parts):
 # applies the optimizer in place to the part of one variable a replica owns
 Update = Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray]], None]
+# clip(this replica's parts of the mean gradients, total): scale them in place by one factor
+# from their joint norm; total(sum of squares here) sums the squares over the replicas
+Clip = Callable[[list[np.ndarray], Callable[[float], float]], None]
 
 
 @dataclass
@@ -94,7 +96,7 @@ class _Step:
     """A step's plan: its update and clipping, and the replicas' agreement to apply it."""
 
     update: Update | None = None
-    clip_norm: float = 0.0
+    clip: Clip | None = None
     agreement: np.ndarray | None = None  # the votes, then their maxima (None: not cast)
     request: MPI.Request | None = None  # the agreement's allreduce, until it completed
     gathered: int = 0  # buckets updated and their allgathers started, in bucket order
@@ -103,7 +105,7 @@ class _Step:
     def early(self) -> bool:
         """Buckets reduced during backward may be updated then, once agreed (clipping needs
         every mean gradient first)."""
-        return self.update is not None and self.clip_norm <= 0
+        return self.update is not None and self.clip is None
 
 
 def _count(spec: VariableSpec) -> int:
@@ -301,18 +303,18 @@ class GradientBuckets:
     def start_step(
         self,
         update: Update | None = None,
-        clip_norm: float = 0.0,
+        clip: Clip | None = None,
         votes: Sequence[int] | None = (),
     ) -> None:
         """Begin a step, before backward. It is applied with ``update`` (None: not applied,
         the mean gradients only) unless a replica's ``votes`` (small integers: a stop signal,
         a hook's request to stop) are not all 0; their maxima over the replicas are agreed
         in one small allreduce that runs meanwhile (``agreed``). Once it says the step is
-        applied, and with no clipping (``clip_norm`` > 0 needs every mean gradient first), a
+        applied, and with no clipping (``clip`` needs every mean gradient first), a
         bucket whose reduction completes while backward runs is updated and its allgather
         started at once. ``votes`` None: cast later with ``vote``, and nothing is updated
         before."""
-        self._step = _Step(update, clip_norm)
+        self._step = _Step(update, clip)
         if votes is not None:
             self.vote(votes)
         if self._shared is None:  # (shared memory: nothing is reduced during backward)
@@ -411,8 +413,8 @@ class GradientBuckets:
     def finish(self) -> float:
         """Complete the step: sum this replica's part of every bucket over the replicas,
         divide it by their number, update it (unless the step is not applied: then every
-        variable stays as it was) and share the updated variables. A ``clip_norm`` > 0
-        scales the mean gradients so their joint L2 norm is at most that (one small
+        variable stays as it was) and share the updated variables. A ``clip`` scales
+        the mean gradients first (the sum of their squares over the replicas: one small
         allreduce more). Returns the mean loss over the replicas' batches (nan when not
         applied).
 
@@ -423,26 +425,26 @@ class GradientBuckets:
         for index in sorted(self._pending):
             self._reduce(index)
         applied = self._applied(wait=True)
-        update, clip_norm = self._step.update, self._step.clip_norm
+        update, clip = self._step.update, self._step.clip
         if self._shared is not None:
             if applied and update is not None:
-                self._finish_shared(update, clip_norm)
+                self._finish_shared(update, clip)
         else:
-            self._finish_messages(update if applied else None, clip_norm)
+            self._finish_messages(update if applied else None, clip)
         self.reduce_seconds += time.perf_counter() - t0
         return float(self.values[LOSS].sum(dtype=np.float64)) if applied else math.nan
 
-    def _finish_messages(self, update: Update | None, clip_norm: float) -> None:
+    def _finish_messages(self, update: Update | None, clip: Clip | None) -> None:
         if self._pump is not None:
             self._pump.on.clear()  # from here on this thread enters MPI itself
-        whole_first = update is None or clip_norm > 0  # every mean before any update
+        whole_first = update is None or clip is not None  # every mean before any update
         if whole_first:
             for b in self.buckets:
                 self._mean(b)
         if update is None:
             return
-        if clip_norm > 0:
-            self._clip(clip_norm)
+        if clip is not None:
+            self._clip(clip)
         step = self._step
         for b in self.buckets[step.gathered :]:  # in the order their reductions started
             if not whole_first:
@@ -455,12 +457,12 @@ class GradientBuckets:
                 complete(self.comm, b.gather, "the variables' allgather")
             b.gather = None
 
-    def _finish_shared(self, update: Update, clip_norm: float) -> None:
+    def _finish_shared(self, update: Update, clip: Clip | None) -> None:
         self._fence("the replicas' gradients")  # every replica has written its gradients
         for b in self.buckets:
             self._mean_of_peers(b)
-        if clip_norm > 0:
-            self._clip(clip_norm)
+        if clip is not None:
+            self._clip(clip)
         for b in self.buckets:
             self._update(b, update)
         self._fence("the replicas' updates")  # nobody reads a part before its owner wrote it
@@ -497,7 +499,7 @@ class GradientBuckets:
         first = b.start + b.displs[self.rank]
         return [(name, b.shard[lo - first : hi - first]) for name, lo, hi in b.pieces]
 
-    def _clip(self, clip_norm: float) -> None:
+    def _clip(self, clip: Clip) -> None:
         """Scale every replica's parts of the mean gradients (the loss aside) by one factor,
         from their joint norm: each replica's sum of squares, summed over the replicas."""
         parts = [g for b in self.buckets for name, g in self._grad_parts(b) if name != LOSS]
@@ -507,7 +509,7 @@ class GradientBuckets:
             complete(self.comm, self.comm.Iallreduce(MPI.IN_PLACE, total, MPI.SUM), "the norm")
             return float(total[0])
 
-        clip_by_global_norm(parts, clip_norm, over_replicas)
+        clip(parts, over_replicas)
 
     def _update(self, b: Bucket, update: Update) -> None:
         """Apply this replica's part of bucket ``b`` to the variables and their slots."""

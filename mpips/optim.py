@@ -435,3 +435,17 @@ def clip_by_global_norm(
         for g in grads:
             g *= clip_norm / norm
     return norm
+
+
+def global_norm_clip(
+    clip_norm: float,
+) -> Callable[[list[Array], Callable[[float], float]], None] | None:
+    """Clipping to ``clip_norm`` as a callable (parts, total) for code that moves the
+    gradients in parts (allreduce's replicas): clip_by_global_norm; None without clipping."""
+    if clip_norm <= 0:
+        return None
+
+    def clip(parts: list[Array], total: Callable[[float], float]) -> None:
+        clip_by_global_norm(parts, clip_norm, total)
+
+    return clip

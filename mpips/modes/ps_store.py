@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,10 @@ from ..run import TrainResult, manifest_meta
 from ..startup import Prepared, table_initial
 from ..store import (
     STALL_TIMEOUT,
+    Apply,
     Cluster,
     RunControl,
+    StepPolicy,
     Windows,
     barrier,
     has_inboxes,
@@ -76,13 +79,13 @@ def run_ps(
     optimizer: Optimizer,
     num_shards: int,
     model: Any = None,
-    aggregate: int = 0,
+    aggregate: Callable[[Apply], StepPolicy] | None = None,
 ) -> TrainResult:
     """A PS task: serve until the chief ends the run (applying updates itself for stateful
     optimizers and sync_replicas), writing its checkpoint shard (one of ``num_shards``)
     when asked: its table partitions sparsely where that pays (with ``model``, whose
-    initial rows the untouched ones are). ``aggregate``: sync_replicas' gradients a step
-    (store.serve)."""
+    initial rows the untouched ones are). ``aggregate(apply)``: sync_replicas' policy for
+    the gradients posted for a step (store.serve), given the rule it applies them with."""
     task = cluster.role.task
     tables = sparse_tables(job, windows, task, model, optimizer)
 
@@ -104,7 +107,7 @@ def run_ps(
         optimizer.slots,
         write_shard if job.checkpoint.dir else None,
         preemption.requested,
-        aggregate=aggregate,
+        aggregate=aggregate(apply) if aggregate is not None and apply is not None else None,
         on_applied=rate.applied if rate else None,
     )
     if rate is not None:

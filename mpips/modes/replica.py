@@ -34,7 +34,7 @@ from ..job import Job
 from ..log import detail, log
 from ..memory import SHM_DIR, shared_memory_free
 from ..model import first_loss_and_grads, said_once
-from ..optim import Optimizer, learning_rate
+from ..optim import Optimizer, global_norm_clip, learning_rate
 from ..run import (
     Session,
     TrainResult,
@@ -127,6 +127,7 @@ class Replica:
         self.vote_after_compute = False
         self.stop_asked = 0  # a hook on this replica asked to stop the run
         self.timeline = job_timeline(job, "worker", self.role.task)
+        self.clip = global_norm_clip(self.oc.clip_norm)
         optimizer.prepare()  # a replica applies every update itself: compile its kernel now
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
@@ -296,7 +297,7 @@ class Replica:
         # then too; not applied when stopping: the checkpoint is exact at `step`
         late = self.vote_after_compute
         votes = [self._signal(), self.stop_asked]
-        buckets.start_step(update, self.oc.clip_norm, None if late else votes)
+        buckets.start_step(update, self.clip, None if late else votes)
         # (one copy in shared memory: nothing is reduced during backward, so nothing to say)
         ready = None if buckets.shared else buckets.ready
         if self.updates:

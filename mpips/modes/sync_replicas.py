@@ -6,8 +6,10 @@ on (gradients that come later are dropped, so backup workers hide a slow one).""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from .. import preemption
 from ..backend import Device
@@ -20,7 +22,7 @@ from ..log import log
 from ..optim import Optimizer, learning_rate
 from ..run import TrainResult
 from ..startup import Prepared
-from ..store import Cluster
+from ..store import Apply, Cluster, Windows
 from .base import Mode
 from .ps_store import close_store, open_store, run_ps
 from .store_worker import StoreWorker
@@ -59,13 +61,46 @@ class SyncReplicas(Mode):
         gradients until the chief ends the run."""
         windows = open_store(job, self, cluster, optimizer, prep)
         if cluster.is_ps:
-            n = self.aggregate_count(job, cluster.layout)
+            n, task = self.aggregate_count(job, cluster.layout), cluster.role.task
+
+            def average(apply: Apply) -> Averager:
+                return Averager(windows, task, apply, optimizer.slots, n)
+
             num_ps = cluster.layout.num_ps
-            result = run_ps(job, cluster, windows, optimizer, num_ps, prep.model, n)
+            result = run_ps(job, cluster, windows, optimizer, num_ps, prep.model, average)
         else:
             worker = ReplicasWorker(job, self, cluster, windows, optimizer, prep, device)
             result = worker.train(hooks)
         return close_store(cluster, windows, result)
+
+
+class Averager:
+    """SyncReplicasOptimizer's accumulator on PS ``task`` (store.StepPolicy): the first
+    ``per_step`` gradients posted for a step are summed; their mean is applied once, to the
+    variables and slots this task holds in its window."""
+
+    def __init__(
+        self, windows: Windows, task: int, apply: Apply, slot_names: Sequence[str], per_step: int
+    ):
+        self.variables, slot_views = windows.held(task)
+        self.slots = {
+            name: {s: slot_views[f"{name}/{s}"] for s in slot_names} for name in self.variables
+        }
+        self.total = {name: np.zeros_like(v) for name, v in self.variables.items()}
+        self.apply_rule, self.per_step, self.count = apply, per_step, 0
+
+    def add(self, grads: dict[str, np.ndarray]) -> bool:
+        for name, grad in grads.items():
+            self.total[name] += grad
+        self.count += 1
+        return self.count == self.per_step
+
+    def apply(self, lr: float, step: int) -> None:
+        for name, var in self.variables.items():
+            self.total[name] /= self.per_step
+            self.apply_rule(var, self.total[name], self.slots[name], lr, step + 1)
+            self.total[name][...] = 0
+        self.count = 0
 
 
 class ReplicasWorker(StoreWorker):

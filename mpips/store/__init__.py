@@ -20,7 +20,8 @@ from .cluster import (
 )
 from .control import NO_MORE_TICKETS, RunControl
 from .mailbox import publish_start_step
-from .server import serve
+from .rules import Apply
+from .server import StepPolicy, serve
 from .watchdog import Watchdog
 from .window import (
     TICKETS,
@@ -33,6 +34,7 @@ from .window import (
 )
 
 __all__ = [
+    "Apply",
     "NO_MORE_TICKETS",
     "STALL_TIMEOUT",
     "START_TIMEOUT",
@@ -41,6 +43,7 @@ __all__ = [
     "Exposed",
     "NodeShared",
     "RunControl",
+    "StepPolicy",
     "StoreClient",
     "Watchdog",
     "WindowPlan",

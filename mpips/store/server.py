@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -52,7 +53,7 @@ def serve(
     slot_names: Sequence[str] = (),
     write_shard: WriteShard | None = None,
     stop_requested: Callable[[], int] = lambda: 0,
-    aggregate: int = 0,
+    aggregate: StepPolicy | None = None,
     on_applied: Callable[[int], None] | None = None,
 ) -> int:
     """Serve this PS task from the chief's ready flag until the chief ends the run
@@ -63,9 +64,9 @@ def serve(
     slots ``slot_names`` of each variable (``<variable>/<slot>`` in the window).
     ``write_shard(step, variables, slots)`` writes this PS's checkpoint shard when the chief
     asks for one; ``stop_requested()``, a signal number (0: none), is passed on to the whole
-    job as a stop at the next step (preemption). ``aggregate`` > 0 (train.mode =
-    "sync_replicas"): average that many gradients posted for this PS's current step, apply
-    the mean once, advance the step, and drop gradients that come later for an older step.
+    job as a stop at the next step (preemption). ``aggregate`` (sync_replicas): hand it
+    each gradient posted for this PS's current step, and advance the step once it applied
+    the step's; gradients that come later for an older step are dropped.
     ``on_applied(step)`` is called after each update this PS applies (summaries).
     """
     control = RunControl(windows)
@@ -95,11 +96,24 @@ def serve(
             max_sleep=WARM_POLL_SECONDS if remote else CHORE_SECONDS,
         )
         return 0
-    if aggregate:
-        return _aggregate_loop(
-            cluster, windows, apply, slot_names, chores, aggregate, on_applied or _nothing
-        )
+    if aggregate is not None:
+        return _aggregate_loop(cluster, windows, aggregate, chores, on_applied or _nothing)
     return _apply_loop(cluster, windows, apply, slot_names, chores, on_applied or _nothing)
+
+
+class StepPolicy(Protocol):
+    """What a PS does with the gradients posted for one step (sync_replicas: the mode's
+    averaging, mpips.modes.sync_replicas); the store only moves and counts them."""
+
+    per_step: int  # gradients a step takes (said in the log at the end)
+
+    def add(self, grads: dict[str, np.ndarray]) -> bool:
+        """Take one worker's gradients for the current step; True once the step has all."""
+        ...
+
+    def apply(self, lr: float, step: int) -> None:
+        """Apply the step's update (the PS's variables go from ``step`` to ``step + 1``)."""
+        ...
 
 
 def _nothing(step: int) -> None:
@@ -236,21 +250,17 @@ def _apply_loop(
 def _aggregate_loop(
     cluster: Cluster,
     windows: Windows,
-    apply: Apply,
-    slot_names: Sequence[str],
+    policy: StepPolicy,
     chores: _Chores,
-    n: int,
     on_applied: Callable[[int], None],
 ) -> int:
-    """SyncReplicasOptimizer's PS: the first ``n`` gradients posted for this PS's current
-    step are summed; the mean is applied once and the step advances (PS task 0 also
-    advances global_step); a gradient for an older step is dropped (and counted). Returns
-    the steps aggregated; logs the gradients dropped per worker at the end."""
+    """SyncReplicasOptimizer's PS, the mechanism: each gradient posted for this PS's current
+    step goes to ``policy`` (the mode's: it sums them, and applies their mean once a step
+    has all it takes), then the step advances (PS task 0 also advances global_step); a
+    gradient for an older step is dropped (and counted). Returns the steps aggregated; logs
+    the gradients dropped per worker at the end."""
     task = cluster.role.task
-    variables, slot_views = windows.held(task)
-    slots = {name: {s: slot_views[f"{name}/{s}"] for s in slot_names} for name in variables}
-    total = {name: np.zeros_like(v) for name, v in variables.items()}
-    mail, count, steps = PsMail(windows, task, cluster.rank), 0, 0
+    mail, steps = PsMail(windows, task, cluster.rank), 0
     # the step this task published before the start barrier (the restored global_step):
     # not global_step, which another PS task may already have advanced
     step = mail.published_step()
@@ -268,16 +278,11 @@ def _aggregate_loop(
                 mail.applied(k, dropped=True)
                 continue
             lr, grads, _ = posted
-            for name, grad in grads.items():
-                total[name] += grad
+            complete = policy.add(grads)
             mail.applied(k)
-            count += 1
-            if count == n:
-                for name, var in variables.items():
-                    total[name] /= n
-                    apply(var, total[name], slots[name], lr, step + 1)
-                    total[name][...] = 0
-                step, count, steps = step + 1, 0, steps + 1
+            if complete:
+                policy.apply(lr, step)
+                step, steps = step + 1, steps + 1
                 if task == 0:
                     chores.control.advance_step()
                 mail.publish_step(step)
@@ -286,6 +291,7 @@ def _aggregate_loop(
     late = ", ".join(f"worker {k}: {d}" for k, d in enumerate(dropped) if d) or "none"
     log(
         cluster.role,
-        f"aggregated {steps} steps of {n} gradients each; late gradients dropped: {late}",
+        f"aggregated {steps} steps of {policy.per_step} gradients each; late gradients "
+        f"dropped: {late}",
     )
     return steps
