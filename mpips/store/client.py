@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ..placement import Placed, owner_and_row, views
+from ..placement import Placed, Placement, owner_and_row, views
 from .control import RunControl
 from .mailbox import WorkerMail
 from .rules import Apply
@@ -89,6 +89,26 @@ class Routed:
             self._type = None
 
 
+def _tables(placement: Placement) -> dict[str, Table]:
+    """The row-partitioned tables of ``placement``, by name: their parts and routing rule."""
+    tables: dict[str, Table] = {}
+    for e in placement:
+        if e.table and e.name not in tables:
+            parts = placement.parts(e.whole.name)
+            rows = parts[0].rows
+            assert rows is not None  # every part of a table has its rows
+            rule = "mod" if len(parts) > 1 and rows[2] > 1 else "div"
+            tables[e.whole.name] = Table(
+                e.whole.name,
+                parts,
+                e.whole.shape[0],
+                int(np.prod(e.whole.shape[1:])),
+                np.dtype(e.whole.dtype),
+                rule,
+            )
+    return tables
+
+
 class StoreClient:
     """Pull/push the model through host buffers laid out exactly like the PS windows.
 
@@ -135,21 +155,7 @@ class StoreClient:
                 self.params[e.name] = np.zeros(e.whole.shape, e.whole.dtype)
                 self.grads[e.name] = np.zeros(e.whole.shape, e.whole.dtype)
         self._segments = _segments(self)
-        self.tables: dict[str, Table] = {}
-        for e in placement:
-            if e.table and e.name not in self.tables:
-                parts = placement.parts(e.whole.name)
-                rows = parts[0].rows
-                assert rows is not None  # every part of a table has its rows
-                rule = "mod" if len(parts) > 1 and rows[2] > 1 else "div"
-                self.tables[e.whole.name] = Table(
-                    e.whole.name,
-                    parts,
-                    e.whole.shape[0],
-                    int(np.prod(e.whole.shape[1:])),
-                    np.dtype(e.whole.dtype),
-                    rule,
-                )
+        self.tables = _tables(placement)
         # zero copy: every table partition as (rows, width), in its PS's memory
         self._parts_in_place = {
             (name, p): windows.shared_memory(self.ps_ranks[p])[
@@ -165,43 +171,49 @@ class StoreClient:
         self.applies_in_place = windows.updates_in_place
         self._stripes: Stripes | None = None
         if self.applies_in_place:  # zero copy: this worker runs the rule on PS memory
-            from .stripes import Stripes  # numba: only zero copy pays for its import
-
             if apply is None:
                 raise ValueError("zero copy: a worker applies its updates; give it the rule")
-            shared = [windows.shared_memory(r) for r in self.ps_ranks]
-            slots = views(windows.slots, shared) if windows.slots else {}
-            # each table partition's slots, as (rows, width), by (slot name, ps task)
-            slot_parts = {
-                (e.name, e.ps_task): slots[e.spec.name].reshape(-1, int(np.prod(e.spec.shape[1:])))
-                for e in windows.slots or ()
-                if e.table and e.whole is not None
-            }
-            self._stripes = Stripes(
-                windows,
-                task,
-                [
-                    (
-                        e.ps_task,
-                        self.params[e.name].reshape(-1),
-                        self.grads[e.name].reshape(-1),
-                        {s: slots[f"{e.name}/{s}"].reshape(-1) for s in slot_names},
-                    )
-                    for e in whole
-                ],
-                {
-                    (name, p): (
-                        self._parts_in_place[name, p],
-                        {s: slot_parts[f"{name}/{s}", p] for s in slot_names},
-                    )
-                    for name, table in self.tables.items()
-                    for p in range(len(table.parts))
-                },
-                apply,
-            )
+            self._stripes = self._in_place(whole, apply, slot_names)
         self._row_grads: dict[str, np.ndarray] = {}
         self._routed: list[Routed] = []
         self._posted = False  # an update is posted whose acknowledgement is not yet seen
+
+    def _in_place(self, whole: list[Placed], apply: Apply, slot_names: Sequence[str]) -> Stripes:
+        """Zero copy: the stripes through which this worker applies ``apply`` to the whole
+        variables and table partitions (with their slots) in the PS tasks' memory."""
+        from .stripes import Stripes  # numba: only zero copy pays for its import
+
+        windows = self.windows
+        shared = [windows.shared_memory(r) for r in self.ps_ranks]
+        slots = views(windows.slots, shared) if windows.slots else {}
+        # each table partition's slots, as (rows, width), by (slot name, ps task)
+        slot_parts = {
+            (e.name, e.ps_task): slots[e.spec.name].reshape(-1, int(np.prod(e.spec.shape[1:])))
+            for e in windows.slots or ()
+            if e.table and e.whole is not None
+        }
+        return Stripes(
+            windows,
+            self.task,
+            [
+                (
+                    e.ps_task,
+                    self.params[e.name].reshape(-1),
+                    self.grads[e.name].reshape(-1),
+                    {s: slots[f"{e.name}/{s}"].reshape(-1) for s in slot_names},
+                )
+                for e in whole
+            ],
+            {
+                (name, p): (
+                    self._parts_in_place[name, p],
+                    {s: slot_parts[f"{name}/{s}", p] for s in slot_names},
+                )
+                for name, table in self.tables.items()
+                for p in range(len(table.parts))
+            },
+            apply,
+        )
 
     @property
     def nbytes(self) -> int:

@@ -1,5 +1,5 @@
-"""The mailbox protocol of stateful optimizers, end to end: the inbox layout, the worker's
-post and the PS's reading and acknowledgement.
+"""The mailbox protocol of stateful optimizers, end to end: the worker's post and the PS's
+reading and acknowledgement (the inbox layout: inbox.py).
 
 Every PS window ends with one gradient inbox per worker (window.py puts them after the
 variables and slots, ``Inbox.nbytes`` each). An inbox holds a gradient of every whole
@@ -28,31 +28,22 @@ PS clears only a raised one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import Stalled
-from ..placement import Placed, Placement, align, views
 from ..waits import poll
 from .cluster import STALL_TIMEOUT, stall_limit
+from .inbox import MAIL_FLAG, MAIL_LR, MAIL_WORDS, mail_words
+from .window import Windows
 
-if TYPE_CHECKING:
-    from .window import Windows
-
-MAIL_FLAG, MAIL_LR, MAIL_WORDS = 0, 1, 2  # a worker's words in a PS's mail window
 ACK_FAST_SECONDS = 0.02  # how long a worker checks every 50 us that the PS applied its update
 _NO_ROWS = np.zeros(0, np.int64)
 # one table's rows of a step on one PS task: (table, ps task, positions in the step's ids,
 # rows in that task's part)
 RoutedRows = tuple[str, int, np.ndarray | slice, np.ndarray]  # slice(None): all positions
-
-
-def mail_words(workers: int) -> int:
-    """int64 words of a PS's mail window: each worker's, then the PS's aggregated step
-    (train.mode = "sync_replicas")."""
-    return MAIL_WORDS * workers + 1
 
 
 DROPPED = -1  # a PS's answer to a gradient that came too late for its step (sync_replicas)
@@ -64,55 +55,6 @@ def peek(win: MPI.Win, rank: int, index: int, out: np.ndarray) -> int:
     win.Get([out, MPI.LONG], rank, [index, 1, MPI.LONG])
     win.Flush(rank)
     return int(out[0])
-
-
-class RowBox:
-    """Where one table partition's gradient rows go in a worker's inbox (byte offsets from
-    the inbox start)."""
-
-    def __init__(self, part: Placed, start: int, capacity: int):
-        self.part, self.capacity = part, capacity
-        self.width = int(np.prod(part.spec.shape[1:]))
-        self.count = start  # int64
-        self.rows = align(start + 8)  # int64 x capacity
-        self.grads = align(self.rows + 8 * capacity)
-        self.end = align(self.grads + capacity * self.width * np.dtype(part.spec.dtype).itemsize)
-
-    def arrays(self, inbox: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(count, rows, grads) views into an inbox's bytes."""
-        n = inbox[self.count : self.count + 8].view(np.int64)
-        rows = inbox[self.rows : self.rows + 8 * self.capacity].view(np.int64)
-        grads = inbox[self.grads : self.end].view(self.part.spec.dtype)[
-            : self.capacity * self.width
-        ]
-        return n, rows, grads.reshape(self.capacity, self.width)
-
-
-class Inbox:
-    """The layout of a worker's inbox on PS ``task`` (the same for every worker): the whole
-    variables' gradients, then a row box per table partition, by table name."""
-
-    def __init__(self, placement: Placement, task: int, row_capacity: int):
-        self.dense = [e for e in placement.on_ps(task) if not e.table]
-        self.num_ps = placement.num_ps
-        start = placement.dense_bytes(task)
-        self.boxes: dict[str, RowBox] = {}
-        for e in placement.on_ps(task):
-            if e.table:
-                box = RowBox(e, start, max(1, min(e.spec.shape[0], row_capacity)))
-                self.boxes[e.name] = box
-                start = box.end
-        self.nbytes = start
-
-    def views(
-        self, inbox: np.ndarray
-    ) -> tuple[dict[str, np.ndarray], list[tuple[str, RowBox, tuple]]]:
-        """Typed views into an inbox's bytes: dense variables' gradients by variable name (a
-        row block of a split variable by its variable's), and (table, box, (count, rows,
-        grads)) of every row box."""
-        return views(self.dense, [inbox] * self.num_ps, by_name=True), [
-            (name, box, box.arrays(inbox)) for name, box in self.boxes.items()
-        ]
 
 
 class WorkerMail:

@@ -3,11 +3,12 @@ windows for the mailboxes (one per PS) and the control counters (on ps task 0).
 
 A PS window holds ``[variables | table partitions | optimizer slots | one gradient inbox per
 worker]``; the inboxes exist only for stateful optimizers, which the PS applies itself (plain
-SGD is Accumulated). What an inbox holds, and the mail window's words, are the mailbox
-protocol's (mailbox.py). With zero copy (``shared``) the windows are MPI shared memory and
-the workers apply every update in place under lock words (stripes.py): no inboxes. Those
-words are a shared-memory window of their own, LOCKS_PER_PS int64 words on each PS rank,
-taken and given back with the CPU's atomics (atomics.py), never through MPI.
+SGD is Accumulated). What an inbox holds, and the mail window's words, are laid out in
+inbox.py (the mailbox protocol, mailbox.py, uses them). With zero copy (``shared``) the
+windows are MPI shared memory and the workers apply every update in place under lock
+words (stripes.py): no inboxes. Those words are a shared-memory window of their own,
+LOCKS_PER_PS int64 words on each PS rank, taken and given back with the CPU's atomics
+(atomics.py), never through MPI.
 
 Every rank opens one ``Lock_all`` epoch per window for the whole run and completes each
 operation with ``Flush``: with MPICH a Lock/Unlock per operation waits for the (sleeping)
@@ -25,7 +26,7 @@ from mpi4py import MPI
 from ..layout import Layout
 from ..placement import Placement, views
 from .cluster import barrier, check_arrival
-from .mailbox import Inbox, mail_words
+from .inbox import Inbox, mail_words
 
 # control window on ps task 0: int64 counters, then per PS task the number of the last
 # checkpoint request it wrote its shard for, then a clock and a done flag per worker
@@ -62,7 +63,7 @@ class WindowPlan:
         return max(end, self.slots.ps_bytes(task)) if self.slots else end
 
     def inbox(self, task: int) -> Inbox:
-        """The layout of a worker's gradient inbox on PS ``task`` (mailbox.py)."""
+        """The layout of a worker's gradient inbox on PS ``task`` (inbox.py)."""
         return Inbox(self.placement, task, self.row_capacity)
 
     def inbox_offset(self, task: int, worker: int) -> int:
