@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import BackgroundJob, run_mpi
 
-from mpips import checkpoint
+from mpips import checkpoint, modes
 from mpips.errors import ConfigError
 from mpips.job import parse_job
 from mpips.run import loss_not_finite
@@ -300,7 +300,7 @@ def test_the_nan_message_suggests_clip_norm_only_where_the_mode_takes_it(mode):
     except ConfigError as e:
         assert "optimizer.clip_norm" in str(e)
         takes = False
-    said = loss_not_finite(1, float("nan"), 7, mode)
+    said = loss_not_finite(1, float("nan"), 7, modes.MODES[mode].takes_clip_norm)
     assert "task:1 is nan at global_step 7" in said and "optimizer.learning_rate" in said
     assert ("clip_norm" in said) == takes, said
 
