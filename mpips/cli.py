@@ -18,6 +18,8 @@ from .log import set_verbose
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
     from .initial import InitialValues
+    from .layout import Layout
+    from .model import Model
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # one per command
 
@@ -380,14 +382,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_layout(args: argparse.Namespace) -> int:
     from .data import open_data
     from .layout import block_nodes, node_indices, ps_imbalance
+    from .modes import select
     from .nn import build_model
     from .placement import imbalance
-    from .placing import job_layout, store_placement
+    from .placing import job_layout
 
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8
     nodes = block_nodes(n, args.nodes)
-    layout = job_layout(job, n, nodes)
+    mode = select(job, n)
+    layout = job_layout(job, n, nodes, sync=not mode.ps_holds_variables)
     info = open_data(job.data)
     model = build_model(job.model, info, job_file=job.source)
     index = node_indices(nodes)
@@ -401,22 +405,15 @@ def cmd_layout(args: argparse.Namespace) -> int:
         role = layout.role(r)
         node = f"{index[r]:>4}  " if on else ""
         print(f"{r:>4}  {node}{role}{'  (chief)' if role.is_chief else ''}")
-    if job.train.mode == "sync":
-        size = sum(s.nbytes for s in model.variables())
+    if mode.single:
         print(
-            f"\nsync replicas: every worker holds all {len(model.variables())} variables "
-            f"({size} bytes) and updates its 1/{layout.num_workers} part of them with the "
-            f"replicas' mean gradient"
-            + (f"; the {layout.num_ps} ps task(s) hold nothing and wait" if layout.num_ps else "")
+            f"\none process (no mpirun): trains as a single synchronous replica, whatever "
+            f'train.mode (here "{job.train.mode}") says'
         )
-        print(f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}")
-        for spec in model.variables():
-            print(
-                f"{spec.name:<24} {'x'.join(map(str, spec.shape)):<12} {spec.dtype:<8} "
-                f"{spec.nbytes:>10}"
-            )
+    if not mode.ps_holds_variables:
+        _print_replicas(model, layout)
         return 0
-    placement = store_placement(job, model, layout.num_ps)
+    placement = mode.store_placement(job, model, layout.num_ps)
     print(f"\nplacement ({job.layout.placement}):")
     print(
         f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}  {'ps task':<14} "
@@ -443,6 +440,23 @@ def cmd_layout(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"\nwarning: {warning}")
     return 0
+
+
+def _print_replicas(model: Model, layout: Layout) -> None:
+    """``mpips layout`` for a mode whose workers hold every variable (sync, one process)."""
+    size = sum(s.nbytes for s in model.variables())
+    print(
+        f"\nsync replicas: every worker holds all {len(model.variables())} variables "
+        f"({size} bytes) and updates its 1/{layout.num_workers} part of them with the "
+        f"replicas' mean gradient"
+        + (f"; the {layout.num_ps} ps task(s) hold nothing and wait" if layout.num_ps else "")
+    )
+    print(f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}")
+    for spec in model.variables():
+        print(
+            f"{spec.name:<24} {'x'.join(map(str, spec.shape)):<12} {spec.dtype:<8} "
+            f"{spec.nbytes:>10}"
+        )
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ the working directory.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import re
 import tomllib
@@ -414,11 +413,3 @@ def load_job(path: str | Path | None = None) -> Job:
         text = resources.files("mpips.builtin").joinpath("default.toml").read_text()
         return parse_job(text, "<built-in default job>")
     return parse_job(read_text(path, ConfigError, f"job file {path}"), str(path))
-
-
-def __getattr__(name: str) -> Any:
-    # re-exported until its callers move (issue 32): job_layout, store_placement and
-    # job_placement live in placing.py, which imports this module (so not imported here)
-    if name in ("job_layout", "store_placement", "job_placement"):
-        return getattr(importlib.import_module("mpips.placing"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

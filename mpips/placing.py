@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from .errors import ConfigError
 from .job import Job, LayoutConfig
@@ -13,24 +12,18 @@ from .placement import STRATEGIES, Placement, place_blocks, place_tables
 from .variables import VariableSpec
 
 
-def job_layout(job: Job, world_size: int, nodes: list[int] | None = None) -> Layout:
+def job_layout(job: Job, world_size: int, nodes: list[int] | None = None, *, sync: bool) -> Layout:
     """The job's rank layout on ``world_size`` ranks placed on ``nodes`` (each rank's node,
-    named by its lowest rank; None: one node). ConfigError if it does not fit."""
+    named by its lowest rank; None: one node); ``sync``: the mode keeps no variables on the
+    PS tasks (Mode.ps_holds_variables is False). ConfigError if it does not fit."""
     return make_layout(
         world_size,
         job.layout.ps,
         job.layout.world_size,
         source=f"{job.source}: [layout]",
-        sync=job.train.mode == "sync",
+        sync=sync,
         nodes=nodes,
     )
-
-
-def store_placement(job: Job, model: Any, num_ps: int) -> Placement:
-    """What the PS tasks hold: every variable and table of the model; in train.mode =
-    "hybrid" only the tables (the workers hold the dense variables as sync replicas)."""
-    dense = [] if job.train.mode == "hybrid" else model.variables()
-    return job_placement(job, dense, num_ps, model.tables())
 
 
 def job_placement(

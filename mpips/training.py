@@ -20,12 +20,13 @@ from .data import open_data
 from .errors import ConfigError
 from .failure import set_role
 from .hooks import Hook
-from .job import Job, job_layout
+from .job import Job
 from .layout import node_indices, ps_imbalance
 from .log import detail, log
 from .model import Model, factory_name
 from .nn import build_model
 from .optim import build_optimizer
+from .placing import job_layout
 from .run import TrainResult
 from .startup import Prepared, prepare
 from .store import Cluster, agreed, node_of_each_rank
@@ -54,7 +55,8 @@ def train(
     mode = modes.select(job, comm.size)
     job = as_run(job, mode, model)
     nodes = node_of_each_rank(comm)
-    layout = agreed(comm, lambda: job_layout(job, comm.size, nodes))
+    sync = not mode.ps_holds_variables
+    layout = agreed(comm, lambda: job_layout(job, comm.size, nodes, sync=sync))
     cluster = Cluster(comm, layout)
     set_role(cluster.role)
     spread = ps_imbalance(layout.ps_ranks, nodes) if mode.ps_holds_variables else None

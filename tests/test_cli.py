@@ -26,12 +26,22 @@ def test_layout_prints_roles_and_placement():
 
 
 def test_layout_errors_are_one_line(tmp_path):
-    r = run_py(["-m", "mpips", "layout", "-n", "1"], cwd=ROOT)
+    (tmp_path / "all-ps.toml").write_text("ps = [0, 1]\n")
+    r = run_py(
+        ["-m", "mpips", "layout", "-n", "2", "--layout", str(tmp_path / "all-ps.toml")], cwd=ROOT
+    )
     assert r.returncode == 2 and r.stderr.startswith("mpips: error:")
-    assert "Traceback" not in r.stderr
+    assert "at least one worker is needed" in r.stderr and "Traceback" not in r.stderr
     (tmp_path / "l.toml").write_text("ps = [7]\n")
     r = run_py(["-m", "mpips", "layout", "-n", "4", "--layout", str(tmp_path / "l.toml")], cwd=ROOT)
     assert r.returncode == 2 and "ps rank 7 is out of range for 4 ranks" in r.stderr
+
+
+def test_layout_on_one_process_shows_the_single_replica_it_trains_as():
+    r = run_py(["-m", "mpips", "layout", "-n", "1"], cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "0 ps, 1 workers" in r.stdout and "single synchronous replica" in r.stdout
+    assert '(here "async")' in r.stdout and "placement (" not in r.stdout
 
 
 def test_data_synthetic(tmp_path):

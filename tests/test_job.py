@@ -21,7 +21,7 @@ def test_the_builtin_default_job_is_what_the_readme_promises():
         600,
     )
     assert job.checkpoint.dir == "runs/default" and job.checkpoint.restore
-    layout = job_layout(job, 8)
+    layout = job_layout(job, 8, sync=False)
     assert (layout.num_ps, layout.num_workers, layout.chief_rank) == (2, 6, 2)
     assert (ROOT / "jobs/default.toml").resolve() == (ROOT / "mpips/builtin/default.toml").resolve()
     readme = (ROOT / "README.md").read_text()

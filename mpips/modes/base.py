@@ -11,10 +11,11 @@ from ..backend import Device
 from ..data import DatasetInfo
 from ..errors import ConfigError
 from ..hooks import Hook, StepInfo
-from ..job import Job, job_placement
+from ..job import Job
 from ..layout import Layout
 from ..optim import Optimizer
 from ..placement import Placement, slot_placement
+from ..placing import job_placement
 from ..run import TrainResult
 from ..startup import Prepared
 from ..store import Cluster, WindowPlan, has_inboxes

@@ -13,9 +13,10 @@ from ..allreduce import agree_max, forward_stop, idle_until_end
 from ..backend import Device
 from ..data import DatasetInfo
 from ..hooks import Hook, StepInfo
-from ..job import Job, job_placement
+from ..job import Job
 from ..layout import Layout
 from ..optim import Optimizer
+from ..placing import job_placement
 from ..run import TrainResult
 from ..startup import Prepared
 from ..store import Cluster

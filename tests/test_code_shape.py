@@ -1,0 +1,126 @@
+"""The code's shape, checked from its source (issue 32): short functions, no import cycle even
+through type hints, mechanism (the store, the allreduce) that imports no policy (optimizers,
+jobs, modes), and the training mode asked of its object, never compared as a string outside
+the modes and the config that validates it."""
+
+from __future__ import annotations
+
+import ast
+
+from test_structure import ROOT, modules
+
+LONGEST = 70  # lines, from ``def`` to the function's last line
+MECHANISM = ("mpips.store", "mpips.comm", "mpips.allreduce")
+POLICY = ("mpips.optim", "mpips.job", "mpips.config", "mpips.modes", "mpips.placing")
+MAY_NAME_MODES = ("mpips.modes", "mpips.job", "mpips.config")
+
+
+def long_functions(tree: ast.Module, limit: int = LONGEST) -> list[tuple[str, int]]:
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_no_function_is_over_70_lines():
+    found = {n: f for n, t in modules().items() if (f := long_functions(t))}
+    assert not found, f"functions over {LONGEST} lines: {found}"
+    assert long_functions(ast.parse("def f():\n" + "    x = 1\n" * LONGEST)) == [("f", 71)]
+
+
+def all_imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """Every mpips module ``name`` imports, wherever: at module level, in functions, under
+    ``if TYPE_CHECKING`` (a cycle through type hints is a cycle all the same)."""
+    is_package = (ROOT.parent / name.replace(".", "/") / "__init__.py").exists()
+    package = name if is_package else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - (node.level - 1)])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            subs = {f"{target}.{a.name}" for a in node.names} & known
+            out |= subs or ({target} & known)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names} & known
+    return out - {name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of two or more modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_even_through_type_hints():
+    mods = modules()
+    graph = {n: all_imports(n, t, set(mods)) for n, t in mods.items()}
+    assert not cycles(graph)
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    hinted = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b")
+    assert all_imports("mpips.a", hinted, {"mpips.b"}) == {"mpips.b"}
+
+
+def test_mechanism_imports_no_policy():
+    """The store and the allreduce move bytes: no optimizer, job, placement policy or mode."""
+    mods = modules()
+    mechanism = [n for n in mods if n.startswith(MECHANISM)]
+    assert "mpips.store.client" in mechanism or "mpips.comm.store.client" in mechanism
+    reach = {
+        n: sorted(i for i in all_imports(n, mods[n], set(mods)) if i.startswith(POLICY))
+        for n in mechanism
+    }
+    assert not {n: r for n, r in reach.items() if r}
+
+
+def mode_comparisons(tree: ast.Module) -> list[int]:
+    """Lines comparing ``<...>.train.mode`` (or a ``mode`` read from it) with anything."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                if (
+                    isinstance(side, ast.Attribute)
+                    and side.attr == "mode"
+                    and isinstance(side.value, ast.Attribute)
+                    and side.value.attr == "train"
+                ):
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_the_mode_is_asked_of_its_object_not_compared_as_a_string():
+    found = {
+        n: lines
+        for n, t in modules().items()
+        if not n.startswith(MAY_NAME_MODES) and (lines := mode_comparisons(t))
+    }
+    assert not found, f"train.mode compared outside the modes and the config: {found}"
+    assert mode_comparisons(ast.parse('if job.train.mode in ("a", "b"): pass')) == [1]
