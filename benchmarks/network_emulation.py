@@ -507,7 +507,7 @@ def measure_store(link: str, ps_poll: float = 0.0, ps_alone: bool = False) -> li
     return rows
 
 
-FINAL = re.compile(r"final: .*\((\d+) examples on (\d+) workers in ([\d.]+) s, (\d+) examples/s\)")
+FINAL = re.compile(r"final: .*\((\d+) examples on (\d+) workers? in ([\d.]+) s, (\d+) examples/s\)")
 DONE = re.compile(r"done: (\d+) updates, (\d+) examples in ([\d.]+) s")
 WAITED = re.compile(r"([\d.]+) s reducing and updating after backward")
 

@@ -302,9 +302,10 @@ def report(
     result.total_examples = sum(g[0] for g in gathered)
     wall = max(g[1] for g in gathered)
     rate = result.total_examples / wall if wall else 0.0
+    workers = cluster.layout.num_workers
     log(
         role,
         f"final: global_step {result.global_step} {show(metrics, 'test_')} "
-        f"({result.total_examples} examples on {cluster.layout.num_workers} workers "
+        f"({result.total_examples} examples on {workers} worker{'s' * (workers != 1)} "
         f"in {wall:.1f} s, {rate:.0f} examples/s)",
     )

@@ -169,6 +169,12 @@ def test_version_comes_from_the_package():
     assert r.returncode == 0 and r.stdout.strip() == f"mpips {mpips.__version__}"
 
 
+def test_one_process_trains_and_its_final_line_says_one_worker(tmp_path):
+    r = run_py(["-m", "mpips", "train", "--steps", "20", "--no-progress"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "final: global_step 20 " in r.stdout and " examples on 1 worker in " in r.stdout
+
+
 def test_a_first_run_is_quiet_and_verbose_adds_the_details(tmp_path):
     """Without MPIPS_VERBOSE or -v, a run prints no per-rank detail (pids, rows,
     staleness); -v prints them, as MPIPS_VERBOSE=1 does."""
@@ -180,7 +186,7 @@ def test_a_first_run_is_quiet_and_verbose_adds_the_details(tmp_path):
         MPIPS_VERBOSE="0",
     )
     assert quiet.returncode == 0, quiet.stderr
-    assert "final:" in quiet.stdout
+    assert "final:" in quiet.stdout and " examples on 2 workers in " in quiet.stdout
     for word in ("pid ", "train rows", "staleness of"):
         assert word not in quiet.stdout, quiet.stdout
     loud = run_mpi(
