@@ -90,12 +90,14 @@ def pytest_configure(config):
         config.option.xmlpath += f".rank{_rank_from_env()}"  # one JUnit report per rank
     config.addinivalue_line("markers", "mpi(ranks=3): runs across COMM_WORLD under mpirun")
     config.addinivalue_line(
-        "markers", "launcher: spawns mpiexec or other subprocesses itself (plain pytest only)"
+        "markers",
+        "launcher: spawns mpiexec or other subprocesses itself (plain pytest only); "
+        "launcher(quick=True): one short enough for the fast tier",
     )
     config.addinivalue_line(
         "markers",
-        "slow: launches whole jobs (every launcher test is slow); "
-        '-m "not slow" is the fast tier, in-process only',
+        "slow: launches whole jobs (every launcher test but a quick one); "
+        '-m "not slow" is the fast tier (in process, and one quick mpiexec of the modes)',
     )
 
 
@@ -115,8 +117,10 @@ def pytest_collection_modifyitems(config, items):
                         "(run by test_mpi_suite.py under plain pytest)"
                     )
                 )
-        if item.get_closest_marker("launcher") is not None:
-            item.add_marker(pytest.mark.slow)  # a whole job: the fast tier leaves it out
+        launcher = item.get_closest_marker("launcher")
+        if launcher is not None:
+            if not launcher.kwargs.get("quick"):  # a whole job: the fast tier leaves it out
+                item.add_marker(pytest.mark.slow)
             if WORLD_SIZE > 1:
                 item.add_marker(pytest.mark.skip(reason="spawns mpiexec; run under plain pytest"))
 

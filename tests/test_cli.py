@@ -1,6 +1,7 @@
 """The command line as a user meets it (plain processes, no MPI launch)."""
 
 import h5py
+import pytest
 from conftest import ROOT, run_mpi, run_py
 
 
@@ -175,6 +176,7 @@ def test_one_process_trains_and_its_final_line_says_one_worker(tmp_path):
     assert "final: global_step 20 " in r.stdout and " examples on 1 worker in " in r.stdout
 
 
+@pytest.mark.launcher
 def test_a_first_run_is_quiet_and_verbose_adds_the_details(tmp_path):
     """Without MPIPS_VERBOSE or -v, a run prints no per-rank detail (pids, rows,
     staleness); -v prints them, as MPIPS_VERBOSE=1 does."""

@@ -12,10 +12,18 @@ STORE, MODES = "tests/test_store_mpi.py", "tests/test_modes_mpi.py"
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize(
-    "ranks,ps,suite", [(3, "", STORE), (4, "2", STORE), (3, "", MODES)], ids=str
-)
-def test_in_process_suites_under_mpiexec(tmp_path, ranks, ps, suite):
+@pytest.mark.parametrize("ranks,ps", [(3, ""), (4, "2")], ids=str)
+def test_the_store_suite_under_mpiexec(tmp_path, ranks, ps):
+    run_suite(tmp_path, ranks, ps, STORE)
+
+
+@pytest.mark.launcher(quick=True)
+def test_the_modes_suite_under_mpiexec(tmp_path):
+    """Quick (about 10 s): the fast tier trains every mode in process through it."""
+    run_suite(tmp_path, 3, "", MODES)
+
+
+def run_suite(tmp_path, ranks: int, ps: str, suite: str) -> None:
     collected = run_py(
         ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", suite], cwd=ROOT
     )
