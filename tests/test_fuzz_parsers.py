@@ -61,7 +61,10 @@ def test_structured_job_files_parse_or_fail_cleanly(text):
         assert str(e).startswith("fuzz.toml: ") and "\n" not in str(e)
         return
     assert job.train.batch_size > 0 and (job.train.steps or job.train.epochs)
-    assert bool(job.data.path) != bool(job.data.builtin)
+    # one source of data at most: a file, the built-in set, or none here (arrays given to
+    # mpips.train, or .npy files; a run without any says so when it opens its data)
+    assert not (job.data.path and job.data.builtin)
+    assert not (job.data.builtin and job.data.train_x)
 
 
 @settings(max_examples=300, deadline=None)
