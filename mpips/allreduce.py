@@ -36,7 +36,6 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import AlreadyReported, ReplicasDiverged, Stalled
-from .placement import VariableSpec
 from .store import (
     STALL_TIMEOUT,
     START_TIMEOUT,
@@ -46,6 +45,7 @@ from .store import (
     stall_limit,
     wait,
 )
+from .variables import VariableSpec
 from .waits import poll
 
 LOSS = "__loss__"  # every replica's batch loss (its own entry): rides in the last bucket

@@ -386,6 +386,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     from .nn import build_model
     from .placement import imbalance
     from .placing import job_layout
+    from .training import refuse_tables_in_one_process
 
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8
@@ -394,6 +395,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
     layout = job_layout(job, n, nodes, sync=not mode.ps_holds_variables)
     info = open_data(job.data)
     model = build_model(job.model, info, job_file=job.source)
+    if mode.single:  # as `mpips train` on one process refuses it
+        refuse_tables_in_one_process(job, model, "python -m mpips train")
     index = node_indices(nodes)
     on = f" on {index[-1] + 1} nodes" if index[-1] else ""
     print(

@@ -22,9 +22,6 @@ class LoopMode(Protocol):
     """What the loop's hooks ask of the training mode (mpips.modes.Mode), nothing more."""
 
     @property
-    def name(self) -> str: ...
-
-    @property
     def chief_speaks_for_all(self) -> bool: ...
 
     @property

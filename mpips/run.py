@@ -1,4 +1,4 @@
-"""What both training modes share around their step: the loop and its hooks (Session), the
+"""What every training mode shares around its step: the loop and its hooks (Session), the
 run's result, the manifest's metadata, and the chief's words (restore, evaluation,
 preemption, divergence)."""
 
@@ -115,7 +115,7 @@ def standard_hooks(job: Job, extra: Iterable[Hook] = ()) -> list[Hook]:
 
 
 class Session:
-    """A worker's run as both modes make it (like TensorFlow's MonitoredTrainingSession):
+    """A worker's run as every mode makes it (like TensorFlow's MonitoredTrainingSession):
     the job's standard hooks and the caller's, begun here (where the mode creates it) and
     ended in ``finish``; the loop; the "done" line; the summaries every worker shares; and
     this worker's TrainResult."""

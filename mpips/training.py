@@ -3,6 +3,7 @@ everything at start-up, then hand over to the mode."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shlex
@@ -90,7 +91,9 @@ def train(
 def as_run(job: Job, mode: modes.Mode, model: Any = None) -> Job:
     """The job as this run records it (manifest, digest, layout): a copy with the mode it
     trains in (one process: sync, unbounded) and the name of a model of your own as
-    model.kind. The caller's Job is left as it was."""
+    model.kind. The caller's Job is left as it was (every part copied, so a hook that
+    changes run.job changes only this run's)."""
+    job = copy.deepcopy(job)
     train = job.train
     if mode.single:
         train = dataclasses.replace(train, mode=mode.name, max_staleness=None)
@@ -144,6 +147,13 @@ def one_process_model(
     tables (the CTR models) needs PS tasks to hold them, which one process has not, so it
     is refused here with its name and the command that runs it under MPI."""
     model = build_model(job.model, open_data(job.data, arrays), xp, job.source, factory)
+    refuse_tables_in_one_process(job, model, this_command())
+    return model
+
+
+def refuse_tables_in_one_process(job: Job, model: Model, command: str) -> None:
+    """ConfigError for a model with tables on one process (its tables live on PS tasks),
+    naming the ``command`` to run under ``mpirun -n 3`` instead."""
     if model.tables():
         table = model.tables()[0]
         kind = job.model.kind
@@ -152,9 +162,8 @@ def one_process_model(
             f"model.kind = {name!r} keeps its tables ({table.name} "
             f"{table.dtype}{list(table.shape)}) on PS tasks, and one process (no mpirun) "
             f"has none: run it with a PS task and workers, e.g. "
-            f"mpirun -n 3 {this_command()} (1 ps + 2 workers)"
+            f"mpirun -n 3 {command} (1 ps + 2 workers)"
         )
-    return model
 
 
 def this_command() -> str:

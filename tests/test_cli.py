@@ -45,6 +45,20 @@ def test_layout_on_one_process_shows_the_single_replica_it_trains_as():
     assert '(here "async")' in r.stdout and "placement (" not in r.stdout
 
 
+def test_layout_on_one_process_refuses_a_model_with_tables_as_train_does(tmp_path):
+    from test_ctr_mpi import JOB, small_dataset
+
+    small_dataset(tmp_path / "s.h5")
+    text = JOB.format(model="logreg", rule="mod", opt="ftrl", lr=0.3, steps=20)
+    (tmp_path / "job.toml").write_text(text)
+    r = run_py(["-m", "mpips", "layout", "job.toml", "-n", "1"], cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "keeps its tables (wide/weights float32[40, 1]) on PS tasks" in r.stderr
+    assert "mpirun -n 3 python -m mpips train" in r.stderr and not r.stdout
+    r = run_py(["-m", "mpips", "layout", "job.toml", "-n", "3"], cwd=tmp_path)
+    assert r.returncode == 0 and "wide/weights" in r.stdout, r.stderr
+
+
 def test_data_synthetic(tmp_path):
     r = run_py(["-m", "mpips", "data", "synthetic", "s.h5", "--rows", "300"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr

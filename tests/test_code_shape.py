@@ -10,9 +10,9 @@ import ast
 from test_structure import ROOT, modules
 
 LONGEST = 70  # lines, from ``def`` to the function's last line
-MECHANISM = ("mpips.store", "mpips.comm", "mpips.allreduce")
-POLICY = ("mpips.optim", "mpips.job", "mpips.config", "mpips.modes", "mpips.placing")
-MAY_NAME_MODES = ("mpips.modes", "mpips.job", "mpips.config")
+MECHANISM = ("mpips.store", "mpips.allreduce")
+POLICY = ("mpips.optim", "mpips.job", "mpips.schema", "mpips.modes", "mpips.placing")
+MAY_NAME_MODES = ("mpips.modes", "mpips.job", "mpips.schema")
 
 
 def long_functions(tree: ast.Module, limit: int = LONGEST) -> list[tuple[str, int]]:
@@ -92,7 +92,7 @@ def test_mechanism_imports_no_policy():
     """The store and the allreduce move bytes: no optimizer, job, placement policy or mode."""
     mods = modules()
     mechanism = [n for n in mods if n.startswith(MECHANISM)]
-    assert "mpips.store.client" in mechanism or "mpips.comm.store.client" in mechanism
+    assert {"mpips.store.client", "mpips.allreduce"} <= set(mechanism)
     reach = {
         n: sorted(i for i in all_imports(n, mods[n], set(mods)) if i.startswith(POLICY))
         for n in mechanism
@@ -100,27 +100,47 @@ def test_mechanism_imports_no_policy():
     assert not {n: r for n, r in reach.items() if r}
 
 
-def mode_comparisons(tree: ast.Module) -> list[int]:
-    """Lines comparing ``<...>.train.mode`` (or a ``mode`` read from it) with anything."""
-    lines = []
+def mode_reads(tree: ast.Module) -> list[int]:
+    """Lines that read ``<...>.train.mode`` (or ``tc.mode``) for anything but printing or
+    recording it: outside an f-string, a dict literal's value or a keyword argument, a read
+    is a decision taken on the string (a comparison, a match, a lookup, a name bound to it)."""
+    told = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            for side in (node.left, *node.comparators):
-                if (
-                    isinstance(side, ast.Attribute)
-                    and side.attr == "mode"
-                    and isinstance(side.value, ast.Attribute)
-                    and side.value.attr == "train"
-                ):
-                    lines.append(node.lineno)
-    return lines
+        if isinstance(node, ast.JoinedStr | ast.FormattedValue):
+            told |= {id(n) for n in ast.walk(node)}
+        elif isinstance(node, ast.Dict):
+            told |= {id(v) for v in node.values}
+        elif isinstance(node, ast.keyword):
+            told.add(id(node.value))
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "mode"
+        and isinstance(node.ctx, ast.Load)
+        and (
+            (isinstance(node.value, ast.Attribute) and node.value.attr in ("train", "tc"))
+            or (isinstance(node.value, ast.Name) and node.value.id == "tc")
+        )
+        and id(node) not in told
+    ]
 
 
 def test_the_mode_is_asked_of_its_object_not_compared_as_a_string():
     found = {
         n: lines
         for n, t in modules().items()
-        if not n.startswith(MAY_NAME_MODES) and (lines := mode_comparisons(t))
+        if not n.startswith(MAY_NAME_MODES) and (lines := mode_reads(t))
     }
-    assert not found, f"train.mode compared outside the modes and the config: {found}"
-    assert mode_comparisons(ast.parse('if job.train.mode in ("a", "b"): pass')) == [1]
+    assert not found, f"train.mode read outside the modes and the config: {found}"
+    for decision in (
+        'if job.train.mode in ("a", "b"): pass',
+        'mode = job.train.mode\nif mode == "a": pass',
+        'if self.tc.mode == "a": pass',
+        'run = {"sync": f}.get(job.train.mode)',
+        "match job.train.mode:\n    case _: pass",
+        'job.train.mode.startswith("s")',
+    ):
+        assert mode_reads(ast.parse(decision)) == [1], decision
+    for told in ('print(f"mode {job.train.mode}")', 'meta = {"mode": job.train.mode}'):
+        assert mode_reads(ast.parse(told)) == [], told

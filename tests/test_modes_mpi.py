@@ -48,7 +48,8 @@ def train(write) -> tuple[mpips.Job, mpips.TrainResult]:
     return job, mpips.train(job, comm=comm)
 
 
-def test_sync_replicas_in_process_equal_one_process(shared):
+def test_sync_in_process_equals_one_process(shared):
+    """train.mode = "sync": every worker a replica, in process; equal to one process."""
     job, result = train(lambda: sync_job(shared, "adam"))
     assert (result.global_step, result.updates) == (20, 20)
     world().Barrier()
@@ -75,8 +76,8 @@ def test_async_counts_every_global_step_once_and_learns(shared):
         "steps = 20", "steps = 60"
     )
     job, result = train(lambda: (shared / "job.toml").write_text(text))
-    updates = world().allgather(0 if result.role.job == "ps" else result.updates)
-    assert sum(updates) == 60 and updates[0] == 0, updates
+    updates = world().allgather(result.updates if result.role.job == "worker" else None)
+    assert updates[0] is None and sum(updates[1:]) == 60, updates  # rank 0: the PS task
     if result.role.job == "worker":
         assert 0 < result.examples <= result.updates * job.train.batch_size
     if world().rank == 1:  # the chief

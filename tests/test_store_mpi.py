@@ -15,7 +15,8 @@ import pytest
 from mpips.errors import AgreedError, MpipsError
 from mpips.layout import make_layout
 from mpips.optim import Optimizer
-from mpips.placement import VariableSpec, round_robin
+from mpips.placement import round_robin
+from mpips.variables import VariableSpec
 
 pytestmark = pytest.mark.mpi(ranks=3)
 
