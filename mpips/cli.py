@@ -399,9 +399,10 @@ def cmd_layout(args: argparse.Namespace) -> int:
         refuse_tables_in_one_process(job, model, "python -m mpips train")
     index = node_indices(nodes)
     on = f" on {index[-1] + 1} nodes" if index[-1] else ""
+    workers = f"{layout.num_workers} worker{'s' * (layout.num_workers != 1)}"
     print(
-        f"job {job.name} ({job.source}) on {n} ranks{on}: {layout.num_ps} ps, "
-        f"{layout.num_workers} workers, chief = rank {layout.chief_rank}"
+        f"job {job.name} ({job.source}) on {n} ranks{on}: {layout.num_ps} ps, {workers}, "
+        f"chief = rank {layout.chief_rank}"
     )
     print(f"\n{'rank':>4}  {'node  ' if on else ''}task")
     for r in range(n):

@@ -41,7 +41,7 @@ def test_layout_errors_are_one_line(tmp_path):
 def test_layout_on_one_process_shows_the_single_replica_it_trains_as():
     r = run_py(["-m", "mpips", "layout", "-n", "1"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert "0 ps, 1 workers" in r.stdout and "single synchronous replica" in r.stdout
+    assert "0 ps, 1 worker, chief = rank 0" in r.stdout and "single synchronous replica" in r.stdout
     assert '(here "async")' in r.stdout and "placement (" not in r.stdout
 
 

@@ -139,7 +139,7 @@ def test_multinode_script_puts_one_ps_on_each_node(slurm, tmp_path):
     )
     assert wait_end(job) == "COMPLETED", output(tmp_path, job)
     text = output(tmp_path, job)
-    assert "[/job:ps/task:1] rank 1," in text and "on 1 workers" in text, text
+    assert "[/job:ps/task:1] rank 1," in text and "on 1 worker in" in text, text
     assert "restored global_step 200" in text, text
 
 
