@@ -83,62 +83,7 @@ def modules() -> dict[str, ast.Module]:
     return out
 
 
-def runtime_imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
-    """mpips modules ``name`` imports when it runs (module level or inside functions; not
-    under ``if TYPE_CHECKING``)."""
-    skip = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
-        for n in ast.walk(node)
-    }
-    package = (
-        name
-        if (ROOT.parent / name.replace(".", "/") / "__init__.py").exists()
-        else name.rpartition(".")[0]
-    )
-    out = set()
-    for node in ast.walk(tree):
-        if id(node) in skip or not isinstance(node, ast.ImportFrom) or not node.level:
-            continue
-        base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-        target = ".".join(base + ([node.module] if node.module else []))
-        subs = {f"{target}.{a.name}" for a in node.names} & known
-        out |= subs or ({target} & known)
-    return out - {name}
-
-
-def test_no_import_cycles():
-    mods = modules()
-    graph = {n: runtime_imports(n, t, set(mods)) for n, t in mods.items()}
-    # Tarjan's strongly connected components: any with two or more modules is a cycle
-    index, low, stack, on, cycles = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                cycles.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    assert not cycles, f"import cycles: {cycles}"
+# Import cycles, type hints included: tests/test_code_shape.py.
 
 
 def test_only_the_store_touches_windows():
