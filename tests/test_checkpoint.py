@@ -319,11 +319,13 @@ def test_corrupt_and_foreign_files(tmp_path):
 
 def test_the_checkpoint_package_builds_no_job_dataset_or_model():
     """Checkpoints read and write arrays and a manifest, with initial values handed in:
-    nothing under mpips.checkpoint imports (even indirectly) a job, a dataset or a model."""
-    from test_structure import modules, runtime_imports
+    nothing under mpips.checkpoint imports (even indirectly, or for a type hint) a job, a
+    dataset or a model."""
+    from test_code_shape import all_imports
+    from test_structure import modules
 
     mods = modules()
-    graph = {n: runtime_imports(n, t, set(mods)) for n, t in mods.items()}
+    graph = {n: all_imports(n, t, set(mods)) for n, t in mods.items()}
     seen = {n for n in mods if n.startswith("mpips.checkpoint")}
     todo = list(seen)
     while todo:
