@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeAlias
 from . import __version__
 from .errors import CheckpointError, DataError, MpipsError
 from .job import Job, load_job
-from .log import set_verbose
+from .log import counted, set_verbose
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -385,23 +385,22 @@ def cmd_layout(args: argparse.Namespace) -> int:
     from .modes import select
     from .nn import build_model
     from .placement import imbalance
-    from .placing import job_layout
     from .training import refuse_tables_in_one_process
 
     job = _resolve_job(args)
     n = args.ranks or job.layout.world_size or 8
     nodes = block_nodes(n, args.nodes)
     mode = select(job, n)
-    layout = job_layout(job, n, nodes, sync=not mode.ps_holds_variables)
+    layout = mode.layout(job, n, nodes)
     info = open_data(job.data)
     model = build_model(job.model, info, job_file=job.source)
     if mode.single:  # as `mpips train` on one process refuses it
         refuse_tables_in_one_process(job, model, "python -m mpips train")
     index = node_indices(nodes)
     on = f" on {index[-1] + 1} nodes" if index[-1] else ""
-    workers = f"{layout.num_workers} worker{'s' * (layout.num_workers != 1)}"
     print(
-        f"job {job.name} ({job.source}) on {n} ranks{on}: {layout.num_ps} ps, {workers}, "
+        f"job {job.name} ({job.source}) on {n} ranks{on}: {layout.num_ps} ps, "
+        f"{counted(layout.num_workers, 'worker')}, "
         f"chief = rank {layout.chief_rank}"
     )
     print(f"\n{'rank':>4}  {'node  ' if on else ''}task")

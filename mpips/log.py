@@ -22,6 +22,11 @@ def set_verbose(on: bool) -> None:
     _verbose = on
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 worker``, ``6 workers``: a count with its noun, for the lines users read."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def verbose() -> bool:
     """Whether ``detail`` lines are printed."""
     return _verbose

@@ -23,7 +23,7 @@ from .hooks import (
 )
 from .job import Job
 from .layout import Role
-from .log import detail, log
+from .log import counted, detail, log
 from .store import Cluster, allgather_json
 from .summaries import Summaries, summary_root
 from .timeline import Timeline
@@ -302,10 +302,9 @@ def report(
     result.total_examples = sum(g[0] for g in gathered)
     wall = max(g[1] for g in gathered)
     rate = result.total_examples / wall if wall else 0.0
-    workers = cluster.layout.num_workers
     log(
         role,
         f"final: global_step {result.global_step} {show(metrics, 'test_')} "
-        f"({result.total_examples} examples on {workers} worker{'s' * (workers != 1)} "
+        f"({result.total_examples} examples on {counted(cluster.layout.num_workers, 'worker')} "
         f"in {wall:.1f} s, {rate:.0f} examples/s)",
     )

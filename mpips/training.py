@@ -4,7 +4,6 @@ everything at start-up, then hand over to the mode."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import shlex
 import socket
@@ -27,7 +26,6 @@ from .log import detail, log
 from .model import Model, factory_name
 from .nn import build_model
 from .optim import build_optimizer
-from .placing import job_layout
 from .run import TrainResult
 from .startup import Prepared, prepare
 from .store import Cluster, agreed, node_of_each_rank
@@ -56,8 +54,7 @@ def train(
     mode = modes.select(job, comm.size)
     job = as_run(job, mode, model)
     nodes = node_of_each_rank(comm)
-    sync = not mode.ps_holds_variables
-    layout = agreed(comm, lambda: job_layout(job, comm.size, nodes, sync=sync))
+    layout = agreed(comm, lambda: mode.layout(job, comm.size, nodes))
     cluster = Cluster(comm, layout)
     set_role(cluster.role)
     spread = ps_imbalance(layout.ps_ranks, nodes) if mode.ps_holds_variables else None
@@ -94,15 +91,13 @@ def as_run(job: Job, mode: modes.Mode, model: Any = None) -> Job:
     model.kind. The caller's Job is left as it was (every part copied, so a hook that
     changes run.job changes only this run's)."""
     job = copy.deepcopy(job)
-    train = job.train
     if mode.single:
-        train = dataclasses.replace(train, mode=mode.name, max_staleness=None)
-    kind = job.model.kind
+        job.train.mode, job.train.max_staleness = mode.name, None
     if model is not None:
-        kind = factory_name(
+        job.model.kind = factory_name(
             model if callable(model) and not isinstance(model, Model) else type(model)
         )
-    return dataclasses.replace(job, train=train, model=dataclasses.replace(job.model, kind=kind))
+    return job
 
 
 def _train(

@@ -15,7 +15,7 @@ from ..job import Job
 from ..layout import Layout
 from ..optim import Optimizer
 from ..placement import Placement, slot_placement
-from ..placing import job_placement
+from ..placing import job_layout, job_placement
 from ..run import TrainResult
 from ..startup import Prepared
 from ..store import Cluster, WindowPlan, has_inboxes
@@ -45,6 +45,11 @@ class Mode:
     def ps_applies(self, stateful: bool) -> bool:
         """Whether a PS task applies the updates itself (then it needs inboxes)."""
         return stateful or self.aggregates
+
+    def layout(self, job: Job, world_size: int, nodes: list[int] | None = None) -> Layout:
+        """The job's rank layout for this mode (one with no PS task holding variables may
+        have no PS task at all)."""
+        return job_layout(job, world_size, nodes, sync=not self.ps_holds_variables)
 
     def store_placement(self, job: Job, model: Any, num_ps: int) -> Placement:
         """What the PS tasks hold: the model's tables and (but in hybrid) its variables."""
