@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from . import standin
 from .errors import ConfigError
 
 
@@ -82,6 +83,8 @@ def get_xp(device: str, local_worker: int = 0) -> ModuleType:
     """
     if device == "cpu":
         return np
+    if os.environ.get(standin.ENV, "") == "1":
+        return standin  # the strict stand-in: GPU code paths without a GPU (tests, CI)
     try:
         import cupy
     except ImportError:
@@ -159,6 +162,8 @@ def scatter_add(xp: ModuleType, target: Any, index: Any, values: Any) -> None:
     ``cupyx.scatter_add`` for any other array module (cupy)."""
     if xp is np:
         np.add.at(target, index, values)
+    elif xp is standin:
+        standin.scatter_add(target, index, values)
     else:
         import cupyx
 
@@ -166,8 +171,10 @@ def scatter_add(xp: ModuleType, target: Any, index: Any, values: Any) -> None:
 
 
 def array_module(a: Any) -> ModuleType:
-    """numpy for a numpy array, else the array's own module (cupy)."""
-    return np if isinstance(a, np.ndarray) else __import__("cupy").get_array_module(a)
+    """numpy for a numpy array, else the array's own module (cupy, or the stand-in)."""
+    if isinstance(a, np.ndarray):
+        return np
+    return standin if isinstance(a, standin.ndarray) else __import__("cupy").get_array_module(a)
 
 
 def to_host(a: Any) -> np.ndarray:

@@ -99,8 +99,9 @@ class TrainConfig:
     eval_every: int = 0  # the chief evaluates on the validation split every N global steps
     # async: workers read the PS tasks' memory in place (MPI shared memory, every rank on
     # one node) instead of copying it each step, and apply their updates there under stripe
-    # locks: Hogwild-style reads, opt-in
-    zero_copy: bool = False
+    # locks: Hogwild-style reads. Unset: on for async CPU jobs whose ranks share one node
+    # (and whose PS memory fits its /dev/shm); false: copied pulls everywhere
+    zero_copy: bool | None = None
 
 
 @dataclass

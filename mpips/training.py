@@ -125,6 +125,14 @@ def _train(
         return prepare(job, mode, cluster, optimizer, device.xp, model, arrays)
 
     prep = agreed(cluster.comm, start)
+    if job.train.zero_copy is None:  # (job: this run's copy) unset: the mode's default here
+        job.train.zero_copy = mode.zero_copy(job, cluster, prep.model, optimizer, prep.info)
+        if job.train.zero_copy and cluster.is_chief:
+            detail(
+                cluster.role,
+                "every rank on one node: the workers read and update the PS memory in place "
+                "(train.zero_copy; set it to false for copied pulls)",
+            )
     # a PS task 1 BLAS thread, the node's workers the other cores (none left idle)
     ps_here = sum(r in cluster.layout.ps_ranks for r in cluster.node_ranks)
     pin_blas_threads(

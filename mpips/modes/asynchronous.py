@@ -31,6 +31,7 @@ class Async(Mode):
     takes_clip_norm = True
     chief_speaks_for_all = False
     has_staleness = True
+    zero_copy_on_one_node = True  # measured faster on one node (docs/guide/modes.md)
 
     def step_note(self, info: StepInfo) -> str:
         return f"(update {info.local_updates} of this worker, pulled {info.delay} steps earlier)"

@@ -5,6 +5,7 @@ summaries and the run's result ask it; nothing outside this package compares tra
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..backend import Device
@@ -13,12 +14,13 @@ from ..errors import ConfigError
 from ..hooks import Hook, StepInfo
 from ..job import Job
 from ..layout import Layout
+from ..memory import shared_memory_free
 from ..optim import Optimizer
 from ..placement import Placement, slot_placement
 from ..placing import job_layout, job_placement
 from ..run import TrainResult
 from ..startup import Prepared
-from ..store import Cluster, WindowPlan, has_inboxes
+from ..store import START_TIMEOUT, Cluster, WindowPlan, allgather_json, has_inboxes
 
 
 class Mode:
@@ -37,6 +39,7 @@ class Mode:
     takes_clip_norm = False  # async, sync: optimizer.clip_norm is honoured
     chief_speaks_for_all = True  # every worker makes the same step: the chief logs it once
     has_staleness = False  # async: steps are made from stale pulls (lead, delay)
+    zero_copy_on_one_node = False  # async: train.zero_copy unset means on, on one node
 
     def __init__(self, max_staleness: int | None = None, single: bool = False):
         self.max_staleness = max_staleness
@@ -65,14 +68,42 @@ class Mode:
             )
 
     def rank_bytes(
-        self, job: Job, layout: Layout, model: Any, optimizer: Optimizer, info: DatasetInfo
+        self,
+        job: Job,
+        layout: Layout,
+        model: Any,
+        optimizer: Optimizer,
+        info: DatasetInfo,
+        zero_copy: bool | None = None,
     ) -> list[int]:
-        """What each rank allocates for the model: the PS windows, the workers' buffers."""
+        """What each rank allocates for the model: the PS windows, the workers' buffers
+        (``zero_copy``: with or without it; None: as the job says)."""
+        in_place = bool(job.train.zero_copy if zero_copy is None else zero_copy)
         placement = self.store_placement(job, model, layout.num_ps)
         slots = slot_placement(placement, optimizer.slots) if optimizer.stateful else None
-        inboxes = has_inboxes(placement, job.train.zero_copy, self.ps_applies(optimizer.stateful))
+        inboxes = has_inboxes(placement, in_place, self.ps_applies(optimizer.stateful))
         plan = WindowPlan(placement, slots, job.train.batch_size * max(1, info.max_nnz))
-        return plan.rank_bytes(layout, inboxes, job.train.zero_copy)
+        return plan.rank_bytes(layout, inboxes, in_place)
+
+    def zero_copy(
+        self, job: Job, cluster: Cluster, model: Any, optimizer: Optimizer, info: DatasetInfo
+    ) -> bool:
+        """Whether the workers read and update the PS memory in place: train.zero_copy when
+        set; unset, the default of a mode that reads in place on one node (async) when
+        every rank is on one node, the workers compute on the CPU, MPIPS_SHARED_MEMORY is
+        not 0 and the node's /dev/shm holds the PS windows (MPI shared memory lives there: past its end a process dies
+        of SIGBUS). Collective: every rank decides the same."""
+        if job.train.zero_copy is not None:
+            return job.train.zero_copy
+        if not (self.zero_copy_on_one_node and cluster.one_node and job.train.device == "cpu"):
+            return False
+        per_rank = self.rank_bytes(job, cluster.layout, model, optimizer, info, zero_copy=True)
+        need = sum(per_rank[r] for r in cluster.layout.ps_ranks)
+        fits = (
+            os.environ.get("MPIPS_SHARED_MEMORY") != "0"  # (no MPI shared memory wanted)
+            and shared_memory_free(need) >= need * 1.25
+        )
+        return all(allgather_json(cluster.comm, fits, "the zero-copy check", START_TIMEOUT))
 
     def step_note(self, info: StepInfo) -> str:
         """What a step's log line adds after its loss and epoch."""

@@ -57,12 +57,18 @@ class Hybrid(Mode):
         super().check(job, cluster, model, info)
 
     def rank_bytes(
-        self, job: Job, layout: Layout, model: Any, optimizer: Optimizer, info: DatasetInfo
+        self,
+        job: Job,
+        layout: Layout,
+        model: Any,
+        optimizer: Optimizer,
+        info: DatasetInfo,
+        zero_copy: bool | None = None,
     ) -> list[int]:
         """The PS tasks' windows of the tables; the workers' buffers, and the dense part
         each holds as a replica."""
         replica = replica_bytes(model, optimizer)
-        per_rank = super().rank_bytes(job, layout, model, optimizer, info)
+        per_rank = super().rank_bytes(job, layout, model, optimizer, info, zero_copy)
         return [n + (0 if layout.role(r).job == "ps" else replica) for r, n in enumerate(per_rank)]
 
     def step_note(self, info: StepInfo) -> str:

@@ -1,0 +1,259 @@
+"""A strict stand-in for cupy on machines without a GPU: GPU code paths run (and fail) in CI.
+
+Its device arrays are a type of their own whose values happen to live in host memory. Like
+cupy's, they refuse numpy's company: any operation that mixes a device array with a numpy
+array raises TypeError, as does an implicit conversion to numpy (``np.asarray``, a numpy
+ufunc). Values cross only explicitly, through ``asarray``/``array`` of a host array,
+``ndarray.set`` (host to device) and ``ndarray.get``/``asnumpy`` (device to host), and each
+crossing is counted in ``traffic`` so tests can assert "one copy in, one copy out".
+Reductions give 0-d device arrays, as cupy's do. It is stricter than cupy in one place: a
+numpy array as an index raises here (cupy converts it), so index arrays must be moved first.
+
+``MPIPS_GPU_STANDIN=1`` makes ``train.device = "gpu"`` compute on this module instead of
+cupy (see mpips.backend.get_xp): a user model, or mpips itself, is checked for host/device
+mix-ups without a GPU. It is slow (every operation is wrapped) and is not a GPU.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as _np
+
+ENV = "MPIPS_GPU_STANDIN"
+
+
+@dataclass
+class Traffic:
+    """Host/device crossings since the last reset: copies and bytes each way."""
+
+    h2d_copies: int = 0
+    h2d_bytes: int = 0
+    d2h_copies: int = 0
+    d2h_bytes: int = 0
+
+    def reset(self) -> None:
+        self.h2d_copies = self.h2d_bytes = self.d2h_copies = self.d2h_bytes = 0
+
+    def to_device(self, nbytes: int) -> None:
+        self.h2d_copies += 1
+        self.h2d_bytes += nbytes
+
+    def to_host(self, nbytes: int) -> None:
+        self.d2h_copies += 1
+        self.d2h_bytes += nbytes
+
+
+traffic = Traffic()
+
+
+def _refuse(value: Any) -> TypeError:
+    return TypeError(
+        f"Unsupported type {type(value)} (the mpips GPU stand-in, like cupy, does not mix "
+        f"host (numpy) and device arrays: move it with xp.asarray first)"
+    )
+
+
+def _unwrap(value: Any) -> Any:
+    """The numpy array behind a device array; a host array raises as cupy would."""
+    if isinstance(value, ndarray):
+        return value._a
+    if isinstance(value, _np.ndarray):
+        raise _refuse(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unwrap(v) for v in value)
+    return value
+
+
+def _wrap(value: Any) -> Any:
+    """numpy results as device arrays (numpy scalars as 0-d arrays, as cupy's reductions)."""
+    if isinstance(value, _np.ndarray):
+        return ndarray(value)
+    if isinstance(value, _np.generic):
+        return ndarray(_np.asarray(value))
+    if isinstance(value, tuple):
+        return tuple(_wrap(v) for v in value)
+    if isinstance(value, list):
+        return [_wrap(v) for v in value]
+    return value
+
+
+def _device_call(fn: Any, name: str) -> Any:
+    """``fn`` (a numpy function or method) taking and giving device arrays only."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = kwargs.get("out")
+        result = fn(*_unwrap(args), **{k: _unwrap(v) for k, v in kwargs.items()})
+        return out if isinstance(out, ndarray) else _wrap(result)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+class ndarray:  # noqa: N801 (cupy's name)
+    """A device array: numpy values behind a wall that only get/set/asarray cross."""
+
+    __slots__ = ("_a",)
+    __array_ufunc__ = None  # numpy ufuncs and numpy operands defer to (and fail in) us
+
+    def __init__(self, values: _np.ndarray):
+        self._a = values
+
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+    size = property(lambda self: self._a.size)
+    nbytes = property(lambda self: self._a.nbytes)
+    itemsize = property(lambda self: self._a.itemsize)
+    strides = property(lambda self: self._a.strides)
+    T = property(lambda self: ndarray(self._a.T))
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "Implicit conversion to a NumPy array is not allowed. Please use `.get()` to "
+            "construct a NumPy array explicitly. (the mpips GPU stand-in, as cupy)"
+        )
+
+    def get(self, stream: Any = None, order: str = "C", out: Any = None) -> _np.ndarray:
+        """The values in host memory (into ``out``, a numpy array, when given)."""
+        traffic.to_host(self._a.nbytes)
+        if out is None:
+            return _np.array(self._a, order=order)
+        if not isinstance(out, _np.ndarray) or out.shape != self._a.shape:
+            raise ValueError("get(out=...): a numpy array of the same shape")
+        out[...] = self._a
+        return out
+
+    def set(self, arr: _np.ndarray, stream: Any = None) -> None:
+        """Copy the host array ``arr`` (same shape and dtype) into this device array."""
+        if not isinstance(arr, _np.ndarray):
+            raise TypeError(f"set(): a numpy array, not {type(arr)}")
+        if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
+            raise ValueError(
+                f"set(): shape/dtype {arr.shape}/{arr.dtype} != {self._a.shape}/{self._a.dtype}"
+            )
+        traffic.to_device(arr.nbytes)
+        self._a[...] = arr
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._a, name)
+        return _device_call(attr, name) if callable(attr) else _wrap(attr)
+
+    def __getitem__(self, key: Any) -> Any:
+        return _wrap(self._a[_unwrap(key)])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._a[_unwrap(key)] = _unwrap(value)
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __iter__(self) -> Any:
+        return (_wrap(row) for row in self._a)
+
+    def __float__(self) -> float:
+        return float(self._a)
+
+    def __int__(self) -> int:
+        return int(self._a)
+
+    def __bool__(self) -> bool:
+        return bool(self._a)
+
+    def __format__(self, spec: str) -> str:
+        return format(self._a.item() if self._a.ndim == 0 else self._a, spec)
+
+    def __repr__(self) -> str:
+        return f"standin.{self._a!r}"
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _binary(op: Any, reflected: bool = False) -> Any:
+    def method(self: ndarray, other: Any) -> Any:
+        other = _unwrap(other)
+        return _wrap(op(other, self._a) if reflected else op(self._a, other))
+
+    return method
+
+
+def _inplace(op: Any) -> Any:
+    def method(self: ndarray, other: Any) -> ndarray:
+        self._a = op(self._a, _unwrap(other))
+        return self
+
+    return method
+
+
+for _name in (
+    "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split()
+):
+    _op = getattr(operator, f"{_name}_" if _name in ("and", "or") else _name)
+    setattr(ndarray, f"__{_name}__", _binary(_op))
+    setattr(ndarray, f"__r{_name}__", _binary(_op, reflected=True))
+    setattr(ndarray, f"__i{_name}__", _inplace(getattr(operator, f"i{_name}")))
+for _name in "lt le eq ne gt ge".split():
+    setattr(ndarray, f"__{_name}__", _binary(getattr(operator, _name)))
+for _name in "neg pos abs invert".split():
+    setattr(ndarray, f"__{_name}__", lambda self, _op=getattr(operator, _name): _wrap(_op(self._a)))
+
+
+def asarray(a: Any, dtype: Any = None) -> ndarray:
+    """A device array of ``a``: copied to the device when ``a`` is on the host."""
+    if isinstance(a, ndarray):
+        return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+    values = _np.array(a, dtype=dtype)
+    traffic.to_device(values.nbytes)
+    return ndarray(values)
+
+
+def array(a: Any, dtype: Any = None, copy: bool = True) -> ndarray:
+    """A new device array of ``a`` (a copy, from the host or the device)."""
+    if isinstance(a, ndarray):
+        return ndarray(_np.array(a._a, dtype=dtype, copy=copy))
+    return asarray(a, dtype)
+
+
+def asnumpy(a: Any, out: Any = None) -> _np.ndarray:
+    """The values of a device array in host memory (a host array as it is)."""
+    return a.get(out=out) if isinstance(a, ndarray) else _np.asarray(a)
+
+
+def get_array_module(*args: Any) -> ModuleType:
+    """This module when any argument is a device array, else numpy (as cupy's)."""
+    import sys
+
+    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else _np
+
+
+def scatter_add(target: ndarray, index: Any, values: Any) -> None:
+    """``target[index] += values`` with repeated indices summed (cupyx.scatter_add)."""
+    _np.add.at(_unwrap(target), _unwrap(index), _unwrap(values))
+
+
+class _Namespace:
+    """A numpy submodule (``lib``, ``linalg``) whose functions take device arrays only."""
+
+    def __init__(self, module: Any):
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return _lookup(self._module, name)
+
+
+def _lookup(module: Any, name: str) -> Any:
+    attr = getattr(module, name)
+    if isinstance(attr, type) or not callable(attr):
+        return _Namespace(attr) if isinstance(attr, ModuleType) else attr
+    return _device_call(attr, name)
+
+
+def __getattr__(name: str) -> Any:
+    """Every other numpy name: types and constants as they are, functions on device arrays
+    (a host array given to one raises)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _lookup(_np, name)
