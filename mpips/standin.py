@@ -34,13 +34,17 @@ class Traffic:
     h2d_bytes: int = 0
     d2h_copies: int = 0
     d2h_bytes: int = 0
+    allocations: int = 0  # device buffers made on purpose (empty, zeros, ..., asarray)
 
     def reset(self) -> None:
         self.h2d_copies = self.h2d_bytes = self.d2h_copies = self.d2h_bytes = 0
+        self.allocations = 0
 
-    def to_device(self, nbytes: int) -> None:
+    def to_device(self, nbytes: int, new: bool) -> None:
+        """A host-to-device copy: into a ``new`` device array, or into an existing one."""
         self.h2d_copies += 1
         self.h2d_bytes += nbytes
+        self.allocations += new
 
     def to_host(self, nbytes: int) -> None:
         self.d2h_copies += 1
@@ -122,8 +126,12 @@ class ndarray:  # noqa: N801 (cupy's name)
         traffic.to_host(self._a.nbytes)
         if out is None:
             return _np.array(self._a, order=order)
-        if not isinstance(out, _np.ndarray) or out.shape != self._a.shape:
-            raise ValueError("get(out=...): a numpy array of the same shape")
+        if not isinstance(out, _np.ndarray):
+            raise TypeError(f"get(out=...): a numpy array, not {type(out)}")
+        if out.shape != self._a.shape or out.dtype != self._a.dtype:
+            raise ValueError("get(out=...): a numpy array of the same shape and dtype")
+        if not out.flags.c_contiguous:
+            raise RuntimeError("get(out=...): a C-contiguous array (cupy copies into no other)")
         out[...] = self._a
         return out
 
@@ -135,10 +143,14 @@ class ndarray:  # noqa: N801 (cupy's name)
             raise ValueError(
                 f"set(): shape/dtype {arr.shape}/{arr.dtype} != {self._a.shape}/{self._a.dtype}"
             )
-        traffic.to_device(arr.nbytes)
+        if not self._a.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array (as cupy)")
+        traffic.to_device(arr.nbytes, new=False)
         self._a[...] = arr
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # (__array_interface__ and the like would let numpy in)
+            raise AttributeError(name)
         attr = getattr(self._a, name)
         return _device_call(attr, name) if callable(attr) else _wrap(attr)
 
@@ -206,7 +218,7 @@ def asarray(a: Any, dtype: Any = None) -> ndarray:
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
     values = _np.array(a, dtype=dtype)
-    traffic.to_device(values.nbytes)
+    traffic.to_device(values.nbytes, new=True)
     return ndarray(values)
 
 
@@ -244,11 +256,22 @@ class _Namespace:
         return _lookup(self._module, name)
 
 
+ALLOCATING = {"empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like"}
+
+
 def _lookup(module: Any, name: str) -> Any:
     attr = getattr(module, name)
     if isinstance(attr, type) or not callable(attr):
         return _Namespace(attr) if isinstance(attr, ModuleType) else attr
-    return _device_call(attr, name)
+    call = _device_call(attr, name)
+    if module is not _np or name not in ALLOCATING:
+        return call
+
+    def allocate(*args: Any, **kwargs: Any) -> Any:
+        traffic.allocations += 1
+        return call(*args, **kwargs)
+
+    return allocate
 
 
 def __getattr__(name: str) -> Any:

@@ -18,6 +18,7 @@ from test_sync_mpi import write_job as sync_job
 from test_sync_replicas import JOB as REPLICAS_JOB
 
 import mpips
+from mpips import standin
 from mpips.job import load_job
 
 pytestmark = pytest.mark.mpi(ranks=3)
@@ -38,29 +39,46 @@ def shared(tmp_path, monkeypatch) -> Path:
     return path
 
 
-def train(write) -> tuple[mpips.Job, mpips.TrainResult]:
-    """Rank 0 writes the job file (``write()``), every rank loads it and trains it."""
+@pytest.fixture(params=["cpu", "standin"])
+def device(request, monkeypatch) -> str:
+    """Where the workers compute: numpy, or the strict stand-in for cupy (mpips.standin:
+    train.device = "gpu" without a GPU; a host array reaching a device one raises)."""
+    if request.param == "standin":
+        monkeypatch.setenv(standin.ENV, "1")
+        return "gpu"
+    return "cpu"
+
+
+def train(write, device: str = "cpu") -> tuple[mpips.Job, mpips.TrainResult]:
+    """Rank 0 writes the job file (``write()``), every rank loads it and trains it on
+    ``device``."""
     comm = world()
     if comm.rank == 0:
         write()
     comm.Barrier()
     job = load_job("job.toml")
+    job.train.device = device
     return job, mpips.train(job, comm=comm)
 
 
-def test_sync_in_process_equals_one_process(shared):
-    """train.mode = "sync": every worker a replica, in process; equal to one process."""
-    job, result = train(lambda: sync_job(shared, "adam"))
+@pytest.mark.parametrize("memory", ["shared", "messages"])
+def test_sync_in_process_equals_one_process(shared, device, memory, monkeypatch):
+    """train.mode = "sync": every worker a replica, in process; equal to one process (with
+    the variables in node shared memory, or exchanged as messages as across nodes: then
+    each gradient is reduced as backward says it is ready, copied out of the device first)."""
+    if memory == "messages":
+        monkeypatch.setenv("MPIPS_SHARED_MEMORY", "0")
+    job, result = train(lambda: sync_job(shared, "adam"), device)
     assert (result.global_step, result.updates) == (20, 20)
     world().Barrier()
     if world().rank == 0:
         assert assert_one_process(shared, job, world().size) == [20] * world().size
 
 
-def test_sync_replicas_mode_through_a_ps_equals_one_process(shared):
+def test_sync_replicas_mode_through_a_ps_equals_one_process(shared, device):
     """train.mode = "sync_replicas": the workers' gradients averaged on the PS each step."""
     text = REPLICAS_JOB.format(mode="sync_replicas", optimizer="sgd", lr=0.1)
-    job, result = train(lambda: (shared / "job.toml").write_text(text))
+    job, result = train(lambda: (shared / "job.toml").write_text(text), device)
     if world().rank == 1:  # the chief
         assert result.global_step == 20
     world().Barrier()
@@ -71,11 +89,11 @@ def test_sync_replicas_mode_through_a_ps_equals_one_process(shared):
             np.testing.assert_allclose(variables[name], value, rtol=1e-5, atol=1e-6)
 
 
-def test_async_counts_every_global_step_once_and_learns(shared):
+def test_async_counts_every_global_step_once_and_learns(shared, device):
     text = REPLICAS_JOB.format(mode="async", optimizer="sgd", lr=0.1).replace(
         "steps = 20", "steps = 60"
     )
-    job, result = train(lambda: (shared / "job.toml").write_text(text))
+    job, result = train(lambda: (shared / "job.toml").write_text(text), device)
     updates = world().allgather(result.updates if result.role.job == "worker" else None)
     assert updates[0] is None and sum(updates[1:]) == 60, updates  # rank 0: the PS task
     if result.role.job == "worker":
