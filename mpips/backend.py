@@ -4,6 +4,7 @@ pinning."""
 from __future__ import annotations
 
 import os
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -116,6 +117,9 @@ class Device:
         self.on_host = xp is np
         self._buffers: dict[str, Any] = {}
         self.allocations = 0  # device buffers made so far (a step after the first makes none)
+        self._pinned: dict[int, np.ndarray] = {}  # page-locked host buffers, by address
+        # the copies of whole variables and gradients run on a stream of their own
+        self.stream = None if self.on_host else xp.cuda.Stream(non_blocking=True)
 
     @classmethod
     def select(cls, device: str, local_worker: int = 0) -> Device:
@@ -129,7 +133,7 @@ class Device:
             return a
         if key is None:
             return self.xp.asarray(a)
-        buf = self._buffer(key, a)
+        buf = self._buffer(f"{key}{a.shape}", a)  # (an epoch's short last batch: its own)
         buf.set(np.ascontiguousarray(a))
         return buf
 
@@ -144,7 +148,8 @@ class Device:
                 out[name] = a
                 continue
             out[name] = self._buffer(f"in:{name}", a)
-            out[name].set(np.ascontiguousarray(a))
+            out[name].set(np.ascontiguousarray(a), stream=self.stream)
+        self.stream.synchronize()  # (from pinned memory the copies ran asynchronously)
         return out
 
     def mirrors(self, host: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -160,7 +165,36 @@ class Device:
         if self.on_host:
             return
         for name, a in device.items():
-            a.get(out=host[name])
+            a.get(out=host[name], stream=self.stream)
+        self.stream.synchronize()
+
+    def pin(self, arrays: list[np.ndarray]) -> None:
+        """Page-lock host buffers the device copies from and to every step (a worker's pull
+        and push buffers): copies from pinned memory run at the bus's rate (54 GB/s host to
+        device on an H100 node, against 7-14 GB/s from pageable memory) and asynchronously
+        on the device's stream. A no-op on the CPU; a buffer the driver refuses stays
+        pageable (said once)."""
+        if self.on_host:
+            return
+        runtime = self.xp.cuda.runtime
+        for a in arrays:
+            at = a.ctypes.data
+            if a.nbytes == 0 or at in self._pinned:
+                continue
+            try:
+                runtime.hostRegister(at, a.nbytes, 0)
+            except Exception as e:  # (a driver limit on locked memory, say)
+                warnings.warn(f"mpips: host buffers stay pageable ({e})", stacklevel=2)
+                return
+            self._pinned[at] = a  # (kept alive while registered)
+
+    def unpin(self) -> None:
+        """Release what ``pin`` page-locked (before the buffers go)."""
+        if self._pinned:
+            runtime = self.xp.cuda.runtime
+            for at in self._pinned:
+                runtime.hostUnregister(at)
+            self._pinned.clear()
 
     def staged(self, device: dict[str, Any], host: dict[str, np.ndarray]) -> StagedGradients:
         """Gradients the model writes in ``device`` arrays, to be copied into the ``host``

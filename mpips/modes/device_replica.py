@@ -58,6 +58,7 @@ class DeviceReplica(Replica):
             s.name: {k: xp.zeros(s.shape, s.dtype) for k in optimizer.slots} for s in specs
         }
         self.device_grads = {s.name: xp.zeros(s.shape, s.dtype) for s in specs}
+        device.pin(self.buckets.host_arrays() if not self.alone else [])
 
     def _bucketed(self, specs: list[VariableSpec]) -> list[VariableSpec]:
         return [] if self.alone else specs

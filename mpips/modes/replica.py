@@ -169,6 +169,7 @@ class Replica:
         if self.buckets.shared:  # the shared memory goes: params (run.params) become copies
             for name, value in self.params.items():
                 self.params[name] = value.copy()
+        self.device.unpin()
         self.buckets.close()
         return result
 
