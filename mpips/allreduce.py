@@ -292,6 +292,14 @@ class GradientBuckets:
     def shared(self) -> bool:
         return self._shared is not None
 
+    def host_arrays(self) -> list[np.ndarray]:
+        """The memory gradients are written into and mean values read from (what a GPU
+        replica page-locks): with shared memory, this replica's segment and the chief's
+        (which holds the values)."""
+        if self._shared is not None:
+            return [self._shared.segment(r) for r in sorted({self.rank, 0})]
+        return [a for s in self.stores.values() for a in (s.grads, s.values)]
+
     def share(self, root: int = 0) -> None:
         """Every replica's variables and slots become ``root``'s (at the start)."""
         if self._shared is not None:

@@ -4,6 +4,7 @@ pinning."""
 from __future__ import annotations
 
 import os
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -115,24 +116,40 @@ class Device:
         self.xp = xp
         self.on_host = xp is np
         self._buffers: dict[str, Any] = {}
+        self.allocations = 0  # device buffers made so far (a step after the first makes none)
+        self._pinned: dict[int, np.ndarray] = {}  # page-locked host buffers, by address
+        # the copies of whole variables and gradients run on a stream of their own
+        self.stream = None if self.on_host else xp.cuda.Stream(non_blocking=True)
 
     @classmethod
     def select(cls, device: str, local_worker: int = 0) -> Device:
         """The device of ``train.device`` for this worker (see get_xp)."""
         return cls(get_xp(device, local_worker))
 
-    def to_device(self, a: Any) -> Any:
-        """An array (a batch, a test split) on the device: copied if it is not there."""
-        return a if self.on_host else self.xp.asarray(a)
+    def to_device(self, a: Any, key: str | None = None) -> Any:
+        """An array (a batch, a test split) on the device: copied if it is not there, into
+        the buffer kept under ``key`` when given (a batch: one buffer from step to step)."""
+        if self.on_host or not isinstance(a, np.ndarray):
+            return a
+        if key is None:
+            return self.xp.asarray(a)
+        buf = self._buffer(f"{key}{a.shape}", a)  # (an epoch's short last batch: its own)
+        buf.set(np.ascontiguousarray(a))
+        return buf
 
     def stage_in(self, host: dict[str, np.ndarray]) -> dict[str, Any]:
-        """Host arrays (pulled variables) on the device, through the kept buffers."""
+        """Host arrays (pulled variables) on the device, through the kept buffers (arrays
+        on the device already as they are)."""
         if self.on_host:
             return host
         out = {}
         for name, a in host.items():
+            if not isinstance(a, np.ndarray):  # on the device already (a GPU replica's)
+                out[name] = a
+                continue
             out[name] = self._buffer(f"in:{name}", a)
-            out[name].set(np.ascontiguousarray(a))
+            out[name].set(np.ascontiguousarray(a), stream=self.stream)
+        self.stream.synchronize()  # (from pinned memory the copies ran asynchronously)
         return out
 
     def mirrors(self, host: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -148,13 +165,95 @@ class Device:
         if self.on_host:
             return
         for name, a in device.items():
-            a.get(out=host[name])
+            a.get(out=host[name], stream=self.stream)
+        self.stream.synchronize()
+
+    def pin(self, arrays: list[np.ndarray]) -> None:
+        """Page-lock host buffers the device copies from and to every step (a worker's pull
+        and push buffers): copies from pinned memory run at the bus's rate (54 GB/s host to
+        device on an H100 node, against 7-14 GB/s from pageable memory) and asynchronously
+        on the device's stream. A no-op on the CPU; a buffer the driver refuses stays
+        pageable (said once)."""
+        if self.on_host:
+            return
+        runtime = self.xp.cuda.runtime
+        for a in arrays:
+            at = a.ctypes.data
+            if a.nbytes == 0 or at in self._pinned:
+                continue
+            try:
+                runtime.hostRegister(at, a.nbytes, 0)
+            except Exception as e:  # (a driver limit on locked memory, say)
+                warnings.warn(f"mpips: host buffers stay pageable ({e})", stacklevel=2)
+                return
+            self._pinned[at] = a  # (kept alive while registered)
+
+    def unpin(self) -> None:
+        """Release what ``pin`` page-locked (before the buffers go)."""
+        if self._pinned:
+            runtime = self.xp.cuda.runtime
+            for at in self._pinned:
+                runtime.hostUnregister(at)
+            self._pinned.clear()
+
+    def staged(self, device: dict[str, Any], host: dict[str, np.ndarray]) -> StagedGradients:
+        """Gradients the model writes in ``device`` arrays, to be copied into the ``host``
+        arrays of the same names as backward says each is ready (see StagedGradients)."""
+        return StagedGradients(device, host, self.on_host)
 
     def _buffer(self, key: str, like: np.ndarray) -> Any:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
             buf = self._buffers[key] = self.xp.empty(like.shape, like.dtype)
+            self.allocations += 1
         return buf
+
+
+class StagedGradients:
+    """A step's gradients on their way from the device to host buffers (the reduction's;
+    gradients without one stay on the device):
+    ``ready(name, rows)`` copies what backward has finished of gradient ``name`` (its first
+    ``rows`` rows, or all of it) that is not copied yet, then calls ``then(name, rows)``,
+    so a bucket is reduced from host memory only once its part is there; ``finish()`` copies
+    whatever was never said ready. Each byte crosses once. On the CPU both are no-ops but
+    for ``then``: the model writes the host buffers themselves."""
+
+    def __init__(self, device: dict[str, Any], host: dict[str, np.ndarray], on_host: bool):
+        self.device, self.host, self.on_host = device, host, on_host
+        self.copied: dict[str, int] = {}  # rows of each gradient in host memory so far
+
+    def ready(self, then: Any) -> Any:
+        """``then`` (a ready callback, or None) behind the copies."""
+        if self.on_host:
+            return then
+
+        def ready(name: str, rows: int | None = None) -> None:
+            if name not in self.host:
+                return  # (a gradient that stays on the device)
+            self._copy(name, rows)
+            if then is not None:
+                then(name, rows)
+
+        return ready
+
+    def _copy(self, name: str, rows: int | None) -> None:
+        src, dst = self.device[name], self.host[name]
+        total = len(dst) if dst.ndim else 1
+        stop = total if rows is None or not dst.ndim else min(rows, total)
+        done = self.copied.get(name, 0)
+        if stop <= done:
+            return
+        if done == 0 and stop == total:
+            src.get(out=dst)
+        else:
+            src[done:stop].get(out=dst[done:stop])
+        self.copied[name] = stop
+
+    def finish(self) -> None:
+        """Copy every gradient (or the rows of it) not copied yet."""
+        if not self.on_host:
+            for name in self.host:
+                self._copy(name, None)
 
 
 def scatter_add(xp: ModuleType, target: Any, index: Any, values: Any) -> None:

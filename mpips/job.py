@@ -320,8 +320,6 @@ def _check_ranges(job: Job) -> None:
 
 def _check_mode(job: Job) -> None:
     """What train.mode rules out: devices, models and settings another mode has."""
-    if job.train.mode == "sync" and job.train.device != "cpu":
-        raise ConfigError('train.device: mode = "sync" runs on the CPU (numpy) for now')
     if job.train.device != "cpu" and job.model.kind in ("logreg", "wide_deep"):
         raise ConfigError(
             f"train.device: CTR models (model.kind = {job.model.kind!r}) run on "
@@ -364,8 +362,8 @@ def _check_sync_replicas(job: Job) -> None:
             'optimizer.clip_norm: not with mode = "sync_replicas" (each PS '
             "applies the mean of its own variables' gradients)"
         )
-    if job.model.kind in ("logreg", "wide_deep") or job.train.device != "cpu":
-        raise ConfigError('train.mode = "sync_replicas": dense models on the CPU only, for now')
+    if job.model.kind in ("logreg", "wide_deep"):
+        raise ConfigError('train.mode = "sync_replicas": dense models only, for now')
 
 
 def _check_data(d: DataConfig) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .backend import array_module
+from .device_kernels import device_apply, is_cupy
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 
@@ -357,11 +358,17 @@ class Optimizer:
     def apply(self, var: Array, grad: Array, slots: dict[str, Array], lr: float, t: int) -> None:
         """Update ``var`` and its ``slots`` in place with ``grad``; ``t`` is the 1-based update
         count. C-contiguous float32 numpy arrays go through the fused kernel once it is
-        compiled (the first call starts that, in the background), anything else through the
-        numpy or cupy rule above; both give the same bits."""
+        compiled (the first call starts that, in the background), float32 cupy arrays
+        through the same rule's cupy kernel (device_kernels.py), anything else through the
+        numpy or cupy rule above; all give the same bits."""
         h = self.hyper
         if fused_apply(self.kind, h, var, grad, slots, lr, t, wait=False):
             return
+        name = kernel_name(self.kind, h)
+        if name is not None and _fused_enabled and is_cupy(var):  # a GPU: its fused kernel
+            arrays = [slots[s] for s in SLOTS[self.kind]]
+            if device_apply(name, var, grad, arrays, kernel_scalars(self.kind, h, lr, t)):
+                return
         if self.kind == "sgd":
             apply_sgd(var, grad, lr)
         elif self.kind == "momentum":

@@ -34,20 +34,70 @@ class Traffic:
     h2d_bytes: int = 0
     d2h_copies: int = 0
     d2h_bytes: int = 0
+    allocations: int = 0  # device buffers made on purpose (empty, zeros, ..., asarray)
+    h2d_pageable: int = 0  # of the bytes copied in, those from host memory not page-locked
+    d2h_pageable: int = 0  # of the bytes copied out, those into host memory not page-locked
 
     def reset(self) -> None:
         self.h2d_copies = self.h2d_bytes = self.d2h_copies = self.d2h_bytes = 0
+        self.allocations = self.h2d_pageable = self.d2h_pageable = 0
 
-    def to_device(self, nbytes: int) -> None:
+    def to_device(self, host: _np.ndarray, new: bool) -> None:
+        """A host-to-device copy: into a ``new`` device array, or into an existing one."""
         self.h2d_copies += 1
-        self.h2d_bytes += nbytes
+        self.h2d_bytes += host.nbytes
+        self.allocations += new
+        self.h2d_pageable += 0 if _pinned(host) else host.nbytes
 
-    def to_host(self, nbytes: int) -> None:
+    def to_host(self, host: _np.ndarray) -> None:
         self.d2h_copies += 1
-        self.d2h_bytes += nbytes
+        self.d2h_bytes += host.nbytes
+        self.d2h_pageable += 0 if _pinned(host) else host.nbytes
 
 
 traffic = Traffic()
+_locked: dict[int, int] = {}  # page-locked host ranges: address -> bytes
+
+
+def _pinned(host: _np.ndarray) -> bool:
+    """Whether ``host``'s memory lies in a range registered with cuda.runtime.hostRegister."""
+    at = host.__array_interface__["data"][0]
+    return any(start <= at and at + host.nbytes <= start + n for start, n in _locked.items())
+
+
+class _Runtime:
+    """cupy.cuda.runtime's page-locking of host memory (recorded: copies from and to it
+    count as pinned), and one device."""
+
+    @staticmethod
+    def hostRegister(ptr: int, size: int, flags: int) -> None:  # noqa: N802 (CUDA's name)
+        if ptr in _locked:
+            raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+        _locked[ptr] = size
+
+    @staticmethod
+    def hostUnregister(ptr: int) -> None:  # noqa: N802
+        if _locked.pop(ptr, None) is None:
+            raise RuntimeError("cudaErrorHostMemoryNotRegistered")
+
+    @staticmethod
+    def getDeviceCount() -> int:  # noqa: N802
+        return 1
+
+
+class _Stream:
+    """A CUDA stream: the stand-in's copies are done when they return."""
+
+    def __init__(self, non_blocking: bool = False):
+        self.non_blocking = non_blocking
+
+    def synchronize(self) -> None:
+        pass
+
+
+class cuda:  # noqa: N801 (cupy.cuda)
+    runtime = _Runtime
+    Stream = _Stream
 
 
 def _refuse(value: Any) -> TypeError:
@@ -117,13 +167,21 @@ class ndarray:  # noqa: N801 (cupy's name)
             "construct a NumPy array explicitly. (the mpips GPU stand-in, as cupy)"
         )
 
-    def get(self, stream: Any = None, order: str = "C", out: Any = None) -> _np.ndarray:
+    def get(
+        self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
+    ) -> _np.ndarray:
         """The values in host memory (into ``out``, a numpy array, when given)."""
-        traffic.to_host(self._a.nbytes)
         if out is None:
-            return _np.array(self._a, order=order)
-        if not isinstance(out, _np.ndarray) or out.shape != self._a.shape:
-            raise ValueError("get(out=...): a numpy array of the same shape")
+            out = _np.array(self._a, order=order)
+            traffic.to_host(out)
+            return out
+        if not isinstance(out, _np.ndarray):
+            raise TypeError(f"get(out=...): a numpy array, not {type(out)}")
+        if out.shape != self._a.shape or out.dtype != self._a.dtype:
+            raise ValueError("get(out=...): a numpy array of the same shape and dtype")
+        if not out.flags.c_contiguous:
+            raise RuntimeError("get(out=...): a C-contiguous array (cupy copies into no other)")
+        traffic.to_host(out)
         out[...] = self._a
         return out
 
@@ -135,10 +193,14 @@ class ndarray:  # noqa: N801 (cupy's name)
             raise ValueError(
                 f"set(): shape/dtype {arr.shape}/{arr.dtype} != {self._a.shape}/{self._a.dtype}"
             )
-        traffic.to_device(arr.nbytes)
+        if not self._a.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array (as cupy)")
+        traffic.to_device(arr, new=False)
         self._a[...] = arr
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # (__array_interface__ and the like would let numpy in)
+            raise AttributeError(name)
         attr = getattr(self._a, name)
         return _device_call(attr, name) if callable(attr) else _wrap(attr)
 
@@ -206,7 +268,7 @@ def asarray(a: Any, dtype: Any = None) -> ndarray:
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
     values = _np.array(a, dtype=dtype)
-    traffic.to_device(values.nbytes)
+    traffic.to_device(values, new=True)
     return ndarray(values)
 
 
@@ -244,11 +306,22 @@ class _Namespace:
         return _lookup(self._module, name)
 
 
+ALLOCATING = {"empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like"}
+
+
 def _lookup(module: Any, name: str) -> Any:
     attr = getattr(module, name)
     if isinstance(attr, type) or not callable(attr):
         return _Namespace(attr) if isinstance(attr, ModuleType) else attr
-    return _device_call(attr, name)
+    call = _device_call(attr, name)
+    if module is not _np or name not in ALLOCATING:
+        return call
+
+    def allocate(*args: Any, **kwargs: Any) -> Any:
+        traffic.allocations += 1
+        return call(*args, **kwargs)
+
+    return allocate
 
 
 def __getattr__(name: str) -> Any:

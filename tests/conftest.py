@@ -95,6 +95,9 @@ def pytest_configure(config):
         "launcher(quick=True): one short enough for the fast tier",
     )
     config.addinivalue_line(
+        "markers", "gpu: needs cupy and a CUDA device (skipped without; benchmarks/gpu_check.sh)"
+    )
+    config.addinivalue_line(
         "markers",
         "slow: launches whole jobs (every launcher test but a quick one); "
         '-m "not slow" is the fast tier (in process, and one quick mpiexec of the modes)',
@@ -104,8 +107,24 @@ def pytest_configure(config):
 _COLLECTIVE: set[str] = set()  # node ids of the ``mpi`` tests: they use COMM_WORLD together
 
 
+def _gpu_missing() -> str:
+    """Why the ``gpu`` tests cannot run here ('' when they can)."""
+    try:
+        import cupy
+
+        return "" if cupy.cuda.runtime.getDeviceCount() > 0 else "no CUDA device"
+    except Exception as e:  # not installed, no driver
+        return f"no cupy/CUDA here ({type(e).__name__})"
+
+
 def pytest_collection_modifyitems(config, items):
+    gpu_missing = None
     for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            if gpu_missing is None:
+                gpu_missing = _gpu_missing()
+            if gpu_missing:
+                item.add_marker(pytest.mark.skip(reason=f"gpu: {gpu_missing}"))
         m = item.get_closest_marker("mpi")
         if m is not None:
             _COLLECTIVE.add(item.nodeid)

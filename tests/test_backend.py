@@ -81,38 +81,6 @@ def test_each_worker_of_a_node_gets_its_own_gpu(monkeypatch):
     assert got == {1: 0, 2: 1, 3: 0, 5: 0, 6: 1, 7: 0}
 
 
-class FakeArray:
-    """A device array of a stand-in array module: values kept in numpy, reachable only
-    through set() and get(), as with cupy."""
-
-    def __init__(self, shape, dtype):
-        self._data = np.empty(shape, dtype)
-        self.shape, self.dtype = self._data.shape, self._data.dtype
-
-    def set(self, host):
-        assert isinstance(host, np.ndarray) and host.shape == self.shape
-        self._data[...] = host
-
-    def get(self, out=None):
-        if out is None:
-            return self._data.copy()
-        out[...] = self._data
-        return out
-
-
-def fake_xp():
-    xp = types.ModuleType("fakexp")
-    xp.empty = lambda shape, dtype: FakeArray(shape, dtype)
-
-    def asarray(a):
-        out = FakeArray(a.shape, a.dtype)
-        out.set(np.asarray(a))
-        return out
-
-    xp.asarray = asarray
-    return xp
-
-
 def test_device_on_the_cpu_hands_back_the_same_arrays():
     from mpips.backend import Device
 
@@ -125,12 +93,16 @@ def test_device_on_the_cpu_hands_back_the_same_arrays():
 
 
 def test_device_stages_through_buffers_kept_from_step_to_step():
+    """On a device (the stand-in for cupy: values reachable only through set and get),
+    variables go through one buffer per name and shape, gradients come back through
+    another; each made once."""
+    from mpips import standin
     from mpips.backend import Device
 
-    device = Device(fake_xp())
+    device = Device(standin)
     host = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
     first = device.stage_in(host)
-    assert all(isinstance(a, FakeArray) for a in first.values())
+    assert all(isinstance(a, standin.ndarray) for a in first.values())
     np.testing.assert_array_equal(first["w"].get(), host["w"])
     host["w"] += 1
     again = device.stage_in(host)
@@ -144,7 +116,26 @@ def test_device_stages_through_buffers_kept_from_step_to_step():
     out = {"b": np.zeros(3, np.float32)}
     device.stage_out({"b": grads["b"]}, out)
     np.testing.assert_array_equal(out["b"], 7)
-    assert isinstance(device.to_device(np.zeros(4)), FakeArray)
+    assert device.allocations == 5  # w, b, w of 5 rows in; w and b out: each made once
+    assert isinstance(device.to_device(np.zeros(4)), standin.ndarray)
+
+
+def test_device_pins_host_buffers_once_and_releases_them():
+    from mpips import standin
+    from mpips.backend import Device
+
+    device = Device(standin)
+    a, b = np.zeros(1000, np.float32), np.zeros(10, np.float32)
+    device.pin([a, b, a])  # a second time: once
+    standin.traffic.reset()
+    staged = device.stage_in({"a": a, "b": b})
+    assert standin.traffic.h2d_pageable == 0 and standin.traffic.h2d_bytes == 4040
+    device.stage_out(staged, {"a": a, "b": b})
+    assert standin.traffic.d2h_pageable == 0 and standin.traffic.d2h_bytes == 4040
+    device.unpin()
+    device.stage_out(staged, {"a": a, "b": b})
+    assert standin.traffic.d2h_pageable == 4040
+    Device().pin([a])  # the CPU: nothing to do
 
 
 def test_scatter_add_sums_repeated_indices_with_either_array_module(monkeypatch):
@@ -160,7 +151,7 @@ def test_scatter_add_sums_repeated_indices_with_either_array_module(monkeypatch)
     cupyx.scatter_add = lambda t, i, v: calls.append((t, i, v))
     monkeypatch.setitem(sys.modules, "cupyx", cupyx)
     t, i, v = object(), object(), object()
-    scatter_add(fake_xp(), t, i, v)
+    scatter_add(types.ModuleType("cupy"), t, i, v)
     assert calls == [(t, i, v)]
 
 

@@ -7,6 +7,7 @@ batch, hybrid its lockstep reference, async every global step counted once."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,8 @@ from test_sync_mpi import write_job as sync_job
 from test_sync_replicas import JOB as REPLICAS_JOB
 
 import mpips
+from mpips import standin
+from mpips.hooks import Hook
 from mpips.job import load_job
 
 pytestmark = pytest.mark.mpi(ranks=3)
@@ -38,29 +41,82 @@ def shared(tmp_path, monkeypatch) -> Path:
     return path
 
 
-def train(write) -> tuple[mpips.Job, mpips.TrainResult]:
-    """Rank 0 writes the job file (``write()``), every rank loads it and trains it."""
+@pytest.fixture(params=["cpu", "standin"])
+def device(request, monkeypatch) -> str:
+    """Where the workers compute: numpy, or the strict stand-in for cupy (mpips.standin:
+    train.device = "gpu" without a GPU; a host array reaching a device one raises)."""
+    if request.param == "standin":
+        monkeypatch.setenv(standin.ENV, "1")
+        return "gpu"
+    return "cpu"
+
+
+class Crossings(Hook):
+    """This worker's host/device copies each step (the stand-in's counters), the batch's
+    bytes and the variables' at the end."""
+
+    def __init__(self):
+        self.steps, self.batch, self.variables = [], 0, 0
+
+    def before_step(self, run):
+        standin.traffic.reset()
+
+    def after_step(self, run, info):
+        t = standin.traffic
+        self.steps.append((t.h2d_bytes, t.d2h_bytes, t.h2d_pageable, t.allocations))
+        self.batch = run.job.train.batch_size * (64 * 4 + 8)  # float32 digits, int64 labels
+
+    def end(self, run):
+        self.variables = sum(v.nbytes for v in run.variables().values())
+
+    def each_byte_once(self, copies_in: int, copies_out: int, scratch: int = 0) -> None:
+        """After the first step, a step copies ``copies_in`` bytes in and the batch,
+        ``copies_out`` out, nothing but the batch from pageable memory, and allocates nothing but
+        ``scratch`` arrays (those of Adam's array rule, which the stand-in runs where cupy
+        runs a fused kernel); a step that checks the replicas copies the variables out too,
+        and an epoch's last batch may be shorter (a buffer of its own)."""
+        want = (copies_in + self.batch, copies_out, self.batch, scratch)
+        usual = Counter(self.steps[1:]).most_common()
+        assert usual and usual[0][0] == want, (want, usual)
+        for (h2d, d2h, pageable, allocations), _ in usual:  # (an epoch's last, short batch)
+            assert h2d - pageable == copies_in and pageable <= self.batch, (want, usual)
+            assert d2h in (copies_out, copies_out + self.variables), (want, usual)
+            assert allocations == scratch or pageable < self.batch, (want, usual)
+
+
+def train(write, device: str = "cpu", hooks=()) -> tuple[mpips.Job, mpips.TrainResult]:
+    """Rank 0 writes the job file (``write()``), every rank loads it and trains it on
+    ``device``."""
     comm = world()
     if comm.rank == 0:
         write()
     comm.Barrier()
     job = load_job("job.toml")
-    return job, mpips.train(job, comm=comm)
+    job.train.device = device
+    return job, mpips.train(job, hooks, comm=comm)
 
 
-def test_sync_in_process_equals_one_process(shared):
-    """train.mode = "sync": every worker a replica, in process; equal to one process."""
-    job, result = train(lambda: sync_job(shared, "adam"))
+@pytest.mark.parametrize("memory", ["shared", "messages"])
+def test_sync_in_process_equals_one_process(shared, device, memory, monkeypatch):
+    """train.mode = "sync": every worker a replica, in process; equal to one process (with
+    the variables in node shared memory, or exchanged as messages as across nodes: then
+    each gradient is reduced as backward says it is ready, copied out of the device first)."""
+    if memory == "messages":
+        monkeypatch.setenv("MPIPS_SHARED_MEMORY", "0")
+    crossings = Crossings()
+    job, result = train(lambda: sync_job(shared, "adam"), device, [crossings])
+    if device == "gpu":  # variables on the device: gradients out, their mean in
+        crossings.each_byte_once(crossings.variables, crossings.variables, scratch=4)
     assert (result.global_step, result.updates) == (20, 20)
     world().Barrier()
     if world().rank == 0:
         assert assert_one_process(shared, job, world().size) == [20] * world().size
 
 
-def test_sync_replicas_mode_through_a_ps_equals_one_process(shared):
+def test_sync_replicas_mode_through_a_ps_equals_one_process(shared, device):
     """train.mode = "sync_replicas": the workers' gradients averaged on the PS each step."""
     text = REPLICAS_JOB.format(mode="sync_replicas", optimizer="sgd", lr=0.1)
-    job, result = train(lambda: (shared / "job.toml").write_text(text))
+    job, result = train(lambda: (shared / "job.toml").write_text(text), device)
     if world().rank == 1:  # the chief
         assert result.global_step == 20
     world().Barrier()
@@ -71,12 +127,15 @@ def test_sync_replicas_mode_through_a_ps_equals_one_process(shared):
             np.testing.assert_allclose(variables[name], value, rtol=1e-5, atol=1e-6)
 
 
-def test_async_counts_every_global_step_once_and_learns(shared):
+def test_async_counts_every_global_step_once_and_learns(shared, device):
     text = REPLICAS_JOB.format(mode="async", optimizer="sgd", lr=0.1).replace(
         "steps = 20", "steps = 60"
     )
-    job, result = train(lambda: (shared / "job.toml").write_text(text))
+    crossings = Crossings()
+    job, result = train(lambda: (shared / "job.toml").write_text(text), device, [crossings])
     updates = world().allgather(result.updates if result.role.job == "worker" else None)
+    if device == "gpu" and result.role.job == "worker":  # pulled variables in, gradients out
+        crossings.each_byte_once(crossings.variables, crossings.variables)
     assert updates[0] is None and sum(updates[1:]) == 60, updates  # rank 0: the PS task
     if result.role.job == "worker":
         assert 0 < result.examples <= result.updates * job.train.batch_size

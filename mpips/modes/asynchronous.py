@@ -78,7 +78,7 @@ class AsyncWorker(StoreWorker):
         x, ids = model.prepare(x)  # sparse models: the batch's unique ids (rows to pull)
         device = self.device
         params = device.stage_in(client.pull(ids))
-        x, y = device.to_device(x), device.to_device(y)
+        x, y = device.to_device(x, "x"), device.to_device(y, "y")
         grads = device.mirrors(client.gradients())  # on the CPU: the push buffers themselves
         if tl:
             t = tl.span("pull", t)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from .. import preemption
 from ..backend import Device
@@ -109,8 +108,6 @@ class HybridReplica(Replica):
         windows: Windows,
     ):
         super().__init__(job, mode, cluster, optimizer, prep, device)
-        if device.xp is not np:
-            raise ConfigError('train.mode = "hybrid" runs on the CPU (numpy and scipy.sparse)')
         self.windows = windows
         self.vote_after_compute = True  # the dense update is shared after the pushes
         self.client = StoreClient(windows, self.role.task, optimizer.stateful)
@@ -137,7 +134,7 @@ class HybridReplica(Replica):
     def _inputs(self, x: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         x, ids = self.model.prepare(x)
         rows = self.client.pull(ids)
-        return x, {**self.params, **rows}, {**self.buckets.grads, **self.client.gradients()}
+        return x, {**self.params, **rows}, {**self.grads, **self.client.gradients()}
 
     def _signal(self) -> int:
         """Its own signal, or one any task (a PS task included) set in the control window."""

@@ -20,13 +20,14 @@ import numpy as np
 from .. import preemption
 from ..allreduce import (
     GradientBuckets,
+    Update,
     agree_max,
     broadcast,
     check_replicas,
     replica_hash,
     stop_from_ps,
 )
-from ..backend import Device
+from ..backend import Device, StagedGradients
 from ..data import full_batches
 from ..errors import AgreedError, AlreadyReported, NonFinite
 from ..hooks import Hook, PendingSave, Run, StepInfo
@@ -48,6 +49,7 @@ from ..run import (
     target_steps,
 )
 from ..startup import Prepared
+from ..variables import VariableSpec
 from ..store import Cluster
 from ..summaries import job_timeline
 from .base import Mode
@@ -88,6 +90,8 @@ def _batches_per_epoch(job: Job, rows: int, workers: int) -> int:
 class Replica:
     """One worker as a synchronous replica: compute, average, apply, once per batch."""
 
+    slots_in_buckets = True  # the optimizer slots are bucket views too (updated in parts)
+
     def __init__(
         self,
         job: Job,
@@ -103,21 +107,23 @@ class Replica:
         self.role, self.tc, self.oc = cluster.role, job.train, job.optimizer
         self.comm, self.workers = cluster.workers, cluster.layout.num_workers
         self.listen_to_ps = cluster.is_chief and cluster.layout.num_ps > 0
-        specs = model.variables()
+        specs = self._bucketed(model.variables())
         # variables, slots and gradients are views into the buckets; each replica updates
         # its part of every bucket, and the batch loss rides in the last one
         # shared memory holds every replica's gradients, the variables and their slots
-        need = sum(s.nbytes for s in specs) * (self.workers + 1 + len(optimizer.slots))
+        slot_names = optimizer.slots if self.slots_in_buckets else ()
+        need = sum(s.nbytes for s in specs) * (self.workers + 1 + len(slot_names))
         self.buckets = GradientBuckets(
             self.comm,
             specs,
             self.tc.bucket_bytes,
-            optimizer.slots,
+            slot_names,
             shared=node_shared(cluster, need),
         )
         self.params = {s.name: self.buckets.values[s.name] for s in specs}
         self.slots = {s.name: self.buckets.slots[s.name] for s in specs}
-        self.arrays = list(self.params.values())  # what the replica check compares
+        self.grads = {s.name: self.buckets.grads[s.name] for s in specs}  # (not the loss)
+        self.live = self.params  # what the model reads (run.params): here the buckets' own
         self.per_epoch = _batches_per_epoch(job, prep.info.rows["train"], self.workers)
         self.step_count = self.clock = self.updates = 0
         self.stopped = 0  # the signal every replica agreed to stop on (0: none)
@@ -139,17 +145,18 @@ class Replica:
             target_steps(self.tc.steps, self.tc.epochs, self.per_epoch),
             lambda: self.step_count,
             self.save,
-            lambda: {k: v.copy() for k, v in self.params.items()},
+            lambda: {k: v.copy() for k, v in self.host_params().items()},
             self._hook_stop,
             self._validate if self.prep.val is not None else None,
-            self.params,
+            self.live,
             mode=self.mode,
         )
         session = Session(self.job, run, extra_hooks, self.timeline)
         session.loop(self)
-        check_replicas(self.comm, self.arrays, self.step_count)
+        arrays = list(self.host_params().values())  # what the replica check compares
+        check_replicas(self.comm, arrays, self.step_count)
         session.done(
-            f"; replica crc32 {replica_hash(self.arrays):08x}; "
+            f"; replica crc32 {replica_hash(arrays):08x}; "
             f"{self.buckets.reduce_seconds:.2f} s reducing and updating after backward"
         )
         result, gathered = session.finish(
@@ -162,18 +169,19 @@ class Replica:
         if self.buckets.shared:  # the shared memory goes: params (run.params) become copies
             for name, value in self.params.items():
                 self.params[name] = value.copy()
+        self.device.unpin()
         self.buckets.close()
         return result
 
     def _report(self, result: TrainResult, gathered: list[Any]) -> None:
         """Chief: the test split's metrics and the final line."""
         assert self.prep.test is not None
-        report(self.cluster, self.model, self.device, self.params, self.prep.test, result, gathered)
+        report(self.cluster, self.model, self.device, self.live, self.prep.test, result, gathered)
 
     def _inputs(self, x: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """The batch as the model takes it, the parameters it reads and where its gradients
         go (the buckets)."""
-        return x, self.params, self.buckets.grads
+        return x, self.params, self.grads
 
     def _signal(self) -> int:
         """A stop signal this replica knows of: its own, or one a PS rank forwarded."""
@@ -218,10 +226,7 @@ class Replica:
         prep, role = self.prep, self.role
         header = np.zeros(2, np.int64)  # start step, data position (batches used per worker)
         if self.cluster.is_chief:
-            for name in self.params:
-                self.params[name][...] = prep.values[name]
-                for k in self.optimizer.slots:
-                    self.slots[name][k][...] = prep.slots[f"{name}/{k}"]
+            self._set_initial(prep)
             clocks = prep.clocks or []
             same = bool(clocks) and len(clocks) == self.workers and len(set(clocks)) == 1
             header[:] = prep.start_step, clocks[0] if same else 0
@@ -229,6 +234,7 @@ class Replica:
                 say_restored(role, prep.start_step, prep.restored)
         broadcast(self.comm, [header])
         self.buckets.share()
+        self._shared_initial()
         self.step_count, self.clock = int(header[0]), int(header[1])
         if self.cluster.is_chief and self.tc.steps and self.step_count >= self.tc.steps:
             say_nothing_to_train(role, self.step_count, self.tc.steps)
@@ -246,9 +252,27 @@ class Replica:
         )
         return self.step_count
 
+    def _bucketed(self, specs: list[VariableSpec]) -> list[VariableSpec]:
+        """The variables the buckets hold (every one, here)."""
+        return specs
+
+    def _set_initial(self, prep: Prepared) -> None:
+        """Chief: the initial or restored variables and slots, before they are shared."""
+        for name in self.params:
+            self.params[name][...] = prep.values[name]
+            for k in self.optimizer.slots:
+                self.slots[name][k][...] = prep.slots[f"{name}/{k}"]
+
+    def _shared_initial(self) -> None:
+        """Every replica, once the chief's initial state is its own (buckets.share)."""
+
+    def host_params(self) -> dict[str, np.ndarray]:
+        """This replica's variables in host memory (checkpoints, the replica check)."""
+        return self.params
+
     def _validate(self) -> dict[str, float]:
         assert self.prep.val is not None
-        return evaluate_on(self.model, self.device, self.params, self.prep.val)
+        return evaluate_on(self.model, self.device, self.live, self.prep.val)
 
     def _hook_stop(self) -> None:
         self.stop_asked = 1  # said at the next step's agreement: all replicas stop together
@@ -262,7 +286,12 @@ class Replica:
     def save(self) -> PendingSave:
         flat = self.whole_slots()
         return save_whole(
-            self.job, self.cluster, self.step_count, self.params, flat, [self.clock] * self.workers
+            self.job,
+            self.cluster,
+            self.step_count,
+            self.host_params(),
+            flat,
+            [self.clock] * self.workers,
         )
 
     def batches(self) -> Iterable[tuple[int, Any, Any]]:
@@ -276,6 +305,28 @@ class Replica:
             per_epoch=self.per_epoch,
         )
 
+    def _on_device(
+        self, x: Any, y: Any, params: dict[str, Any], host_grads: dict[str, Any]
+    ) -> tuple[Any, Any, dict[str, Any], dict[str, Any], StagedGradients]:
+        """The batch, the variables and the gradient buffers where the model computes, and
+        how gradients get back to the host buffers: on the CPU the same arrays; on a GPU
+        (hybrid) copies in and out (DeviceReplica keeps its variables on the device)."""
+        device = self.device
+        x, y = device.to_device(x, "x"), device.to_device(y, "y")
+        grads = device.mirrors(host_grads)
+        return x, y, device.stage_in(params), grads, device.staged(grads, host_grads)
+
+    def _update_rule(self, lr: float, step: int) -> Update:
+        """What a replica does with its part of each bucket's mean gradient: apply it."""
+
+        def update(var: Any, grad: Any, slots: dict[str, Any]) -> None:
+            self.optimizer.apply(var, grad, slots, lr, step + 1)
+
+        return update
+
+    def _apply_mean(self, lr: float, step: int) -> None:
+        """After the step is shared (the variables in the buckets are updated already)."""
+
     def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
         """Gradients of this replica's batch, averaged over all; every replica applies the
         same update (or all stop together: a signal, or a loss that is not finite)."""
@@ -284,26 +335,27 @@ class Replica:
             return None
         buckets, tl = self.buckets, self.timeline
         t = tl.now() if tl else 0.0  # the timeline's phases (summary.timeline), if on
-        x, params, grads = self._inputs(x)
+        x, params, host_grads = self._inputs(x)
         if tl and params is not self.params:
             t = tl.span("pull", t)
+        x, y, params, grads, staged = self._on_device(x, y, params, host_grads)
+        if tl and not self.device.on_host:
+            t = tl.span("copy in", t)
         lr = learning_rate(self.oc, step)
-
-        def update(var: Any, grad: Any, slots: dict[str, Any]) -> None:
-            self.optimizer.apply(var, grad, slots, lr, step + 1)
 
         # whether to stop (a signal on any replica or forwarded by a PS rank, a hook's
         # request) is agreed while backward runs, so buckets reduced meanwhile are updated
         # then too; not applied when stopping: the checkpoint is exact at `step`
         late = self.vote_after_compute
         votes = [self._signal(), self.stop_asked]
-        buckets.start_step(update, self.clip, None if late else votes)
+        buckets.start_step(self._update_rule(lr, step), self.clip, None if late else votes)
         # (one copy in shared memory: nothing is reduced during backward, so nothing to say)
-        ready = None if buckets.shared else buckets.ready
+        ready = staged.ready(None if buckets.shared else buckets.ready)
         if self.updates:
             loss = self.model.loss_and_grads(params, x, y, grads, ready=ready)
         else:
             loss = self._first_loss_and_grads(params, x, y, grads, ready)
+        staged.finish()
         if tl:
             t = tl.span("compute", t)
         buckets.set_loss(loss)
@@ -317,17 +369,20 @@ class Replica:
         if tl:
             t = tl.span("agreement", t)
         if go:
-            self._push_rows(grads, lr)
+            self._push_rows(host_grads, lr)
             if tl and params is not self.params:
                 t = tl.span("push and ack", t)
         mean_loss = buckets.finish()
         if tl:
-            tl.span("reduce and update", t)
+            t = tl.span("reduce and update", t)
         if not go:
             return None
+        self._apply_mean(lr, step)
+        if tl and not self.device.on_host:
+            tl.span("update on the device", t)
         if not late:  # (voted on already otherwise)
             self._check_losses(step)
         self.step_count, self.clock, self.updates = step + 1, self.clock + 1, self.updates + 1
         if self.tc.check_every and self.step_count % self.tc.check_every == 0:
-            check_replicas(self.comm, self.arrays, self.step_count)
+            check_replicas(self.comm, list(self.host_params().values()), self.step_count)
         return StepInfo(self.step_count, mean_loss, epoch, self.updates)

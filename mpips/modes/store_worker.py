@@ -57,6 +57,7 @@ class StoreWorker:
             windows, self.role.task, stateful, optimizer.apply, optimizer.slots
         )
         self.control = self.client.control
+        device.pin(self.client.host_buffers())  # a GPU's copies run from page-locked memory
         self.stats = Staleness()
         self.watchdog = Watchdog(self.control, cluster.layout, self.role.task)
         self.timeline = job_timeline(job, "worker", self.role.task)
@@ -86,6 +87,7 @@ class StoreWorker:
         start_step = self._start()
         session.loop(self)
         self.client.settle()  # its last update is applied before it says it is done
+        self.device.unpin()
         control.publish_clock(self.role.task, self.clock, done=True)
         session.done(
             f"; {run.save_seconds:.2f} s of it writing checkpoints, the chief's duty"

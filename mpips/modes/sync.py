@@ -21,6 +21,7 @@ from ..run import TrainResult
 from ..startup import Prepared
 from ..store import Cluster
 from .base import Mode, replica_bytes
+from .device_replica import DeviceReplica
 from .replica import Replica
 
 
@@ -60,7 +61,8 @@ class Sync(Mode):
         cluster.check_placement(job_placement(job, specs, 1))  # same variables on every rank
         if cluster.is_ps:
             return _idle_ps(cluster)
-        result = Replica(job, self, cluster, optimizer, prep, device).train(hooks)
+        replica = Replica if device.on_host else DeviceReplica  # (a GPU: variables on it)
+        result = replica(job, self, cluster, optimizer, prep, device).train(hooks)
         # every rank, PS included, learns the signal that stopped the run: the same exit code
         result.stopped_by = agree_max(
             cluster.comm, [result.stopped_by or preemption.requested()], "the end of the run"

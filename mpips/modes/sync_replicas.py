@@ -146,7 +146,7 @@ class ReplicasWorker(StoreWorker):
             return None
         x, _ = model.prepare(x)
         params = device.stage_in(client.pull())
-        x, y = device.to_device(x), device.to_device(y)
+        x, y = device.to_device(x, "x"), device.to_device(y, "y")
         grads = device.mirrors(client.gradients())
         if tl:
             t = tl.span("pull", t)

@@ -225,6 +225,14 @@ class StoreClient:
         """Bytes of dense variables read in place, in PS memory (zero copy)."""
         return sum(s.params.size for s in self._segments if s.in_place)
 
+    def host_buffers(self) -> list[np.ndarray]:
+        """The buffers a pull fills and a push reads, step after step (not the PS memory a
+        zero-copy worker reads in place): what a GPU worker page-locks."""
+        split = [a for name, a in self.params.items() if a.base is None]
+        split += [a for name, a in self.grads.items() if a.base is None]
+        own = [] if self.reads_in_place else self._live
+        return [*own, *self._grad_bufs, *split]
+
     @property
     def pulled_bytes(self) -> int:
         """Bytes the last pull moved: the whole variables, plus the table rows (a push of SGD

@@ -1,0 +1,74 @@
+"""On a real GPU (skipped without cupy and a CUDA device; benchmarks/gpu_check.sh runs them):
+the fused update kernels give the numpy rules' bits, and one process trains on the GPU with
+its variables there to the CPU's result."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpips
+from mpips.hooks import Hook
+from mpips.optim import Optimizer, set_fused_kernels
+
+pytestmark = pytest.mark.gpu
+
+RULES = [
+    ("sgd", {}),
+    ("momentum", {"momentum": 0.9, "nesterov": False}),
+    ("momentum", {"momentum": 0.9, "nesterov": True}),
+    ("adagrad", {"epsilon": 1e-7, "initial_accumulator_value": 0.1}),
+    ("adam", {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}),
+    ("ftrl", {"l1": 0.01, "l2": 0.001, "initial_accumulator_value": 0.1}),
+]
+
+
+@pytest.mark.parametrize(("kind", "hyper"), RULES)
+def test_each_fused_gpu_kernel_gives_the_numpy_rules_bits(kind, hyper):
+    import cupy
+
+    from mpips import device_kernels
+
+    rng = np.random.default_rng(0)
+    optimizer = Optimizer(kind, hyper)
+    var = rng.normal(size=(300, 70)).astype(np.float32)
+    slots = optimizer.init_slots(var)
+    d_var, d_slots = cupy.asarray(var), {k: cupy.asarray(v) for k, v in slots.items()}
+    previous = set_fused_kernels(False)  # the host side: the numpy rules
+    try:
+        for t in range(1, 6):
+            grad = rng.normal(size=var.shape).astype(np.float32)
+            optimizer.apply(var, grad, slots, 0.01, t)
+            set_fused_kernels(True)
+            optimizer.apply(d_var, cupy.asarray(grad), d_slots, 0.01, t)
+            set_fused_kernels(False)
+    finally:
+        set_fused_kernels(previous)
+    assert device_kernels._compiled, "the cupy kernel was not used"
+    np.testing.assert_array_equal(d_var.get(), var)
+    for k, v in slots.items():
+        np.testing.assert_array_equal(d_slots[k].get(), v, err_msg=k)
+
+
+class Final(Hook):
+    def end(self, run):
+        self.variables = run.variables()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_one_process_on_the_gpu_trains_to_the_cpus_variables(tmp_path, monkeypatch, optimizer):
+    """The crash of 2026-11-26 (a numpy batch reached the cupy model): one process with
+    train.device = "gpu" now trains with its variables on the GPU, to the CPU's values
+    (within float32 matrix-product rounding)."""
+    monkeypatch.chdir(tmp_path)
+    finals = {}
+    for device in ("cpu", "gpu"):
+        job = mpips.load_job(None)
+        job.train.steps, job.train.progress, job.train.device = 20, False, device
+        job.optimizer.kind, job.checkpoint.dir = optimizer, ""
+        hook = Final()
+        mpips.train(job, [hook], comm=MPI.COMM_SELF)
+        finals[device] = hook.variables
+    for name, value in finals["cpu"].items():
+        np.testing.assert_allclose(finals["gpu"][name], value, rtol=1e-3, atol=1e-4)

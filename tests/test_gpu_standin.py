@@ -1,0 +1,207 @@
+"""The GPU path without a GPU: ``mpips.standin``, a strict stand-in for cupy, fails wherever
+cupy would (host and device arrays mixed, implicit conversions) and counts every crossing;
+one process trains on it exactly as on the CPU, moving each byte of a step once and making no
+buffer after its first step. (Every mode on it under MPI: test_modes_mpi.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpips
+from mpips import standin as sx
+from mpips.backend import Device, array_module, get_xp, scatter_add, to_host
+from mpips.hooks import Hook
+
+
+def test_the_standin_refuses_host_arrays_wherever_cupy_does():
+    d, h = sx.asarray(np.ones(3, np.float32)), np.ones(3, np.float32)
+    mixes = {
+        "device + host": lambda: d + h,
+        "host + device": lambda: h + d,
+        "host * device": lambda: h * d,
+        "device += host": lambda: d.__iadd__(h),
+        "xp function of a host array": lambda: sx.maximum(h, 0),
+        "xp function of both": lambda: sx.matmul(d, h),
+        "a list with a host array": lambda: sx.concatenate([d, h]),
+        "numpy ufunc of a device array": lambda: np.exp(d),
+        "np.asarray of a device array": lambda: np.asarray(d),
+        "a host index array": lambda: d[np.array([0, 1])],
+        "a host array assigned in": lambda: d.__setitem__(slice(None), h),
+    }
+    for what, mix in mixes.items():
+        with pytest.raises(TypeError):
+            mix()
+            pytest.fail(f"{what} did not raise")
+    d[:] = 2.0  # scalars mix freely, as with cupy
+    total = (d * np.float32(2) + 1).sum()
+    assert isinstance(total, sx.ndarray) and total.ndim == 0 and float(total) == 15.0
+    assert sx.maximum(d, 0).shape == (3,) and isinstance(d[sx.asarray(np.array([0]))], sx.ndarray)
+    assert array_module(d) is sx and array_module(h) is np and to_host(d).tolist() == [2, 2, 2]
+
+
+def test_the_standin_counts_each_crossing_and_allocation():
+    sx.traffic.reset()
+    d = sx.asarray(np.zeros((2, 3), np.float32))  # 24 bytes in, a new device array
+    d.set(np.ones((2, 3), np.float32))  # 24 more, into it
+    buf = sx.empty((2, 3), np.float32)
+    host = np.empty((2, 3), np.float32)
+    d.get(out=host)
+    t = sx.traffic
+    assert (t.h2d_copies, t.h2d_bytes, t.allocations) == (2, 48, 2)
+    assert (t.d2h_copies, t.d2h_bytes) == (1, 24) and host.sum() == 6
+    with pytest.raises(ValueError):
+        d.set(np.ones(5, np.float32))  # another shape
+    with pytest.raises(TypeError):
+        buf.set(d)  # a device array is not a host array
+    scatter_add(sx, buf, sx.asarray(np.array([0, 0])), sx.asarray(np.ones((2, 3), np.float32)))
+
+
+def test_gpu_is_the_standin_when_asked(monkeypatch):
+    monkeypatch.setenv(sx.ENV, "1")
+    assert get_xp("gpu") is sx
+    device = Device.select("gpu")
+    assert not device.on_host
+    host = {"w": np.arange(4, dtype=np.float32)}
+    staged = device.stage_in(host)["w"]
+    assert isinstance(staged, sx.ndarray) and device.stage_in(host)["w"] is staged
+
+
+class Recorder(Hook):
+    """Each step's crossings and allocations (the stand-in's counters), and the final
+    variables."""
+
+    def __init__(self):
+        self.steps, self.params = [], None
+
+    def before_step(self, run):
+        sx.traffic.reset()
+
+    def after_step(self, run, info):
+        t = sx.traffic
+        self.steps.append((t.h2d_bytes, t.d2h_bytes, t.allocations))
+
+    def end(self, run):
+        self.params = run.variables()
+
+
+def one_process(device: str, monkeypatch, where, optimizer: str, clip: float):
+    monkeypatch.setenv(sx.ENV, "1")
+    monkeypatch.chdir(where)
+    job = mpips.load_job(None)
+    job.train.steps, job.train.progress, job.train.device = 12, False, device
+    job.optimizer.kind, job.optimizer.clip_norm, job.checkpoint.dir = optimizer, clip, ""
+    recorder = Recorder()
+    mpips.train(job, [recorder], comm=MPI.COMM_SELF)
+    return recorder, job
+
+
+@pytest.mark.parametrize(("optimizer", "clip"), [("sgd", 0.0), ("momentum", 0.5), ("adam", 0.5)])
+def test_one_process_on_the_standin_equals_the_cpu_and_copies_in_only_batches(
+    monkeypatch, tmp_path, optimizer, clip
+):
+    """`python -m mpips train` with train.device = "gpu" (a numpy batch once reached the
+    cupy model and crashed): the same variables as on the CPU, bit for bit, clipped or not;
+    the variables and slots stay on the device, so after the first step only the batch
+    crosses, and no buffer is made on the device (but the scratch of the array rule for
+    Adam that the stand-in runs: on cupy a fused kernel applies it)."""
+    cpu, _ = one_process("cpu", monkeypatch, tmp_path, optimizer, clip)
+    gpu, job = one_process("gpu", monkeypatch, tmp_path, optimizer, clip)
+    assert cpu.params.keys() == gpu.params.keys()
+    for name in cpu.params:
+        np.testing.assert_array_equal(cpu.params[name], gpu.params[name], err_msg=name)
+    assert len(gpu.steps) == job.train.steps and set(cpu.steps) == {(0, 0, 0)}
+    batch = job.train.batch_size * (64 * 4 + 8)  # float32 digits, int64 labels
+    scratch = 4 if optimizer == "adam" else 0  # one per variable
+    assert set(gpu.steps[1:]) == {(batch, 0, scratch)}, gpu.steps
+
+
+def test_staged_gradients_copy_each_row_once_as_backward_says_it_is_ready():
+    """A gradient said ready a block of rows at a time (a wide Dense kernel) reaches host
+    memory block by block, before the reduction is told; nothing is copied twice."""
+    device = Device(sx)
+    host = {"w": np.zeros((6, 3), np.float32), "b": np.zeros(3, np.float32)}
+    grads = device.mirrors(host)
+    grads["w"][...] = sx.asarray(np.arange(18, dtype=np.float32).reshape(6, 3))
+    grads["b"][...] = 7.0
+    told = []
+    staged = device.staged(grads, host)
+    ready = staged.ready(lambda name, rows=None: told.append((name, rows, host[name].copy())))
+    sx.traffic.reset()
+    ready("w", 2)
+    assert told[-1][1] == 2 and told[-1][2][:2].sum() == 15 and not told[-1][2][2:].any()
+    ready("w", 5)
+    assert told[-1][2][:5].sum() == 105 and not told[-1][2][5:].any()
+    staged.finish()  # the last row, and the bias never said ready
+    np.testing.assert_array_equal(host["w"], np.arange(18).reshape(6, 3))
+    assert host["b"].tolist() == [7, 7, 7]
+    assert sx.traffic.d2h_bytes == 18 * 4 + 3 * 4 and sx.traffic.d2h_copies == 4
+    on_cpu = Device().staged(host, host)
+    assert on_cpu.ready(print) is print and on_cpu.ready(None) is None
+
+
+def test_the_gpu_kernels_loop_bodies_compiled_as_c_give_the_numpy_rules_bits(tmp_path):
+    """The CUDA kernels of device_kernels.py cannot run without a GPU, but their loop bodies
+    are plain C: compiled here with a C compiler (no contraction into fused multiply-adds,
+    as --fmad=false on the GPU) and run over the same arrays, each must give the numpy
+    rule's bits (a wrong operator, order or slot fails)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from test_gpu import RULES
+
+    from mpips import device_kernels
+    from mpips.optim import Optimizer, kernel_name, kernel_scalars, set_fused_kernels
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    source = ["#include <math.h>"]
+    for name, (scalars, outputs, body) in device_kernels._RULES.items():
+        names = [p.split()[1] for p in scalars.split(",")]
+        outs = ["var"] + [p.split()[1] for p in outputs.split(",") if p.strip()]
+        args = ", ".join(
+            ["long count_", "const float *g_"]
+            + [f"float {s}" for s in names]
+            + [f"float *{o}_" for o in outs]
+        )
+        defines = "".join(f"#define {o} ({o}_[k_])\n" for o in outs)
+        undefs = "".join(f"#undef {o}\n" for o in outs)
+        source.append(
+            f"void mpips_{name}({args}) {{\n{defines}"
+            f"for (long k_ = 0; k_ < count_; k_++) {{ const float g = g_[k_]; {body} }}\n"
+            f"{undefs}}}"
+        )
+    (tmp_path / "k.c").write_text("\n".join(source))
+    lib = tmp_path / "k.so"
+    subprocess.run(
+        [cc, "-O2", "-ffp-contract=off", "-shared", "-fPIC", str(tmp_path / "k.c"), "-o", str(lib), "-lm"],
+        check=True,
+    )
+    so = ctypes.CDLL(str(lib))
+    ptr = np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")
+    rng = np.random.default_rng(0)
+    previous = set_fused_kernels(False)  # the numpy rules as the reference
+    try:
+        for kind, hyper in RULES:
+            name = kernel_name(kind, hyper)
+            optimizer = Optimizer(kind, hyper)
+            var = rng.normal(size=1000).astype(np.float32)
+            slots = optimizer.init_slots(var)
+            c_var, c_slots = var.copy(), [slots[s].copy() for s in optimizer.slots]
+            fn = getattr(so, f"mpips_{name}")
+            for t in range(1, 6):
+                grad = rng.normal(size=var.shape).astype(np.float32)
+                optimizer.apply(var, grad, slots, 0.01, t)
+                scalars = kernel_scalars(kind, hyper, 0.01, t)
+                fn.argtypes = [ctypes.c_long, ptr, *[ctypes.c_float] * len(scalars)] + [ptr] * (
+                    1 + len(c_slots)
+                )
+                fn(var.size, grad, *[float(s) for s in scalars], c_var, *c_slots)
+            np.testing.assert_array_equal(c_var, var, err_msg=name)
+            for k, a in zip(optimizer.slots, c_slots, strict=True):
+                np.testing.assert_array_equal(a, slots[k], err_msg=f"{name} {k}")
+    finally:
+        set_fused_kernels(previous)
