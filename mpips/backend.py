@@ -119,7 +119,7 @@ class Device:
         self.allocations = 0  # device buffers made so far (a step after the first makes none)
         self._pinned: dict[int, np.ndarray] = {}  # page-locked host buffers, by address
         # the copies of whole variables and gradients run on a stream of their own
-        self.stream = None if self.on_host else xp.cuda.Stream(non_blocking=True)
+        self.stream: Any = None if self.on_host else xp.cuda.Stream(non_blocking=True)
 
     @classmethod
     def select(cls, device: str, local_worker: int = 0) -> Device:

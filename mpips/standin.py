@@ -172,7 +172,7 @@ class ndarray:  # noqa: N801 (cupy's name)
     ) -> _np.ndarray:
         """The values in host memory (into ``out``, a numpy array, when given)."""
         if out is None:
-            out = _np.array(self._a, order=order)
+            out = self._a.copy()
             traffic.to_host(out)
             return out
         if not isinstance(out, _np.ndarray):
@@ -250,17 +250,21 @@ def _inplace(op: Any) -> Any:
     return method
 
 
-for _name in (
-    "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split()
-):
+for _name in "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split():
     _op = getattr(operator, f"{_name}_" if _name in ("and", "or") else _name)
     setattr(ndarray, f"__{_name}__", _binary(_op))
     setattr(ndarray, f"__r{_name}__", _binary(_op, reflected=True))
     setattr(ndarray, f"__i{_name}__", _inplace(getattr(operator, f"i{_name}")))
 for _name in "lt le eq ne gt ge".split():
     setattr(ndarray, f"__{_name}__", _binary(getattr(operator, _name)))
+
+
+def _unary(op: Any) -> Any:
+    return lambda self: _wrap(op(self._a))
+
+
 for _name in "neg pos abs invert".split():
-    setattr(ndarray, f"__{_name}__", lambda self, _op=getattr(operator, _name): _wrap(_op(self._a)))
+    setattr(ndarray, f"__{_name}__", _unary(getattr(operator, _name)))
 
 
 def asarray(a: Any, dtype: Any = None) -> ndarray:
@@ -306,7 +310,16 @@ class _Namespace:
         return _lookup(self._module, name)
 
 
-ALLOCATING = {"empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like"}
+ALLOCATING = {
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+}
 
 
 def _lookup(module: Any, name: str) -> Any:

@@ -58,6 +58,9 @@ class Crossings(Hook):
     def __init__(self):
         self.steps, self.batch, self.variables = [], 0, 0
 
+    def begin(self, run):
+        self.zero_copy = run.job.train.zero_copy  # as this run resolved it
+
     def before_step(self, run):
         standin.traffic.reset()
 
@@ -136,6 +139,8 @@ def test_async_counts_every_global_step_once_and_learns(shared, device):
     updates = world().allgather(result.updates if result.role.job == "worker" else None)
     if device == "gpu" and result.role.job == "worker":  # pulled variables in, gradients out
         crossings.each_byte_once(crossings.variables, crossings.variables)
+    if result.role.job == "worker":  # the default on one node: zero copy, but on a GPU
+        assert crossings.zero_copy is (device == "cpu")
     assert updates[0] is None and sum(updates[1:]) == 60, updates  # rank 0: the PS task
     if result.role.job == "worker":
         assert 0 < result.examples <= result.updates * job.train.batch_size
@@ -146,6 +151,27 @@ def test_async_counts_every_global_step_once_and_learns(shared, device):
     if world().rank == 0:
         _, _, clocks = read_ckpt(shared / "runs/async/ckpt-60.json")
         assert clocks == updates[1:], "each worker's clock in the checkpoint"
+
+
+@pytest.mark.parametrize(
+    ("setting", "env", "in_place"),
+    [("false", {}, False), ("true", {}, True), (None, {"MPIPS_SHARED_MEMORY": "0"}, False)],
+)
+def test_zero_copy_is_what_the_job_says_and_off_without_shared_memory(
+    shared, monkeypatch, setting, env, in_place
+):
+    """train.zero_copy set is obeyed; unset, MPIPS_SHARED_MEMORY=0 keeps the copied pulls
+    (the test above: unset on one node, zero copy)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    text = REPLICAS_JOB.format(mode="async", optimizer="adam", lr=0.01).replace(
+        "steps = 20", "steps = 8" + (f"\nzero_copy = {setting}" if setting else "")
+    )
+    crossings = Crossings()
+    _, result = train(lambda: (shared / "job.toml").write_text(text), hooks=[crossings])
+    if result.role.job == "worker":
+        assert crossings.zero_copy is in_place
+    world().Barrier()
 
 
 def test_hybrid_tables_on_the_ps_dense_replicas_equal_lockstep(shared):

@@ -91,8 +91,8 @@ class Mode:
         """Whether the workers read and update the PS memory in place: train.zero_copy when
         set; unset, the default of a mode that reads in place on one node (async) when
         every rank is on one node, the workers compute on the CPU, MPIPS_SHARED_MEMORY is
-        not 0 and the node's /dev/shm holds the PS windows (MPI shared memory lives there: past its end a process dies
-        of SIGBUS). Collective: every rank decides the same."""
+        not 0 and the node's /dev/shm holds the PS windows (MPI shared memory lives there:
+        past its end a process dies of SIGBUS). Collective: every rank decides the same."""
         if job.train.zero_copy is not None:
             return job.train.zero_copy
         if not (self.zero_copy_on_one_node and cluster.one_node and job.train.device == "cpu"):

@@ -24,8 +24,8 @@ from ..optim import Optimizer
 from ..run import TrainResult
 from ..startup import Prepared
 from ..store import Cluster
-from .base import Mode
 from ..variables import VariableSpec
+from .base import Mode
 from .replica import Replica
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from .. import preemption
 from ..backend import Device
 from ..data import DatasetInfo

@@ -44,8 +44,9 @@ def open_store(
     placement = mode.store_placement(job, prep.model, cluster.layout.num_ps)
     # zero copy: the workers apply their updates in PS memory (store/stripes.py), else a
     # PS task applies those of stateful optimizers and sync_replicas
-    in_place = updates_in_place(placement, job.train.zero_copy)
-    inboxes = has_inboxes(placement, job.train.zero_copy, mode.ps_applies(optimizer.stateful))
+    zero_copy = bool(job.train.zero_copy)  # (resolved by now: mpips.train)
+    in_place = updates_in_place(placement, zero_copy)
+    inboxes = has_inboxes(placement, zero_copy, mode.ps_applies(optimizer.stateful))
     if (cluster.is_ps and inboxes) or (in_place and not cluster.is_ps):
         optimizer.prepare()  # its fused kernel compiles meanwhile, not at the first update
     cluster.check_placement(placement)
@@ -60,7 +61,7 @@ def open_store(
         slots,
         inboxes,
         row_capacity=job.train.batch_size * max(1, prep.info.max_nnz),
-        shared=job.train.zero_copy,
+        shared=zero_copy,
     )
     if prep.local:  # a PS task: restored state or fresh table partitions
         windows.fill_own(cluster.role.task, prep.local)

@@ -49,9 +49,9 @@ from ..run import (
     target_steps,
 )
 from ..startup import Prepared
-from ..variables import VariableSpec
 from ..store import Cluster
 from ..summaries import job_timeline
+from ..variables import VariableSpec
 from .base import Mode
 
 
@@ -123,7 +123,7 @@ class Replica:
         self.params = {s.name: self.buckets.values[s.name] for s in specs}
         self.slots = {s.name: self.buckets.slots[s.name] for s in specs}
         self.grads = {s.name: self.buckets.grads[s.name] for s in specs}  # (not the loss)
-        self.live = self.params  # what the model reads (run.params): here the buckets' own
+        self.live: dict[str, Any] = self.params  # what the model reads (run.params)
         self.per_epoch = _batches_per_epoch(job, prep.info.rows["train"], self.workers)
         self.step_count = self.clock = self.updates = 0
         self.stopped = 0  # the signal every replica agreed to stop on (0: none)

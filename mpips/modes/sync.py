@@ -34,7 +34,13 @@ class Sync(Mode):
     takes_clip_norm = True
 
     def rank_bytes(
-        self, job: Job, layout: Layout, model: Any, optimizer: Optimizer, info: DatasetInfo
+        self,
+        job: Job,
+        layout: Layout,
+        model: Any,
+        optimizer: Optimizer,
+        info: DatasetInfo,
+        zero_copy: bool | None = None,
     ) -> list[int]:
         replica = replica_bytes(model, optimizer)
         return [0 if layout.role(r).job == "ps" else replica for r in range(layout.world_size)]

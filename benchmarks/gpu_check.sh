@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# One call on a GPU node with nothing else reachable: a venv, the GPU tests, every mode
+# trained on the GPU, the GPU goals (benchmarks/gpu_workload.py), optionally the node
+# scaling run, and a table printed last. Sized for under 6 minutes on one H100 (plus about
+# 4 with --scaling). MPIPS_GPU_STANDIN=1 runs it without a GPU, on the stand-in: a check of
+# the script itself, whose figures mean nothing.
+#
+#   benchmarks/gpu_check.sh [--wheels DIR] [--scaling] [--out DIR]
+#
+# The machine's python3 must have cupy (and numpy, h5py, numba, scipy, tqdm,
+# threadpoolctl, pytest); what it lacks (an MPI runtime: the `mpich` and `mpi4py` wheels;
+# `tensorboardX`) comes as wheels in DIR (default .whl), installed into a new venv whose
+# site-packages also sees the machine's own (a .pth line), so its cupy stays importable
+# and the wheel's mpi4py finds the wheel's libmpi. To fetch such wheels elsewhere:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     mpich mpi4py tensorboardX
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=.whl SCALING=0 OUT_DIR=${OUT:-}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --wheels) WHEELS=$2; shift 2 ;;
+    --scaling) SCALING=1; shift ;;
+    --out) OUT_DIR=$2; shift 2 ;;
+    *) echo "usage: $0 [--wheels DIR] [--scaling] [--out DIR]" >&2; exit 2 ;;
+  esac
+done
+PY=${PYTHON:-python3}
+VENV=${MPIPS_GPU_VENV:-/tmp/mpips-gpu-venv}
+LOG=$(mktemp -d)
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV" || exit 2
+  base=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$base" >"$site/machine-packages.pth"
+fi
+. "$VENV/bin/activate"
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  pip install -q --no-index --no-deps --no-compile --ignore-installed "$WHEELS"/*.whl || exit 2
+fi
+python - <<'EOF' || exit 2
+import importlib, sys
+missing = []
+for name in ("numpy", "h5py", "numba", "scipy", "tqdm", "threadpoolctl", "tensorboardX", "pytest"):
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        missing.append(f"{name} ({type(e).__name__})")
+try:
+    from mpi4py import MPI
+    MPI.Get_library_version()
+except Exception as e:
+    missing.append(f"an MPI runtime for mpi4py ({e})")
+import os
+try:
+    if os.environ.get("MPIPS_GPU_STANDIN") == "1":
+        raise SystemExit  # (the script's own dry run: no GPU)
+    import cupy
+    print("GPU:", cupy.cuda.runtime.getDeviceCount(), "device(s),",
+          cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy", cupy.__version__)
+except SystemExit:
+    print("no GPU: MPIPS_GPU_STANDIN=1, a dry run of this script on the stand-in")
+except Exception as e:
+    missing.append(f"cupy with a CUDA device ({e})")
+if missing:
+    sys.exit("gpu_check: missing " + ", ".join(missing) + " (carry them as wheels: --wheels)")
+EOF
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+echo "== the gpu tests"
+python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$LOG/tests.txt" | tail -5
+echo "== every mode on the GPU (the built-in digits job)"
+MODES=""
+for spec in "one process:sync:0" "sync:sync:3" "sync_replicas:sync_replicas:3" "async:async:3"; do
+  IFS=: read -r label mode ranks <<<"$spec"
+  printf '[data]\nbuiltin = "digits"\n[train]\nmode = "%s"\ndevice = "gpu"\nsteps = 300\nprogress = false\n[checkpoint]\ndir = ""\n' "$mode" >"$LOG/$mode.toml"
+  launch=()
+  [ "$ranks" -gt 0 ] && launch=(mpiexec -n "$ranks")
+  line=$(cd "$LOG" && timeout 180 "${launch[@]}" python -m mpips train "$mode.toml" 2>&1 | tee "$LOG/$mode-$ranks.log" | grep "final:" | tail -1)
+  [ -z "$line" ] && line="FAILED: $(tail -3 "$LOG/$mode-$ranks.log" | tr '\n' ' ')"
+  echo "$label: $line"
+  MODES+="$label: ${line#*final: }"$'\n'
+done
+echo "== the GPU goals"
+DRY=()
+[ "${MPIPS_GPU_STANDIN:-}" = 1 ] && DRY=(--dry-run)
+python benchmarks/gpu_workload.py --rounds 2 "${DRY[@]}" --json "$LOG/gpu.json" 2>&1 | tee "$LOG/goals.txt"
+if [ "$SCALING" = 1 ]; then
+  echo "== node scaling (issue 31)"
+  python benchmarks/node_scaling.py --json "$LOG/node_scaling.json" 2>&1 | tee "$LOG/scaling.txt"
+fi
+if [ -n "$OUT_DIR" ]; then
+  mkdir -p "$OUT_DIR" && cp "$LOG"/*.json "$LOG"/*.txt "$OUT_DIR"/ 2>/dev/null
+fi
+echo
+echo "================ gpu_check summary ($(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null))"
+echo "gpu tests: $(tail -1 "$LOG/tests.txt")"
+printf '%s' "$MODES"
+sed -n '/^median of/,$p' "$LOG/goals.txt"
