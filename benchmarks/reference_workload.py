@@ -13,7 +13,8 @@ for every stateful optimizer, ``--numpy-rules`` adds a run with the fused kernel
 (MPIPS_FUSED_KERNELS=0: the numpy rules on the PS) and ``--split-ps`` a run on 2 PS tasks with
 every variable of >= 256 KiB split over both (layout.partition_min_bytes = 262144), the same
 2 workers (4 ranks). ``--zero-copy`` adds, for every optimizer, a run with ``train.zero_copy``
-(the workers read the PS's memory in place and apply their own updates there).
+(the workers read the PS's memory in place and apply their own updates there; the other runs
+set it false: the copied pulls). ``--workers N``: N workers instead of 2.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("--numpy-rules", action="store_true", help="also run with the kernels off")
     ap.add_argument("--split-ps", action="store_true", help="also run on 2 PS, variables split")
     ap.add_argument("--zero-copy", action="store_true", help="also run with train.zero_copy")
+    ap.add_argument("--workers", type=int, default=2, help="workers of each mpips run")
     ap.add_argument("--data", default=DEFAULT_DATA)
     args = ap.parse_args()
     data = args.data
@@ -92,7 +94,8 @@ def main() -> None:
             single.append(one_numpy_process(x, y, args.steps // 2))
             line = f"round {r + 1}: single process (sgd) {single[-1]:8.0f} ex/s"
             for label, _, ps, _, env in runs:
-                multi[label].append(mpips_rate(ps + 2, jobs[label], Path(tmp), env))
+                ranks = ps + args.workers
+                multi[label].append(mpips_rate(ranks, jobs[label], Path(tmp), env))
                 line += f" | {label} {multi[label][-1]:8.0f}"
             print(line, flush=True)
     print(f"\nsingle process (sgd), 1 BLAS thread : {min(single):.0f}-{max(single):.0f} examples/s")
@@ -103,7 +106,8 @@ def main() -> None:
             f", {np.median(m) / np.median(multi['sgd']):.2f}x mpips sgd" if "sgd" in multi else ""
         )
         print(
-            f"mpips async {label:<20} {ps} ps + 2 workers : {min(m):.0f}-{max(m):.0f} "
+            f"mpips async {label:<20} {ps} ps + {args.workers} workers : "
+            f"{min(m):.0f}-{max(m):.0f} "
             f"(median {np.median(m):.0f}) examples/s, {ratio:.2f}x the single process{vs_sgd}"
         )
     print("(SGD target >= 1.6x the single process, linear limit 2x; Adam target >= 0.85x SGD)")
