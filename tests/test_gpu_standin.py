@@ -8,11 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
+from test_layers import CASES
 
 import mpips
 from mpips import standin as sx
 from mpips.backend import Device, array_module, get_xp, scatter_add, to_host
 from mpips.hooks import Hook
+from mpips.layers import Sequential
 
 
 def test_the_standin_refuses_host_arrays_wherever_cupy_does():
@@ -203,3 +205,38 @@ def test_the_gpu_kernels_loop_bodies_compiled_as_c_give_the_numpy_rules_bits(tmp
                 np.testing.assert_array_equal(a, slots[k], err_msg=f"{name} {k}")
     finally:
         set_fused_kernels(previous)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_layer_computes_on_the_device_as_on_the_host(case):
+    """The layer library on the stand-in: each case's loss, gradients, metrics and
+    predictions equal numpy's, with every array on the device (a layer that reached for a
+    host array, or made one from a device array, raises)."""
+    layers, in_shape, loss = CASES[case]
+    host = Sequential(layers, in_shape, loss, seed=3)
+    dev = Sequential(layers, in_shape, loss, seed=3)
+    dev.xp = sx
+    rng = np.random.default_rng(0)
+    n = 6
+    if "embedding" in case:
+        x = rng.integers(0, 11, (n, *in_shape)).astype(np.float32)
+    else:
+        x = rng.normal(size=(n, *in_shape)).astype(np.float32)
+    y = rng.integers(0, 2 if loss == "logistic" else 3, n)
+    params = host.initial_values(0)
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    d_params = {k: sx.asarray(v) for k, v in params.items()}
+    d_grads = {k: sx.zeros(v.shape, v.dtype) for k, v in params.items()}
+    want = host.loss_and_grads(params, x, y, grads)
+    got = dev.loss_and_grads(d_params, sx.asarray(x), sx.asarray(y), d_grads)
+    assert isinstance(got, float) and got == want
+    for name in params:
+        np.testing.assert_array_equal(d_grads[name].get(), grads[name], err_msg=name)
+    metrics = dev.evaluate(d_params, sx.asarray(x), sx.asarray(y))
+    np.testing.assert_equal(  # (NaN equal to NaN: an AUC of a one-class batch)
+        {k: float(v) for k, v in metrics.items()},
+        {k: float(v) for k, v in host.evaluate(params, x, y).items()},
+    )
+    np.testing.assert_array_equal(
+        sx.asnumpy(dev.predict(d_params, sx.asarray(x))), host.predict(params, x)
+    )
