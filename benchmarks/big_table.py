@@ -52,6 +52,7 @@ steps = {steps}
 batch_size = 256
 log_every = 0
 progress = false
+zero_copy = false  # the copied pulls its recorded figures used
 [checkpoint]
 dir = "{ckpt}"
 every_steps = 0

@@ -192,6 +192,7 @@ steps = 400
 batch_size = 64
 log_every = 0
 progress = false
+zero_copy = false  # the copied pulls its recorded figures used
 [checkpoint]
 dir = "runs/bench"
 every_steps = 25

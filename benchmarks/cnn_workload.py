@@ -37,6 +37,7 @@ steps = {steps}
 batch_size = 64
 log_every = 0
 progress = false
+zero_copy = false  # the copied pulls its recorded figures used
 [layout]
 ps = 1
 """

@@ -94,7 +94,8 @@ def main() -> None:
         )
     job = load_job(args.job)
     epochs = args.epochs or job.train.epochs
-    configs = {"mpips": ""} | ({"mpips, zero copy": "zero_copy = true\n"} if args.zero_copy else {})
+    copied = {"mpips": "zero_copy = false\n"}  # (the default on one node is zero copy)
+    configs = copied | ({"mpips, zero copy": "zero_copy = true\n"} if args.zero_copy else {})
     single: list[float] = []
     rates: dict[str, list[float]] = {label: [] for label in configs}
     with tempfile.TemporaryDirectory() as tmp:

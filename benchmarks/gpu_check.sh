@@ -32,9 +32,11 @@ LOG=$(mktemp -d)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV" || exit 2
-  base=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "$base" >"$site/machine-packages.pth"
+  "$PY" -c 'import site, sys, sysconfig
+paths = [sysconfig.get_paths()[k] for k in ("purelib", "platlib")] + site.getsitepackages()
+paths.append(site.getusersitepackages())
+print("\n".join(dict.fromkeys(p for p in paths if p)))' >"$site/machine-packages.pth" || exit 2
 fi
 . "$VENV/bin/activate"
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
@@ -68,27 +70,31 @@ if missing:
     sys.exit("gpu_check: missing " + ", ".join(missing) + " (carry them as wheels: --wheels)")
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+FAILED=0
 echo "== the gpu tests"
-python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$LOG/tests.txt" | tail -5
+python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py >"$LOG/tests.txt" 2>&1 || FAILED=1
+tail -5 "$LOG/tests.txt"
 echo "== every mode on the GPU (the built-in digits job)"
 MODES=""
 for spec in "one process:sync:0" "sync:sync:3" "sync_replicas:sync_replicas:3" "async:async:3"; do
   IFS=: read -r label mode ranks <<<"$spec"
   printf '[data]\nbuiltin = "digits"\n[train]\nmode = "%s"\ndevice = "gpu"\nsteps = 300\nprogress = false\n[checkpoint]\ndir = ""\n' "$mode" >"$LOG/$mode.toml"
-  launch=()
+  launch=(env)
   [ "$ranks" -gt 0 ] && launch=(mpiexec -n "$ranks")
   line=$(cd "$LOG" && timeout 180 "${launch[@]}" python -m mpips train "$mode.toml" 2>&1 | tee "$LOG/$mode-$ranks.log" | grep "final:" | tail -1)
-  [ -z "$line" ] && line="FAILED: $(tail -3 "$LOG/$mode-$ranks.log" | tr '\n' ' ')"
+  [ -z "$line" ] && { line="FAILED: $(tail -3 "$LOG/$mode-$ranks.log" | tr '\n' ' ')"; FAILED=1; }
   echo "$label: $line"
   MODES+="$label: ${line#*final: }"$'\n'
 done
 echo "== the GPU goals"
-DRY=()
-[ "${MPIPS_GPU_STANDIN:-}" = 1 ] && DRY=(--dry-run)
-python benchmarks/gpu_workload.py --rounds 2 "${DRY[@]}" --json "$LOG/gpu.json" 2>&1 | tee "$LOG/goals.txt"
+DRY=--rounds=2
+[ "${MPIPS_GPU_STANDIN:-}" = 1 ] && DRY=--dry-run
+python benchmarks/gpu_workload.py "$DRY" --json "$LOG/gpu.json" 2>&1 | tee "$LOG/goals.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || FAILED=1
 if [ "$SCALING" = 1 ]; then
   echo "== node scaling (issue 31)"
   python benchmarks/node_scaling.py --json "$LOG/node_scaling.json" 2>&1 | tee "$LOG/scaling.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || FAILED=1
 fi
 if [ -n "$OUT_DIR" ]; then
   mkdir -p "$OUT_DIR" && cp "$LOG"/*.json "$LOG"/*.txt "$OUT_DIR"/ 2>/dev/null
@@ -98,3 +104,5 @@ echo "================ gpu_check summary ($(date -u +%F), $(git rev-parse --shor
 echo "gpu tests: $(tail -1 "$LOG/tests.txt")"
 printf '%s' "$MODES"
 sed -n '/^median of/,$p' "$LOG/goals.txt"
+[ "$FAILED" = 0 ] || echo "gpu_check: something FAILED (above)"
+exit "$FAILED"

@@ -67,7 +67,7 @@ CONFIGS = {
         1,
         2,
     ),
-    "async 1 PS + 2 CPU workers, reference MLP, batch 128": (
+    "async 1 PS + 2 CPU workers (zero copy), reference MLP, batch 128": (
         REFERENCE,
         128,
         "async",
@@ -172,13 +172,13 @@ def main() -> None:
         f"\nmedian of {rounds} round(s), steps {steps[0]} -> {steps[1]}"
         + (" (DRY RUN on the stand-in: no figure means anything)" if args.dry_run else "")
     )
-    print(f"{'configuration':56s} {'examples/s':>12s}")
+    print(f"{'configuration':66s} {'examples/s':>12s}")
     for name, value in med.items():
-        print(f"{name:56s} {value:12,.0f}")
-    print(f"{'sync 2 replicas / one process (GPU, wide)':56s} {sync2 / one:12.2f}")
-    print(f"\n{'goal':56s} {'value':>12s} {'target':>11s}  met")
+        print(f"{name:66s} {value:12,.0f}")
+    print(f"{'sync 2 replicas / one process (GPU, wide)':66s} {sync2 / one:12.2f}")
+    print(f"\n{'goal':66s} {'value':>12s} {'target':>11s}  met")
     for label, value, target, met in goals:
-        print(f"{label:56s} {value:12,.2f} {target:>11s}  {'yes' if met else 'NO'}")
+        print(f"{label:66s} {value:12,.2f} {target:>11s}  {'yes' if met else 'NO'}")
     if TORCH not in med:
         print("(no torch with CUDA here: the one-process goal is not measured)")
 

@@ -52,6 +52,7 @@ from common import DEFAULT_DATA, mpiexec, reference_data
 
 from mpips.backend import BLAS_THREADS_ENV, node_blas_threads
 
+ZERO_COPY = "false"  # async: copied pulls, as the recorded figures (--zero-copy: in place)
 JOB = """
 name = "node-scaling"
 [model]
@@ -67,6 +68,7 @@ steps = 100  # each run sets its own (--steps)
 batch_size = 128
 log_every = 0
 progress = false
+zero_copy = {zero_copy}
 [layout]
 ps = {ps}
 [summary]
@@ -288,7 +290,16 @@ def phases(c: Config, data: str, tmp: Path) -> dict:
     left out): the mean over workers, and each worker's compute."""
     folder = tmp / f"timeline-{c.key}"
     job = tmp / f"timeline-{c.key}.toml"
-    job.write_text(JOB.format(data=data, mode=c.mode, ps=c.ps, summary_dir=folder, timeline="true"))
+    job.write_text(
+        JOB.format(
+            data=data,
+            mode=c.mode,
+            ps=c.ps,
+            summary_dir=folder,
+            timeline="true",
+            zero_copy=ZERO_COPY if c.mode == "async" else "false",
+        )
+    )
     steps = max(20, round(c.guess * PHASE_SECONDS / c.examples_per_step()))
     if run_once(c, job, steps, tmp).get("failed"):
         return {}
@@ -476,7 +487,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="no 2-vs-4-workers experiment")
     ap.add_argument("--no-phases", action="store_true", help="no timeline runs")
     ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="async with zero copy (the default on one node) instead of copied pulls",
+    )
     args = ap.parse_args()
+    global ZERO_COPY
+    ZERO_COPY = "true" if args.zero_copy else "false"
     start = time.perf_counter()
     cores = args.cores or os.cpu_count() or 1
     reference_data(args.data)
@@ -501,6 +519,7 @@ def main() -> None:
                 ps=ps,
                 summary_dir="",
                 timeline="false",
+                zero_copy=ZERO_COPY if mode == "async" else "false",
             )
             jobs[mode].write_text(text)
 

@@ -35,6 +35,7 @@ steps = {steps}
 batch_size = 128
 log_every = 0
 progress = false
+zero_copy = false  # the copied pulls its recorded figures used
 [summary]
 dir = "{summaries}"
 every_steps = {every}

@@ -117,9 +117,9 @@ class Device:
         self.on_host = xp is np
         self._buffers: dict[str, Any] = {}
         self.allocations = 0  # device buffers made so far (a step after the first makes none)
-        self._pinned: dict[int, np.ndarray] = {}  # page-locked host buffers, by address
-        # the copies of whole variables and gradients run on a stream of their own
-        self.stream: Any = None if self.on_host else xp.cuda.Stream(non_blocking=True)
+        # page-locked host ranges (page-aligned start: bytes) and the arrays they hold
+        self._pinned: dict[int, int] = {}
+        self._held: list[np.ndarray] = []
 
     @classmethod
     def select(cls, device: str, local_worker: int = 0) -> Device:
@@ -148,8 +148,7 @@ class Device:
                 out[name] = a
                 continue
             out[name] = self._buffer(f"in:{name}", a)
-            out[name].set(np.ascontiguousarray(a), stream=self.stream)
-        self.stream.synchronize()  # (from pinned memory the copies ran asynchronously)
+            out[name].set(np.ascontiguousarray(a))  # (after the last step's kernels)
         return out
 
     def mirrors(self, host: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -165,36 +164,51 @@ class Device:
         if self.on_host:
             return
         for name, a in device.items():
-            a.get(out=host[name], stream=self.stream)
-        self.stream.synchronize()
+            a.get(out=host[name])  # (once backward is done: the same stream; blocking)
 
     def pin(self, arrays: list[np.ndarray]) -> None:
         """Page-lock host buffers the device copies from and to every step (a worker's pull
-        and push buffers): copies from pinned memory run at the bus's rate (54 GB/s host to
-        device on an H100 node, against 7-14 GB/s from pageable memory) and asynchronously
-        on the device's stream. A no-op on the CPU; a buffer the driver refuses stays
-        pageable (said once)."""
+        and push buffers, a replica's gradient buckets): copies from pinned memory run at
+        the bus's rate (54 GB/s host to device on an H100 node, against 7-14 GB/s from
+        pageable memory). CUDA locks whole pages, and two buffers (the segments of one MPI
+        shared window, two small heap arrays) may share one: the buffers' pages are merged
+        into runs and each run is registered once. A no-op on the CPU; a run the driver
+        refuses stays pageable (said once)."""
         if self.on_host:
             return
+        runs = _page_runs([a for a in arrays if a.nbytes], self._pinned)
         runtime = self.xp.cuda.runtime
-        for a in arrays:
-            at = a.ctypes.data
-            if a.nbytes == 0 or at in self._pinned:
-                continue
+        refused = []
+        for start, size in runs:
             try:
-                runtime.hostRegister(at, a.nbytes, 0)
+                runtime.hostRegister(start, size, 0)
             except Exception as e:  # (a driver limit on locked memory, say)
-                warnings.warn(f"mpips: host buffers stay pageable ({e})", stacklevel=2)
-                return
-            self._pinned[at] = a  # (kept alive while registered)
+                refused.append(str(e))
+                continue
+            self._pinned[start] = size
+        self._held += arrays  # (kept alive while their pages are locked)
+        if refused:
+            warnings.warn(
+                f"mpips: {len(refused)} host buffer run(s) stay pageable ({refused[0]})",
+                stacklevel=2,
+            )
 
     def unpin(self) -> None:
-        """Release what ``pin`` page-locked (before the buffers go)."""
-        if self._pinned:
-            runtime = self.xp.cuda.runtime
-            for at in self._pinned:
-                runtime.hostUnregister(at)
-            self._pinned.clear()
+        """Release what ``pin`` page-locked (before the buffers go); every run is tried."""
+        runtime = self.xp.cuda.runtime if self._pinned else None
+        for start in self._pinned:
+            try:
+                runtime.hostUnregister(start)  # type: ignore[union-attr]
+            except Exception as e:  # (the others are still released)
+                warnings.warn(f"mpips: unpinning host memory: {e}", stacklevel=2)
+        self._pinned.clear()
+        self._held.clear()
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (copies from host buffers the host will
+        overwrite next)."""
+        if not self.on_host:
+            self.xp.cuda.runtime.deviceSynchronize()
 
     def staged(self, device: dict[str, Any], host: dict[str, np.ndarray]) -> StagedGradients:
         """Gradients the model writes in ``device`` arrays, to be copied into the ``host``
@@ -254,6 +268,26 @@ class StagedGradients:
         if not self.on_host:
             for name in self.host:
                 self._copy(name, None)
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _page_runs(arrays: list[np.ndarray], locked: dict[int, int]) -> list[tuple[int, int]]:
+    """The pages the arrays lie on, as (start, bytes) runs of whole pages, merged where
+    they touch or overlap, less the runs ``locked`` already covers whole."""
+    spans = sorted(
+        (a.ctypes.data // PAGE * PAGE, -(-(a.ctypes.data + a.nbytes) // PAGE) * PAGE)
+        for a in arrays
+    )
+    runs: list[list[int]] = []
+    for lo, hi in spans:
+        if runs and lo <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], hi)
+        else:
+            runs.append([lo, hi])
+    covered = [(s, s + n) for s, n in locked.items()]
+    return [(lo, hi - lo) for lo, hi in runs if not any(s <= lo and hi <= e for s, e in covered)]
 
 
 def scatter_add(xp: ModuleType, target: Any, index: Any, values: Any) -> None:

@@ -57,6 +57,7 @@ class Traffic:
 
 traffic = Traffic()
 _locked: dict[int, int] = {}  # page-locked host ranges: address -> bytes
+_PAGE = 4096
 
 
 def _pinned(host: _np.ndarray) -> bool:
@@ -67,12 +68,19 @@ def _pinned(host: _np.ndarray) -> bool:
 
 class _Runtime:
     """cupy.cuda.runtime's page-locking of host memory (recorded: copies from and to it
-    count as pinned), and one device."""
+    count as pinned), as CUDA does it, by whole pages: a range that shares a page with one
+    registered already is refused; and one device."""
 
     @staticmethod
     def hostRegister(ptr: int, size: int, flags: int) -> None:  # noqa: N802 (CUDA's name)
-        if ptr in _locked:
-            raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+        page = _PAGE
+        lo, hi = ptr // page * page, -(-(ptr + size) // page) * page
+        for start, n in _locked.items():
+            if lo < -(-(start + n) // page) * page and start // page * page < hi:
+                raise RuntimeError(
+                    "cudaErrorHostMemoryAlreadyRegistered: part or all of the requested "
+                    "memory range is already mapped"
+                )
         _locked[ptr] = size
 
     @staticmethod
@@ -84,20 +92,13 @@ class _Runtime:
     def getDeviceCount() -> int:  # noqa: N802
         return 1
 
-
-class _Stream:
-    """A CUDA stream: the stand-in's copies are done when they return."""
-
-    def __init__(self, non_blocking: bool = False):
-        self.non_blocking = non_blocking
-
-    def synchronize(self) -> None:
-        pass
+    @staticmethod
+    def deviceSynchronize() -> None:  # noqa: N802
+        pass  # (the stand-in's work is done when a call returns)
 
 
 class cuda:  # noqa: N801 (cupy.cuda)
     runtime = _Runtime
-    Stream = _Stream
 
 
 def _refuse(value: Any) -> TypeError:
@@ -234,9 +235,16 @@ class ndarray:  # noqa: N801 (cupy's name)
     __hash__ = None  # type: ignore[assignment]
 
 
+def _operand(value: Any) -> Any:
+    """An operator's other operand: a device array or a scalar (cupy takes no list)."""
+    if isinstance(value, (list, tuple)):
+        raise _refuse(value)
+    return _unwrap(value)
+
+
 def _binary(op: Any, reflected: bool = False) -> Any:
     def method(self: ndarray, other: Any) -> Any:
-        other = _unwrap(other)
+        other = _operand(other)
         return _wrap(op(other, self._a) if reflected else op(self._a, other))
 
     return method
@@ -244,7 +252,7 @@ def _binary(op: Any, reflected: bool = False) -> Any:
 
 def _inplace(op: Any) -> Any:
     def method(self: ndarray, other: Any) -> ndarray:
-        self._a = op(self._a, _unwrap(other))
+        self._a = op(self._a, _operand(other))
         return self
 
     return method

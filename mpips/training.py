@@ -28,7 +28,7 @@ from .nn import build_model
 from .optim import build_optimizer
 from .run import TrainResult
 from .startup import Prepared, prepare
-from .store import Cluster, agreed, node_of_each_rank
+from .store import START_TIMEOUT, Cluster, agreed, allgather_json, node_of_each_rank
 
 __all__ = ["TrainResult", "train"]
 
@@ -126,7 +126,11 @@ def _train(
 
     prep = agreed(cluster.comm, start)
     if job.train.zero_copy is None:  # (job: this run's copy) unset: the mode's default here
-        job.train.zero_copy = mode.zero_copy(job, cluster, prep.model, optimizer, prep.info)
+        mine = agreed(
+            cluster.comm, lambda: mode.zero_copy(job, cluster, prep.model, optimizer, prep.info)
+        )
+        every = allgather_json(cluster.comm, mine, "the zero-copy check", START_TIMEOUT)
+        job.train.zero_copy = all(every)
         if job.train.zero_copy and cluster.is_chief:
             detail(
                 cluster.role,

@@ -152,6 +152,13 @@ CASES = {
         [],
         "train.device: CTR models (model.kind = 'wide_deep') run on the CPU",
     ),
+    "hybrid mode on the GPU": (
+        lambda d: (d / "job.toml").write_text(
+            GOOD_JOB.replace("[train]", "[train]\ndevice = 'gpu'\nmode = 'hybrid'")
+        ),
+        [],
+        'train.device: mode = "hybrid" runs on the CPU',
+    ),
     "a shard linking to a file outside": (
         external_link,
         [],

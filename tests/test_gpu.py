@@ -72,3 +72,47 @@ def test_one_process_on_the_gpu_trains_to_the_cpus_variables(tmp_path, monkeypat
         finals[device] = hook.variables
     for name, value in finals["cpu"].items():
         np.testing.assert_allclose(finals["gpu"][name], value, rtol=1e-3, atol=1e-4)
+
+
+GPU_JOB = """
+[data]
+builtin = "digits"
+[optimizer]
+kind = "{kind}"
+learning_rate = {lr}
+[train]
+mode = "{mode}"
+device = "{device}"
+steps = 40
+progress = false
+log_every = 0
+zero_copy = false
+[checkpoint]
+dir = "runs/{device}"
+"""
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize(
+    ("mode", "ranks", "kind", "lr"),
+    [("async", 2, "sgd", 0.1), ("async", 2, "adam", 0.01), ("sync", 2, "adam", 0.01)],
+)
+def test_workers_on_the_gpu_train_to_the_cpus_variables(tmp_path, mode, ranks, kind, lr):
+    """Under mpiexec, the paths one process does not take: async (1 PS + 1 worker: pulls
+    into page-locked buffers, gradients copied out behind backward, SGD deltas scaled on
+    the device) and sync with 2 replicas (gradients out as ready, the mean in, the update
+    on each device), against the same job on the CPU (copied pulls): equal within float32
+    matrix-product rounding."""
+    from conftest import run_mpi
+    from test_optimizers_mpi import read_ckpt
+
+    finals = {}
+    for device in ("cpu", "gpu"):
+        (tmp_path / "job.toml").write_text(
+            GPU_JOB.format(kind=kind, lr=lr, mode=mode, device=device)
+        )
+        r = run_mpi(ranks, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path, timeout=180)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        finals[device] = read_ckpt(tmp_path / f"runs/{device}/ckpt-40.json")[0]
+    for name, value in finals["cpu"].items():
+        np.testing.assert_allclose(finals["gpu"][name], value, rtol=1e-3, atol=1e-4)

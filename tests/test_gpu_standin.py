@@ -24,6 +24,7 @@ def test_the_standin_refuses_host_arrays_wherever_cupy_does():
         "host + device": lambda: h + d,
         "host * device": lambda: h * d,
         "device += host": lambda: d.__iadd__(h),
+        "device + a list": lambda: d + [1, 2, 3],
         "xp function of a host array": lambda: sx.maximum(h, 0),
         "xp function of both": lambda: sx.matmul(d, h),
         "a list with a host array": lambda: sx.concatenate([d, h]),

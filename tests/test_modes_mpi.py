@@ -19,7 +19,7 @@ from test_sync_mpi import write_job as sync_job
 from test_sync_replicas import JOB as REPLICAS_JOB
 
 import mpips
-from mpips import standin
+from mpips import log, standin
 from mpips.hooks import Hook
 from mpips.job import load_job
 
@@ -66,7 +66,9 @@ class Crossings(Hook):
 
     def after_step(self, run, info):
         t = standin.traffic
-        self.steps.append((t.h2d_bytes, t.d2h_bytes, t.h2d_pageable, t.allocations))
+        self.steps.append(
+            (t.h2d_bytes, t.d2h_bytes, t.h2d_pageable, t.allocations, t.d2h_pageable)
+        )
         self.batch = run.job.train.batch_size * (64 * 4 + 8)  # float32 digits, int64 labels
 
     def end(self, run):
@@ -78,12 +80,13 @@ class Crossings(Hook):
         ``scratch`` arrays (those of Adam's array rule, which the stand-in runs where cupy
         runs a fused kernel); a step that checks the replicas copies the variables out too,
         and an epoch's last batch may be shorter (a buffer of its own)."""
-        want = (copies_in + self.batch, copies_out, self.batch, scratch)
+        want = (copies_in + self.batch, copies_out, self.batch, scratch, 0)
         usual = Counter(self.steps[1:]).most_common()
         assert usual and usual[0][0] == want, (want, usual)
-        for (h2d, d2h, pageable, allocations), _ in usual:  # (an epoch's last, short batch)
+        for (h2d, d2h, pageable, allocations, out_pageable), _ in usual:  # (a short batch)
             assert h2d - pageable == copies_in and pageable <= self.batch, (want, usual)
             assert d2h in (copies_out, copies_out + self.variables), (want, usual)
+            assert out_pageable == d2h - copies_out, (want, usual)  # (the check's copies)
             assert allocations == scratch or pageable < self.batch, (want, usual)
 
 
@@ -130,17 +133,25 @@ def test_sync_replicas_mode_through_a_ps_equals_one_process(shared, device):
             np.testing.assert_allclose(variables[name], value, rtol=1e-5, atol=1e-6)
 
 
-def test_async_counts_every_global_step_once_and_learns(shared, device):
+def test_async_counts_every_global_step_once_and_learns(shared, device, capsys):
     text = REPLICAS_JOB.format(mode="async", optimizer="sgd", lr=0.1).replace(
         "steps = 20", "steps = 60"
     )
     crossings = Crossings()
-    job, result = train(lambda: (shared / "job.toml").write_text(text), device, [crossings])
+    previous = log.verbose()
+    log.set_verbose(True)  # (each worker's start-up detail says how it pulls)
+    try:
+        job, result = train(lambda: (shared / "job.toml").write_text(text), device, [crossings])
+    finally:
+        log.set_verbose(previous)
+    said = capsys.readouterr().out
     updates = world().allgather(result.updates if result.role.job == "worker" else None)
     if device == "gpu" and result.role.job == "worker":  # pulled variables in, gradients out
         crossings.each_byte_once(crossings.variables, crossings.variables)
     if result.role.job == "worker":  # the default on one node: zero copy, but on a GPU
         assert crossings.zero_copy is (device == "cpu")
+        in_place = "in place (zero copy) and applies its updates there" in said
+        assert in_place is (device == "cpu"), said[-2000:]
     assert updates[0] is None and sum(updates[1:]) == 60, updates  # rank 0: the PS task
     if result.role.job == "worker":
         assert 0 < result.examples <= result.updates * job.train.batch_size

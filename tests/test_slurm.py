@@ -77,6 +77,11 @@ def node_state():
     return r.stdout.strip()
 
 
+# a worker's step line: training has started (not any line with "update" in it: the chief's
+# start-up detail says the workers "read and update the PS memory in place")
+STEP_LINE = re.compile(r"step \d+ loss \S+ epoch \d+ \(update \d+ of this worker")
+
+
 def wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -203,7 +208,8 @@ def test_usr1_checkpoints_exits_3_and_requeue_resumes(slurm, tmp_path):
     try:
         wait_for(
             lambda: (
-                "update" in output(tmp_path, job) or "saved checkpoint" in output(tmp_path, job)
+                STEP_LINE.search(output(tmp_path, job))
+                or "saved checkpoint" in output(tmp_path, job)
             ),
             120,
             "training to start",
@@ -256,7 +262,7 @@ def test_two_node_job_over_srun_is_preempted_requeued_and_completes(two_nodes, t
         MPIPS_LAUNCHER="srun",
     )
     try:
-        wait_for(lambda: "update" in output(tmp_path, job), 120, "training to start")
+        wait_for(lambda: STEP_LINE.search(output(tmp_path, job)), 120, "training to start")
         nodes = job_nodes(job)
         subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=20)
         first = wait_for(

@@ -20,7 +20,7 @@ from ..placement import Placement, slot_placement
 from ..placing import job_layout, job_placement
 from ..run import TrainResult
 from ..startup import Prepared
-from ..store import START_TIMEOUT, Cluster, WindowPlan, allgather_json, has_inboxes
+from ..store import Cluster, WindowPlan, has_inboxes
 
 
 class Mode:
@@ -88,22 +88,22 @@ class Mode:
     def zero_copy(
         self, job: Job, cluster: Cluster, model: Any, optimizer: Optimizer, info: DatasetInfo
     ) -> bool:
-        """Whether the workers read and update the PS memory in place: train.zero_copy when
-        set; unset, the default of a mode that reads in place on one node (async) when
-        every rank is on one node, the workers compute on the CPU, MPIPS_SHARED_MEMORY is
-        not 0 and the node's /dev/shm holds the PS windows (MPI shared memory lives there:
-        past its end a process dies of SIGBUS). Collective: every rank decides the same."""
+        """Whether this rank would have the workers read and update the PS memory in place:
+        train.zero_copy when set; unset, the default of a mode that reads in place on one
+        node (async) when every rank is on one node, the workers compute on the CPU,
+        MPIPS_SHARED_MEMORY is not 0 and the node's /dev/shm holds the PS windows (MPI
+        shared memory lives there: past its end a process dies of SIGBUS). Local: the
+        ranks agree on it afterwards (mpips.train: all of them, or none)."""
         if job.train.zero_copy is not None:
             return job.train.zero_copy
         if not (self.zero_copy_on_one_node and cluster.one_node and job.train.device == "cpu"):
             return False
         per_rank = self.rank_bytes(job, cluster.layout, model, optimizer, info, zero_copy=True)
         need = sum(per_rank[r] for r in cluster.layout.ps_ranks)
-        fits = (
+        return (
             os.environ.get("MPIPS_SHARED_MEMORY") != "0"  # (no MPI shared memory wanted)
             and shared_memory_free(need) >= need * 1.25
         )
-        return all(allgather_json(cluster.comm, fits, "the zero-copy check", START_TIMEOUT))
 
     def step_note(self, info: StepInfo) -> str:
         """What a step's log line adds after its loss and epoch."""

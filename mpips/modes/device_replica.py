@@ -125,3 +125,4 @@ class DeviceReplica(Replica):
             grads[name].set(mean)
         for name, var in self.live.items():
             self.optimizer.apply(var, grads[name], self.device_slots[name], lr, step + 1)
+        self.device.synchronize()  # the means' copies read, before the buckets take the next

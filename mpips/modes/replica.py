@@ -137,6 +137,12 @@ class Replica:
         optimizer.prepare()  # a replica applies every update itself: compile its kernel now
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
+        try:
+            return self._train(extra_hooks)
+        finally:  # (page-locked buffers released whatever happened: the process may go on)
+            self.device.unpin()
+
+    def _train(self, extra_hooks: list[Hook]) -> TrainResult:
         start_step = self._start()
         run = Run(
             self.job,
@@ -169,7 +175,7 @@ class Replica:
         if self.buckets.shared:  # the shared memory goes: params (run.params) become copies
             for name, value in self.params.items():
                 self.params[name] = value.copy()
-        self.device.unpin()
+        self.device.unpin()  # (before the buckets' memory goes)
         self.buckets.close()
         return result
 

@@ -65,6 +65,12 @@ class StoreWorker:
         self.updates = 0
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
+        try:
+            return self._train(extra_hooks)
+        finally:  # (page-locked buffers released whatever happened: the process may go on)
+            self.device.unpin()
+
+    def _train(self, extra_hooks: list[Hook]) -> TrainResult:
         control = self.control
         per_epoch = epoch_batches(
             self.prep.info.rows["train"], self.cluster.layout.num_workers, self.tc.batch_size
@@ -87,7 +93,6 @@ class StoreWorker:
         start_step = self._start()
         session.loop(self)
         self.client.settle()  # its last update is applied before it says it is done
-        self.device.unpin()
         control.publish_clock(self.role.task, self.clock, done=True)
         session.done(
             f"; {run.save_seconds:.2f} s of it writing checkpoints, the chief's duty"
