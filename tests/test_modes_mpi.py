@@ -66,9 +66,7 @@ class Crossings(Hook):
 
     def after_step(self, run, info):
         t = standin.traffic
-        self.steps.append(
-            (t.h2d_bytes, t.d2h_bytes, t.h2d_pageable, t.allocations, t.d2h_pageable)
-        )
+        self.steps.append((t.h2d_bytes, t.d2h_bytes, t.h2d_pageable, t.allocations, t.d2h_pageable))
         self.batch = run.job.train.batch_size * (64 * 4 + 8)  # float32 digits, int64 labels
 
     def end(self, run):
