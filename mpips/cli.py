@@ -438,11 +438,29 @@ def cmd_layout(args: argparse.Namespace) -> int:
             f"/job:ps/task:{p} (rank {layout.ps_ranks[p]}): "
             f"{len(placement.on_ps(p))} variables, {placement.ps_bytes(p)} bytes"
         )
+    if mode.zero_copy_on_one_node:
+        print(f"\npulls: {_pull_path(job, bool(on))}")
     spread = ps_imbalance(layout.ps_ranks, nodes)  # (not in sync mode: its PS tasks hold nothing)
     warnings = [w for w in (spread, imbalance(placement, job.layout.placement)) if w]
     for warning in warnings:
         print(f"\nwarning: {warning}")
     return 0
+
+
+def _pull_path(job: Job, several_nodes: bool) -> str:
+    """How async workers will read the variables (train.zero_copy, set or by default)."""
+    if job.train.zero_copy is not None:
+        return (
+            "in place (train.zero_copy = true: every rank must run on one node)"
+            if job.train.zero_copy
+            else "copied each step (train.zero_copy = false)"
+        )
+    if several_nodes or job.train.device != "cpu":
+        return "copied each step (" + ("several nodes" if several_nodes else "GPU workers") + ")"
+    return (
+        "in place, zero copy (the default on one node, when its /dev/shm holds the PS "
+        "windows and MPIPS_SHARED_MEMORY is not 0; train.zero_copy = false copies)"
+    )
 
 
 def _print_replicas(model: Model, layout: Layout) -> None:

@@ -24,6 +24,9 @@ def test_layout_prints_roles_and_placement():
     assert ["dense_0/kernel", "64x64", "float32", "16384", "/job:ps/task:0", "0"] in rows
     assert ["dense_0/bias", "64", "float32", "256", "/job:ps/task:1", "0"] in rows
     assert ["dense_1/kernel", "64x10", "float32", "2560", "/job:ps/task:0", "16384"] in rows
+    assert "pulls: in place, zero copy (the default on one node" in r.stdout
+    r = run_py(["-m", "mpips", "layout", "-n", "4", "--nodes", "2"], cwd=ROOT)
+    assert r.returncode == 0 and "pulls: copied each step (several nodes)" in r.stdout, r.stdout
 
 
 def test_layout_errors_are_one_line(tmp_path):
