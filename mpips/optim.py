@@ -362,13 +362,14 @@ class Optimizer:
         through the same rule's cupy kernel (device_kernels.py), anything else through the
         numpy or cupy rule above; all give the same bits."""
         h = self.hyper
-        if fused_apply(self.kind, h, var, grad, slots, lr, t, wait=False):
+        if is_cupy(var):  # a GPU: the rule's cupy kernel
+            name = kernel_name(self.kind, h)
+            if name is not None and _fused_enabled:
+                arrays = [slots[s] for s in SLOTS[self.kind]]
+                if device_apply(name, var, grad, arrays, kernel_scalars(self.kind, h, lr, t)):
+                    return
+        elif fused_apply(self.kind, h, var, grad, slots, lr, t, wait=False):
             return
-        name = kernel_name(self.kind, h)
-        if name is not None and _fused_enabled and is_cupy(var):  # a GPU: its fused kernel
-            arrays = [slots[s] for s in SLOTS[self.kind]]
-            if device_apply(name, var, grad, arrays, kernel_scalars(self.kind, h, lr, t)):
-                return
         if self.kind == "sgd":
             apply_sgd(var, grad, lr)
         elif self.kind == "momentum":

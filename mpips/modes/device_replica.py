@@ -43,7 +43,6 @@ class DeviceReplica(Replica):
         prep: Prepared,
         device: Device,
     ):
-        self.alone = cluster.layout.num_workers == 1  # nothing to reduce but the loss
         super().__init__(job, mode, cluster, optimizer, prep, device)
         xp, specs = device.xp, self.model.variables()
         # the buckets' variables hold each step's mean gradients; the variables and slots
@@ -59,6 +58,11 @@ class DeviceReplica(Replica):
         }
         self.device_grads = {s.name: xp.zeros(s.shape, s.dtype) for s in specs}
         device.pin(self.buckets.host_arrays() if not self.alone else [])
+
+    @property
+    def alone(self) -> bool:
+        """One replica (one process): nothing to reduce but the loss."""
+        return self.workers == 1
 
     def _bucketed(self, specs: list[VariableSpec]) -> list[VariableSpec]:
         return [] if self.alone else specs

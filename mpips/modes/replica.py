@@ -315,12 +315,9 @@ class Replica:
         self, x: Any, y: Any, params: dict[str, Any], host_grads: dict[str, Any]
     ) -> tuple[Any, Any, dict[str, Any], dict[str, Any], StagedGradients]:
         """The batch, the variables and the gradient buffers where the model computes, and
-        how gradients get back to the host buffers: on the CPU the same arrays; on a GPU
-        (hybrid) copies in and out (DeviceReplica keeps its variables on the device)."""
-        device = self.device
-        x, y = device.to_device(x, "x"), device.to_device(y, "y")
-        grads = device.mirrors(host_grads)
-        return x, y, device.stage_in(params), grads, device.staged(grads, host_grads)
+        how gradients get back to the host buffers: on the CPU the buckets themselves (a
+        GPU replica is a DeviceReplica)."""
+        return x, y, params, host_grads, self.device.staged(host_grads, host_grads)
 
     def _update_rule(self, lr: float, step: int) -> Update:
         """What a replica does with its part of each bucket's mean gradient: apply it."""
