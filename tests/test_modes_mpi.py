@@ -7,7 +7,6 @@ batch, hybrid its lockstep reference, async every global step counted once."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -80,20 +79,21 @@ class Crossings(Hook):
         self.variables = sum(v.nbytes for v in run.variables().values())
 
     def each_byte_once(self, copies_in: int, copies_out: int, scratch: int = 0) -> None:
-        """After the first step, a step copies ``copies_in`` bytes in and the batch,
-        ``copies_out`` out, nothing but the batch from pageable memory, and allocates nothing but
-        ``scratch`` arrays (those of Adam's array rule, which the stand-in runs where cupy
-        runs a fused kernel); a step that checks the replicas copies the variables out too,
-        and an epoch's last batch may be shorter (a buffer of its own)."""
-        want = (copies_in + self.batch, copies_out, self.batch, scratch, 0)
-        usual = Counter(self.steps[1:]).most_common()
-        assert usual and usual[0][0] == want, (want, usual)
-        for (h2d, d2h, pageable, allocations, out_pageable), _ in usual:  # (a short batch)
-            assert h2d - pageable == copies_in and pageable <= self.batch, (want, usual)
-            assert d2h in (copies_out, copies_out + self.variables), (want, usual)
-            # (only the check's copies may be pageable: host arrays, some on locked pages)
-            assert out_pageable <= d2h - copies_out, (want, usual)
-            assert allocations == scratch or pageable < self.batch, (want, usual)
+        """After the first step, a step copies ``copies_in`` bytes in from page-locked
+        memory, and the batch; ``copies_out`` out into page-locked memory; and allocates
+        nothing but ``scratch`` arrays (those of Adam's array rule, which the stand-in runs
+        where cupy runs a fused kernel). A step that checks the replicas copies the
+        variables out too, an epoch's last batch may be shorter (a buffer of its own), and a
+        small batch array may happen to lie on a page locked with its neighbours."""
+        steps = self.steps[1:]
+        full = [s for s in steps if s[0] == copies_in + self.batch]
+        assert steps and len(full) * 2 >= len(steps), (copies_in, self.batch, steps)
+        for h2d, d2h, pageable, allocations, out_pageable in steps:
+            assert h2d - pageable >= copies_in and pageable <= self.batch, steps
+            assert h2d <= copies_in + self.batch, steps  # (nothing else came in)
+            assert d2h in (copies_out, copies_out + self.variables), steps
+            assert out_pageable <= d2h - copies_out, steps  # (only the check's copies)
+            assert allocations == scratch or h2d < copies_in + self.batch, steps
 
 
 def train(write, device: str = "cpu", hooks=()) -> tuple[mpips.Job, mpips.TrainResult]:
