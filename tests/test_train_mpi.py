@@ -241,7 +241,14 @@ def test_kill_9_of_a_worker_or_ps_ends_the_job_naming_it(tmp_path, victim, args)
     0's or 1's); the node's watcher names the rank that died, its task and pid, once."""
     import signal
 
-    job = under_way(tmp_path, 4, "--steps", str(10**9), *args)
+    # one checkpoint line every 2 s: MPICH's proxy ends the job at the first output line
+    # after a rank's death, so with the default's line every few dozen ms the watcher (woken
+    # first) could still lose that race on 2 busy cores (docs/guide/failures.md)
+    (tmp_path / "job.toml").write_text(
+        '[data]\nbuiltin = "digits"\n[train]\nsteps = 1000000000\n'
+        '[checkpoint]\ndir = "ckpt"\nevery_secs = 2.0\n'
+    )
+    job = under_way(tmp_path, 4, "job.toml", *args)
     rank, pid = job.rank_and_pid(victim)
     rc = signal_and_wait(job, victim, signal.SIGKILL)
     assert rc != 0
