@@ -9,6 +9,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 
 from . import standin
 from .errors import ConfigError
@@ -128,7 +129,10 @@ class Device:
 
     def to_device(self, a: Any, key: str | None = None) -> Any:
         """An array (a batch, a test split) on the device: copied if it is not there, into
-        the buffer kept under ``key`` when given (a batch: one buffer from step to step)."""
+        the buffer kept under ``key`` when given (a batch: one buffer from step to step). A
+        sparse batch (CSR) becomes a SparseBatch."""
+        if not self.on_host and sp.issparse(a):
+            return SparseBatch(self.xp, a)
         if self.on_host or not isinstance(a, np.ndarray):
             return a
         if key is None:
@@ -221,6 +225,33 @@ class Device:
             buf = self._buffers[key] = self.xp.empty(like.shape, like.dtype)
             self.allocations += 1
         return buf
+
+
+class SparseBatch:
+    """A CSR batch on the device as its nonzeros (value, column, row), and the two products
+    a sparse model takes with it: gathers and scatter-adds, in the nonzeros' order (so the
+    sums run in scipy's order on the host). cupy's own sparse matrices have no strict
+    stand-in, and these two are all an embedding lookup and its gradient need."""
+
+    def __init__(self, xp: ModuleType, a: Any):
+        a = sp.csr_matrix(a)
+        self.xp, self.shape = xp, a.shape
+        self.values = xp.asarray(np.asarray(a.data, np.float32))
+        self.cols = xp.asarray(a.indices.astype(np.int64))
+        self.rows = xp.asarray(np.repeat(np.arange(a.shape[0], dtype=np.int64), np.diff(a.indptr)))
+
+    def times(self, w: Any) -> Any:
+        """``batch @ w`` for a (columns, d) device array: each row's weighted sum of rows."""
+        out = self.xp.zeros((self.shape[0], w.shape[1]), w.dtype)
+        scatter_add(self.xp, out, self.rows, w[self.cols] * self.values[:, None])
+        return out
+
+    def transposed_times(self, d: Any) -> Any:
+        """``batch.T @ d`` for a (rows, k) device array: the gradient of ``times``' ``w``,
+        per column, repeated columns summed."""
+        out = self.xp.zeros((self.shape[1], d.shape[1]), d.dtype)
+        scatter_add(self.xp, out, self.cols, d[self.rows] * self.values[:, None])
+        return out
 
 
 class StagedGradients:

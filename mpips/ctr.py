@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from .backend import SparseBatch, to_host
 from .layers import DenseStack, log_loss
 from .metrics import auc
 from .model import Model
@@ -37,9 +38,19 @@ def init_rows(seed: int, rows: tuple[int, int, int], width: int, scale: float) -
     return ((2 * u - 1) * scale).astype(np.float32)
 
 
-def _sigmoid_loss(z: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-    """Mean binary cross-entropy of logits ``z`` and the probabilities (layers.log_loss)."""
-    return log_loss(np, z, y)
+def _times(x: Any, w: Any) -> Any:
+    """``x @ w``: a CSR batch in host memory (scipy), or on the device (SparseBatch)."""
+    return x.times(w) if isinstance(x, SparseBatch) else np.asarray(x @ w)
+
+
+def _transposed(x: Any) -> Any:
+    """What ``_back`` takes: the host batch transposed once (CSR), the device batch as it is."""
+    return x if isinstance(x, SparseBatch) else x.T.tocsr()
+
+
+def _back(xt: Any, d: Any) -> Any:
+    """``x.T @ d`` from ``_transposed(x)``: a gradient per unique id of the batch."""
+    return xt.transposed_times(d) if isinstance(xt, SparseBatch) else np.asarray(xt @ d)
 
 
 class WideDeep(Model):
@@ -53,14 +64,12 @@ class WideDeep(Model):
         embedding_dim: int = 8,
         xp: Any = np,
     ):
-        if xp is not np:
-            raise ValueError("CTR models run on the CPU (numpy + scipy.sparse)")
-        self.xp = np
+        self.xp = xp  # on a GPU the batches come as SparseBatch (backend.Device.to_device)
         self.num_features = num_features
         self.hidden = hidden
         self.dim = embedding_dim
         self.sizes = [embedding_dim, *(hidden or []), 1] if hidden is not None else []
-        self.deep = DenseStack(self.sizes, "deep/dense_") if hidden is not None else None
+        self.deep = DenseStack(self.sizes, "deep/dense_", xp) if hidden is not None else None
 
     def tables(self) -> list[VariableSpec]:
         out = [VariableSpec(WIDE, (self.num_features, 1))]
@@ -90,10 +99,10 @@ class WideDeep(Model):
         return sp.csr_matrix((x.data, local.ravel(), x.indptr), shape=(x.shape[0], len(ids))), ids
 
     def _forward(self, params: dict[str, Any], x: sp.csr_matrix) -> tuple[np.ndarray, list]:
-        z = np.asarray(x @ params[WIDE])[:, 0] + params["wide/bias"][0]
+        z = _times(x, params[WIDE])[:, 0] + params["wide/bias"][0]
         acts: list[np.ndarray] = []
         if self.deep:
-            h, acts = self.deep.forward(params, np.asarray(x @ params[EMBEDDING]))
+            h, acts = self.deep.forward(params, _times(x, params[EMBEDDING]))
             z = z + h[:, 0]
         return z, acts
 
@@ -108,18 +117,19 @@ class WideDeep(Model):
         """Mean log loss of the batch; gradients into ``grads`` in place (table gradients per
         unique id of the batch, in ``prepare``'s order)."""
         z, acts = self._forward(params, x)
-        loss, p = _sigmoid_loss(z, y)
+        loss, p = log_loss(self.xp, z, y)
         d = ((p - y) / len(y)).astype(np.float32)
-        xt = x.T.tocsr()
-        grads[WIDE][...] = np.asarray(xt @ d[:, None])
+        xt = _transposed(x)
+        grads[WIDE][...] = _back(xt, d[:, None])
         grads["wide/bias"][...] = d.sum()
         if self.deep:
             dh = self.deep.backward(params, acts, d[:, None], grads, input_grad=True)
-            grads[EMBEDDING][...] = np.asarray(xt @ dh)
+            grads[EMBEDDING][...] = _back(xt, dh)
         return loss
 
     def evaluate(self, params: dict[str, Any], x: sp.csr_matrix, y: np.ndarray) -> dict[str, float]:
         """Log loss, accuracy (threshold 0.5) and AUC."""
         z, _ = self._forward(params, x)
-        loss, p = _sigmoid_loss(z, y)
+        loss, p = log_loss(self.xp, z, y)
+        p, y = to_host(p), to_host(y)  # (AUC ranks on the host)
         return {"loss": loss, "accuracy": float(np.mean((p > 0.5) == (y > 0.5))), "auc": auc(y, p)}

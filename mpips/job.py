@@ -320,16 +320,6 @@ def _check_ranges(job: Job) -> None:
 
 def _check_mode(job: Job) -> None:
     """What train.mode rules out: devices, models and settings another mode has."""
-    if job.train.mode == "hybrid" and job.train.device != "cpu":
-        raise ConfigError(
-            'train.device: mode = "hybrid" runs on the CPU (its tables are row-partitioned '
-            "on the PS tasks; GPU workers train dense models in the other modes)"
-        )
-    if job.train.device != "cpu" and job.model.kind in ("logreg", "wide_deep"):
-        raise ConfigError(
-            f"train.device: CTR models (model.kind = {job.model.kind!r}) run on "
-            f"the CPU (numpy and scipy.sparse)"
-        )
     if job.train.mode == "sync" and job.model.kind in ("logreg", "wide_deep"):
         raise ConfigError(
             f"model.kind: {job.model.kind!r} keeps its tables on the PS tasks; "

@@ -145,20 +145,6 @@ CASES = {
         [],
         "model.kind = 'logreg' needs sparse (CSR ids and values) data; d.h5 is dense",
     ),
-    "a CTR model on the GPU": (
-        lambda d: (d / "job.toml").write_text(
-            GOOD_JOB.replace("[train]", "[train]\ndevice = 'gpu'") + "[model]\nkind = 'wide_deep'\n"
-        ),
-        [],
-        "train.device: CTR models (model.kind = 'wide_deep') run on the CPU",
-    ),
-    "hybrid mode on the GPU": (
-        lambda d: (d / "job.toml").write_text(
-            GOOD_JOB.replace("[train]", "[train]\ndevice = 'gpu'\nmode = 'hybrid'")
-        ),
-        [],
-        'train.device: mode = "hybrid" runs on the CPU',
-    ),
     "a shard linking to a file outside": (
         external_link,
         [],

@@ -82,27 +82,37 @@ def reference(job, steps):
 
 
 @pytest.mark.parametrize(
-    "model,rule,opt,lr,zero_copy",
+    "model,rule,opt,lr,pulls",
     [
-        ("logreg", "mod", "sgd", 0.5, False),
-        ("wide_deep", "div", "sgd", 0.5, False),
-        ("wide_deep", "mod", "adagrad", 0.3, False),
-        ("logreg", "div", "ftrl", 0.3, False),
+        ("logreg", "mod", "sgd", 0.5, "copied"),
+        ("wide_deep", "div", "sgd", 0.5, "copied"),
+        ("wide_deep", "mod", "adagrad", 0.3, "copied"),
+        ("logreg", "div", "ftrl", 0.3, "copied"),
         # train.zero_copy: rows read in place from the PS tasks' memory
-        ("wide_deep", "div", "sgd", 0.5, True),
-        ("wide_deep", "mod", "adagrad", 0.3, True),
-        ("logreg", "mod", "ftrl", 0.3, True),
+        ("wide_deep", "div", "sgd", 0.5, "zero_copy"),
+        ("wide_deep", "mod", "adagrad", 0.3, "zero_copy"),
+        ("logreg", "mod", "ftrl", 0.3, "zero_copy"),
+        # a GPU worker (the strict stand-in): rows copied in, their gradients out, the
+        # sparse products as gathers and scatter-adds on the device
+        ("wide_deep", "div", "sgd", 0.5, "gpu"),
+        ("wide_deep", "mod", "adagrad", 0.3, "gpu"),
+        ("logreg", "mod", "ftrl", 0.3, "gpu"),
     ],
 )
-def test_row_wise_training_equals_the_dense_computation(tmp_path, model, rule, opt, lr, zero_copy):
+def test_row_wise_training_equals_the_dense_computation(tmp_path, model, rule, opt, lr, pulls):
     small_dataset(tmp_path / "s.h5")
     steps = 30
     text = JOB.format(model=model, rule=rule, opt=opt, lr=lr, steps=steps)
-    if zero_copy:
-        text = text.replace("[train]\n", "[train]\nzero_copy = true\n")
+    setting = {
+        "copied": "zero_copy = false",
+        "zero_copy": "zero_copy = true",
+        "gpu": 'device = "gpu"',
+    }
+    text = text.replace("[train]\n", f"[train]\n{setting[pulls]}\n")
     (tmp_path / "job.toml").write_text(text)
     # 2 PS tasks and 1 worker: every table is split in two, and updates are deterministic
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
+    env = {"MPIPS_GPU_STANDIN": "1"} if pulls == "gpu" else {}
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path, **env)
     assert r.returncode == 0, r.stderr
     variables, slots = Checkpoint(tmp_path / f"runs/s/ckpt-{steps}.json").read_all()
     job = parse_job(text.replace('"s.h5"', f'"{tmp_path / "s.h5"}"'))

@@ -116,3 +116,28 @@ def test_workers_on_the_gpu_train_to_the_cpus_variables(tmp_path, mode, ranks, k
         finals[device] = read_ckpt(tmp_path / f"runs/{device}/ckpt-40.json")[0]
     for name, value in finals["cpu"].items():
         np.testing.assert_allclose(finals["gpu"][name], value, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("mode", ["async", "hybrid"])
+def test_ctr_models_on_the_gpu_train_to_the_cpus_variables(tmp_path, mode):
+    """Wide & deep with its tables split over 2 PS tasks and one worker on the GPU: the
+    batch's rows copied in and their gradients out, the embedding lookups and their
+    gradients as gathers and scatter-adds there (atomic adds: float32 sums in any order),
+    async and hybrid (the dense part a replica on the device), against the CPU."""
+    from conftest import run_mpi
+    from test_ctr_mpi import JOB, small_dataset
+
+    from mpips.checkpoint import Checkpoint
+
+    small_dataset(tmp_path / "s.h5")
+    finals = {}
+    for device in ("cpu", "gpu"):
+        text = JOB.format(model="wide_deep", rule="mod", opt="adagrad", lr=0.3, steps=30)
+        text = text.replace("[train]\n", f'[train]\nmode = "{mode}"\ndevice = "{device}"\n')
+        (tmp_path / "job.toml").write_text(text.replace('"runs/s"', f'"runs/{device}"'))
+        r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        finals[device], _ = Checkpoint(tmp_path / f"runs/{device}/ckpt-30.json").read_all()
+    for name, value in finals["cpu"].items():
+        np.testing.assert_allclose(finals["gpu"][name], value, rtol=1e-3, atol=1e-5, err_msg=name)

@@ -198,8 +198,10 @@ def test_zero_copy_is_what_the_job_says_and_off_without_shared_memory(
     world().Barrier()
 
 
-def test_hybrid_tables_on_the_ps_dense_replicas_equal_lockstep(shared):
-    job, result = train(lambda: hybrid_job(shared, "wide_deep", "sgd", 0.5, 24))
+def test_hybrid_tables_on_the_ps_dense_replicas_equal_lockstep(shared, device):
+    """On the stand-in too: the dense replicas on the device, the rows copied in and their
+    gradients out, the sparse products as gathers and scatter-adds."""
+    job, result = train(lambda: hybrid_job(shared, "wide_deep", "sgd", 0.5, 24), device)
     if world().rank == 1:  # the chief
         assert result.global_step == 24
     world().Barrier()

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import preemption
-from ..backend import Device
+from ..backend import Device, StagedGradients
 from ..data import DatasetInfo
 from ..errors import ConfigError
 from ..hooks import Hook, PendingSave, StepInfo
@@ -33,6 +33,7 @@ from ..run import TrainResult, evaluate_on, report
 from ..startup import Prepared
 from ..store import Cluster, StoreClient, Windows, start_limit
 from .base import Mode, replica_bytes
+from .device_replica import DeviceReplica
 from .ps_store import close_store, open_store, run_ps, save_from_ps
 from .replica import Replica
 
@@ -88,7 +89,8 @@ class Hybrid(Mode):
         if cluster.is_ps:
             result = run_ps(job, cluster, windows, optimizer, num_shards, prep.model)
         else:
-            replica = HybridReplica(job, self, cluster, optimizer, prep, device, windows)
+            kind = HybridReplica if device.on_host else DeviceHybridReplica
+            replica = kind(job, self, cluster, optimizer, prep, device, windows)
             result = replica.train(hooks)
         return close_store(cluster, windows, result)
 
@@ -155,13 +157,13 @@ class HybridReplica(Replica):
     def _evaluate(self, split: tuple[Any, Any]) -> dict[str, float]:
         x, ids = self.model.prepare(split[0])
         return evaluate_on(
-            self.model, self.device, {**self.params, **self.client.pull(ids)}, (x, split[1])
+            self.model, self.device, {**self.live, **self.client.pull(ids)}, (x, split[1])
         )
 
     def _report(self, result: TrainResult, gathered: list[Any]) -> None:
         assert self.prep.test is not None
         x, ids = self.model.prepare(self.prep.test[0])
-        params = {**self.params, **self.client.pull(ids)}
+        params = {**self.live, **self.client.pull(ids)}
         report(
             self.cluster, self.model, self.device, params, (x, self.prep.test[1]), result, gathered
         )
@@ -172,5 +174,31 @@ class HybridReplica(Replica):
         slots = self.whole_slots()
         clocks = [self.clock] * self.workers
         return save_from_ps(
-            self.job, self.cluster, self.windows, self.step_count, clocks, (self.params, slots)
+            self.job,
+            self.cluster,
+            self.windows,
+            self.step_count,
+            clocks,
+            (self.host_params(), slots),
         )
+
+
+class DeviceHybridReplica(HybridReplica, DeviceReplica):
+    """Hybrid mode on a GPU: the dense variables and their slots on the device (as a sync
+    replica's there); the batch's table rows pulled into host buffers and copied in, their
+    gradients copied out (with the dense ones, each as backward says it is ready) and
+    pushed from the host."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.device.pin(self.client.host_buffers())
+
+    def _on_device(
+        self, x: Any, y: Any, params: dict[str, Any], host_grads: dict[str, Any]
+    ) -> tuple[Any, Any, dict[str, Any], dict[str, Any], StagedGradients]:
+        device = self.device
+        rows = [name for name in params if name not in self.live]
+        x, y = device.to_device(x, "x"), device.to_device(y, "y")
+        params = {**self.live, **device.stage_in({n: params[n] for n in rows})}
+        grads = {**self.device_grads, **device.mirrors({n: host_grads[n] for n in rows})}
+        return x, y, params, grads, device.staged(grads, host_grads)
