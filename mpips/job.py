@@ -336,8 +336,6 @@ def _check_mode(job: Job) -> None:
             f'train.zero_copy: only for mode = "async" (mode = "{job.train.mode}" reads '
             f"consistent copies of the variables)"
         )
-    if job.train.zero_copy and job.train.device != "cpu":
-        raise ConfigError("train.zero_copy: only on the CPU (a GPU worker copies anyway)")
     if job.train.mode == "hybrid" and job.optimizer.clip_norm:
         raise ConfigError(
             'optimizer.clip_norm: not with mode = "hybrid" (the dense mean and the table '

@@ -171,6 +171,32 @@ def test_async_counts_every_global_step_once_and_learns(shared, device, capsys):
         assert clocks == updates[1:], "each worker's clock in the checkpoint"
 
 
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 0.01)])
+def test_gpu_workers_with_zero_copy_copy_straight_from_the_ps_memory(
+    shared, monkeypatch, optimizer, lr
+):
+    """train.zero_copy = true on GPU workers (the stand-in): the variables come in from the
+    PS tasks' own memory, page-locked (no pull buffer, no Get), the gradients go out into
+    page-locked push buffers and the worker applies its update in place on the host; every
+    global step counted once, and it learns."""
+    if not one_node():  # (collective: every rank skips) zero copy needs one node
+        pytest.skip("zero copy: every rank on one node")
+    monkeypatch.setenv(standin.ENV, "1")
+    text = REPLICAS_JOB.format(mode="async", optimizer=optimizer, lr=lr)
+    text = text.replace("steps = 20", "steps = 60\nzero_copy = true")
+    crossings = Crossings()
+    _, result = train(lambda: (shared / "job.toml").write_text(text), "gpu", [crossings])
+    updates = world().allgather(result.updates if result.role.job == "worker" else None)
+    if result.role.job == "worker":
+        assert crossings.zero_copy is True
+        # (the update runs on the host, so Adam's makes no device scratch either)
+        crossings.each_byte_once(crossings.variables, crossings.variables)
+    assert sum(updates[1:]) == 60, updates
+    if world().rank == 1:
+        assert result.global_step == 60 and result.test_accuracy > 0.5
+    world().Barrier()
+
+
 @pytest.mark.parametrize(
     ("setting", "env", "in_place"),
     [("false", {}, False), ("true", {}, True), (None, {"MPIPS_SHARED_MEMORY": "0"}, False)],

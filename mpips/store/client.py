@@ -226,12 +226,12 @@ class StoreClient:
         return sum(s.params.size for s in self._segments if s.in_place)
 
     def host_buffers(self) -> list[np.ndarray]:
-        """The buffers a pull fills and a push reads, step after step (not the PS memory a
-        zero-copy worker reads in place): what a GPU worker page-locks."""
+        """The host memory a GPU worker copies from and to step after step, which it
+        page-locks: the buffers a pull fills and a push reads, or with zero copy the PS
+        tasks' memory of the whole variables, which its copies in read straight."""
         split = [a for name, a in self.params.items() if a.base is None]
         split += [a for name, a in self.grads.items() if a.base is None]
-        own = [] if self.reads_in_place else self._live
-        return [*own, *self._grad_bufs, *split]
+        return [*self._live, *self._grad_bufs, *split]
 
     @property
     def pulled_bytes(self) -> int:
