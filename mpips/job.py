@@ -102,6 +102,9 @@ class TrainConfig:
     # locks: Hogwild-style reads. Unset: on for async CPU jobs whose ranks share one node
     # (and whose PS memory fits its /dev/shm); false: copied pulls everywhere
     zero_copy: bool | None = None
+    # async, GPU workers with copied pulls: the next step's pull runs on the host while the
+    # device computes this step's backward (each gradient one update staler)
+    prefetch: bool = False
 
 
 @dataclass
@@ -335,6 +338,16 @@ def _check_mode(job: Job) -> None:
         raise ConfigError(
             f'train.zero_copy: only for mode = "async" (mode = "{job.train.mode}" reads '
             f"consistent copies of the variables)"
+        )
+    if job.train.prefetch and (job.train.mode != "async" or job.train.device == "cpu"):
+        raise ConfigError(
+            'train.prefetch: only for mode = "async" with device = "gpu" (it overlaps the '
+            "host's next pull with the device's backward)"
+        )
+    if job.train.prefetch and job.train.zero_copy:
+        raise ConfigError(
+            "train.prefetch: nothing to prefetch with train.zero_copy (the device copies "
+            "straight from the PS memory)"
         )
     if job.train.mode == "hybrid" and job.optimizer.clip_norm:
         raise ConfigError(

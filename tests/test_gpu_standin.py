@@ -5,6 +5,8 @@ buffer after its first step. (Every mode on it under MPI: test_modes_mpi.py.)"""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -241,3 +243,66 @@ def test_every_layer_computes_on_the_device_as_on_the_host(case):
     np.testing.assert_array_equal(
         sx.asnumpy(dev.predict(d_params, sx.asarray(x))), host.predict(params, x)
     )
+
+
+PREFETCH_JOB = """
+[model]
+hidden = [16]
+[data]
+builtin = "digits"
+[optimizer]
+kind = "sgd"
+learning_rate = 0.1
+[train]
+mode = "async"
+device = "gpu"
+steps = 30
+batch_size = 32
+log_every = 0
+zero_copy = false
+prefetch = {prefetch}
+[checkpoint]
+dir = "runs/p"
+"""
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_pulls_the_next_step_during_backward_one_update_staler(tmp_path, prefetch):
+    """1 PS + 1 GPU worker (the stand-in): with train.prefetch each step's variables were
+    pulled during the previous step's backward, before that step's own update was pushed,
+    so it is SGD with its gradients one update late (step k at the variables after k - 1
+    updates); without, one worker is plain SGD. Every update's delay says so."""
+    from conftest import run_mpi
+    from test_optimizers_mpi import read_ckpt
+
+    from mpips.data import batches, load_split, open_dataset, resolve_path
+    from mpips.job import parse_job
+    from mpips.nn import MLP
+    from mpips.optim import build_optimizer
+
+    text = PREFETCH_JOB.format(prefetch=str(prefetch).lower())
+    (tmp_path / "job.toml").write_text(text)
+    argv = ["-m", "mpips", "train", "job.toml", "--result", "r.json"]
+    r = run_mpi(2, argv, cwd=tmp_path, **{sx.ENV: "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    variables, _, _ = read_ckpt(tmp_path / "runs/p/ckpt-30.json")
+    delays = json.loads((tmp_path / "r.json").read_text())["staleness"][0]["delay"]
+    assert (delays["p50"], delays["max"]) == ((1, 1) if prefetch else (0, 0)), delays
+
+    job = parse_job(text)
+    info = open_dataset(resolve_path("", "digits"))
+    stream = batches(*load_split(info, "train"), 32, job.train.seed, 0)
+    model = MLP([64, 16, 10])
+    params = model.initial_values(job.model.init_seed)
+    opt = build_optimizer(job.optimizer)
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    before = {k: v.copy() for k, v in params.items()}  # the variables one update ago
+    for _ in range(30):
+        _, x, y = next(stream)
+        model.loss_and_grads(before if prefetch else params, x, y, grads)
+        before = {k: v.copy() for k, v in params.items()}
+        for k in params:
+            opt.apply(params[k], grads[k], {}, 0.1, 1)
+    for name, value in params.items():
+        np.testing.assert_allclose(variables[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -57,11 +57,25 @@ class Async(Mode):
 
 
 class AsyncWorker(StoreWorker):
-    """One worker task: take a ticket, pull, compute, push, once per batch."""
+    """One worker task: take a ticket, pull, compute, push, once per batch.
+
+    With ``train.prefetch`` (GPU workers, copied pulls, no tables) the pull of the next step
+    runs while the device computes this step's backward, once this step's loss is on the
+    host (so its copies in are done and the pull buffers free): each update is then computed
+    on variables one update older (its worker's own last one is not in them yet)."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        client = self.client
+        self.prefetch = bool(self.tc.prefetch and not (client.tables or client.reads_in_place))
+        self._ahead: int | None = None  # global_step when the prefetched variables were read
+        if self.tc.prefetch and not self.prefetch:
+            detail(self.role, "train.prefetch: off (a model with tables pulls its batch's rows)")
 
     def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
         """Take a ticket (or stop), pull, compute, push: one update of the global step."""
         control, client, model, tl = self.control, self.client, self.model, self.timeline
+        ahead, self._ahead = self._ahead, None
         t = tl.now() if tl else 0.0  # the timeline's phases (summary.timeline), if on
         if preemption.requested():  # every worker stops at its next ticket
             control.request_stop(preemption.requested())
@@ -72,12 +86,16 @@ class AsyncWorker(StoreWorker):
         bound = self.mode.max_staleness
         if bound is not None and lead > bound:  # wait for the slowest worker
             lead = control.wait_for_slowest(self.clock, bound, self.watchdog.check)
-            pulled_at = control.global_step()
+            pulled_at, ahead = control.global_step(), None  # (prefetched: too stale now)
         if tl:
             t = tl.span("ticket and staleness wait", t)
         x, ids = model.prepare(x)  # sparse models: the batch's unique ids (rows to pull)
         device = self.device
-        params = device.stage_in(client.pull(ids))
+        if ahead is None:
+            pulled = client.pull(ids)
+        else:  # pulled during the last step's backward
+            pulled, pulled_at = client.params, ahead
+        params = device.stage_in(pulled)
         x, y = device.to_device(x, "x"), device.to_device(y, "y")
         grads = device.mirrors(client.gradients())  # on the CPU: the push buffers themselves
         if tl:
@@ -85,6 +103,13 @@ class AsyncWorker(StoreWorker):
         loss = self._loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):
             self._not_finite(loss, pulled_at)
+        if self.prefetch:  # the loss is here: every copy in before it is done
+            if tl:
+                t = tl.span("compute", t)
+            self._ahead = control.global_step()
+            client.pull()  # (while the device runs backward)
+            if tl:
+                t = tl.span("next pull, during backward", t)
         clip_by_global_norm(list(grads.values()), self.oc.clip_norm)
         lr = learning_rate(self.oc, pulled_at)
         if not (self.optimizer.stateful or client.applies_in_place):
