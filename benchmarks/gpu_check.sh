@@ -2,7 +2,8 @@
 # One call on a GPU node with nothing else reachable: a venv, the GPU tests, every mode
 # trained on the GPU, the GPU goals (benchmarks/gpu_workload.py), optionally the node
 # scaling run, and a table printed last. Sized for under 5 minutes on one H100 (plus about
-# 3 with --scaling: node_scaling.py's budget, SCALING_BUDGET seconds, default 150).
+# 3 with --scaling: node_scaling.py's budget, SCALING_BUDGET seconds, default 150;
+# GPU_ROUNDS=1 halves the goals' part).
 # MPIPS_GPU_STANDIN=1 runs it without a GPU, on the stand-in: a check of the script itself,
 # whose figures mean nothing.
 #
@@ -88,7 +89,7 @@ for spec in "one process:sync:0" "sync:sync:3" "sync_replicas:sync_replicas:3" "
   MODES+="$label: ${line#*final: }"$'\n'
 done
 echo "== the GPU goals"
-DRY=--rounds=2
+DRY=--rounds=${GPU_ROUNDS:-2}  # (each round: every configuration twice; GPU_ROUNDS=1 halves it)
 [ "${MPIPS_GPU_STANDIN:-}" = 1 ] && DRY=--dry-run
 python benchmarks/gpu_workload.py "$DRY" --json "$LOG/gpu.json" 2>&1 | tee "$LOG/goals.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || FAILED=1
