@@ -104,7 +104,7 @@ class TrainConfig:
     zero_copy: bool | None = None
     # async, GPU workers with copied pulls: the next step's pull runs on the host while the
     # device computes this step's backward (each gradient one update staler)
-    prefetch: bool = False
+    overlap_pull: bool = False
 
 
 @dataclass
@@ -339,14 +339,14 @@ def _check_mode(job: Job) -> None:
             f'train.zero_copy: only for mode = "async" (mode = "{job.train.mode}" reads '
             f"consistent copies of the variables)"
         )
-    if job.train.prefetch and (job.train.mode != "async" or job.train.device == "cpu"):
+    if job.train.overlap_pull and (job.train.mode != "async" or job.train.device == "cpu"):
         raise ConfigError(
-            'train.prefetch: only for mode = "async" with device = "gpu" (it overlaps the '
+            'train.overlap_pull: only for mode = "async" with device = "gpu" (it overlaps the '
             "host's next pull with the device's backward)"
         )
-    if job.train.prefetch and job.train.zero_copy:
+    if job.train.overlap_pull and job.train.zero_copy:
         raise ConfigError(
-            "train.prefetch: nothing to prefetch with train.zero_copy (the device copies "
+            "train.overlap_pull: nothing to pull ahead with train.zero_copy (the device copies "
             "straight from the PS memory)"
         )
     if job.train.mode == "hybrid" and job.optimizer.clip_norm:

@@ -245,7 +245,7 @@ def test_every_layer_computes_on_the_device_as_on_the_host(case):
     )
 
 
-PREFETCH_JOB = """
+OVERLAP_JOB = """
 [model]
 hidden = [16]
 [data]
@@ -260,16 +260,16 @@ steps = 30
 batch_size = 32
 log_every = 0
 zero_copy = false
-prefetch = {prefetch}
+overlap_pull = {overlap}
 [checkpoint]
 dir = "runs/p"
 """
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_prefetch_pulls_the_next_step_during_backward_one_update_staler(tmp_path, prefetch):
-    """1 PS + 1 GPU worker (the stand-in): with train.prefetch each step's variables were
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_pull_takes_the_next_pull_during_backward_one_update_staler(tmp_path, overlap):
+    """1 PS + 1 GPU worker (the stand-in): with train.overlap_pull each step's variables were
     pulled during the previous step's backward, before that step's own update was pushed,
     so it is SGD with its gradients one update late (step k at the variables after k - 1
     updates); without, one worker is plain SGD. Every update's delay says so."""
@@ -281,14 +281,14 @@ def test_prefetch_pulls_the_next_step_during_backward_one_update_staler(tmp_path
     from mpips.nn import MLP
     from mpips.optim import build_optimizer
 
-    text = PREFETCH_JOB.format(prefetch=str(prefetch).lower())
+    text = OVERLAP_JOB.format(overlap=str(overlap).lower())
     (tmp_path / "job.toml").write_text(text)
     argv = ["-m", "mpips", "train", "job.toml", "--result", "r.json"]
     r = run_mpi(2, argv, cwd=tmp_path, **{sx.ENV: "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     variables, _, _ = read_ckpt(tmp_path / "runs/p/ckpt-30.json")
     delays = json.loads((tmp_path / "r.json").read_text())["staleness"][0]["delay"]
-    assert (delays["p50"], delays["max"]) == ((1, 1) if prefetch else (0, 0)), delays
+    assert (delays["p50"], delays["max"]) == ((1, 1) if overlap else (0, 0)), delays
 
     job = parse_job(text)
     info = open_dataset(resolve_path("", "digits"))
@@ -300,7 +300,7 @@ def test_prefetch_pulls_the_next_step_during_backward_one_update_staler(tmp_path
     before = {k: v.copy() for k, v in params.items()}  # the variables one update ago
     for _ in range(30):
         _, x, y = next(stream)
-        model.loss_and_grads(before if prefetch else params, x, y, grads)
+        model.loss_and_grads(before if overlap else params, x, y, grads)
         before = {k: v.copy() for k, v in params.items()}
         for k in params:
             opt.apply(params[k], grads[k], {}, 0.1, 1)

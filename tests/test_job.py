@@ -55,10 +55,10 @@ MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
             MINIMAL + "[checkpoint]\nevery_secs = true\n",
             r"checkpoint.every_secs: expected a number",
         ),
-        (MINIMAL + "prefetch = true\n", r'train.prefetch: only for mode = "async" with device'),
+        (MINIMAL + "overlap_pull = true\n", r'train.overlap_pull: only for mode = "async" with'),
         (
-            MINIMAL + "device = 'gpu'\nprefetch = true\nzero_copy = true\n",
-            r"train.prefetch: nothing to prefetch with train.zero_copy",
+            MINIMAL + "device = 'gpu'\noverlap_pull = true\nzero_copy = true\n",
+            r"train.overlap_pull: nothing to pull ahead with train.zero_copy",
         ),
         ('[data]\nbuiltin = "digits"\n', r"give train.steps or train.epochs"),
         ("train = 3\n", r"train: expected a table"),

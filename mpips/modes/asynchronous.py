@@ -59,7 +59,7 @@ class Async(Mode):
 class AsyncWorker(StoreWorker):
     """One worker task: take a ticket, pull, compute, push, once per batch.
 
-    With ``train.prefetch`` (GPU workers, copied pulls, no tables) the pull of the next step
+    With ``train.overlap_pull`` (GPU workers, copied pulls, no tables) the pull of the next step
     runs while the device computes this step's backward, once this step's loss is on the
     host (so its copies in are done and the pull buffers free): each update is then computed
     on variables one update older (its worker's own last one is not in them yet)."""
@@ -67,10 +67,10 @@ class AsyncWorker(StoreWorker):
     def __init__(self, *args: Any):
         super().__init__(*args)
         client = self.client
-        self.prefetch = bool(self.tc.prefetch and not (client.tables or client.reads_in_place))
-        self._ahead: int | None = None  # global_step when the prefetched variables were read
-        if self.tc.prefetch and not self.prefetch:
-            detail(self.role, "train.prefetch: off (a model with tables pulls its batch's rows)")
+        self.overlap = bool(self.tc.overlap_pull and not (client.tables or client.reads_in_place))
+        self._ahead: int | None = None  # global_step when the variables pulled ahead were read
+        if self.tc.overlap_pull and not self.overlap:
+            detail(self.role, "train.overlap_pull: off (a model with tables pulls its batch's ids)")
 
     def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
         """Take a ticket (or stop), pull, compute, push: one update of the global step."""
@@ -86,7 +86,7 @@ class AsyncWorker(StoreWorker):
         bound = self.mode.max_staleness
         if bound is not None and lead > bound:  # wait for the slowest worker
             lead = control.wait_for_slowest(self.clock, bound, self.watchdog.check)
-            pulled_at, ahead = control.global_step(), None  # (prefetched: too stale now)
+            pulled_at, ahead = control.global_step(), None  # (pulled ahead: too stale now)
         if tl:
             t = tl.span("ticket and staleness wait", t)
         x, ids = model.prepare(x)  # sparse models: the batch's unique ids (rows to pull)
@@ -103,7 +103,7 @@ class AsyncWorker(StoreWorker):
         loss = self._loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):
             self._not_finite(loss, pulled_at)
-        if self.prefetch:  # the loss is here: every copy in before it is done
+        if self.overlap:  # the loss is here: every copy in before it is done
             if tl:
                 t = tl.span("compute", t)
             self._ahead = control.global_step()
