@@ -229,8 +229,8 @@ class Device:
 
 class SparseBatch:
     """A CSR batch on the device as its nonzeros (value, column, row), and the two products
-    a sparse model takes with it: gathers and scatter-adds, in the nonzeros' order (so the
-    sums run in scipy's order on the host). cupy's own sparse matrices have no strict
+    a sparse model takes with it: gathers and scatter-adds (on the stand-in in the nonzeros'
+    order, scipy's; on a GPU atomic adds, in any order). cupy's own sparse matrices have no strict
     stand-in, and these two are all an embedding lookup and its gradient need."""
 
     def __init__(self, xp: ModuleType, a: Any):

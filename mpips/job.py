@@ -344,6 +344,16 @@ def _check_mode(job: Job) -> None:
             'train.overlap_pull: only for mode = "async" with device = "gpu" (it overlaps the '
             "host's next pull with the device's backward)"
         )
+    if job.train.overlap_pull and job.train.max_staleness is not None:
+        raise ConfigError(
+            "train.overlap_pull: not with train.max_staleness (variables pulled a step ahead "
+            "miss the worker's own last update, which the bound counts)"
+        )
+    if job.train.overlap_pull and job.model.kind in ("logreg", "wide_deep"):
+        raise ConfigError(
+            f"train.overlap_pull: model.kind = {job.model.kind!r} pulls the rows of each "
+            f"batch's ids, which the next batch only tells"
+        )
     if job.train.overlap_pull and job.train.zero_copy:
         raise ConfigError(
             "train.overlap_pull: nothing to pull ahead with train.zero_copy (the device copies "

@@ -57,6 +57,14 @@ MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
         ),
         (MINIMAL + "overlap_pull = true\n", r'train.overlap_pull: only for mode = "async" with'),
         (
+            MINIMAL + "device = 'gpu'\noverlap_pull = true\nmax_staleness = 0\n",
+            r"train.overlap_pull: not with train.max_staleness",
+        ),
+        (
+            MINIMAL + "device = 'gpu'\noverlap_pull = true\n[model]\nkind = 'logreg'\n",
+            r"train.overlap_pull: model.kind = 'logreg' pulls the rows",
+        ),
+        (
             MINIMAL + "device = 'gpu'\noverlap_pull = true\nzero_copy = true\n",
             r"train.overlap_pull: nothing to pull ahead with train.zero_copy",
         ),

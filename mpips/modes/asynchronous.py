@@ -12,7 +12,7 @@ from .. import preemption
 from ..backend import Device
 from ..hooks import Hook, StepInfo
 from ..job import Job
-from ..log import detail
+from ..log import detail, log
 from ..optim import Optimizer, clip_by_global_norm, learning_rate, sgd_deltas
 from ..run import TrainResult
 from ..startup import Prepared
@@ -68,9 +68,10 @@ class AsyncWorker(StoreWorker):
         super().__init__(*args)
         client = self.client
         self.overlap = bool(self.tc.overlap_pull and not (client.tables or client.reads_in_place))
-        self._ahead: int | None = None  # global_step when the variables pulled ahead were read
-        if self.tc.overlap_pull and not self.overlap:
-            detail(self.role, "train.overlap_pull: off (a model with tables pulls its batch's ids)")
+        # the variables pulled ahead: global_step when they were read, and which pull it was
+        self._ahead: tuple[int, int] | None = None
+        if self.tc.overlap_pull and not self.overlap and self.role.task == 0:
+            log(self.role, "train.overlap_pull: off (a model with tables pulls its batch's ids)")
 
     def step(self, epoch: int, x: Any, y: Any) -> StepInfo | None:
         """Take a ticket (or stop), pull, compute, push: one update of the global step."""
@@ -86,15 +87,15 @@ class AsyncWorker(StoreWorker):
         bound = self.mode.max_staleness
         if bound is not None and lead > bound:  # wait for the slowest worker
             lead = control.wait_for_slowest(self.clock, bound, self.watchdog.check)
-            pulled_at, ahead = control.global_step(), None  # (pulled ahead: too stale now)
+            pulled_at = control.global_step()
         if tl:
             t = tl.span("ticket and staleness wait", t)
         x, ids = model.prepare(x)  # sparse models: the batch's unique ids (rows to pull)
         device = self.device
-        if ahead is None:
+        if ahead is not None and ahead[1] == client.pulls:  # pulled during the last backward
+            pulled, pulled_at = client.params, ahead[0]
+        else:  # (or a hook pulled since: a validation, the variables for a summary)
             pulled = client.pull(ids)
-        else:  # pulled during the last step's backward
-            pulled, pulled_at = client.params, ahead
         params = device.stage_in(pulled)
         x, y = device.to_device(x, "x"), device.to_device(y, "y")
         grads = device.mirrors(client.gradients())  # on the CPU: the push buffers themselves
@@ -103,11 +104,13 @@ class AsyncWorker(StoreWorker):
         loss = self._loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):
             self._not_finite(loss, pulled_at)
-        if self.overlap:  # the loss is here: every copy in before it is done
+        # the loss is here, so every copy in before it is done: the pull buffers are free
+        if self.overlap and ticket + 1 < (self.tc.steps or NO_MORE_TICKETS):
             if tl:
                 t = tl.span("compute", t)
-            self._ahead = control.global_step()
+            at = control.global_step()
             client.pull()  # (while the device runs backward)
+            self._ahead = (at, client.pulls)
             if tl:
                 t = tl.span("next pull, during backward", t)
         clip_by_global_norm(list(grads.values()), self.oc.clip_norm)

@@ -185,13 +185,9 @@ class HybridReplica(Replica):
 
 class DeviceHybridReplica(HybridReplica, DeviceReplica):
     """Hybrid mode on a GPU: the dense variables and their slots on the device (as a sync
-    replica's there); the batch's table rows pulled into host buffers and copied in, their
+    replica's there); the batch's table rows pulled into host memory and copied in, their
     gradients copied out (with the dense ones, each as backward says it is ready) and
-    pushed from the host."""
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        self.device.pin(self.client.host_buffers())
+    pushed from the host. (Rows are made per batch, so they are not page-locked.)"""
 
     def _on_device(
         self, x: Any, y: Any, params: dict[str, Any], host_grads: dict[str, Any]

@@ -177,6 +177,7 @@ class StoreClient:
         self._row_grads: dict[str, np.ndarray] = {}
         self._routed: list[Routed] = []
         self._posted = False  # an update is posted whose acknowledgement is not yet seen
+        self.pulls = 0  # pulls made so far (whose buffers the last one filled)
 
     def _in_place(self, whole: list[Placed], apply: Apply, slot_names: Sequence[str]) -> Stripes:
         """Zero copy: the stripes through which this worker applies ``apply`` to the whole
@@ -251,6 +252,7 @@ class StoreClient:
         if ids is not None and self.tables:
             self._route(ids)  # (while the PS applies this worker's last update)
         self.settle()
+        self.pulls += 1
         win = self.windows.params
         for seg in self._segments:
             if not seg.in_place:
