@@ -276,11 +276,6 @@ def test_overlap_pull_takes_the_next_pull_during_backward_one_update_staler(tmp_
     from conftest import run_mpi
     from test_optimizers_mpi import read_ckpt
 
-    from mpips.data import batches, load_split, open_dataset, resolve_path
-    from mpips.job import parse_job
-    from mpips.nn import MLP
-    from mpips.optim import build_optimizer
-
     text = OVERLAP_JOB.format(overlap=str(overlap).lower())
     (tmp_path / "job.toml").write_text(text)
     argv = ["-m", "mpips", "train", "job.toml", "--result", "r.json"]
@@ -290,19 +285,32 @@ def test_overlap_pull_takes_the_next_pull_during_backward_one_update_staler(tmp_
     delays = json.loads((tmp_path / "r.json").read_text())["staleness"][0]["delay"]
     assert (delays["p50"], delays["max"]) == ((1, 1) if overlap else (0, 0)), delays
 
+    want = delayed_sgd(text, 30, fresh=lambda k: not overlap or k == 0)
+    for name, value in want.items():
+        np.testing.assert_allclose(variables[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def delayed_sgd(text: str, steps: int, fresh) -> dict[str, np.ndarray]:
+    """One worker's SGD on OVERLAP_JOB's data and model in one process: step ``k`` takes its
+    gradient at the variables as they are (``fresh(k)``) or as they were one update earlier
+    (pulled during the last backward)."""
+    from mpips.data import batches, load_split, open_dataset, resolve_path
+    from mpips.job import parse_job
+    from mpips.nn import MLP
+    from mpips.optim import build_optimizer
+
     job = parse_job(text)
     info = open_dataset(resolve_path("", "digits"))
-    stream = batches(*load_split(info, "train"), 32, job.train.seed, 0)
-    model = MLP([64, 16, 10])
+    stream = batches(*load_split(info, "train"), job.train.batch_size, job.train.seed, 0)
+    model = MLP([64, *job.model.hidden, 10])
     params = model.initial_values(job.model.init_seed)
     opt = build_optimizer(job.optimizer)
     grads = {k: np.zeros_like(v) for k, v in params.items()}
     before = {k: v.copy() for k, v in params.items()}  # the variables one update ago
-    for _ in range(30):
+    for step in range(steps):
         _, x, y = next(stream)
-        model.loss_and_grads(before if overlap else params, x, y, grads)
+        model.loss_and_grads(params if fresh(step) else before, x, y, grads)
         before = {k: v.copy() for k, v in params.items()}
-        for k in params:
-            opt.apply(params[k], grads[k], {}, 0.1, 1)
-    for name, value in params.items():
-        np.testing.assert_allclose(variables[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+        for name in params:
+            opt.apply(params[name], grads[name], {}, job.optimizer.learning_rate, 1)
+    return params

@@ -240,3 +240,44 @@ def mpips_checkpoint(path: Path):
     from mpips.checkpoint import Checkpoint
 
     return Checkpoint(path)
+
+
+class PullEvery(Hook):
+    """Reads the variables (a pull) after every ``n``-th update of this worker."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def after_step(self, run, info):
+        if info.local_updates % self.n == 0:
+            run.variables()
+
+
+def test_overlap_pull_pulls_afresh_after_a_hooks_pull(shared, monkeypatch):
+    """1 PS + 1 stand-in worker (ranks 0 and 1; rank 2 waits) with train.overlap_pull and a
+    hook that pulls after every 3rd update: the step after such a pull pulls afresh (the
+    buffers pulled ahead were overwritten: its delay is 0), the others use the variables
+    pulled during the last backward, one update old (delay 1)."""
+    from test_gpu_standin import OVERLAP_JOB, delayed_sgd
+
+    comm = world()
+    sub = comm.Split(0 if comm.rank < 2 else 1, comm.rank)
+    monkeypatch.setenv(standin.ENV, "1")
+    text = OVERLAP_JOB.format(overlap="true")
+    if comm.rank == 0:
+        (shared / "job.toml").write_text(text)
+    comm.Barrier()
+    try:
+        if comm.rank < 2:
+            result = mpips.train(load_job("job.toml"), [PullEvery(3)], comm=sub)
+    finally:
+        comm.Barrier()
+        sub.Free()
+    if comm.rank == 1:  # the worker: 10 of 30 steps pulled afresh (delay 0), 20 ahead (1)
+        assert result.staleness[0]["delay"]["mean"] == round(20 / 30, 3), result.staleness
+    if comm.rank == 0:
+        variables, _, _ = read_ckpt(shared / "runs/p/ckpt-30.json")
+        want = delayed_sgd(text, 30, fresh=lambda k: k % 3 == 0)
+        for name, value in want.items():
+            np.testing.assert_allclose(variables[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    comm.Barrier()
