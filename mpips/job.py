@@ -339,30 +339,36 @@ def _check_mode(job: Job) -> None:
             f'train.zero_copy: only for mode = "async" (mode = "{job.train.mode}" reads '
             f"consistent copies of the variables)"
         )
-    if job.train.overlap_pull and (job.train.mode != "async" or job.train.device == "cpu"):
-        raise ConfigError(
-            'train.overlap_pull: only for mode = "async" with device = "gpu" (it overlaps the '
-            "host's next pull with the device's backward)"
-        )
-    if job.train.overlap_pull and job.train.max_staleness is not None:
-        raise ConfigError(
-            "train.overlap_pull: not with train.max_staleness (variables pulled a step ahead "
-            "miss the worker's own last update, which the bound counts)"
-        )
-    if job.train.overlap_pull and job.model.kind in ("logreg", "wide_deep"):
-        raise ConfigError(
-            f"train.overlap_pull: model.kind = {job.model.kind!r} pulls the rows of each "
-            f"batch's ids, which the next batch only tells"
-        )
-    if job.train.overlap_pull and job.train.zero_copy:
-        raise ConfigError(
-            "train.overlap_pull: nothing to pull ahead with train.zero_copy (the device copies "
-            "straight from the PS memory)"
-        )
+    if job.train.overlap_pull:
+        _check_overlap_pull(job)
     if job.train.mode == "hybrid" and job.optimizer.clip_norm:
         raise ConfigError(
             'optimizer.clip_norm: not with mode = "hybrid" (the dense mean and the table '
             "rows are applied in different places)"
+        )
+
+
+def _check_overlap_pull(job: Job) -> None:
+    """What train.overlap_pull (the next pull during backward) does not go with."""
+    if job.train.mode != "async" or job.train.device == "cpu":
+        raise ConfigError(
+            'train.overlap_pull: only for mode = "async" with device = "gpu" (it overlaps the '
+            "host's next pull with the device's backward)"
+        )
+    if job.train.max_staleness is not None:
+        raise ConfigError(
+            "train.overlap_pull: not with train.max_staleness (variables pulled a step ahead "
+            "miss the worker's own last update, which the bound counts)"
+        )
+    if job.model.kind in ("logreg", "wide_deep"):
+        raise ConfigError(
+            f"train.overlap_pull: model.kind = {job.model.kind!r} pulls the rows of each "
+            f"batch's ids, which the next batch only tells"
+        )
+    if job.train.zero_copy:
+        raise ConfigError(
+            "train.overlap_pull: nothing to pull ahead with train.zero_copy (the device copies "
+            "straight from the PS memory)"
         )
 
 

@@ -17,6 +17,7 @@ mix-ups without a GPU. It is slow (every operation is wrapped) and is not a GPU.
 from __future__ import annotations
 
 import operator
+import os as _os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -57,7 +58,7 @@ class Traffic:
 
 traffic = Traffic()
 _locked: dict[int, int] = {}  # page-locked host ranges: address -> bytes
-_PAGE = 4096
+_PAGE = _os.sysconf("SC_PAGE_SIZE") if hasattr(_os, "sysconf") else 4096  # (as backend.PAGE)
 
 
 def _pinned(host: _np.ndarray) -> bool:

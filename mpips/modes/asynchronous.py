@@ -67,7 +67,7 @@ class AsyncWorker(StoreWorker):
     def __init__(self, *args: Any):
         super().__init__(*args)
         client = self.client
-        self.overlap = bool(self.tc.overlap_pull and not (client.tables or client.reads_in_place))
+        self.overlap = bool(self.tc.overlap_pull and not client.tables)  # (job.py: no zero copy)
         # the variables pulled ahead: global_step when they were read, and which pull it was
         self._ahead: tuple[int, int] | None = None
         if self.tc.overlap_pull and not self.overlap and self.role.task == 0:
