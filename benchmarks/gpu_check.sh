@@ -31,6 +31,10 @@ done
 PY=${PYTHON:-python3}
 VENV=${MPIPS_GPU_VENV:-/tmp/mpips-gpu-venv}
 LOG=$(mktemp -d)
+save() {  # what ran so far into --out, after each part (a run cut short still returns it)
+  [ -z "$OUT_DIR" ] || { mkdir -p "$OUT_DIR" && cp "$LOG"/*.json "$LOG"/*.txt "$LOG"/*.log "$OUT_DIR"/ 2>/dev/null; }
+  return 0
+}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV" || exit 2
@@ -72,10 +76,14 @@ if missing:
     sys.exit("gpu_check: missing " + ", ".join(missing) + " (carry them as wheels: --wheels)")
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# NCCL would need one GPU per replica (it refuses two ranks on one device): say if cupy has it
+NCCL=$(python -c 'from cupy.cuda import nccl; print("NCCL", nccl.get_version(), "in cupy")' 2>/dev/null || echo "no NCCL in cupy")
+echo "$NCCL"
 FAILED=0
 echo "== the gpu tests"
 python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py >"$LOG/tests.txt" 2>&1 || FAILED=1
 tail -5 "$LOG/tests.txt"
+save
 echo "== every mode on the GPU (the built-in digits job)"
 MODES=""
 for spec in "one process:sync:0" "sync:sync:3" "sync_replicas:sync_replicas:3" "async:async:3"; do
@@ -87,23 +95,24 @@ for spec in "one process:sync:0" "sync:sync:3" "sync_replicas:sync_replicas:3" "
   [ -z "$line" ] && { line="FAILED: $(tail -3 "$LOG/$mode-$ranks.log" | tr '\n' ' ')"; FAILED=1; }
   echo "$label: $line"
   MODES+="$label: ${line#*final: }"$'\n'
+  save
 done
 echo "== the GPU goals"
 DRY=--rounds=${GPU_ROUNDS:-2}  # (each round: every configuration twice; GPU_ROUNDS=1 halves it)
 [ "${MPIPS_GPU_STANDIN:-}" = 1 ] && DRY=--dry-run
 python benchmarks/gpu_workload.py "$DRY" --json "$LOG/gpu.json" 2>&1 | tee "$LOG/goals.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || FAILED=1
+save
 if [ "$SCALING" = 1 ]; then
   echo "== node scaling (issue 31)"
   python benchmarks/node_scaling.py --budget "${SCALING_BUDGET:-150}" --json "$LOG/node_scaling.json" 2>&1 | tee "$LOG/scaling.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || FAILED=1
 fi
-if [ -n "$OUT_DIR" ]; then
-  mkdir -p "$OUT_DIR" && cp "$LOG"/*.json "$LOG"/*.txt "$OUT_DIR"/ 2>/dev/null
-fi
+save
 echo
 echo "================ gpu_check summary ($(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null))"
 echo "gpu tests: $(tail -1 "$LOG/tests.txt")"
+echo "$NCCL"
 printf '%s' "$MODES"
 sed -n '/^median of/,$p' "$LOG/goals.txt"
 [ "$FAILED" = 0 ] || echo "gpu_check: something FAILED (above)"

@@ -220,11 +220,20 @@ class Device:
         return StagedGradients(device, host, self.on_host)
 
     def _buffer(self, key: str, like: np.ndarray) -> Any:
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = self._buffers[key] = self.xp.empty(like.shape, like.dtype)
-            self.allocations += 1
-        return buf
+        """The device buffer kept under ``key`` for arrays like ``like``. Arrays whose row
+        count changes from step to step (a CTR batch's table rows) get a view of its first
+        rows: it is made again only for more rows than it has, then with twice as many."""
+        buf, shape = self._buffers.get(key), like.shape
+        if buf is not None and buf.dtype == like.dtype:
+            if buf.shape == shape:
+                return buf
+            if buf.ndim == like.ndim >= 1 and buf.shape[1:] == shape[1:]:  # other rows
+                if len(buf) > len(like):
+                    return buf[: len(like)]
+                shape = (max(len(like), 2 * len(buf)), *shape[1:])
+        buf = self._buffers[key] = self.xp.empty(shape, like.dtype)
+        self.allocations += 1
+        return buf if shape == like.shape else buf[: len(like)]
 
 
 class SparseBatch:
@@ -302,6 +311,17 @@ class StagedGradients:
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def page_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised host array on whole pages of its own: a buffer made while others are
+    page-locked (a CTR table's kept rows, grown) shares no page with them, so locking it
+    never meets a locked page (which CUDA refuses)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(-(-nbytes // PAGE) * PAGE + PAGE, np.uint8)
+    start = -raw.ctypes.data % PAGE
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _page_runs(arrays: list[np.ndarray], locked: dict[int, int]) -> list[tuple[int, int]]:

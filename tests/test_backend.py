@@ -120,6 +120,60 @@ def test_device_stages_through_buffers_kept_from_step_to_step():
     assert isinstance(device.to_device(np.zeros(4)), standin.ndarray)
 
 
+def test_rows_that_vary_from_step_to_step_reuse_one_buffer_grown_twice():
+    """A CTR batch's table rows (a row count of its own each step): a view of the first
+    rows of one kept device buffer, made again only for more rows than it has, then with
+    twice as many; the values are those of the host rows each time."""
+    from mpips import standin
+    from mpips.backend import Device
+
+    device = Device(standin)
+    made = []
+    for n in (5, 3, 5, 7, 10, 2, 11):
+        host = {"e": np.arange(n * 3, dtype=np.float32).reshape(n, 3) + n}
+        staged = device.stage_in(host)["e"]
+        assert staged.shape == (n, 3)
+        np.testing.assert_array_equal(staged.get(), host["e"])
+        grads = device.mirrors(host)["e"]
+        grads.set(host["e"] * 2)  # the model's gradient rows, then out to the host
+        device.stage_out({"e": grads}, host)
+        np.testing.assert_array_equal(host["e"], (np.arange(n * 3).reshape(n, 3) + n) * 2)
+        made.append(device.allocations)
+    # made at 5 rows (in and out), grown to 10 at 7, to 20 at 11
+    assert made == [2, 2, 2, 4, 4, 4, 6]
+    assert device._buffers["in:e"].shape == (20, 3)
+    again = device.stage_in({"e": np.zeros((0, 3), np.float32)})["e"]  # a batch of no ids
+    assert again.shape == (0, 3) and device.allocations == 6
+
+
+def test_page_aligned_buffers_lock_beside_locked_neighbours():
+    """A host buffer made after others were page-locked (a table's rows, grown) lies on
+    pages of its own, so locking it is never refused (CUDA, and the stand-in, refuse a
+    range that shares a page with a locked one)."""
+    import warnings
+
+    from mpips import standin
+    from mpips.backend import PAGE, Device, page_aligned
+
+    device = Device(standin)
+    small = [np.zeros(10, np.float32) for _ in range(64)]  # heap neighbours
+    device.pin(small[::3])
+    try:
+        for shape in [(1, 1), (3, 8), (1000, 9), (0, 4)]:
+            a = page_aligned(shape, np.float32)
+            assert a.shape == shape and a.dtype == np.float32
+            assert a.ctypes.data % PAGE == 0 or not a.nbytes
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a refused lock warns
+                device.pin([a])
+            a[...] = 1
+            standin.traffic.reset()
+            device.stage_in({"a": a})
+            assert standin.traffic.h2d_pageable == 0
+    finally:
+        device.unpin()
+
+
 def test_device_pins_host_buffers_once_and_releases_them():
     from mpips import standin
     from mpips.backend import Device

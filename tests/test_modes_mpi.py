@@ -226,10 +226,18 @@ def test_zero_copy_is_what_the_job_says_and_off_without_shared_memory(
 
 def test_hybrid_tables_on_the_ps_dense_replicas_equal_lockstep(shared, device):
     """On the stand-in too: the dense replicas on the device, the rows copied in and their
-    gradients out, the sparse products as gathers and scatter-adds."""
-    job, result = train(lambda: hybrid_job(shared, "wide_deep", "sgd", 0.5, 24), device)
+    gradients out (page-locked), the sparse products as gathers and scatter-adds."""
+    crossings = Crossings()
+    job, result = train(
+        lambda: hybrid_job(shared, "wide_deep", "sgd", 0.5, 24), device, [crossings]
+    )
     if world().rank == 1:  # the chief
         assert result.global_step == 24
+    for h2d, d2h, h2d_pageable, _, d2h_pageable in crossings.steps:
+        # the rows and the dense mean come in from page-locked memory (the rows' buffers
+        # are kept and grown), as many bytes as their gradients go out into locked memory;
+        # only the sparse batch comes from pageable memory
+        assert d2h_pageable == 0 and h2d - h2d_pageable == d2h, crossings.steps
     world().Barrier()
     if world().rank == 0:
         variables, _ = mpips_checkpoint(shared / "runs/s/ckpt-24.json").read_all()

@@ -112,6 +112,7 @@ class HybridReplica(Replica):
         self.windows = windows
         self.vote_after_compute = True  # the dense update is shared after the pushes
         self.client = StoreClient(windows, self.role.task, optimizer.stateful)
+        self.client.on_new_buffers = device.pin  # (a GPU copies the rows from locked pages)
         self.control = self.client.control
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
@@ -185,9 +186,9 @@ class HybridReplica(Replica):
 
 class DeviceHybridReplica(HybridReplica, DeviceReplica):
     """Hybrid mode on a GPU: the dense variables and their slots on the device (as a sync
-    replica's there); the batch's table rows pulled into host memory and copied in, their
-    gradients copied out (with the dense ones, each as backward says it is ready) and
-    pushed from the host. (Rows are made per batch, so they are not page-locked.)"""
+    replica's there); the batch's table rows pulled into (kept, page-locked) host buffers
+    and copied in, their gradients copied out (with the dense ones, each as backward says
+    it is ready) and pushed from the host."""
 
     def _on_device(
         self, x: Any, y: Any, params: dict[str, Any], host_grads: dict[str, Any]

@@ -58,6 +58,7 @@ class StoreWorker:
         )
         self.control = self.client.control
         device.pin(self.client.host_buffers())  # a GPU's copies run from page-locked memory
+        self.client.on_new_buffers = device.pin  # (so do a CTR table's rows, kept)
         self.stats = Staleness()
         self.watchdog = Watchdog(self.control, cluster.layout, self.role.task)
         self.timeline = job_timeline(job, "worker", self.role.task)

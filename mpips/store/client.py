@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
+from ..backend import page_aligned
 from ..placement import Placed, Placement, owner_and_row, views
 from .control import RunControl
 from .mailbox import WorkerMail
@@ -175,6 +176,11 @@ class StoreClient:
                 raise ValueError("zero copy: a worker applies its updates; give it the rule")
             self._stripes = self._in_place(whole, apply, slot_names)
         self._row_grads: dict[str, np.ndarray] = {}
+        # each table's rows and row gradients, kept from pull to pull (a pull takes views of
+        # their first rows) and made anew, twice as long, for a batch with more ids than any
+        # before; ``on_new_buffers`` hears of each new pair (a GPU worker page-locks them)
+        self._rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.on_new_buffers: Callable[[list[np.ndarray]], None] | None = None
         self._routed: list[Routed] = []
         self._posted = False  # an update is posted whose acknowledgement is not yet seen
         self.pulls = 0  # pulls made so far (whose buffers the last one filled)
@@ -264,8 +270,7 @@ class StoreClient:
         if ids is not None and self.tables:
             out = dict(self.params)
             for table in self.tables.values():
-                out[table.name] = np.empty((len(ids), table.width), table.dtype)
-                self._row_grads[table.name] = np.empty_like(out[table.name])
+                out[table.name], self._row_grads[table.name] = self._kept_rows(table, len(ids))
             for r in self._routed:
                 table = r.table
                 if self.reads_in_place:  # zero copy: the rows straight from the PS's memory
@@ -295,6 +300,21 @@ class StoreClient:
         for rows, at, staged in fetched:
             rows[at] = staged
         return out
+
+    def _kept_rows(self, table: Table, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` rows of ``table``'s kept buffers: where a pull puts them, and where the
+        model writes their gradients."""
+        kept = self._rows.get(table.name)
+        if kept is None or len(kept[0]) < n:
+            rows = max(n, 2 * len(kept[0])) if kept is not None else n
+            shape = (rows, table.width)
+            kept = self._rows[table.name] = (
+                page_aligned(shape, table.dtype),
+                page_aligned(shape, table.dtype),
+            )
+            if self.on_new_buffers is not None:
+                self.on_new_buffers(list(kept))
+        return kept[0][:n], kept[1][:n]
 
     def _route(self, ids: np.ndarray) -> None:
         """Which rows of which PS the step's ids are, and their datatypes (made once a step;
