@@ -92,6 +92,7 @@ def reference(job, steps):
         ("wide_deep", "div", "sgd", 0.5, "zero_copy"),
         ("wide_deep", "mod", "adagrad", 0.3, "zero_copy"),
         ("logreg", "mod", "ftrl", 0.3, "zero_copy"),
+        ("wide_deep", "div", "adagrad", 0.3, "zero_copy, 1 PS"),  # (rows taken in order)
         # a GPU worker (the strict stand-in): rows copied in, their gradients out, the
         # sparse products as gathers and scatter-adds on the device
         ("wide_deep", "div", "sgd", 0.5, "gpu"),
@@ -100,19 +101,23 @@ def reference(job, steps):
     ],
 )
 def test_row_wise_training_equals_the_dense_computation(tmp_path, model, rule, opt, lr, pulls):
+    """1 worker; a validation every 3 steps, whose pulls (a split's ids) come between the
+    training steps' pulls of the kept row buffers."""
     small_dataset(tmp_path / "s.h5")
     steps = 30
     text = JOB.format(model=model, rule=rule, opt=opt, lr=lr, steps=steps)
     setting = {
         "copied": "zero_copy = false",
         "zero_copy": "zero_copy = true",
+        "zero_copy, 1 PS": "zero_copy = true",
         "gpu": 'device = "gpu"',
     }
-    text = text.replace("[train]\n", f"[train]\n{setting[pulls]}\n")
+    text = text.replace("[train]\n", f"[train]\n{setting[pulls]}\neval_every = 3\n")
     (tmp_path / "job.toml").write_text(text)
     # 2 PS tasks and 1 worker: every table is split in two, and updates are deterministic
+    ps = 1 if pulls.endswith("1 PS") else 2
     env = {"MPIPS_GPU_STANDIN": "1"} if pulls == "gpu" else {}
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path, **env)
+    r = run_mpi(ps + 1, ["-m", "mpips", "train", "job.toml", "--ps", str(ps)], cwd=tmp_path, **env)
     assert r.returncode == 0, r.stderr
     variables, slots = Checkpoint(tmp_path / f"runs/s/ckpt-{steps}.json").read_all()
     job = parse_job(text.replace('"s.h5"', f'"{tmp_path / "s.h5"}"'))

@@ -95,7 +95,7 @@ class AsyncWorker(StoreWorker):
         if ahead is not None and ahead[1] == client.pulls:  # pulled during the last backward
             pulled, pulled_at = client.params, ahead[0]
         else:  # (or a hook pulled since: a validation, the variables for a summary)
-            pulled = client.pull(ids)
+            pulled = client.pull(ids, step=True)
         params = device.stage_in(pulled)
         x, y = device.to_device(x, "x"), device.to_device(y, "y")
         grads = device.mirrors(client.gradients())  # on the CPU: the push buffers themselves

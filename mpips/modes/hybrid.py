@@ -135,7 +135,7 @@ class HybridReplica(Replica):
 
     def _inputs(self, x: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         x, ids = self.model.prepare(x)
-        rows = self.client.pull(ids)
+        rows = self.client.pull(ids, step=True)
         return x, {**self.params, **rows}, {**self.grads, **self.client.gradients()}
 
     def _signal(self) -> int:

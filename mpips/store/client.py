@@ -250,11 +250,16 @@ class StoreClient:
             len(r.local) * r.table.width * r.table.dtype.itemsize for r in self._routed
         )
 
-    def pull(self, ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    def pull(self, ids: np.ndarray | None = None, step: bool = False) -> dict[str, np.ndarray]:
         """Read every dense variable (one Get per PS and dtype, and per row block of a split
         variable) and, given unique row ``ids``, those rows of every table (one Get per PS
         and table); returns them by name. An update this worker posted without waiting
-        (``push(wait=False)``) is applied first: the pull sees it."""
+        (``push(wait=False)``) is applied first: the pull sees it.
+
+        The dense variables are this client's buffers, which the next pull overwrites. So
+        are a training ``step``'s rows (and their gradients): the kept row buffers, which a
+        GPU worker page-locks. Other pulls (an evaluation's: a whole split's ids, now and
+        then) get rows of their own."""
         if ids is not None and self.tables:
             self._route(ids)  # (while the PS applies this worker's last update)
         self.settle()
@@ -270,15 +275,20 @@ class StoreClient:
         if ids is not None and self.tables:
             out = dict(self.params)
             for table in self.tables.values():
-                out[table.name], self._row_grads[table.name] = self._kept_rows(table, len(ids))
+                shape = (len(ids), table.width)
+                out[table.name], self._row_grads[table.name] = (
+                    self._kept_rows(table, len(ids))
+                    if step
+                    else (np.empty(shape, table.dtype), np.empty(shape, table.dtype))
+                )
             for r in self._routed:
                 table = r.table
                 if self.reads_in_place:  # zero copy: the rows straight from the PS's memory
-                    rows = self._parts_in_place[table.name, r.ps_task][r.local]
+                    part = self._parts_in_place[table.name, r.ps_task]
                     if isinstance(r.at, slice):  # one PS task: all of them, in order
-                        out[table.name] = rows
+                        np.take(part, r.local, axis=0, out=out[table.name])
                     else:
-                        out[table.name][r.at] = rows
+                        out[table.name][r.at] = part[r.local]
                     continue
                 staged = np.empty((len(r.local), table.width), table.dtype)
                 target = [table.parts[r.ps_task].offset, 1, r.mpi_type]
