@@ -236,12 +236,33 @@ def test_hybrid_tables_on_the_ps_dense_replicas_equal_lockstep(shared, device):
     for h2d, d2h, h2d_pageable, _, d2h_pageable in crossings.steps:
         # the rows and the dense mean come in from page-locked memory (the rows' buffers
         # are kept and grown), as many bytes as their gradients go out into locked memory;
-        # only the sparse batch comes from pageable memory
-        assert d2h_pageable == 0 and h2d - h2d_pageable == d2h, crossings.steps
+        # only the sparse batch comes from pageable memory (but for a small array of it
+        # that happens to lie on a page locked with its neighbours)
+        assert d2h_pageable == 0 and h2d - h2d_pageable >= d2h, crossings.steps
     world().Barrier()
     if world().rank == 0:
         variables, _ = mpips_checkpoint(shared / "runs/s/ckpt-24.json").read_all()
         assert_close(variables, lockstep(job, 24, world().size - 1))
+
+
+def test_async_ctr_rows_cross_from_page_locked_buffers(shared, monkeypatch):
+    """GPU workers (the stand-in) of an async CTR job: each step the rows come in from the
+    kept, page-locked row buffers and the dense variables from the locked pull buffers, as
+    many bytes as their gradients go out into locked memory; only the sparse batch comes
+    from pageable memory. (test_ctr_mpi.py: the values, with validations between.)"""
+    monkeypatch.setenv(standin.ENV, "1")
+
+    def write():
+        hybrid_job(shared, "wide_deep", "adagrad", 0.3, 24)
+        text = (shared / "job.toml").read_text()
+        (shared / "job.toml").write_text(text.replace('mode = "hybrid"', 'mode = "async"'))
+
+    crossings = Crossings()
+    train(write, "gpu", [crossings])
+    assert world().rank == 0 or crossings.steps
+    for h2d, d2h, h2d_pageable, _, d2h_pageable in crossings.steps:
+        # (a small batch array may happen to lie on a page locked with its neighbours)
+        assert d2h_pageable == 0 and h2d - h2d_pageable >= d2h, crossings.steps
 
 
 def mpips_checkpoint(path: Path):
