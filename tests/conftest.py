@@ -199,8 +199,14 @@ def pytest_sessionfinish(session, exitstatus):
     """Jobs the tests kill outright (kill -9, timeouts, scancel) leave MPICH's node segment
     in /dev/shm (an abort does not: mpips removes it). Plain pytest, which launches them,
     removes those made during this session that no process maps: listed first, older than
-    10 s, so one a starting job has just made (and maps next) is left alone."""
+    10 s, so one a starting job has just made (and maps next) is left alone. (Under mpirun:
+    the timeout dumps' stderr is closed.)"""
+    global _REAL_STDERR
     if WORLD_SIZE > 1:
+        if _REAL_STDERR is not None:
+            faulthandler.cancel_dump_traceback_later()
+            _REAL_STDERR.close()
+            _REAL_STDERR = None
         return
     now = time.time()
     stale = []
