@@ -127,6 +127,20 @@ class Device:
         """The device of ``train.device`` for this worker (see get_xp)."""
         return cls(get_xp(device, local_worker))
 
+    def describe(self) -> str:
+        """Where this worker computes, in words (its GPU's index and name, or the stand-in)."""
+        if self.on_host:
+            return "the CPU"
+        if self.xp is standin:
+            return "the GPU stand-in (mpips.standin: GPU code run on the host, slow)"
+        try:
+            index = self.xp.cuda.Device().id
+            name = self.xp.cuda.runtime.getDeviceProperties(index)["name"]
+            name = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception:  # (a name is a nicety: never a reason to fail)
+            return "a GPU (cupy)"
+        return f"GPU {index} ({name}), cupy {self.xp.__version__}"
+
     def to_device(self, a: Any, key: str | None = None) -> Any:
         """An array (a batch, a test split) on the device: copied if it is not there, into
         the buffer kept under ``key`` when given (a batch: one buffer from step to step). A

@@ -117,6 +117,9 @@ def _train(
             else Device.select(job.train.device, cluster.local_worker_index)
         ),
     )
+    if not device.on_host:  # where the GPU work runs: the chief says it, each worker in detail
+        say = log if cluster.is_chief else detail
+        say(cluster.role, f"computing on {device.describe()}")
 
     def start() -> Prepared:
         model = factory

@@ -51,6 +51,16 @@ def test_each_fused_gpu_kernel_gives_the_numpy_rules_bits(kind, hyper):
         np.testing.assert_array_equal(d_slots[k].get(), v, err_msg=k)
 
 
+def test_a_gpu_worker_names_its_gpu():
+    import cupy
+
+    from mpips.backend import Device
+
+    described = Device.select("gpu").describe()
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    assert described.startswith(f"GPU 0 ({name}), cupy "), described
+
+
 class Final(Hook):
     def end(self, run):
         self.variables = run.variables()

@@ -71,6 +71,16 @@ def test_gpu_is_the_standin_when_asked(monkeypatch):
     host = {"w": np.arange(4, dtype=np.float32)}
     staged = device.stage_in(host)["w"]
     assert isinstance(staged, sx.ndarray) and device.stage_in(host)["w"] is staged
+    assert device.describe().startswith("the GPU stand-in") and Device().describe() == "the CPU"
+
+
+def test_a_run_on_the_gpu_says_where_it_computes(monkeypatch, tmp_path, capsys):
+    """The chief's first lines name the device (here the stand-in), so a log shows a GPU
+    run is one; a CPU run says nothing of it."""
+    one_process("gpu", monkeypatch, tmp_path, "sgd", 0.0)
+    assert "computing on the GPU stand-in" in capsys.readouterr().out
+    one_process("cpu", monkeypatch, tmp_path, "sgd", 0.0)
+    assert "computing on" not in capsys.readouterr().out
 
 
 class Recorder(Hook):
