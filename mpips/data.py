@@ -410,13 +410,16 @@ def batches(
     epochs: int = 0,
     start_batch: int = 0,
     per_epoch: int | None = None,
+    xp: Any = np,
 ) -> Iterator[Batch]:
     """(epoch, x, y) batches of one worker's part, reshuffled each epoch from (seed, task, epoch).
 
     ``epochs = 0`` repeats forever. A last short batch of an epoch is kept, unless
     ``per_epoch`` is given: then each epoch is exactly that many full batches (sync replicas
     must all make the same number of equal batches). ``start_batch`` skips that many
-    batches (a restored data position) without reading them.
+    batches (a restored data position) without reading them. ``xp``: the array module of
+    ``x`` and ``y`` (a part on the device: each epoch's order goes there once, and the
+    batches are gathered there, the same rows as on the host).
     """
     n = len(y)
     say_capped(batch_size, n, task)
@@ -425,6 +428,8 @@ def batches(
     epoch, first = divmod(start_batch, per_epoch)
     while not epochs or epoch < epochs:
         order = np.random.default_rng([seed, task, epoch]).permutation(n)
+        if xp is not np:
+            order = xp.asarray(order)
         for i in range(first * batch_size, min(n, per_epoch * batch_size), batch_size):
             idx = order[i : i + batch_size]
             yield epoch, x[idx], y[idx]
@@ -460,10 +465,12 @@ class Part(Protocol):
 
 @dataclass
 class InMemoryPart:
-    """A part read whole into host memory (x: float32 rows or CSR, y: labels)."""
+    """A part read whole into host memory (x: float32 rows or CSR, y: labels), or copied
+    whole to a GPU (``xp``: their array module; see ``data.on_device``)."""
 
     x: Any
     y: Any
+    xp: Any = np
 
     def batches(
         self,
@@ -474,7 +481,9 @@ class InMemoryPart:
         start_batch: int = 0,
         per_epoch: int | None = None,
     ) -> Iterator[Batch]:
-        return batches(self.x, self.y, batch_size, seed, task, epochs, start_batch, per_epoch)
+        return batches(
+            self.x, self.y, batch_size, seed, task, epochs, start_batch, per_epoch, self.xp
+        )
 
 
 @dataclass

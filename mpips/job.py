@@ -57,6 +57,9 @@ class DataConfig:
     x_scale: float = 0.0  # inputs are multiplied by it (0: the file's attribute, else 1)
     chunk_rows: int = 0  # stream each worker's part in chunks of N rows (0: read it whole)
     prefetch: int = 2  # chunks read ahead by a background thread when streaming
+    # GPU workers: the part copied to the device once, batches gathered there (unset: when
+    # it is read whole, dense, and fits in a quarter of the device's free memory)
+    on_device: bool | None = None
 
 
 @dataclass
@@ -341,6 +344,11 @@ def _check_mode(job: Job) -> None:
         )
     if job.train.overlap_pull:
         _check_overlap_pull(job)
+    if job.data.on_device and (job.train.device == "cpu" or job.data.chunk_rows):
+        raise ConfigError(
+            'data.on_device: only for train.device = "gpu" with a part read whole (not '
+            "with data.chunk_rows: a streamed part is never whole)"
+        )
     if job.train.mode == "hybrid" and job.optimizer.clip_norm:
         raise ConfigError(
             'optimizer.clip_norm: not with mode = "hybrid" (the dense mean and the table '

@@ -94,6 +94,14 @@ class _Runtime:
         return 1
 
     @staticmethod
+    def memGetInfo() -> tuple[int, int]:  # noqa: N802
+        """(free, total) bytes of the device: the stand-in's is host memory."""
+        from .memory import available_bytes
+
+        free = available_bytes()
+        return free, free
+
+    @staticmethod
     def deviceSynchronize() -> None:  # noqa: N802
         pass  # (the stand-in's work is done when a call returns)
 

@@ -12,10 +12,12 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
+import scipy.sparse as sp
 
 from . import checkpoint
 from .data import (
     DatasetInfo,
+    InMemoryPart,
     Part,
     StreamedPart,
     load_split,
@@ -229,14 +231,15 @@ def prepare(
         if mode.ps_holds_variables:
             prep.local = _ps_fill(job, mode, cluster, model, optimizer, ckpt)
         return prep
-    _worker_part(job, cluster, prep)
+    _worker_part(job, cluster, prep, xp)
     if cluster.is_chief:
         _chief_part(job, mode, model, optimizer, prep, ckpt)
     return prep
 
 
-def _worker_part(job: Job, cluster: Cluster, prep: Prepared) -> None:
-    """A worker: its part of the train rows (read whole, or streamed in chunks)."""
+def _worker_part(job: Job, cluster: Cluster, prep: Prepared, xp: ModuleType) -> None:
+    """A worker: its part of the train rows (read whole, or streamed in chunks; on a GPU,
+    copied there whole where data.on_device says so)."""
     info, task, workers = prep.info, cluster.role.task, cluster.layout.num_workers
     prep.rows = worker_rows(info.rows["train"], workers, task)
     if prep.rows[1] <= prep.rows[0]:
@@ -250,6 +253,31 @@ def _worker_part(job: Job, cluster: Cluster, prep: Prepared) -> None:
             f"train rows [{prep.rows[0]}, {prep.rows[1]}) streamed in chunks of "
             f"{job.data.chunk_rows} rows, {job.data.prefetch} read ahead",
         )
+    elif isinstance(prep.train, InMemoryPart) and xp is not np and job.data.on_device is not False:
+        prep.train = _on_device(job, cluster, prep.train, xp)
+
+
+def _on_device(job: Job, cluster: Cluster, part: InMemoryPart, xp: ModuleType) -> InMemoryPart:
+    """A GPU worker's part copied to the device once, so a step gathers its batch there
+    and nothing of it crosses (one PyTorch process keeps its data there likewise): when
+    data.on_device is true, or unset and the part is dense and fits in a quarter of the
+    device's free memory. Sparse (CSR) parts stay on the host."""
+    if sp.issparse(part.x):
+        if job.data.on_device:
+            raise ConfigError("data.on_device: a sparse (CSR) part stays on the host")
+        return part
+    nbytes = part.x.nbytes + part.y.nbytes
+    free = xp.cuda.runtime.memGetInfo()[0]
+    if job.data.on_device is None and nbytes > free // 4:
+        detail(
+            cluster.role, f"train rows stay on the host: {human(nbytes)}, device free {human(free)}"
+        )
+        return part
+    detail(
+        cluster.role,
+        f"train rows copied to the device once ({human(nbytes)}); batches gathered there",
+    )
+    return InMemoryPart(xp.asarray(part.x), xp.asarray(part.y), xp)
 
 
 def _chief_part(

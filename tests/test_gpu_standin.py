@@ -101,35 +101,54 @@ class Recorder(Hook):
         self.params = run.variables()
 
 
-def one_process(device: str, monkeypatch, where, optimizer: str, clip: float):
+def one_process(
+    device: str, monkeypatch, where, optimizer: str, clip: float, on_device=None, steps=12
+):
     monkeypatch.setenv(sx.ENV, "1")
     monkeypatch.chdir(where)
     job = mpips.load_job(None)
-    job.train.steps, job.train.progress, job.train.device = 12, False, device
+    job.train.steps, job.train.progress, job.train.device = steps, False, device
     job.optimizer.kind, job.optimizer.clip_norm, job.checkpoint.dir = optimizer, clip, ""
+    job.data.on_device = on_device
     recorder = Recorder()
     mpips.train(job, [recorder], comm=MPI.COMM_SELF)
     return recorder, job
 
 
+@pytest.mark.parametrize("on_device", [None, False])
 @pytest.mark.parametrize(("optimizer", "clip"), [("sgd", 0.0), ("momentum", 0.5), ("adam", 0.5)])
 def test_one_process_on_the_standin_equals_the_cpu_and_copies_in_only_batches(
-    monkeypatch, tmp_path, optimizer, clip
+    monkeypatch, tmp_path, optimizer, clip, on_device
 ):
     """`python -m mpips train` with train.device = "gpu" (a numpy batch once reached the
     cupy model and crashed): the same variables as on the CPU, bit for bit, clipped or not;
-    the variables and slots stay on the device, so after the first step only the batch
-    crosses, and no buffer is made on the device (but the scratch of the array rule for
-    Adam that the stand-in runs: on cupy a fused kernel applies it)."""
-    cpu, _ = one_process("cpu", monkeypatch, tmp_path, optimizer, clip)
-    gpu, job = one_process("gpu", monkeypatch, tmp_path, optimizer, clip)
+    the variables and slots stay on the device, so after the first step nothing crosses
+    (the data went to the device once: data.on_device unset) or only the batch
+    (data.on_device = false), and no buffer is made on the device (but the scratch of the
+    array rule for Adam that the stand-in runs: on cupy a fused kernel applies it). 50
+    steps: the second epoch's batches too."""
+    cpu, _ = one_process("cpu", monkeypatch, tmp_path, optimizer, clip, steps=50)
+    gpu, job = one_process("gpu", monkeypatch, tmp_path, optimizer, clip, on_device, steps=50)
     assert cpu.params.keys() == gpu.params.keys()
     for name in cpu.params:
         np.testing.assert_array_equal(cpu.params[name], gpu.params[name], err_msg=name)
     assert len(gpu.steps) == job.train.steps and set(cpu.steps) == {(0, 0, 0)}
     batch = job.train.batch_size * (64 * 4 + 8)  # float32 digits, int64 labels
     scratch = 4 if optimizer == "adam" else 0  # one per variable
-    assert set(gpu.steps[1:]) == {(batch, 0, scratch)}, gpu.steps
+    crossed = 0 if on_device is None else batch  # (an epoch: 44 full batches, then anew)
+    assert set(gpu.steps[1:]) == {(crossed, 0, scratch)}, gpu.steps
+
+
+def test_a_part_too_big_for_the_device_stays_on_the_host(monkeypatch, tmp_path):
+    """data.on_device unset: a part over a quarter of the device's free memory stays on the
+    host and each batch crosses; true puts it there all the same."""
+    monkeypatch.setattr(sx._Runtime, "memGetInfo", staticmethod(lambda: (1 << 20, 8 << 20)))
+    batch = 32 * (64 * 4 + 8)  # the part: 1437 rows of 264 bytes, 379 KB > 1 MiB / 4
+    host, _ = one_process("gpu", monkeypatch, tmp_path, "sgd", 0.0)
+    assert {s[0] for s in host.steps[1:]} == {batch}
+    forced, _ = one_process("gpu", monkeypatch, tmp_path, "sgd", 0.0, on_device=True)
+    assert {s[0] for s in forced.steps[1:]} == {0}
+    np.testing.assert_array_equal(host.params["dense_0/kernel"], forced.params["dense_0/kernel"])
 
 
 def test_staged_gradients_copy_each_row_once_as_backward_says_it_is_ready():

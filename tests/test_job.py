@@ -68,6 +68,15 @@ MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
             MINIMAL + "device = 'gpu'\noverlap_pull = true\nzero_copy = true\n",
             r"train.overlap_pull: nothing to pull ahead with train.zero_copy",
         ),
+        (
+            MINIMAL.replace("[train]", "on_device = true\n[train]"),
+            r'data.on_device: only for train.device = "gpu"',
+        ),
+        (
+            MINIMAL.replace("[train]", "on_device = true\nchunk_rows = 64\n[train]")
+            + "device = 'gpu'\n",
+            r"data.on_device: .*\(not with data.chunk_rows",
+        ),
         ('[data]\nbuiltin = "digits"\n', r"give train.steps or train.epochs"),
         ("train = 3\n", r"train: expected a table"),
         ("[train\n", r"invalid TOML"),

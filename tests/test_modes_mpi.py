@@ -73,7 +73,9 @@ class Crossings(Hook):
     def after_step(self, run, info):
         t = standin.traffic
         self.steps.append((t.h2d_bytes, t.d2h_bytes, t.h2d_pageable, t.allocations, t.d2h_pageable))
-        self.batch = run.job.train.batch_size * (64 * 4 + 8)  # float32 digits, int64 labels
+        # float32 digits, int64 labels; none of it with the part on the device (the default)
+        on_device = run.job.data.on_device is not False
+        self.batch = 0 if on_device else run.job.train.batch_size * (64 * 4 + 8)
 
     def end(self, run):
         self.variables = sum(v.nbytes for v in run.variables().values())
