@@ -7,7 +7,8 @@
   the same job on the CPU path [GPU >= CPU];
 * one process (`python -m mpips train`, sync with one replica) on the GPU against one
   PyTorch process training the same model with SGD on the same GPU, same batch
-  [mpips >= 0.5x torch]; sync 2 replicas on the GPU alongside.
+  [mpips >= 0.5x torch]; sync 2 replicas on the GPU alongside. Both keep the train data
+  on the GPU (mpips' data.on_device default) and gather each batch there.
 
 Run:  python benchmarks/gpu_workload.py [--rounds 2] [--json FILE]
       MPIPS_GPU_STANDIN=1 python benchmarks/gpu_workload.py --dry-run   (no GPU: the
