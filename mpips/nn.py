@@ -65,11 +65,6 @@ class MLP(Model):
         """No row-partitioned tables: every variable is pulled whole."""
         return []
 
-    @staticmethod
-    def prepare(x: Any) -> tuple[Any, None]:
-        """The batch as it is (sparse models renumber ids here)."""
-        return x, None
-
     def loss_and_grads(
         self,
         params: dict[str, Any],

@@ -31,6 +31,7 @@ from .job import Job
 from .layout import Layout
 from .log import detail, log
 from .memory import check_fits, human
+from .model import Model
 from .nn import build_model
 from .optim import Optimizer
 from .placement import Placement, round_robin, slot_placement
@@ -254,23 +255,45 @@ def _worker_part(job: Job, cluster: Cluster, prep: Prepared, xp: ModuleType) -> 
             f"{job.data.chunk_rows} rows, {job.data.prefetch} read ahead",
         )
     elif isinstance(prep.train, InMemoryPart) and xp is not np and job.data.on_device is not False:
-        prep.train = _on_device(job, cluster, prep.train, xp)
+        prep.train = _on_device(job, cluster, prep.train, prep.model, xp)
 
 
-def _on_device(job: Job, cluster: Cluster, part: InMemoryPart, xp: ModuleType) -> InMemoryPart:
+def _on_device(
+    job: Job, cluster: Cluster, part: InMemoryPart, model: Model, xp: ModuleType
+) -> InMemoryPart:
     """A GPU worker's part copied to the device once, so a step gathers its batch there
     and nothing of it crosses (one PyTorch process keeps its data there likewise): when
-    data.on_device is true, or unset and the part is dense and fits in a quarter of the
-    device's free memory. Sparse (CSR) parts stay on the host."""
-    if sp.issparse(part.x):
-        if job.data.on_device:
-            raise ConfigError("data.on_device: a sparse (CSR) part stays on the host")
+    data.on_device is true, or unset and the part fits in a quarter of the device's free
+    memory shared among the workers on that device. It stays on the host where the batch
+    is needed there: sparse (CSR) parts, and models with tables or a ``prepare`` of their
+    own (it finds a batch's ids on the host)."""
+    forced = job.data.on_device
+    host_only = (
+        "sparse (CSR) rows"
+        if sp.issparse(part.x)
+        else "a model with tables or a prepare() of its own"
+        if model.tables() or type(model).prepare is not Model.prepare
+        else ""
+    )
+    if host_only:
+        if forced:
+            raise ConfigError(f"data.on_device: {host_only} stay on the host")
+        detail(cluster.role, f"train rows stay on the host ({host_only})")
         return part
-    nbytes = part.x.nbytes + part.y.nbytes
+    nbytes = part.x.nbytes + part.y.nbytes + 8 * len(part.y)  # (and an epoch's order)
     free = xp.cuda.runtime.memGetInfo()[0]
-    if job.data.on_device is None and nbytes > free // 4:
+    gpus = xp.cuda.runtime.getDeviceCount()
+    sharing = len(range(cluster.local_worker_index % gpus, cluster.local_workers, gpus))
+    if nbytes > (free if forced else free // (4 * sharing)):
+        if forced:
+            raise ConfigError(
+                f"data.on_device = true: this worker's part takes {human(nbytes)}, its GPU "
+                f"has {human(free)} free"
+            )
         detail(
-            cluster.role, f"train rows stay on the host: {human(nbytes)}, device free {human(free)}"
+            cluster.role,
+            f"train rows stay on the host: {human(nbytes)}, a quarter of the device's free "
+            f"{human(free)} shared by {sharing} worker(s)",
         )
         return part
     detail(

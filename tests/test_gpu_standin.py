@@ -84,18 +84,19 @@ def test_a_run_on_the_gpu_says_where_it_computes(monkeypatch, tmp_path, capsys):
 
 
 class Recorder(Hook):
-    """Each step's crossings and allocations (the stand-in's counters), and the final
-    variables."""
+    """Each step's crossings and allocations (the stand-in's counters, from the end of the
+    last step: making the batch counts too), and the final variables."""
 
     def __init__(self):
         self.steps, self.params = [], None
 
-    def before_step(self, run):
+    def begin(self, run):
         sx.traffic.reset()
 
     def after_step(self, run, info):
         t = sx.traffic
         self.steps.append((t.h2d_bytes, t.d2h_bytes, t.allocations))
+        t.reset()
 
     def end(self, run):
         self.params = run.variables()
@@ -135,8 +136,11 @@ def test_one_process_on_the_standin_equals_the_cpu_and_copies_in_only_batches(
     assert len(gpu.steps) == job.train.steps and set(cpu.steps) == {(0, 0, 0)}
     batch = job.train.batch_size * (64 * 4 + 8)  # float32 digits, int64 labels
     scratch = 4 if optimizer == "adam" else 0  # one per variable
-    crossed = 0 if on_device is None else batch  # (an epoch: 44 full batches, then anew)
-    assert set(gpu.steps[1:]) == {(crossed, 0, scratch)}, gpu.steps
+    # an epoch: 44 full batches; the second one's order (1437 rows) goes over before its first
+    crossed = [0] * 43 + [1437 * 8] + [0] * 5 if on_device is None else [batch] * 49
+    made = [scratch + (b == 1437 * 8) for b in crossed]  # (the order: a device array)
+    assert [s[0] for s in gpu.steps[1:]] == crossed, gpu.steps
+    assert [s[2] for s in gpu.steps[1:]] == made and {s[1] for s in gpu.steps} == {0}
 
 
 def test_a_part_too_big_for_the_device_stays_on_the_host(monkeypatch, tmp_path):
@@ -149,6 +153,53 @@ def test_a_part_too_big_for_the_device_stays_on_the_host(monkeypatch, tmp_path):
     forced, _ = one_process("gpu", monkeypatch, tmp_path, "sgd", 0.0, on_device=True)
     assert {s[0] for s in forced.steps[1:]} == {0}
     np.testing.assert_array_equal(host.params["dense_0/kernel"], forced.params["dense_0/kernel"])
+
+
+def test_which_parts_go_to_the_device(monkeypatch):
+    """data.on_device unset: a dense part goes when it fits in a quarter of the free memory
+    shared among the workers on its GPU; a model with tables or a prepare() of its own, or
+    sparse rows, keep it on the host (their ids are found there); true requires it, with a
+    clear error where it cannot be."""
+    from types import SimpleNamespace
+
+    import scipy.sparse as sp
+
+    from mpips.data import InMemoryPart
+    from mpips.errors import ConfigError
+    from mpips.model import Model
+    from mpips.startup import _on_device
+    from mpips.variables import VariableSpec
+
+    class Tables(Model):
+        def tables(self):
+            return [VariableSpec("emb", (10, 2))]
+
+    class Prepares(Model):
+        @staticmethod
+        def prepare(x):
+            return x, None
+
+    monkeypatch.setattr(sx._Runtime, "memGetInfo", staticmethod(lambda: (4000, 8000)))
+    job = mpips.load_job(None)
+    part = InMemoryPart(np.zeros((9, 10), np.float32), np.zeros(9, np.int64))  # 504 bytes
+
+    def where(model, workers=1, rows=part, forced=None):
+        job.data.on_device = forced
+        cluster = SimpleNamespace(role="w", local_worker_index=0, local_workers=workers)
+        return _on_device(job, cluster, rows, model, sx).xp
+
+    assert where(Model()) is sx and where(Model(), workers=2) is np  # 504 > 4000 / 8
+    assert where(Model(), workers=2, forced=True) is sx
+    for model in (Tables(), Prepares()):
+        assert where(model) is np
+        with pytest.raises(ConfigError, match="stay on the host"):
+            where(model, forced=True)
+    csr = InMemoryPart(sp.csr_matrix(part.x), part.y)
+    assert where(Model(), rows=csr) is np
+    big = InMemoryPart(np.zeros((100, 10), np.float32), np.zeros(100, np.int64))
+    assert where(Model(), rows=big) is np
+    with pytest.raises(ConfigError, match="part takes 5.5 KiB, its GPU has 3.9 KiB free"):
+        where(Model(), rows=big, forced=True)
 
 
 def test_staged_gradients_copy_each_row_once_as_backward_says_it_is_ready():

@@ -7,7 +7,8 @@ memory, or reduce-scatter and all-gather across nodes: the PyPI MPICH is not CUD
 clipping included, and the mean comes back to the device in one copy, where every replica
 applies the same update to its own copy of the variables: identical by construction, as the
 replica check verifies. With one replica (one process) nothing is reduced: the update runs
-on the device straight after backward, and no byte crosses but the batch.
+on the device straight after backward, and no byte crosses but the batch (none when the
+data is on the device: data.on_device).
 """
 
 from __future__ import annotations

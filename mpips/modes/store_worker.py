@@ -117,7 +117,7 @@ class StoreWorker:
         return evaluate_on(self.model, self.device, self.client.pull(ids), (x, self.prep.val[1]))
 
     def batches(self) -> Iterable[tuple[int, Any, Any]]:
-        assert self.prep.train is not None  # host memory; batches go to the device one at a time
+        assert self.prep.train is not None  # (on a GPU: on the device, or copied a batch at a time)
         return self.prep.train.batches(
             self.tc.batch_size, self.tc.seed, self.role.task, self.tc.epochs, start_batch=self.clock
         )

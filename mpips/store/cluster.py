@@ -235,8 +235,17 @@ class Cluster:
     def local_worker_index(self) -> int:
         """This worker's index among the workers on its node (PS ranks not counted): which
         GPU of the node it uses."""
-        here = [r for r in self.node_ranks if r in set(self.layout.worker_ranks)]
-        return here.index(self.rank)
+        return self._local_workers.index(self.rank)
+
+    @property
+    def local_workers(self) -> int:
+        """How many workers share this rank's node."""
+        return len(self._local_workers)
+
+    @property
+    def _local_workers(self) -> list[int]:
+        workers = set(self.layout.worker_ranks)
+        return [r for r in self.node_ranks if r in workers]
 
     def check_placement(self, placement: Placement) -> None:
         """Stop on every rank, naming the first differing variable, if placements disagree."""
