@@ -7,6 +7,7 @@ batch, hybrid its lockstep reference, async every global step counted once."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -142,9 +143,12 @@ def test_sync_replicas_mode_through_a_ps_equals_one_process(shared, device):
 
 
 def test_async_counts_every_global_step_once_and_learns(shared, device, capsys):
+    """Each global step counted once; the timeline's phases (a GPU worker's copies in and
+    out as phases of their own)."""
     text = REPLICAS_JOB.format(mode="async", optimizer="sgd", lr=0.1).replace(
         "steps = 20", "steps = 60"
     )
+    text += "[summary]\ntimeline = true\n"
     crossings = Crossings()
     previous = log.verbose()
     log.set_verbose(True)  # (each worker's start-up detail says how it pulls)
@@ -164,6 +168,13 @@ def test_async_counts_every_global_step_once_and_learns(shared, device, capsys):
     assert updates[0] is None and sum(updates[1:]) == 60, updates  # rank 0: the PS task
     if result.role.job == "worker":
         assert 0 < result.examples <= result.updates * job.train.batch_size
+        trace = json.loads(
+            (shared / f"runs/async/timeline/worker-{result.role.task}.json").read_text()
+        )
+        phases = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+        copies = {"copy in", "copy out"}
+        assert {"pull", "compute", "push and ack"} <= phases, phases
+        assert copies <= phases if device == "gpu" else not copies & phases, phases
     if world().rank == 1:  # the chief
         assert result.global_step == 60
         assert result.test_accuracy is not None and result.test_accuracy > 0.5

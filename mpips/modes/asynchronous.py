@@ -96,11 +96,13 @@ class AsyncWorker(StoreWorker):
             pulled, pulled_at = client.params, ahead[0]
         else:  # (or a hook pulled since: a validation, the variables for a summary)
             pulled = client.pull(ids, step=True)
+        if tl:
+            t = tl.span("pull", t)
         params = device.stage_in(pulled)
         x, y = device.to_device(x, "x"), device.to_device(y, "y")
         grads = device.mirrors(client.gradients())  # on the CPU: the push buffers themselves
-        if tl:
-            t = tl.span("pull", t)
+        if tl and not device.on_host:
+            t = tl.span("copy in", t)
         loss = self._loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):
             self._not_finite(loss, pulled_at)
@@ -117,9 +119,11 @@ class AsyncWorker(StoreWorker):
         lr = learning_rate(self.oc, pulled_at)
         if not (self.optimizer.stateful or client.applies_in_place):
             sgd_deltas(grads.values(), lr)  # plain SGD: the PS Accumulates the deltas
+        if tl and not device.on_host:
+            t = tl.span("compute", t)
         device.stage_out(grads, client.gradients())
         if tl:
-            t = tl.span("compute", t)
+            t = tl.span("compute" if device.on_host else "copy out", t)
         # applied while this worker prepares its next batch; with a staleness bound it
         # waits, so the clock it publishes counts only updates every pull can see (zero
         # copy: applied here, as update ticket + 1, the count a PS task would give it)

@@ -145,17 +145,22 @@ class ReplicasWorker(StoreWorker):
         if tags[0] >= self.tc.steps:
             return None
         x, _ = model.prepare(x)
-        params = device.stage_in(client.pull())
-        x, y = device.to_device(x, "x"), device.to_device(y, "y")
-        grads = device.mirrors(client.gradients())
+        pulled = client.pull()
         if tl:
             t = tl.span("pull", t)
+        params = device.stage_in(pulled)
+        x, y = device.to_device(x, "x"), device.to_device(y, "y")
+        grads = device.mirrors(client.gradients())
+        if tl and not device.on_host:
+            t = tl.span("copy in", t)
         loss = self._loss_and_grads(params, x, y, grads)
         if not math.isfinite(loss):
             self._not_finite(loss, tags[0])
+        if tl and not device.on_host:
+            t = tl.span("compute", t)
         device.stage_out(grads, client.gradients())
         if tl:
-            t = tl.span("compute", t)
+            t = tl.span("compute" if device.on_host else "copy out", t)
         if not client.push(learning_rate(self.oc, tags[0]), tags):
             self.dropped += 1
         if tl:
