@@ -58,7 +58,8 @@ class DataConfig:
     chunk_rows: int = 0  # stream each worker's part in chunks of N rows (0: read it whole)
     prefetch: int = 2  # chunks read ahead by a background thread when streaming
     # GPU workers: the part copied to the device once, batches gathered there (unset: when
-    # it is read whole, dense, and fits in a quarter of the device's free memory)
+    # it is read whole, dense, and fits in a quarter of the device's free memory, shared
+    # by the workers on it)
     on_device: bool | None = None
 
 

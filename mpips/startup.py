@@ -277,7 +277,7 @@ def _on_device(
     )
     if host_only:
         if forced:
-            raise ConfigError(f"data.on_device: {host_only} stay on the host")
+            raise ConfigError(f"data.on_device: the part stays on the host with {host_only}")
         detail(cluster.role, f"train rows stay on the host ({host_only})")
         return part
     nbytes = part.x.nbytes + part.y.nbytes + 8 * len(part.y)  # (and an epoch's order)

@@ -192,7 +192,7 @@ def test_which_parts_go_to_the_device(monkeypatch):
     assert where(Model(), workers=2, forced=True) is sx
     for model in (Tables(), Prepares()):
         assert where(model) is np
-        with pytest.raises(ConfigError, match="stay on the host"):
+        with pytest.raises(ConfigError, match="the part stays on the host with a model with"):
             where(model, forced=True)
     csr = InMemoryPart(sp.csr_matrix(part.x), part.y)
     assert where(Model(), rows=csr) is np
