@@ -244,7 +244,7 @@ class Device:
             if buf.ndim == like.ndim >= 1 and buf.shape[1:] == shape[1:]:  # other rows
                 if len(buf) > len(like):
                     return buf[: len(like)]
-                shape = (max(len(like), 2 * len(buf)), *shape[1:])
+                shape = (grown(len(buf), len(like)), *shape[1:])
         buf = self._buffers[key] = self.xp.empty(shape, like.dtype)
         self.allocations += 1
         return buf if shape == like.shape else buf[: len(like)]
@@ -325,6 +325,12 @@ class StagedGradients:
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def grown(have: int, need: int) -> int:
+    """Rows of a kept buffer made again to hold ``need`` rows where it holds ``have``: at
+    least twice as many, so one that keeps growing is made again only a few times."""
+    return max(need, 2 * have)
 
 
 def page_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import page_aligned
+from ..backend import grown, page_aligned
 from ..placement import Placed, Placement, owner_and_row, views
 from .control import RunControl
 from .mailbox import WorkerMail
@@ -316,8 +316,7 @@ class StoreClient:
         model writes their gradients."""
         kept = self._rows.get(table.name)
         if kept is None or len(kept[0]) < n:
-            rows = max(n, 2 * len(kept[0])) if kept is not None else n
-            shape = (rows, table.width)
+            shape = (grown(len(kept[0]) if kept else 0, n), table.width)
             kept = self._rows[table.name] = (
                 page_aligned(shape, table.dtype),
                 page_aligned(shape, table.dtype),
