@@ -38,10 +38,13 @@ class Traffic:
     allocations: int = 0  # device buffers made on purpose (empty, zeros, ..., asarray)
     h2d_pageable: int = 0  # of the bytes copied in, those from host memory not page-locked
     d2h_pageable: int = 0  # of the bytes copied out, those into host memory not page-locked
+    # the host waited for the device's queue to drain: a synchronize, or a device value
+    # read as a Python scalar (float(loss)); on a GPU each one stalls the launch pipeline
+    waits: int = 0
 
     def reset(self) -> None:
         self.h2d_copies = self.h2d_bytes = self.d2h_copies = self.d2h_bytes = 0
-        self.allocations = self.h2d_pageable = self.d2h_pageable = 0
+        self.allocations = self.h2d_pageable = self.d2h_pageable = self.waits = 0
 
     def to_device(self, host: _np.ndarray, new: bool) -> None:
         """A host-to-device copy: into a ``new`` device array, or into an existing one."""
@@ -103,7 +106,7 @@ class _Runtime:
 
     @staticmethod
     def deviceSynchronize() -> None:  # noqa: N802
-        pass  # (the stand-in's work is done when a call returns)
+        traffic.waits += 1  # (the stand-in's work is done when a call returns)
 
 
 class cuda:  # noqa: N801 (cupy.cuda)
@@ -208,6 +211,16 @@ class ndarray:  # noqa: N801 (cupy's name)
         traffic.to_device(arr, new=False)
         self._a[...] = arr
 
+    def item(self) -> Any:
+        """The one value as a Python scalar: a device-to-host read (the host waits)."""
+        traffic.waits += 1
+        return self._a.item()
+
+    def tolist(self) -> Any:
+        """The values as Python lists: a device-to-host read (the host waits)."""
+        traffic.waits += 1
+        return self._a.tolist()
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):  # (__array_interface__ and the like would let numpy in)
             raise AttributeError(name)
@@ -227,12 +240,15 @@ class ndarray:  # noqa: N801 (cupy's name)
         return (_wrap(row) for row in self._a)
 
     def __float__(self) -> float:
+        traffic.waits += 1
         return float(self._a)
 
     def __int__(self) -> int:
+        traffic.waits += 1
         return int(self._a)
 
     def __bool__(self) -> bool:
+        traffic.waits += 1
         return bool(self._a)
 
     def __format__(self, spec: str) -> str:

@@ -6,6 +6,7 @@ buffer after its first step. (Every mode on it under MPI: test_modes_mpi.py.)"""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from mpips import standin as sx
 from mpips.backend import Device, array_module, get_xp, scatter_add, to_host
 from mpips.hooks import Hook
 from mpips.layers import Sequential
+from mpips.optim import clip_by_global_norm
 
 
 def test_the_standin_refuses_host_arrays_wherever_cupy_does():
@@ -88,7 +90,7 @@ class Recorder(Hook):
     last step: making the batch counts too), and the final variables."""
 
     def __init__(self):
-        self.steps, self.params = [], None
+        self.steps, self.waits, self.params = [], [], None
 
     def begin(self, run):
         sx.traffic.reset()
@@ -96,6 +98,7 @@ class Recorder(Hook):
     def after_step(self, run, info):
         t = sx.traffic
         self.steps.append((t.h2d_bytes, t.d2h_bytes, t.allocations))
+        self.waits.append(t.waits)
         t.reset()
 
     def end(self, run):
@@ -141,6 +144,9 @@ def test_one_process_on_the_standin_equals_the_cpu_and_copies_in_only_batches(
     made = [scratch + (b == 1437 * 8) for b in crossed]  # (the order: a device array)
     assert [s[0] for s in gpu.steps[1:]] == crossed, gpu.steps
     assert [s[2] for s in gpu.steps[1:]] == made and {s[1] for s in gpu.steps} == {0}
+    # the host waits for the device once a step, for the loss: not for the update, nor for
+    # the norm of a clip, so the launches of the next step queue behind the update
+    assert gpu.waits[1:] == [1] * 49 and set(cpu.waits) == {0}, gpu.waits
 
 
 def test_a_part_too_big_for_the_device_stays_on_the_host(monkeypatch, tmp_path):
@@ -394,3 +400,26 @@ def delayed_sgd(text: str, steps: int, fresh) -> dict[str, np.ndarray]:
         for name in params:
             opt.apply(params[name], grads[name], {}, job.optimizer.learning_rate, 1)
     return params
+
+
+@pytest.mark.parametrize("clip", [0.5, 1e6])
+@pytest.mark.parametrize("odd", [None, 0.0, math.nan, math.inf])
+def test_clipping_on_the_device_gives_the_host_bits_without_a_wait(clip, odd):
+    """clip_by_global_norm on device gradients: the host's bits (clipped, within the norm,
+    all zero, a NaN or an infinity in a gradient) and the norm as a device scalar, with
+    no wait for the device."""
+    rng = np.random.default_rng(3)
+    host = [rng.standard_normal(s).astype(np.float32) for s in [(7, 5), (5,), (300,)]]
+    if odd == 0.0:
+        host = [np.zeros_like(g) for g in host]
+    elif odd is not None:
+        host[1][3] = odd
+    device = [sx.asarray(g) for g in host]
+    sx.traffic.reset()
+    with np.errstate(invalid="ignore"):  # (an infinity times 0, on both)
+        norm = clip_by_global_norm(device, clip)
+        assert sx.traffic.waits == 0 and isinstance(norm, sx.ndarray)
+        expected = clip_by_global_norm(host, clip)
+    assert float(norm) == expected or (math.isnan(expected) and math.isnan(float(norm)))
+    for h, d in zip(host, device, strict=True):
+        np.testing.assert_array_equal(d.get(), h)

@@ -73,11 +73,18 @@ def read_ckpt(path):
     return (*ckpt.read_all(), ckpt.clocks)
 
 
-@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize("kind", [*CASES, "momentum on the GPU stand-in"])
 def test_one_async_worker_equals_single_process_reference(tmp_path, kind):
+    """(On the GPU stand-in, the worker clips its gradients on the device.)"""
+    kind, _, on = kind.partition(" on the ")
     job = write_job(tmp_path, kind, 50)
-    r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    env = {"MPIPS_GPU_STANDIN": "1"} if on else {}
+    if on:
+        text = (tmp_path / "job.toml").read_text()
+        (tmp_path / "job.toml").write_text(text.replace("[train]", '[train]\ndevice = "gpu"'))
+    r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path, **env)
     assert r.returncode == 0, r.stderr
+    assert ("computing on the GPU stand-in" in r.stdout) == bool(on)
     variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-50.json")
     want, want_slots = reference(job, 50)
     assert clocks == [50]

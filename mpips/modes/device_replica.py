@@ -21,7 +21,7 @@ from ..allreduce import Update, broadcast
 from ..backend import Device, StagedGradients
 from ..hooks import Hook
 from ..job import Job
-from ..optim import Optimizer
+from ..optim import Optimizer, clip_by_global_norm
 from ..run import TrainResult
 from ..startup import Prepared
 from ..store import Cluster
@@ -124,10 +124,14 @@ class DeviceReplica(Replica):
         already), and the update there; alone, this replica's own gradients, clipped on
         the device."""
         grads = self.device_grads
-        if self.alone and self.clip is not None:
-            self.clip(list(grads.values()), lambda squares: squares)
+        if self.alone:  # (on the device, without a wait: see clip_by_global_norm)
+            clip_by_global_norm(list(grads.values()), self.oc.clip_norm)
         for name, mean in self.means.items():
             grads[name].set(mean)
         for name, var in self.live.items():
             self.optimizer.apply(var, grads[name], self.device_slots[name], lr, step + 1)
-        self.device.synchronize()  # the means' copies read, before the buckets take the next
+        # the means' copies read, before the buckets take the next; alone, nothing waits for
+        # the update (it runs while the host makes the next batch, and the next step's loss,
+        # read after its forward, is the step's one wait) unless the timeline measures it
+        if not self.alone or self.timeline:
+            self.device.synchronize()
