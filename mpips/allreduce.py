@@ -183,6 +183,9 @@ class GradientBuckets:
     slots in MPI shared memory, and each replica's gradients there too. Once every replica
     has written its gradients, each one sums its part straight from the others' memory and
     updates that part of the one copy in place: no message moves a byte.
+
+    One replica alone (one process) holds every part: its gradients are the mean, updated
+    where they lie, and nothing is reduced, fenced or agreed over MPI.
     """
 
     def __init__(
@@ -195,6 +198,8 @@ class GradientBuckets:
     ):
         self.comm = comm
         self.size, self.rank = comm.size, comm.rank
+        self.solo = self.size == 1  # (nothing to share with: no shared window either)
+        shared = shared and not self.solo
         self.buckets: list[Bucket] = []
         self.values: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
@@ -282,7 +287,9 @@ class GradientBuckets:
                 pieces.append((s.name, max(lo, mine_lo), min(hi, mine_hi)))
             self._buckets_of.setdefault(s.name, []).append(index)
             offset = hi
-        shard = np.zeros(counts[self.rank], store.values.dtype)
+        # (alone, the shard is the gradients themselves: its own sum)
+        own = store.grads[start : start + counts[0]]
+        shard = own if self.solo else np.zeros(counts[self.rank], store.values.dtype)
         # rows along axis 0 that ``ready(name, rows)`` must have said (all, where it ends)
         needs = {s.name: stop if stop < _rows(s) else _length(s) for s, _, stop in segments}
         self.buckets.append(Bucket(needs, store, start, counts, displs, pieces, shard))
@@ -363,7 +370,7 @@ class GradientBuckets:
         replica): any nonzero maximum and the step is not applied."""
         step = self._step
         step.agreement = np.array(votes, np.int64)
-        if len(votes):
+        if len(votes) and not self.solo:
             step.request = self.comm.Iallreduce(MPI.IN_PLACE, step.agreement, MPI.MAX)
 
     def agreed(self) -> list[int]:
@@ -406,6 +413,8 @@ class GradientBuckets:
             step.gathered += 1
 
     def _gather(self, b: Bucket) -> None:
+        if self.solo:
+            return  # (updated in place: the only copy)
         assert self._gathers is not None
         b.gather = self._gathers.Iallgatherv(
             MPI.IN_PLACE, [b.span(b.store.values), (b.counts, b.displs)]
@@ -414,6 +423,8 @@ class GradientBuckets:
     def _reduce(self, index: int) -> None:
         del self._pending[index]
         b = self.buckets[index]
+        if self.solo:
+            return  # (the shard is the gradients)
         b.request = self.comm.Ireduce_scatter(b.span(b.store.grads), b.shard, b.counts, MPI.SUM)
         if self._pump is not None:
             self._pump.on.set()  # until finish, which enters MPI itself
@@ -501,7 +512,8 @@ class GradientBuckets:
         if b.request is not None:
             complete(self.comm, b.request, "the gradient reduction")
             b.request = None
-        b.shard /= self.size
+        if not self.solo:
+            b.shard /= self.size
 
     def _grad_parts(self, b: Bucket) -> list[tuple[str, np.ndarray]]:
         first = b.start + b.displs[self.rank]
@@ -513,6 +525,8 @@ class GradientBuckets:
         parts = [g for b in self.buckets for name, g in self._grad_parts(b) if name != LOSS]
 
         def over_replicas(squares: float) -> float:
+            if self.solo:
+                return squares
             total = np.array([squares])
             complete(self.comm, self.comm.Iallreduce(MPI.IN_PLACE, total, MPI.SUM), "the norm")
             return float(total[0])

@@ -60,6 +60,8 @@ def node_shared(cluster: Cluster, nbytes: int) -> bool:
     this node, unless MPIPS_SHARED_MEMORY=0 (then they exchange messages, as across nodes)
     or the node's shared-memory file system (/dev/shm) lacks the ``nbytes`` it takes: MPI
     shared memory lives there, and a process that runs past its end dies of SIGBUS."""
+    if cluster.workers.size == 1:  # one replica: nothing to share (see GradientBuckets)
+        return False
     if not cluster.workers_on_one_node or os.environ.get("MPIPS_SHARED_MEMORY", "1") == "0":
         return False
     free = shared_memory_free(nbytes)
@@ -250,7 +252,9 @@ class Replica:
             f"sync replica: train rows [{start}, {stop}), {self.per_epoch} batches of "
             f"{self.tc.batch_size} an epoch, {len(self.buckets.buckets)} bucket(s) "
             + (
-                "updated in node shared memory"
+                "updated where they lie (one replica)"
+                if self.buckets.solo
+                else "updated in node shared memory"
                 if self.buckets.shared
                 else "updated through Ireduce_scatter and Iallgatherv"
             )
