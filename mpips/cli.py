@@ -94,7 +94,8 @@ def _add_train(sub: Subparsers) -> None:
     t.add_argument(
         "--no-restore",
         action="store_true",
-        help="start from fresh variables even if the checkpoint dir has a checkpoint",
+        help="start from fresh variables; refused where checkpoint.dir holds checkpoints "
+        "(of an earlier run: use --ckpt-dir for a new directory)",
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar on the chief")
     t.add_argument(
@@ -267,7 +268,8 @@ def _add_data(sub: Subparsers) -> None:
         "--rows",
         type=int,
         default=None,
-        help="synthetic / zipf: train rows (default 60000 / 100000)",
+        help="synthetic / zipf: train rows (default 60000 / 100000; synthetic adds 10000 "
+        "test rows)",
     )
     d.add_argument("--features", type=int, default=10_000_000, help="zipf: id space")
     d.add_argument(
@@ -436,7 +438,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
     for p in range(layout.num_ps):
         print(
             f"/job:ps/task:{p} (rank {layout.ps_ranks[p]}): "
-            f"{len(placement.on_ps(p))} variables, {placement.ps_bytes(p)} bytes"
+            f"{len(placement.on_ps(p))} variable{'' if len(placement.on_ps(p)) == 1 else 's'}, "
+            f"{placement.ps_bytes(p)} bytes"
         )
     if mode.zero_copy_on_one_node:
         print(f"\npulls: {_pull_path(job, bool(on))}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .memory import human
 from .variables import VariableSpec
 
 ALIGN = 64  # bytes; every variable starts on a cache line of its PS window
@@ -171,10 +172,10 @@ def imbalance(placement: Placement, strategy: str) -> str:
     if held[top] < 1.5 * share or held[top] - share < 256 * 1024:
         return ""
     largest = max((e for e in placement.dense), key=lambda e: e.spec.nbytes)
-    split = ", ".join(f"ps:{t} {held[t] / 1e6:.2f} MB" for t in range(num_ps))
+    split = ", ".join(f"ps:{t} {human(held[t])}" for t in range(num_ps))
     if largest.spec.nbytes > share:
         fix = (
-            f"its largest variable {largest.name} ({largest.spec.nbytes / 1e6:.2f} MB) "
+            f"its largest variable {largest.name} ({human(largest.spec.nbytes)}) "
             f"alone is more than an even share: split it by rows over the PS tasks with "
             f'layout.partition = ["{largest.name}"] (or layout.partition_min_bytes)'
         )

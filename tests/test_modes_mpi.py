@@ -163,7 +163,7 @@ def test_async_counts_every_global_step_once_and_learns(shared, device, capsys):
     expected = device == "cpu" and one_node()  # (collective: every rank asks)
     if result.role.job == "worker":  # the default on one node: zero copy, but on a GPU
         assert crossings.zero_copy is expected
-        in_place = "in place (zero copy) and applies its updates there" in said
+        in_place = "(zero copy) and applies its updates there" in said
         assert in_place is expected, said[-2000:]
     assert updates[0] is None and sum(updates[1:]) == 60, updates  # rank 0: the PS task
     if result.role.job == "worker":

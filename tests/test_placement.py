@@ -86,7 +86,7 @@ def test_an_unbalanced_placement_is_named_with_what_would_fix_it():
         VariableSpec("b1", (128,)),
     ]
     said = imbalance(round_robin(fmnist, 2), "round_robin")
-    assert "ps:0 0.93 MB, ps:1 0.00 MB" in said and 'layout.partition = ["k0"]' in said
+    assert "ps:0 912.0 KiB, ps:1 1.5 KiB" in said and 'layout.partition = ["k0"]' in said
     even = [
         VariableSpec(n, (256, 256) if n[0] == "k" else (4,))  # kernels all on ps:0
         for i in range(4)

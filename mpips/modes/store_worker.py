@@ -161,17 +161,18 @@ class StoreWorker:
             control.wait_ready(start_limit(role.task))
         self.clock = int(control.clocks()[0][role.task])
         start, stop = prep.rows
+        client, ps = self.client, f"{self.windows.placement.num_ps} ps task(s)"
+        pulls = f"pulls {client.nbytes / 1e6:.2f} MB per step from {ps}"
+        if client.reads_in_place:  # (zero copy: what is read in place is not pulled)
+            in_place = f"reads {client.in_place_bytes / 1e6:.2f} MB per step in place"
+            pulls = f"{pulls}, {in_place}" if client.nbytes else f"{in_place} from {ps}"
+            pulls += " (zero copy)" + (
+                " and applies its updates there" if client.applies_in_place else ""
+            )
         detail(
             role,
             f"train rows [{start}, {stop}) of {prep.info.rows['train']}, "
-            f"batch {tc.batch_size}, pulls {self.client.nbytes / 1e6:.2f} MB per step "
-            f"from {self.windows.placement.num_ps} ps task(s)"
-            + (
-                f", reads {self.client.in_place_bytes / 1e6:.2f} MB in place (zero copy)"
-                + (" and applies its updates there" if self.client.applies_in_place else "")
-                if self.client.reads_in_place
-                else ""
-            )
+            f"batch {tc.batch_size}, {pulls}"
             + (f", resuming at batch {self.clock}" if self.clock else ""),
         )
         return prep.start_step  # global_step itself may have moved on: others are pushing
