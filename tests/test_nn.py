@@ -120,3 +120,44 @@ def test_buckets_cut_a_big_matrix_between_rows():
     assert buckets.values["w"].base is not None and buckets.values["w"].shape == (50, 32)
     assert np.shares_memory(buckets.values["w"][:16], w.span(w.store.values))
     buckets.close()
+
+
+def test_one_replica_updates_its_gradients_where_they_lie():
+    """One replica (one process): no shared window even where one is offered, its part of
+    each bucket is the gradients themselves (nothing copied), and a step applies them as
+    they are, clipped, with the loss as the mean loss; a vote to stop applies nothing."""
+    from mpi4py import MPI
+
+    from mpips.allreduce import GradientBuckets
+    from mpips.optim import global_norm_clip
+    from mpips.variables import VariableSpec
+
+    specs = [VariableSpec("w", (50, 32)), VariableSpec("v", (600,))]
+    buckets = GradientBuckets(MPI.COMM_SELF, specs, bucket_bytes=2048, shared=True)
+    assert buckets.solo and not buckets.shared
+    for b in buckets.buckets:
+        assert np.shares_memory(b.shard, b.span(b.store.grads))
+    rng = np.random.default_rng(1)
+    for name in ("w", "v"):
+        buckets.values[name][...] = rng.standard_normal(buckets.values[name].shape)
+        buckets.grads[name][...] = rng.standard_normal(buckets.grads[name].shape)
+    start = {n: buckets.values[n].copy() for n in ("w", "v")}
+    grads = {n: buckets.grads[n].copy() for n in ("w", "v")}
+    norm = np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads.values()))
+
+    def sgd(var, grad, slots):
+        var -= 0.5 * grad
+
+    buckets.start_step(sgd, global_norm_clip(1.0), [0, 0])
+    buckets.set_loss(1.5)
+    assert buckets.finish() == 1.5 and buckets.agreed() == [0, 0]
+    for name in ("w", "v"):
+        want = start[name] - 0.5 * (grads[name] * np.float32(1.0 / norm))
+        np.testing.assert_allclose(buckets.values[name], want, rtol=1e-6, err_msg=name)
+    applied = {n: buckets.values[n].copy() for n in ("w", "v")}
+    buckets.start_step(sgd, None, [3, 0])  # (a stop signal: nothing applied)
+    buckets.set_loss(2.0)
+    assert np.isnan(buckets.finish()) and buckets.agreed() == [3, 0]
+    for name in ("w", "v"):
+        np.testing.assert_array_equal(buckets.values[name], applied[name])
+    buckets.close()
