@@ -66,26 +66,61 @@ def abort_on_error() -> Iterator[None]:
         yield
     except AgreedError as e:
         if _world().rank == 0:
-            print(f"mpips: error: {e}", file=sys.stderr, flush=True)
+            say(f"mpips: error: {e}")
         sys.exit(e.exit_code)
     except AlreadyReported as e:
         time.sleep(QUIET_GRACE_SECONDS)  # let the reporting rank's abort (and message) come first
         _abort(e.exit_code)
     except MpipsError as e:
-        print(f"mpips: error on {where()}: {e}", file=sys.stderr, flush=True)
+        say(f"mpips: error on {where()}: {e}")
         _abort(e.exit_code)
     except KeyboardInterrupt:
-        print(f"mpips: {where()} interrupted; aborting the job", file=sys.stderr, flush=True)
+        say(f"mpips: {where()} interrupted; aborting the job")
         _abort(130)
     except Exception as e:
-        tb = "".join(traceback.format_exception(e))
-        print(
-            f"mpips: {where()} failed:\n{tb}mpips: {where()} failed with "
-            f"{type(e).__name__}: {e}; aborting the job",
-            file=sys.stderr,
-            flush=True,
-        )
+        said = f"mpips: {where()} failed with {type(e).__name__}: {e}"
+        if _first_to_explain():
+            tb = "".join(traceback.format_exception(e))
+            say(f"mpips: {where()} failed:\n{tb}{said}; aborting the job")
+        else:  # (the same bug on every worker: one traceback a node, not one a rank)
+            frames = traceback.extract_tb(e.__traceback__)
+            at = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+            say(f"{said}{at}; aborting the job (another rank of this node printed a traceback)")
         _abort(1)
+
+
+def say(text: str) -> None:
+    """``text`` and its newline on stderr in one write, so lines of ranks that fail at once
+    do not run into each other in the launcher's merged output."""
+    with suppress(OSError, ValueError):
+        sys.stderr.flush()
+    data = (text + "\n").encode(errors="backslashreplace")
+    try:
+        while data:
+            data = data[os.write(sys.stderr.fileno(), data) :]
+    except (OSError, ValueError, AttributeError):  # (no file descriptor: a test's capture)
+        print(text, file=sys.stderr, flush=True)
+
+
+_explains: socket.socket | None = None  # held: this rank printed its node's traceback
+_explain_name: str | None = None  # the node's claim, known once the rank joined its watcher
+
+
+def _first_to_explain() -> bool:
+    """Whether this rank prints its traceback: the first rank of its node to fail does (it
+    binds the node's claim, an abstract socket name released when the process ends); the
+    others say one line. Before the ranks know their node's watcher, every rank does."""
+    global _explains
+    if _explains is not None or _explain_name is None:
+        return True
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(_explain_name)
+    except OSError:
+        claim.close()
+        return False
+    _explains = claim
+    return True
 
 
 ABORT_GRACE_SECONDS = 0.5
@@ -177,9 +212,10 @@ def join_watcher(pid: int, token: int, rank: int, task: str) -> None:
     """Every rank of the node: tell the watcher who this rank is, hand it copies of this
     process's stdout and stderr, and say "bye" to it at a deliberate exit. Best effort: a
     rank that cannot reach it runs unwatched."""
-    global _watch
+    global _watch, _explain_name
     if not pid or _watch is not None:
         return
+    _explain_name = _address(pid, token) + "-traceback"
     hello = {"rank": rank, "task": task, "pid": os.getpid(), "host": socket.gethostname()}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

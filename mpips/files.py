@@ -13,6 +13,12 @@ from .errors import MpipsError
 TEXT_LIMIT = 64 << 20  # job, layout and manifest files are small: more is not one of them
 
 
+class OutputRefused(MpipsError):
+    """An output path mpips will not write: a device, directory or other special file, or a
+    checkpoint's own file (which only the run writing that checkpoint writes). Bad input:
+    exit 2, and nothing is touched."""
+
+
 class WriteFailed(MpipsError):
     """A file could not be written (disk full, read-only file system, an I/O error): a
     failure of the machine, not of the input, so exit 1; what was there before is intact."""
@@ -42,21 +48,51 @@ def check_regular(
     except OSError as e:
         raise error(f"{what}: cannot read ({e.strerror or e})") from None
     if not stat.S_ISREG(st.st_mode):
-        kind = (
-            "a directory"
-            if stat.S_ISDIR(st.st_mode)
-            else "a FIFO"
-            if stat.S_ISFIFO(st.st_mode)
-            else "a device"
-            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-            else "a socket"
-            if stat.S_ISSOCK(st.st_mode)
-            else "not a regular file"
-        )
-        raise error(f"{what}: is {kind}, not a regular file")
+        raise error(f"{what}: is {_kind(st.st_mode)}, not a regular file")
     if max_bytes is not None and st.st_size > max_bytes:
         raise error(f"{what}: {st.st_size} bytes, more than the {max_bytes} such a file may hold")
     return st.st_size
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def check_output(final: Path, checkpoint_file: bool = False) -> None:
+    """OutputRefused unless ``final`` may be written (replaced by a rename): a new name, a
+    regular file or a link (the link is replaced, never what it names); and, unless
+    ``checkpoint_file`` (the checkpoint writer's own shards and manifests), not a name a
+    checkpoint's files or its directory lock have: an export, a result or predictions
+    written over ``ckpt-40.json`` would destroy the checkpoint."""
+    from .checkpoint.format import MANIFEST_FILE, SHARD_FILE  # (they import this module)
+    from .checkpoint.lock import LOCK_FILE
+
+    try:
+        st = os.lstat(final)
+    except OSError:
+        st = None  # (a new name; or one the write itself will fail on, with its cause)
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        raise OutputRefused(
+            f"{final}: is {_kind(st.st_mode)}: mpips writes its output into a regular file "
+            f"(give a file name)"
+        )
+    name = final.name
+    ours = MANIFEST_FILE.match(name) or SHARD_FILE.match(name) or name == LOCK_FILE
+    if ours and not checkpoint_file:
+        raise OutputRefused(
+            f"{final}: a checkpoint's file name (ckpt-N.json, ckpt-N.shard-K-of-M.h5, "
+            f"{LOCK_FILE}): only the run that writes a checkpoint writes those, and this "
+            f"would replace or shadow one; give another name"
+        )
 
 
 def read_text(
@@ -93,15 +129,21 @@ def temporary_name(final: Path) -> Path:
 
 
 def atomic_write(
-    final: str | Path, write: Callable[[Path], object], failed: str | None = None
+    final: str | Path,
+    write: Callable[[Path], object],
+    failed: str | None = None,
+    checkpoint_file: bool = False,
 ) -> Path:
     """``write(tmp)`` (its return value is ignored), fsync it, rename it to ``final``, fsync
     the directory; on any failure no trace is left and an existing ``final`` is untouched.
+    ``final`` is checked first (check_output): never a device or directory, and a
+    checkpoint's file name only for the checkpoint writer (``checkpoint_file``).
     With ``failed`` (what a failure means, e.g. "checkpoint not committed"), an OSError
     (disk full, read-only file system) becomes WriteFailed naming ``final``, the cause and
     ``failed``; without it, it passes through. Cleaning up never hides the first error (on
     a read-only file system even removing a file that is not there fails)."""
     final = Path(final)
+    check_output(final, checkpoint_file)
     tmp = temporary_name(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)

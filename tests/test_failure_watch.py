@@ -80,3 +80,46 @@ def test_the_watcher_names_a_death_only_while_another_rank_is_untouched(ended):
             p.communicate()
     named = f"mpips: rank 0 (/job:worker/task:0, pid {ranks[0].pid} on {socket.gethostname()}) "
     assert (named + "died without a word" in said) != ended, said
+
+
+RAISES_EVERYWHERE = """
+import numpy as np
+import mpips
+
+
+class Broken(mpips.Model):
+    def variables(self):
+        return [mpips.Variable("w", (64, 10))]
+
+    def initial_values(self, seed):
+        return {"w": np.zeros((64, 10), np.float32)}
+
+    def loss_and_grads(self, params, x, y, grads, ready=None):
+        raise ValueError("a bug in the model")
+
+    def evaluate(self, params, x, y):
+        return {"loss": 0.0}
+
+
+def build(data, **_):
+    return Broken()
+"""
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_same_bug_on_every_worker_prints_one_traceback(tmp_path, mode):
+    """A model that raises on every worker at once (the commonest bug): the node prints one
+    traceback, and every worker one line naming its rank and the error, each line whole."""
+    (tmp_path / "broken.py").write_text(RAISES_EVERYWHERE)
+    (tmp_path / "job.toml").write_text(
+        f'[model]\nkind = "broken:build"\n[data]\nbuiltin = "digits"\n[train]\n'
+        f'mode = "{mode}"\nsteps = 20\nprogress = false\n[checkpoint]\ndir = ""\n'
+    )
+    r = run_mpi(6, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path, timeout=90)
+    assert r.returncode != 0
+    assert r.stderr.count("Traceback (most recent call last)") == 1, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "failed with ValueError: a bug" in ln]
+    workers = 5 if mode == "async" else 6  # (async: 1 PS task)
+    assert 1 <= len(lines) <= workers, r.stderr
+    for line in lines:  # one message a line: none runs into the next rank's
+        assert line.startswith("mpips: rank ") and line.count("mpips:") == 1, line

@@ -32,7 +32,12 @@ _locks: dict[Path, int] = {}  # checkpoint directory -> the lock file this proce
 
 
 def _key(directory: str | Path) -> Path:
-    return Path(directory).resolve()
+    """The directory's one name (links resolved); as given, made absolute, where it cannot
+    be resolved (a loop of links: the error that comes of it is said elsewhere)."""
+    try:
+        return Path(directory).resolve()
+    except (OSError, RuntimeError):
+        return Path(os.path.abspath(directory))
 
 
 def run_of(directory: str | Path) -> str | None:
@@ -106,8 +111,11 @@ def lock_directory(directory: str | Path, job: str) -> DirectoryLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(said).encode(), 0)
     except OSError as e:
+        reason = os_reason(e)
+        if os.path.islink(d) and not os.path.exists(d):
+            reason = "a symbolic link to nothing: its target is missing, or links loop"
         raise CheckpointError(
-            f"checkpoint.dir {d}: cannot write checkpoints there ({os_reason(e)}); choose "
+            f"checkpoint.dir {d}: cannot write checkpoints there ({reason}); choose "
             f"another with --ckpt-dir"
         ) from None
     _runs[key] = run

@@ -70,6 +70,7 @@ def write_shard(
         Path(directory) / shard_name(step, shard, num_shards),
         write,
         NOT_COMMITTED.format(step=step),
+        checkpoint_file=True,
     )
 
 
@@ -110,7 +111,9 @@ def commit(
     def write(tmp: Path) -> None:
         tmp.write_text(text)
 
-    path = atomic_write(d / manifest_name(step), write, NOT_COMMITTED.format(step=step))
+    path = atomic_write(
+        d / manifest_name(step), write, NOT_COMMITTED.format(step=step), checkpoint_file=True
+    )
     prune(d, max_to_keep)
     return path
 
