@@ -6,7 +6,10 @@ A thin public face: load a job, train it (collectively, under mpirun), hook into
 
 from typing import Any
 
-from . import layers
+from . import (
+    _starting,  # noqa: F401 (first: `python -m mpips` and Ctrl-C while it starts)
+    layers,
+)
 from .errors import MpipsError
 from .failure import abort_on_error
 from .hooks import Hook, Run, StepInfo, StopAtLoss, StopAtStep

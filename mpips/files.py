@@ -1,9 +1,11 @@
 """Durable atomic file writes: every file mpips writes (checkpoint shards and manifests,
-exported models, converted datasets) appears whole or not at all, even after a crash."""
+exported models, converted datasets) appears whole or not at all, even after a crash; and
+the names of a checkpoint's own files, which no other output may take."""
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +13,10 @@ from pathlib import Path
 from .errors import MpipsError
 
 TEXT_LIMIT = 64 << 20  # job, layout and manifest files are small: more is not one of them
+# a checkpoint's files (checkpoint/format.py) and its directory's lock (checkpoint/lock.py)
+MANIFEST_FILE = re.compile(r"^ckpt-(\d+)\.json$")
+SHARD_FILE = re.compile(r"^ckpt-(\d+)\.shard-(\d+)-of-(\d+)\.h5$")
+LOCK_FILE = ".mpips-lock"
 
 
 class OutputRefused(MpipsError):
@@ -73,9 +79,6 @@ def check_output(final: Path, checkpoint_file: bool = False) -> None:
     ``checkpoint_file`` (the checkpoint writer's own shards and manifests), not a name a
     checkpoint's files or its directory lock have: an export, a result or predictions
     written over ``ckpt-40.json`` would destroy the checkpoint."""
-    from .checkpoint.format import MANIFEST_FILE, SHARD_FILE  # (they import this module)
-    from .checkpoint.lock import LOCK_FILE
-
     try:
         st = os.lstat(final)
     except OSError:

@@ -85,3 +85,36 @@ def test_a_checkpoint_dir_linked_to_nothing_is_one_message(tmp_path):
         r = run_mpi(3, args, cwd=tmp_path, timeout=90)
         assert r.returncode == 2, (r.stdout, r.stderr)
         assert r.stderr.count("\n") == 1 and "a symbolic link to nothing" in r.stderr, r.stderr
+
+
+def test_ctrl_c_while_the_ranks_start_ends_them_quietly(tmp_path):
+    """SIGINT to mpirun while its ranks still import (the first second or two of a run, most
+    of a small job's wall time): every rank ends at once, without a KeyboardInterrupt
+    traceback from the middle of an import (or a crash in one), exit 130 (or, on a machine
+    that imports faster, the run's own handling: a checkpoint, exit 3)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import clean_env, mpiexec_path
+
+    (tmp_path / "job.toml").write_text(JOB.replace("steps = 20", "steps = 100000"))
+    for delay in (0.2, 0.5):  # (within the imports: later, test_stops_mpi.py)
+        cmd = [mpiexec_path(), "-n", "3", sys.executable, "-m", "mpips", "train", "job.toml"]
+        proc = subprocess.Popen(
+            [*cmd, "--ckpt-dir", f"ck-{delay}"],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode in (130, 3), (delay, proc.returncode, err)
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, (delay, err)
+    r = run_py(["-c", "import mpips, signal; print(signal.getsignal(signal.SIGINT))"], tmp_path)
+    assert "default_int_handler" in r.stdout  # (a library import leaves Ctrl-C alone)

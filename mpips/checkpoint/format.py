@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..files import MANIFEST_FILE, SHARD_FILE  # noqa: F401 (reserved there for checkpoints)
+
 FORMAT = "mpips-checkpoint-2"
-MANIFEST_FILE = re.compile(r"^ckpt-(\d+)\.json$")
-SHARD_FILE = re.compile(r"^ckpt-(\d+)\.shard-(\d+)-of-(\d+)\.h5$")
 TEMPORARY_FILE = re.compile(r"^\.ckpt-\d+\..*\.tmp-")
 NUMBER_KINDS = "biufc"  # numbers only: an object dtype would mean pickled data
 MAX_SHARDS = 1 << 20  # one shard per PS task: more is a corrupt or hostile manifest

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..files import os_reason
+from ..files import LOCK_FILE, os_reason  # (LOCK_FILE: in a checkpoint directory, held by
 
-LOCK_FILE = ".mpips-lock"  # in a checkpoint directory: held by the run that writes there
+# the run that writes there; reserved in files.py, so no other output takes its name)
 HOLDER_BYTES = 4096  # what the lock file says of its holder: a short JSON object
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # a file system
 # without flock (some Lustre and NFS mounts): the run goes on unlocked, and says so
