@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .initial import InitialValues
     from .layout import Layout
     from .model import Model
+    from .placement import Placement
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # one per command
 
@@ -383,14 +384,18 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     from .data import open_data
-    from .layout import block_nodes, node_indices, ps_imbalance
+    from .layout import block_nodes, check_world, node_indices, ps_imbalance
     from .modes import select
     from .nn import build_model
     from .placement import imbalance
     from .training import refuse_tables_in_one_process
 
     job = _resolve_job(args)
-    n = args.ranks or job.layout.world_size or 8
+    if args.ranks is not None:
+        n, what = args.ranks, "-n"
+    else:
+        n, what = job.layout.world_size or 8, f"{job.source}: [layout] world_size ="
+    check_world(n, args.nodes, what)  # before a list of n ranks is built
     nodes = block_nodes(n, args.nodes)
     mode = select(job, n)
     layout = mode.layout(job, n, nodes)
@@ -419,6 +424,18 @@ def cmd_layout(args: argparse.Namespace) -> int:
         _print_replicas(model, layout)
         return 0
     placement = mode.store_placement(job, model, layout.num_ps)
+    _print_placement(job, placement, layout)
+    if mode.zero_copy_on_one_node:
+        print(f"\npulls: {_pull_path(job, bool(on))}")
+    spread = ps_imbalance(layout.ps_ranks, nodes)  # (not in sync mode: its PS tasks hold nothing)
+    warnings = [w for w in (spread, imbalance(placement, job.layout.placement)) if w]
+    for warning in warnings:
+        print(f"\nwarning: {warning}")
+    return 0
+
+
+def _print_placement(job: Job, placement: Placement, layout: Layout) -> None:
+    """`mpips layout`: where each variable (or part of one) lives, and each PS task's share."""
     print(f"\nplacement ({job.layout.placement}):")
     print(
         f"{'variable':<24} {'shape':<12} {'dtype':<8} {'bytes':>10}  {'ps task':<14} "
@@ -438,16 +455,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
     for p in range(layout.num_ps):
         print(
             f"/job:ps/task:{p} (rank {layout.ps_ranks[p]}): "
-            f"{len(placement.on_ps(p))} variable{'' if len(placement.on_ps(p)) == 1 else 's'}, "
-            f"{placement.ps_bytes(p)} bytes"
+            f"{counted(len(placement.on_ps(p)), 'variable')}, {placement.ps_bytes(p)} bytes"
         )
-    if mode.zero_copy_on_one_node:
-        print(f"\npulls: {_pull_path(job, bool(on))}")
-    spread = ps_imbalance(layout.ps_ranks, nodes)  # (not in sync mode: its PS tasks hold nothing)
-    warnings = [w for w in (spread, imbalance(placement, job.layout.placement)) if w]
-    for warning in warnings:
-        print(f"\nwarning: {warning}")
-    return 0
 
 
 def _pull_path(job: Job, several_nodes: bool) -> str:
@@ -486,7 +495,7 @@ def _print_replicas(model: Model, layout: Layout) -> None:
 def cmd_ckpt(args: argparse.Namespace) -> int:
 
     from . import checkpoint
-    from .summaries import validation_at, where_to_look
+    from .summaries import validation_at
 
     if args.action == "list":
         if not Path(args.dir).is_dir():
@@ -513,9 +522,6 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
                 f"{step:>10}  {when}  {path}  {ckpt.num_shards} shard(s)  "
                 f"{size / 1e6:.2f} MB{shown}"
             )
-        look = where_to_look(args.dir)
-        if look:
-            print(look)
         return 0
     ckpt = checkpoint.resolve(args.path)
     initial = _initial_of(args.job, ckpt) if args.job else None
@@ -534,7 +540,6 @@ def _inspect(ckpt: Checkpoint, initial: InitialValues | None) -> int:
     import numpy as np
 
     from . import checkpoint
-    from .summaries import where_to_look
     from .variables import VariableSpec
 
     meta = ckpt.meta
@@ -550,9 +555,6 @@ def _inspect(ckpt: Checkpoint, initial: InitialValues | None) -> int:
     )
     if ckpt.clocks is not None:
         print(f"data position (updates per worker task): {ckpt.clocks}")
-    look = where_to_look(ckpt.path.parent)
-    if look:
-        print(look)
     print(f"{'variable':<28} {'shape':<12} {'dtype':<8} {'mean':>11} {'std':>11}  shards")
     warnings, need_model = [], []
     for is_slot, index in ((False, ckpt.variables), (True, ckpt.slots)):
@@ -633,6 +635,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     from . import convert, ctr_convert, data
 
     out = Path(args.out)
+    _check_data_args(args, out)
     if args.dataset == "arrays":
         if not args.src:
             raise DataError("arrays: give the train .npz with --src")
@@ -642,7 +645,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     elif args.dataset == "digits":
         convert.convert_digits(out)
     elif args.dataset == "synthetic":
-        convert.make_synthetic(out, rows=args.rows or 60000)
+        convert.make_synthetic(out, rows=args.rows or 60000)  # (refuses rows past memory)
     elif args.dataset == "clothing-reviews":
         ctr_convert.convert_clothing_reviews(out, args.hash_bits)
     elif args.dataset in ("libsvm", "libffm", "criteo"):
@@ -666,6 +669,27 @@ def cmd_data(args: argparse.Namespace) -> int:
         f"{kind}, {info.num_classes} classes"
     )
     return 0
+
+
+ZIPF_LEAST_ROWS = 10  # zipf holds out rows // 10 test rows: fewer would leave none
+
+
+def _check_data_args(args: argparse.Namespace, out: Path) -> None:
+    """``data``'s sizes and output, before anything is read or generated."""
+    if args.rows is not None and args.dataset in ("synthetic", "zipf"):
+        least = ZIPF_LEAST_ROWS if args.dataset == "zipf" else 1
+        if args.rows < least:
+            raise DataError(
+                f"--rows {args.rows}: {args.dataset} needs at least {least} train row(s)"
+                + (" (a tenth of them are its test rows)" if args.dataset == "zipf" else "")
+            )
+    if args.dataset == "zipf" and args.features < 1:
+        raise DataError(f"--features {args.features}: the id space needs at least 1 id")
+    if out.is_dir():
+        raise DataError(f"{out}: is a directory; give the .h5 file to write")
+    folder = next((p for p in out.absolute().parents if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise DataError(f"{out}: cannot be written ({folder} is not a directory)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 from .data import SPLITS, check_finite, resolve_path
 from .errors import DataError
 from .files import atomic_write, check_regular
+from .memory import ABSURD_BYTES, check_fits, human
 
 
 def write_dataset(
@@ -66,6 +67,10 @@ def _read_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path}: not a readable .npz file ({e})") from None
     if x.dtype.kind not in "biuf" or x.ndim < 2:
         raise DataError(f"{path}: x must be rows of numbers, got {x.ndim}-D {x.dtype}")
+    if 0 in x.shape[1:]:
+        raise DataError(f"{path}: x has shape {list(x.shape)}: its rows hold no inputs")
+    if not len(x):
+        raise DataError(f"{path}: x has no rows")
     if y.dtype.kind not in "iu" or y.ndim != 1 or len(y) != len(x):
         raise DataError(f"{path}: y must be {len(x)} integer labels, got {y.ndim}-D {y.dtype}")
     if len(y) and y.min() < 0:
@@ -87,6 +92,11 @@ def convert_arrays(
     else:
         cut = int(len(x) * 0.8)
         x, y, test_split = x[:cut], y[:cut], (x[cut:], y[cut:])
+    if not len(x) or not len(test_split[0]):
+        raise DataError(
+            f"{train}: {len(y) + len(test_split[1])} row(s) are too few to hold out 20% "
+            f"as the test split and train on the rest (give a test file: --test-src)"
+        )
     val_split = _read_arrays(val) if val else None
     parts = [(x, y), test_split] + ([val_split] if val_split else [])
     if len({p[0].shape[1] for p in parts}) != 1:
@@ -144,8 +154,20 @@ def make_synthetic(
     out: str | Path, rows: int = 60000, test_rows: int = 10000, inputs: int = 784, classes: int = 10
 ) -> None:
     """The reference workload of the benchmarks: X ~ N(0,1) (numpy seed 0), labels
-    argmax(X @ W) with W ~ N(0,1) (seed 1), 784 inputs and 10 classes by default."""
-    x = np.random.default_rng(0).standard_normal((rows + test_rows, inputs), dtype=np.float32)
+    argmax(X @ W) with W ~ N(0,1) (seed 1), 784 inputs and 10 classes by default. DataError
+    if ``rows`` is not positive or the rows do not fit in memory."""
+    if rows < 1:
+        raise DataError(f"synthetic: rows must be at least 1, got {rows}")
+    total = rows + test_rows
+    # x, x @ W, the labels and their int64 copy (write_dataset) are in memory at once
+    need, what = (
+        total * (inputs * 4 + classes * 4 + 16),
+        f"synthetic: the data of {rows} + {test_rows} rows",
+    )
+    if need > ABSURD_BYTES:  # (check_fits would blame a file)
+        raise DataError(f"{what} needs {human(need)}, more than any machine's memory")
+    check_fits(need, what, DataError)
+    x = np.random.default_rng(0).standard_normal((total, inputs), dtype=np.float32)
     w = np.random.default_rng(1).standard_normal((inputs, classes), dtype=np.float32)
     y = (x @ w).argmax(axis=1)
     write_dataset(out, (x[:rows], y[:rows]), (x[rows:], y[rows:]), classes, 1.0, "synthetic")

@@ -25,7 +25,7 @@ import numpy as np
 from . import sparse
 from .errors import DataError
 from .files import check_regular
-from .hdf5 import open_plain
+from .hdf5 import Damaged, h5py_errors, open_plain, plain_attrs
 from .log import log
 from .memory import check_fits
 
@@ -87,8 +87,20 @@ class _Arrays:
 def _container(info: DatasetInfo) -> Iterator[_Arrays]:
     """The dataset's container, open for the duration."""
     if info.kind == "hdf5":
-        with open_plain(info.path, DataError, _where(info)) as f:
-            yield _Arrays(f.__getitem__, lambda n: n in f, dict(f.attrs), f)
+        damaged = _damaged(info)
+        with open_plain(info.path, DataError, _where(info), damaged) as f:
+            with h5py_errors(damaged):
+                attrs = plain_attrs(f)
+
+            def get(name: str) -> _H5Dataset:
+                with h5py_errors(damaged):
+                    return _H5Dataset(f[name], damaged)
+
+            def has(name: str) -> bool:
+                with h5py_errors(damaged):
+                    return name in f
+
+            yield _Arrays(get, has, attrs, f)
     elif info.kind == "npz":
         check_regular(info.path, DataError, _where(info))  # a FIFO would block np.load
         with np.load(info.path, allow_pickle=False) as z:
@@ -108,6 +120,45 @@ def _container(info: DatasetInfo) -> Iterator[_Arrays]:
             for n, a in zip(info.names[split], pair, strict=False)
         }
         yield _Arrays(lambda n: _as_array(flat[n]), flat.__contains__, {})
+
+
+def _damaged(info: DatasetInfo) -> Damaged:
+    """The error for an HDF5 data file h5py cannot read (damaged, truncated, not HDF5)."""
+
+    def damaged(why: str) -> DataError:
+        return DataError(f"{_where(info)}: not a readable mpips HDF5 dataset ({why})")
+
+    return damaged
+
+
+class _H5Dataset:
+    """A dataset of an HDF5 data file as the readers here use it (shape, dtype, ndim,
+    slices), each h5py call turning h5py's errors on a damaged file into one DataError
+    naming the file (``damaged``)."""
+
+    def __init__(self, ds: Any, damaged: Damaged):
+        self._ds, self._damaged = ds, damaged
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        with h5py_errors(self._damaged):
+            return tuple(self._ds.shape)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        with h5py_errors(self._damaged):
+            return np.dtype(self._ds.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> Any:
+        with h5py_errors(self._damaged):
+            return self._ds[key]
 
 
 def _load_npy(path: str) -> Any:
@@ -187,10 +238,12 @@ def _open(
         )
     try:
         with _container(info) as source:
-            if source.file is not None and sparse.is_sparse_file(source.file):
-                rows, num_features, max_nnz = sparse.check_csr(source.file, info.path)
-                if rows["train"] == 0:
-                    raise DataError(f"{where}: 'train' has no rows")
+            with h5py_errors(_damaged(info)):  # (reads an HDF5 file's attributes only)
+                is_csr = source.file is not None and sparse.is_sparse_file(source.file)
+            if is_csr:
+                with h5py_errors(_damaged(info)):  # (an HDF5 file's datasets, checked)
+                    rows, num_features, max_nnz = sparse.check_csr(source.file, info.path)
+                _check_rows(where, rows, {s: f"'{s}/label'" for s in rows})
                 return DatasetInfo(info.path, num_features, 2, rows, sparse=True, max_nnz=max_nnz)
             rows, widths, names = _check_splits(source, info, splits, required)
             num_classes = _num_classes(source, where, num_classes, names["train"][1])
@@ -250,9 +303,21 @@ def _check_splits(
         widths[split] = math.prod(int(d) for d in x.shape[1:])
     if len(set(widths.values())) != 1:
         raise DataError(f"{where}: its splits have different widths {widths}")
-    if rows["train"] == 0:
-        raise DataError(f"{where}: 'train' has no rows")
+    if widths["train"] == 0:
+        x_name = names["train"][0]
+        shape = list(source.get(x_name).shape)
+        raise DataError(
+            f"{where}: {_what(info, x_name)} has shape {shape}: its rows hold no inputs"
+        )
+    _check_rows(where, rows, {s: _what(info, names[s][0]) for s in rows})
     return rows, widths, names
+
+
+def _check_rows(where: str, rows: dict[str, int], said: dict[str, str]) -> None:
+    """DataError if a split has no rows: nothing to train on, or metrics of nothing."""
+    for split, n in rows.items():
+        if n == 0:
+            raise DataError(f"{where}: the {split} split has no rows ({said[split]} is empty)")
 
 
 def _num_classes(source: _Arrays, where: str, num_classes: int, train_y: str) -> int:

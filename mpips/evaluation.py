@@ -11,10 +11,10 @@ import h5py
 import numpy as np
 
 from . import checkpoint
-from .data import DatasetInfo, load_split, open_data
+from .data import DatasetInfo, check_finite, load_split, open_data
 from .errors import CheckpointError, ConfigError, DataError
 from .files import check_regular
-from .hdf5 import open_plain
+from .hdf5 import h5py_errors, open_plain
 from .initial import from_model
 from .job import Job
 from .memory import check_fits
@@ -44,16 +44,15 @@ def restore_model(
             f"checkpoint {ckpt.path} was written by model {wrote!r}, but the "
             f"job's model.kind is {job.model.kind!r}"
         )
-    params = ckpt.read(model.variables() + model.tables(), initial=from_model(model))
-    for name, value in params.items():
-        bad = checkpoint.count_non_finite(value)
-        if bad:
-            raise CheckpointError(
-                f"checkpoint {ckpt.path}: '{name}' holds {bad} NaN or infinite value(s) of "
-                f"{np.size(value)}: its metrics and predictions would be meaningless; use an "
-                f"earlier checkpoint (--ckpt {ckpt.directory}/ckpt-<step>.json, see "
-                f"python -m mpips ckpt list {ckpt.directory})"
-            )
+    params = ckpt.read(
+        model.variables() + model.tables(),
+        initial=from_model(model),
+        finite=(
+            f"its metrics and predictions would be meaningless; use an earlier checkpoint "
+            f"(--ckpt {ckpt.directory}/ckpt-<step>.json, see python -m mpips ckpt list "
+            f"{ckpt.directory})"
+        ),
+    )
     return model, params, ckpt, info
 
 
@@ -94,7 +93,11 @@ def load_inputs(path: str) -> np.ndarray:
                     raise DataError(f"--input {path}: holds {names}; name the inputs 'x'")
                 x = z["x" if "x" in names else names[0]]
         else:
-            with open_plain(p, DataError, f"--input {path}") as f:
+
+            def damaged(why: str) -> DataError:
+                return DataError(f"--input {path}: unreadable ({why})")
+
+            with open_plain(p, DataError, f"--input {path}", damaged) as f, h5py_errors(damaged):
                 ds = f.get("x")
                 if not isinstance(ds, h5py.Dataset):
                     raise DataError(f"--input {path}: no dataset 'x'")
@@ -106,7 +109,8 @@ def load_inputs(path: str) -> np.ndarray:
         raise DataError(f"--input {path}: unreadable ({e})") from None
     if x.dtype.kind not in "biuf":
         raise DataError(f"--input {path}: holds {x.dtype} values, not numbers")
-    return np.asarray(x, np.float32)
+    with np.errstate(over="ignore"):  # a value past float32's range: inf, refused by predict
+        return np.asarray(x, np.float32)
 
 
 def predict(job: Job, inputs: str, output: str, ckpt_path: str | None = None) -> tuple[int, int]:
@@ -127,8 +131,13 @@ def predict(job: Job, inputs: str, output: str, ckpt_path: str | None = None) ->
             f"--input {inputs}: shape {list(x.shape)}, the model takes rows of "
             f"{info.num_inputs} inputs"
         )
+    if not len(x):
+        raise DataError(f"--input {inputs}: holds no rows (shape {list(x.shape)})")
     x = x.reshape(len(x), -1)
-    x = x * np.float32(info.x_scale) if info.x_scale != 1.0 else x
+    with np.errstate(over="ignore"):  # an overflow to inf is said just below
+        x = x * np.float32(info.x_scale) if info.x_scale != 1.0 else x
+    scaled = f" (times x_scale {info.x_scale})" if info.x_scale != 1.0 else ""
+    check_finite(x, f"--input {inputs}", "input", detail=scaled)  # as training data is
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         out = np.asarray(model.predict(params, x))
 

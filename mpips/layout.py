@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +39,19 @@ class Layout:
     world_size: int
     ps_ranks: tuple[int, ...]
 
-    @property
+    @cached_property
     def worker_ranks(self) -> tuple[int, ...]:
         ps = set(self.ps_ranks)
         return tuple(r for r in range(self.world_size) if r not in ps)
+
+    @cached_property
+    def _ps_tasks(self) -> dict[int, int]:
+        """Each PS rank's task index."""
+        return {r: task for task, r in enumerate(self.ps_ranks)}
+
+    @cached_property
+    def _sorted_ps(self) -> list[int]:
+        return sorted(self.ps_ranks)
 
     @property
     def num_ps(self) -> int:
@@ -56,9 +67,14 @@ class Layout:
         return self.worker_ranks[0]
 
     def role(self, rank: int) -> Role:
-        if rank in self.ps_ranks:
-            return Role(PS, self.ps_ranks.index(rank))
-        return Role(WORKER, self.worker_ranks.index(rank))
+        """The role of ``rank``, in constant time or nearly (``mpips layout -n N`` asks it
+        of every rank: a search of the worker ranks each time made that quadratic)."""
+        task = self._ps_tasks.get(rank)
+        if task is not None:
+            return Role(PS, task)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in a world of {self.world_size}")
+        return Role(WORKER, rank - bisect.bisect_left(self._sorted_ps, rank))
 
     def rank_of(self, job: str, task: int) -> int:
         return (self.ps_ranks if job == PS else self.worker_ranks)[task]
@@ -70,6 +86,24 @@ def default_num_ps(world_size: int) -> int:
 
 
 PER_NODE = "per_node"
+# the most ranks `mpips layout -n` shows: as many as a checkpoint may have shards
+# (checkpoint.MAX_SHARDS, one per PS task); more is a typo, not a world
+MAX_WORLD_SIZE = 1 << 20
+
+
+def check_world(world_size: int, num_nodes: int, what: str = "-n") -> None:
+    """ConfigError unless ``world_size`` (said by ``what``) is in 1..MAX_WORLD_SIZE and
+    ``num_nodes`` in 1..world_size (each node runs at least one rank): the sizes
+    ``mpips layout`` is asked to show, checked before anything is built for each rank."""
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"{what} {world_size}: the number of ranks must be in 1..{MAX_WORLD_SIZE}"
+        )
+    if not 1 <= num_nodes <= world_size:
+        raise ConfigError(
+            f"--nodes {num_nodes}: must be in 1..{world_size} (each node runs at least one "
+            f"of the {world_size} ranks)"
+        )
 
 
 def block_nodes(world_size: int, num_nodes: int) -> list[int]:

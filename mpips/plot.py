@@ -16,6 +16,7 @@ from .summaries import (
     LOSS,
     PS_APPLY_BUSY,
     PS_UPDATES_PER_SEC,
+    UNREADABLE,
     VALIDATION,
 )
 from .timeline import merge
@@ -43,7 +44,7 @@ def read_metrics(run_dir: str | Path) -> tuple[Series, int]:
                 out[r["name"]][r["task"]].append(
                     (float(r["time"]), float(r["step"]), float(r["value"]))
                 )
-            except (ValueError, KeyError, TypeError):
+            except UNREADABLE:
                 skipped += 1
     if not out:
         raise DataError(f"{run_dir}: its metrics.jsonl files hold no readable records")
@@ -126,7 +127,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
                 [p[1] for p in busy], [100 * p[2] for p in busy], "--", color=line.get_color()
             )
         written.append(_save(fig, ax, out / "ps_apply.png"))
-    timeline = merge(run_dir)
+    try:
+        timeline = merge(run_dir)
+    except RecursionError:  # JSON nested too deep: timeline.merge says only its other errors
+        raise DataError(
+            f"{Path(run_dir) / 'timeline'}: a timeline file there is not one (its JSON nests "
+            f"too deep to read)"
+        ) from None
     if timeline is not None:
         written += [timeline, _plot_phases(timeline, out / "phases.png")]
     return written
@@ -140,11 +147,14 @@ def _plot_phases(path: Path, png: Path) -> Path:
         raise DataError(f"{path}: not a timeline ({e})") from None
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     names = {}
-    for ev in events:
-        if ev.get("ph") == "M" and ev.get("name") == "process_name":
-            names[ev["pid"]] = ev["args"]["name"]
-        elif ev.get("ph") == "X":
-            totals[ev["pid"]][ev["name"]] += ev["dur"] / 1e6
+    try:
+        for ev in events:
+            if ev.get("ph") == "M" and ev.get("name") == "process_name":
+                names[ev["pid"]] = str(ev["args"]["name"])
+            elif ev.get("ph") == "X":
+                totals[ev["pid"]][str(ev["name"])] += float(ev["dur"]) / 1e6
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{path}: not a timeline (a malformed event: {e})") from None
     fig, ax = _figure("time per phase", "task", "seconds")
     tasks = sorted(totals)
     phases = sorted({p for t in totals.values() for p in t})

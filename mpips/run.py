@@ -226,6 +226,11 @@ def say_restored(role: Role, step: int, path: Any) -> None:
     log(role, f"restored global_step {step} from {path}")
 
 
+def say_position_lost(role: Role, why: str) -> None:
+    """Chief: the run resumes its variables, but not its data position (``why``)."""
+    log(role, f"data position not restored: {why}; the parts start afresh at batch 0")
+
+
 def say_nothing_to_train(role: Role, step: int, target: int) -> None:
     """Chief: the restored global_step already reached the target."""
     log(

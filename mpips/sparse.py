@@ -22,7 +22,7 @@ import scipy.sparse as sp
 
 from .errors import DataError
 from .files import atomic_write
-from .hdf5 import open_plain
+from .hdf5 import h5py_errors, open_plain, plain_attrs
 from .memory import ABSURD_BYTES, check_fits
 
 FORMAT = "mpips-csr-1"
@@ -32,7 +32,7 @@ Split = tuple[sp.csr_matrix, np.ndarray]
 
 
 def is_sparse_file(f: h5py.File) -> bool:
-    return f.attrs.get("format") == FORMAT
+    return plain_attrs(f).get("format") == FORMAT
 
 
 def check_csr(f: h5py.File, path: str) -> tuple[dict[str, int], int, int]:
@@ -64,18 +64,19 @@ def check_csr(f: h5py.File, path: str) -> tuple[dict[str, int], int, int]:
             )
         longest = max(longest, _longest_row(indptr, f"data file {path}: {split}/indptr"))
         rows[split] = int(n)
-    num_features = int(f.attrs.get("num_features", 0))
+    attrs = plain_attrs(f)
+    num_features = int(attrs.get("num_features", 0))
     if not 1 <= num_features <= ABSURD_BYTES // 4:
         raise DataError(
             f"data file {path}: attribute num_features must be a positive id "
             f"count, got {num_features}"
         )
-    if "max_nnz" not in f.attrs:
+    if "max_nnz" not in attrs:
         raise DataError(
             f"data file {path}: attribute max_nnz is missing (the longest row "
             f"has {longest} features; it sizes the PS inboxes)"
         )
-    max_nnz = int(f.attrs["max_nnz"])
+    max_nnz = int(attrs["max_nnz"])
     if max_nnz != longest:
         raise DataError(
             f"data file {path}: attribute max_nnz = {max_nnz}, but the longest "
@@ -104,8 +105,12 @@ def _longest_row(indptr: h5py.Dataset, what: str) -> int:
 def load_csr(path: str, split: str, rows: tuple[int, int], num_features: int) -> Split:
     """Rows ``[start, stop)`` of a split as a CSR matrix (num_features columns) and labels."""
     start, stop = rows
+
+    def damaged(why: str) -> DataError:
+        return DataError(f"data file {path}: cannot read {split} rows [{start}, {stop}) ({why})")
+
     try:
-        with open_plain(path, DataError, f"data file {path}") as f:
+        with open_plain(path, DataError, f"data file {path}", damaged) as f, h5py_errors(damaged):
             indptr = f[f"{split}/indptr"][start : stop + 1].astype(np.int64)
             lo, hi = int(indptr[0]), int(indptr[-1])
             # as stored (<= 8 B each) and converted: ids to int64, values and labels to

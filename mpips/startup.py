@@ -68,6 +68,7 @@ class Prepared:
     start_step: int = 0
     restored: Path | None = None  # the manifest restored from, if any
     clocks: list[int] | None = None  # restored data position (updates per worker)
+    position_lost: str = ""  # why a checkpoint's data position is not restored (if not)
     rows: tuple[int, int] = (0, 0)  # worker: its part of the train rows
     train: Part | None = None  # worker: its part of the train rows
     test: tuple[Any, Any] | None = None  # chief: the test split
@@ -223,7 +224,8 @@ def prepare(
     latest = checkpoint.latest_checkpoint(c.dir) if c.dir and c.restore else None
     ckpt = checkpoint.Checkpoint(latest) if latest else None
     if ckpt is not None:
-        prep.start_step, prep.restored, prep.clocks = ckpt.step, latest, ckpt.clocks
+        prep.start_step, prep.restored = ckpt.step, latest
+        prep.clocks, prep.position_lost = data_position(job, ckpt, cluster.layout.num_workers)
     model = prep.model = build_model(job.model, info, xp, job.source, factory)
     model.worker = cluster.role.task if not cluster.is_ps else 0
     mode.check(job, cluster, model, info)
@@ -236,6 +238,45 @@ def prepare(
     if cluster.is_chief:
         _chief_part(job, mode, model, optimizer, prep, ckpt)
     return prep
+
+
+def data_position(
+    job: Job, ckpt: checkpoint.Checkpoint, workers: int
+) -> tuple[list[int] | None, str]:
+    """The data position to resume at (each worker's updates, i.e. batches of its part
+    used), or None and why it is not restored. It counts batches of the checkpoint's
+    ``train.batch_size``, in the order its ``train.seed`` shuffles them, over its number of
+    workers' parts: if any of those changed, skipping that many batches would skip or
+    replay the wrong rows, so the parts start afresh at batch 0."""
+    clocks = ckpt.clocks
+    if not clocks:
+        return None, ""
+    recorded = ckpt.meta.get("data") or {}
+    why = []
+    if len(clocks) != workers:
+        why.append(
+            f"the number of workers changed (the checkpoint was written by {len(clocks)}, "
+            f"this run has {workers})"
+        )
+    for key, what in (("batch_size", "batch size"), ("seed", "seed")):
+        now = getattr(job.train, key)
+        if key in recorded and recorded[key] != now:
+            why.append(
+                f"the {what} changed (train.{key} = {recorded[key]} in the checkpoint, "
+                f"{now} in this run)"
+            )
+    return (None, "; ".join(why)) if why else (clocks, "")
+
+
+def _resume_hint(ckpt: checkpoint.Checkpoint) -> str:
+    """What a restore that finds NaN or infinity in ``ckpt`` adds to its CheckpointError
+    (exit 2 on every rank, before anything is trained or written): the run would only stop
+    later on a NaN loss or update, blaming the learning rate."""
+    return (
+        f"a run resumed from it would fail on NaN losses or updates; resume from an earlier "
+        f"checkpoint (move {ckpt.path.name} out of {ckpt.directory}; python -m mpips ckpt "
+        f"list {ckpt.directory} lists them), or start afresh with --ckpt-dir DIR"
+    )
 
 
 def _worker_part(job: Job, cluster: Cluster, prep: Prepared, xp: ModuleType) -> None:
@@ -327,7 +368,7 @@ def _chief_part(
             for slot, array in optimizer.init_slots(v).items()
         }
     elif mode.chief_holds_dense:
-        values = ckpt.read(specs, slot_specs)
+        values = ckpt.read(specs, slot_specs, finite=_resume_hint(ckpt))
         prep.values = {s.name: values[s.name] for s in specs}
         prep.slots = {s.name: values[s.name] for s in slot_specs}
 
@@ -393,6 +434,7 @@ def _ps_fill(
         [e.whole or e.spec for e in slots],
         rows={e.name: e.rows for e in mine + slots if e.rows},
         initial=table_initial(model, optimizer),
+        finite=_resume_hint(ckpt),
     )
     mb, seconds = sum(a.nbytes for a in out.values()) / 1e6, time.perf_counter() - t0
     detail(

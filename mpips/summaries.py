@@ -40,6 +40,11 @@ PS_UPDATES_PER_SEC = "ps/updates_per_sec"  # a PS task: updates it applied per s
 PS_APPLY_BUSY = "ps/apply_busy"  # a PS task: share of that time spent applying them
 
 
+# what reading a line of metrics.jsonl can raise when the line is not a record (half a line
+# of a killed run, garbage, JSON nested too deep for the parser): such lines are skipped
+UNREADABLE = (ValueError, KeyError, TypeError, RecursionError)
+
+
 def summary_root(job: Any) -> str:
     """Where a job's summaries and timeline go: summary.dir, else checkpoint.dir ("" if
     neither is set: no summaries)."""
@@ -78,7 +83,7 @@ def validation_at(run_dir: str | Path, step: int) -> dict[str, float]:
         try:
             r = json.loads(line)
             name, at, value = r["name"], int(r["step"]), float(r["value"])
-        except (ValueError, KeyError, TypeError):
+        except UNREADABLE:
             continue
         if name.startswith(VALIDATION) and best_step <= at <= step:
             if at > best_step:

@@ -13,10 +13,17 @@ from ..files import temporary_name
 
 
 def count_non_finite(a: np.ndarray) -> int:
-    """How many values of ``a`` are NaN or infinite (0 for integers), a chunk at a time."""
-    if np.asarray(a).dtype.kind not in "fc":
+    """How many values of ``a`` are NaN or infinite (0 for integers), a chunk at a time. A
+    NaN or infinity makes the sum (in the array's own dtype: one pass, no temporary)
+    non-finite, so only an array whose sum is not finite is counted element by element
+    (finite values whose sum overflows then count 0): cheap enough for every restore."""
+    a = np.asarray(a)
+    if a.dtype.kind not in "fc":
         return 0
-    flat = np.asarray(a).reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(a.sum()):
+            return 0
+    flat = a.reshape(-1)
     return sum(int((~np.isfinite(c)).sum()) for c in np.array_split(flat, max(1, flat.size >> 20)))
 
 

@@ -16,6 +16,11 @@ from ..memory import ABSURD_BYTES, human
 from ..placement import Placement
 from .format import MAX_SHARDS, NUMBER_KINDS, Entry, Part
 
+# the largest integer a manifest may hold (steps, update counts, shapes, rows, the data's
+# batch size and seed): they become 64-bit counters and sizes, and a step must be able to
+# count on from there; anything larger is a corrupt or crafted manifest
+MAX_INT = (1 << 62) - 1
+
 
 def index_of(
     placement: Placement, slots: Placement | None = None
@@ -82,9 +87,30 @@ def _covers_once(parts: list[Part], num_rows: int) -> bool:
 
 
 def parse_ints(value: Any, what: str) -> list[int]:
+    """``value``, a list of integers in 0..MAX_INT; ValueError saying ``what`` is wrong."""
     if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
         raise ValueError(f"{what} must be a list of non-negative integers")
+    if any(v > MAX_INT for v in value):
+        raise ValueError(f"{what} must be integers in 0..2**62 - 1, got {max(value)}")
     return value
+
+
+def check_meta(raw: dict[str, Any]) -> None:
+    """The manifest's layout and data position records, if there, are tables whose numbers
+    are integers in 0..MAX_INT (a restore compares the batch size and seed with the job's);
+    ValueError otherwise."""
+    for key, fields in (("layout", ("world_size", "ps", "workers")), ("data", DATA_INTS)):
+        table = raw.get(key)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            raise ValueError(f"'{key}' must be a table")
+        for name in fields:
+            if name in table:
+                parse_ints([table[name]], f"{key}.{name}")
+
+
+DATA_INTS = ("batch_size", "seed")  # the settings a data position was counted with
 
 
 def parse_index(raw: Any, num_shards: int, what: str) -> dict[str, Entry]:

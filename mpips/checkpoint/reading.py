@@ -16,10 +16,11 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..files import TEXT_LIMIT, read_text
-from ..hdf5 import open_plain
+from ..hdf5 import Damaged, h5py_errors, open_plain, plain_attrs
 from ..initial import CHUNK_ELEMENTS, InitialValues, row_chunks
 from ..memory import check_fits
 from ..variables import VariableSpec
+from .checks import count_non_finite
 from .format import (
     FORMAT,
     MANIFEST_FILE,
@@ -34,7 +35,7 @@ from .format import (
     shard_name,
     text_attr,
 )
-from .manifest import parse_index, parse_ints
+from .manifest import MAX_INT, check_meta, parse_index, parse_ints
 from .sparse import SparsePart, check_sparse
 
 
@@ -62,6 +63,8 @@ class Checkpoint:
             self.num_shards = raw["shards"]
             if type(self.step) is not int or self.step != int(m.group(1)):
                 raise ValueError("global_step does not match the file name")
+            if not 0 <= self.step <= MAX_INT:
+                raise ValueError(f"global_step {self.step} is not in 0..2**62 - 1")
             if type(self.num_shards) is not int or not 1 <= self.num_shards <= MAX_SHARDS:
                 raise ValueError(f"shards must be an integer in 1..{MAX_SHARDS}")
             self.variables = parse_index(raw["variables"], self.num_shards, "variables")
@@ -71,6 +74,7 @@ class Checkpoint:
             self.run: str | None = raw.get(RUN)
             if self.run is not None and not isinstance(self.run, str):
                 raise ValueError(f"{RUN} must be a string")
+            check_meta(raw)
         except CheckpointError:
             raise
         except RecursionError:
@@ -92,6 +96,7 @@ class Checkpoint:
         slot_specs: Iterable[VariableSpec] = (),
         rows: dict[str, Rows] | None = None,
         initial: InitialValues | None = None,
+        finite: str = "",
     ) -> dict[str, np.ndarray]:
         """Arrays for ``specs`` (variables) and ``slot_specs``, reassembled from their parts:
         whole, or for a name in ``rows`` only ``range(*rows[name])`` of axis 0, read from the
@@ -101,7 +106,9 @@ class Checkpoint:
         model it names). Every shard read must carry the manifest's run id. Anything missing
         or of another shape or dtype is an error naming it; ``stored_bytes`` and
         ``regenerated_bytes`` then say how much was read from the shards and how much
-        computed."""
+        computed. ``finite`` (what NaN or infinity would spoil, and what to do instead):
+        every array is checked as it is read, and one holding NaN or infinity is a
+        CheckpointError naming it and saying ``finite``."""
         rows = rows or {}
         wanted = [(s, False) for s in specs] + [(s, True) for s in slot_specs]
         out: dict[str, np.ndarray] = {}
@@ -117,6 +124,8 @@ class Checkpoint:
                 out[spec.name] = self._assemble(
                     _Wanted(spec.name, is_slot, entry, rows.get(spec.name), initial), files
                 )
+                if finite:
+                    self.refuse_non_finite(spec.name, out[spec.name], is_slot, finite)
         except CheckpointError:
             raise
         except (OSError, KeyError, ValueError, TypeError) as e:
@@ -125,6 +134,31 @@ class Checkpoint:
             for f in files.values():
                 f.close()
         return out
+
+    def refuse_non_finite(
+        self, name: str, value: np.ndarray, is_slot: bool, consequence: str
+    ) -> None:
+        """CheckpointError if ``value`` (variable or slot ``name`` as read from this
+        checkpoint) holds NaN or infinity: no mpips run writes such values, and whatever
+        used them would be meaningless (``consequence`` says what, and what to do)."""
+        bad = count_non_finite(value)
+        if bad:
+            kind = "optimizer slot" if is_slot else "variable"
+            raise CheckpointError(
+                f"checkpoint {self.path}: {kind} '{name}' holds {bad} NaN or infinite "
+                f"value(s) of {np.size(value)}: {consequence}"
+            )
+
+    def _damaged(self, shard: int) -> Damaged:
+        """The error for shard ``shard`` that h5py cannot read (damaged, truncated)."""
+        name = self.shard_path(shard).name
+
+        def damaged(why: str) -> CheckpointError:
+            return CheckpointError(
+                f"checkpoint {self.path}: corrupt or unreadable (shard {name}: {why})"
+            )
+
+        return damaged
 
     def _entry(self, spec: VariableSpec, is_slot: bool) -> Entry:
         """The index entry of ``spec``, checked against it."""
@@ -150,11 +184,13 @@ class Checkpoint:
             if range(*(part.rows or full)) == target:
                 stored = self._stored(w, part, files)
                 if isinstance(stored, h5py.Dataset):
-                    self.stored_bytes += stored.nbytes
-                    return stored[()]
+                    with h5py_errors(self._damaged(part.shard)):
+                        whole = stored[()]
+                    self.stored_bytes += whole.nbytes
+                    return whole
                 array = np.empty((len(target),) + w.entry.shape[1:], w.entry.dtype)
                 everything = slice(0, len(target), 1)
-                self._read_sparse(w, stored, array, everything, everything)
+                self._read_sparse(w, part.shard, stored, array, everything, everything)
                 return array
         array = np.empty((len(target),) + w.entry.shape[1:], w.entry.dtype)
         for part in w.entry.parts:
@@ -163,10 +199,11 @@ class Checkpoint:
                 continue
             stored = self._stored(w, part, files)
             if isinstance(stored, h5py.Dataset):  # one hyperslab on each side, straight in
-                stored.read_direct(array, *both)
+                with h5py_errors(self._damaged(part.shard)):
+                    stored.read_direct(array, *both)
                 self.stored_bytes += array[both[1]].nbytes
             else:
-                self._read_sparse(w, stored, array, *both)
+                self._read_sparse(w, part.shard, stored, array, *both)
         return array
 
     def _stored(
@@ -174,13 +211,17 @@ class Checkpoint:
     ) -> h5py.Dataset | SparsePart:
         """What ``part`` is stored as (a dataset, or a sparse part), checked against the
         manifest."""
+        damaged = self._damaged(part.shard)
         if part.shard not in files:
             path = self.shard_path(part.shard)
             if not path.is_file():
                 raise CheckpointError(f"checkpoint {self.path}: shard {path.name} is missing")
-            f = open_plain(path, CheckpointError, f"checkpoint {self.path}: shard {path.name}")
+            f = open_plain(
+                path, CheckpointError, f"checkpoint {self.path}: shard {path.name}", damaged
+            )
             files[part.shard] = f
-            wrote = text_attr(f.attrs.get(RUN))
+            with h5py_errors(damaged):
+                wrote = text_attr(plain_attrs(f).get(RUN))
             if self.run is not None and wrote != self.run:
                 raise CheckpointError(
                     f"checkpoint {self.path}: shard {path.name} was written by "
@@ -189,23 +230,27 @@ class Checkpoint:
                     f"{self.directory}; this checkpoint cannot be read"
                 )
         entry = w.entry
-        obj = files[part.shard].get(h5_path(w.name, w.is_slot))
-        if isinstance(obj, h5py.Group) and entry.shape:
-            return check_sparse(self.path, w.name, entry, part, obj)
+        with h5py_errors(damaged):
+            obj = files[part.shard].get(h5_path(w.name, w.is_slot))
+            if isinstance(obj, h5py.Group) and entry.shape:
+                return check_sparse(self.path, w.name, entry, part, obj)
+            held = (obj.shape, obj.dtype) if isinstance(obj, h5py.Dataset) else None
         shape = entry.shape if part.rows is None else (len(range(*part.rows)),) + entry.shape[1:]
-        if (
-            not isinstance(obj, h5py.Dataset)
-            or obj.shape != shape
-            or obj.dtype != np.dtype(entry.dtype)
-        ):
+        if held is None or held[0] != shape or held[1] != np.dtype(entry.dtype):
             raise CheckpointError(
-                f"checkpoint {self.path}: shard {part.shard} does not hold "
+                f"checkpoint {self.path}: shard {self.shard_path(part.shard).name} does not hold "
                 f"'{w.name}' as the manifest says"
             )
         return obj
 
     def _read_sparse(
-        self, w: _Wanted, part: SparsePart, out: np.ndarray, held: slice, into: slice
+        self,
+        w: _Wanted,
+        shard: int,
+        part: SparsePart,
+        out: np.ndarray,
+        held: slice,
+        into: slice,
     ) -> None:
         """Rows ``held`` (positions in the part) of a sparse part into ``out[into]``: their
         initial values first (a constant, or computed a chunk of rows at a time), then the
@@ -223,7 +268,8 @@ class Checkpoint:
         for lo, hi in row_chunks(len(index), view[:1].size, CHUNK_ELEMENTS):
             take = mine[lo:hi]
             if take.any():
-                rows = part.values[lo:hi]
+                with h5py_errors(self._damaged(shard)):
+                    rows = part.values[lo:hi]
                 self.stored_bytes += rows.nbytes + index[lo:hi].nbytes
                 view[(index[lo:hi][take] - chosen.start) // chosen.step] = rows[take]
         self.regenerated_bytes += view.nbytes - int(mine.sum()) * view[:1].nbytes
@@ -264,14 +310,17 @@ class Checkpoint:
         entry = (self.slots if is_slot else self.variables)[name]
         out = []
         for part in entry.parts:
-            path = self.shard_path(part.shard)
-            with open_plain(
-                path, CheckpointError, f"checkpoint {self.path}: shard {path.name}"
-            ) as f:
+            path, damaged = self.shard_path(part.shard), self._damaged(part.shard)
+            with (
+                open_plain(
+                    path, CheckpointError, f"checkpoint {self.path}: shard {path.name}", damaged
+                ) as f,
+                h5py_errors(damaged),
+            ):
                 obj = f.get(h5_path(name, is_slot))
                 index = obj.get("index") if isinstance(obj, h5py.Group) else None
                 stored = index.shape[0] if isinstance(index, h5py.Dataset) and index.ndim else None
-                out.append((part.shard, stored))
+            out.append((part.shard, stored))
         return out
 
     def read_all(

@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from ..errors import CheckpointError
+from ..hdf5 import plain_attrs
 from ..initial import InitialValues, row_chunks
 from ..memory import check_fits
 from .format import NUMBER_KINDS, SPARSE, Entry, Part, Rows, h5_path
@@ -194,13 +195,14 @@ def check_sparse(path: Path, name: str, entry: Entry, part: Part, g: h5py.Group)
     saying what is wrong otherwise."""
     dtype = np.dtype(entry.dtype)
     rows = range(*(part.rows or (0, entry.shape[0], 1)))
+    shard = Path(g.file.filename).name
 
     def bad(problem: str) -> CheckpointError:
         return CheckpointError(
-            f"checkpoint {path}: shard {part.shard} holds '{name}' sparsely, but {problem}"
+            f"checkpoint {path}: shard {shard} holds '{name}' sparsely, but {problem}"
         )
 
-    attrs = dict(g.attrs)
+    attrs = plain_attrs(g)
     if attrs.get("layout") != SPARSE:
         raise bad(f"its layout is {attrs.get('layout')!r}, not {SPARSE!r}")
     if integer(attrs.get("rows")) != len(rows):

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..files import TEXT_LIMIT, atomic_write
-from ..hdf5 import open_plain
+from ..hdf5 import H5PY_ERRORS, open_plain, plain_attrs, reason
 from .checks import check_finite
 from .format import FORMAT, RUN, Entry, h5_path, manifest_name, shard_name, text_attr
 from .lock import run_of
@@ -129,8 +129,12 @@ def _check_shards(d: Path, step: int, num_shards: int, run: str | None) -> None:
                 f"{step} is missing; not committed"
             )
         if run:
-            with open_plain(path, CheckpointError, f"checkpoint {d}: shard {path.name}") as f:
-                wrote = text_attr(f.attrs.get(RUN))
+            what = f"checkpoint {d}: shard {path.name}"
+            with open_plain(path, CheckpointError, what) as f:
+                try:
+                    wrote = text_attr(plain_attrs(f).get(RUN))
+                except H5PY_ERRORS as e:
+                    raise CheckpointError(f"{what}: unreadable ({reason(e)})") from None
             if wrote != run:
                 raise ForeignShard(
                     f"checkpoint {d}: shard {path.name} was written by "

@@ -44,6 +44,7 @@ from ..run import (
     report,
     save_whole,
     say_nothing_to_train,
+    say_position_lost,
     say_preempted,
     say_restored,
     target_steps,
@@ -235,11 +236,19 @@ class Replica:
         header = np.zeros(2, np.int64)  # start step, data position (batches used per worker)
         if self.cluster.is_chief:
             self._set_initial(prep)
-            clocks = prep.clocks or []
+            clocks = prep.clocks or []  # (none where not restored: startup.data_position)
             same = bool(clocks) and len(clocks) == self.workers and len(set(clocks)) == 1
             header[:] = prep.start_step, clocks[0] if same else 0
             if prep.restored is not None:
                 say_restored(role, prep.start_step, prep.restored)
+                lost = prep.position_lost or (
+                    f"the checkpoint's workers had used different numbers of batches "
+                    f"({clocks}), and the replicas share one data position"
+                    if clocks and not same
+                    else ""
+                )
+                if lost:
+                    say_position_lost(role, lost)
         broadcast(self.comm, [header])
         self.buckets.share()
         self._shared_initial()

@@ -24,6 +24,7 @@ from ..run import (
     loss_not_finite,
     report,
     say_nothing_to_train,
+    say_position_lost,
     say_preempted,
     say_restored,
     target_steps,
@@ -139,7 +140,7 @@ class StoreWorker:
         control, role, prep, tc = self.control, self.role, self.prep, self.tc
         workers = self.cluster.layout.num_workers
         if self.cluster.is_chief:
-            clocks = prep.clocks
+            clocks = prep.clocks  # (None where not restored: startup.data_position)
             if prep.restored is None:  # else the PS tasks have restored their shards
                 self.client.initialise(prep.values, prep.slots)
             control.set_counters(
@@ -148,13 +149,8 @@ class StoreWorker:
             control.raise_ready()
             if prep.restored is not None:
                 say_restored(role, prep.start_step, prep.restored)
-                if clocks and len(clocks) != workers:
-                    log(
-                        role,
-                        f"data position not restored: the checkpoint was written by "
-                        f"{len(clocks)} workers, this run has {workers} (parts start "
-                        f"afresh)",
-                    )
+                if prep.position_lost:
+                    say_position_lost(role, prep.position_lost)
             if tc.steps and prep.start_step >= tc.steps:
                 say_nothing_to_train(role, prep.start_step, tc.steps)
         else:
