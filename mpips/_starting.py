@@ -1,23 +1,21 @@
 """Ctrl-C while ``python -m mpips`` starts: mpirun forwards it to every rank, and a rank
 still importing numpy, MPI and the rest would print a KeyboardInterrupt traceback from the
-middle of an import (or crash in one). Nothing has started then, so each rank ends at once
-and quietly, with 130; ``mpips train`` keeps this until it installs its own handling
-(preemption.install: a checkpoint, exit 3), the other commands until the CLI is imported."""
+middle of an import (or crash in one), or, inside MPI_Init (C code, where no Python handler
+runs), not notice it at all and wait there for ranks that are gone. Nothing has started
+then, so SIGINT keeps its default action, which ends the process at once, wherever it is
+(and the launcher then ends the job); ``mpips train`` keeps this until it installs its own
+handling (preemption.install: a checkpoint, exit 3), the other commands until the CLI is
+imported."""
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
 
-def _end(signum: int, frame: object) -> None:
-    os._exit(128 + signum)
-
-
 def quiet_interrupt() -> None:
-    """From now on, SIGINT ends this process at once, quietly."""
-    signal.signal(signal.SIGINT, _end)
+    """From now on, SIGINT ends this process at once, quietly (its default action)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def as_run_from_the_command_line() -> bool:

@@ -88,19 +88,21 @@ def test_a_checkpoint_dir_linked_to_nothing_is_one_message(tmp_path):
 
 
 def test_ctrl_c_while_the_ranks_start_ends_them_quietly(tmp_path):
-    """SIGINT to mpirun while its ranks still import (the first second or two of a run, most
-    of a small job's wall time): every rank ends at once, without a KeyboardInterrupt
-    traceback from the middle of an import (or a crash in one), exit 130 (or, on a machine
-    that imports faster, the run's own handling: a checkpoint, exit 3)."""
+    """SIGINT to mpirun while its ranks still import or initialise MPI (the first second or
+    two of a run, most of a small job's wall time): every rank ends at once, without a
+    KeyboardInterrupt traceback from the middle of an import (or a crash in one), and none
+    stays in MPI_Init waiting for ranks that are gone (a Python handler never runs there);
+    a little later the run's own handling takes over (a checkpoint, exit 3). Whenever it
+    comes, the job ends, quietly."""
     import signal
     import subprocess
     import sys
     import time
 
-    from conftest import clean_env, mpiexec_path
+    from conftest import clean_env, mpiexec_path, stop_launcher
 
     (tmp_path / "job.toml").write_text(JOB.replace("steps = 20", "steps = 100000"))
-    for delay in (0.2, 0.5):  # (within the imports: later, test_stops_mpi.py)
+    for delay in (0.2, 0.5, 0.8, 1.1, 1.4, 1.7):
         cmd = [mpiexec_path(), "-n", "3", sys.executable, "-m", "mpips", "train", "job.toml"]
         proc = subprocess.Popen(
             [*cmd, "--ckpt-dir", f"ck-{delay}"],
@@ -113,8 +115,12 @@ def test_ctrl_c_while_the_ranks_start_ends_them_quietly(tmp_path):
         )
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode in (130, 3), (delay, proc.returncode, err)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            stop_launcher(proc)
+            pytest.fail(f"Ctrl-C after {delay} s: the job did not end ({proc.communicate()})")
+        assert proc.returncode != 0, (delay, err)
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, (delay, err)
     r = run_py(["-c", "import mpips, signal; print(signal.getsignal(signal.SIGINT))"], tmp_path)
     assert "default_int_handler" in r.stdout  # (a library import leaves Ctrl-C alone)
