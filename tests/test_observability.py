@@ -172,7 +172,8 @@ def test_summaries_timeline_and_plots_of_an_async_run(tmp_path):
     assert c.returncode == 0, c.stderr
     last = [ln for ln in c.stdout.splitlines() if "ckpt-300.json" in ln]
     assert last and re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", last[0])
-    assert "validation accuracy" in last[0] and "tensorboard --logdir runs/obs" in c.stdout
+    assert "validation accuracy" in last[0]
+    assert "tensorboard --logdir" not in c.stdout  # (train says where the summaries are)
 
 
 @pytest.mark.launcher
