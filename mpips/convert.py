@@ -160,10 +160,8 @@ def make_synthetic(
         raise DataError(f"synthetic: rows must be at least 1, got {rows}")
     total = rows + test_rows
     # x, x @ W, the labels and their int64 copy (write_dataset) are in memory at once
-    need, what = (
-        total * (inputs * 4 + classes * 4 + 16),
-        f"synthetic: the data of {rows} + {test_rows} rows",
-    )
+    need = total * (inputs * 4 + classes * 4 + 16)
+    what = f"synthetic: the data of {rows} + {test_rows} rows"
     if need > ABSURD_BYTES:  # (check_fits would blame a file)
         raise DataError(f"{what} needs {human(need)}, more than any machine's memory")
     check_fits(need, what, DataError)
