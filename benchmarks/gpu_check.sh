@@ -100,7 +100,7 @@ done
 echo "== the GPU goals"
 DRY=--rounds=${GPU_ROUNDS:-2}  # (each round: every configuration twice; GPU_ROUNDS=1 halves it)
 [ "${MPIPS_GPU_STANDIN:-}" = 1 ] && DRY=--dry-run
-python benchmarks/gpu_workload.py "$DRY" --json "$LOG/gpu.json" 2>&1 | tee "$LOG/goals.txt"
+python benchmarks/gpu_workload.py "$DRY" --phases --json "$LOG/gpu.json" 2>&1 | tee "$LOG/goals.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || FAILED=1
 save
 if [ "$SCALING" = 1 ]; then

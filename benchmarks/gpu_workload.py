@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,7 @@ log_every = 0
 progress = false
 [summary]
 every_steps = 0
+{summary}
 [layout]
 ps = {ps}
 """
@@ -115,8 +117,8 @@ def wall(job: Path, ranks: int, steps: int, workdir: Path) -> float:
     return time.perf_counter() - t0
 
 
-def mpips_rate(name: str, steps: tuple[int, int], workdir: Path) -> float:
-    """Examples/s of configuration ``name``: extra examples over extra wall seconds."""
+def write_job(name: str, workdir: Path, summary: str = "") -> Path:
+    """Configuration ``name`` as a job file in ``workdir`` (``summary``: [summary] lines)."""
     hidden, batch, mode, device, ranks, ps, workers = CONFIGS[name]
     stem = (
         name.replace(" ", "_").replace(",", "").replace("+", "").replace("(", "").replace(")", "")
@@ -136,11 +138,45 @@ def mpips_rate(name: str, steps: tuple[int, int], workdir: Path) -> float:
             batch=batch,
             ps=ps,
             zero_copy=zero_copy,
+            summary=summary,
         )
     )
+    return job
+
+
+def mpips_rate(name: str, steps: tuple[int, int], workdir: Path) -> float:
+    """Examples/s of configuration ``name``: extra examples over extra wall seconds."""
+    _, batch, mode, _, ranks, _, workers = CONFIGS[name]
+    job = write_job(name, workdir)
     short, long = (wall(job, ranks, s, workdir) for s in steps)
     per_step = batch * (workers if mode == "sync" else 1)  # examples per global step
     return (steps[1] - steps[0]) * per_step / (long - short)
+
+
+PHASES = [
+    "one process, GPU, wide MLP, batch 1024",
+    "async 1 PS + 2 GPU workers, wide MLP, batch 1024",
+    "async 1 PS + 2 GPU workers (zero copy), wide MLP, batch 1024",
+]
+
+
+def phases(name: str, steps: int, workdir: Path) -> dict[str, dict[str, float]]:
+    """Median milliseconds of each phase of each task in one run of ``name`` with the
+    timeline on (summary.timeline; the device is synchronised at phase ends, so the
+    phases add up to more than an untimed step). The first fifth of the events is left
+    out (kernel compiles, first copies)."""
+    run = workdir / "phases"
+    shutil.rmtree(run, ignore_errors=True)
+    job = write_job(name, workdir, f'timeline = true\ndir = "{run}"')
+    wall(job, CONFIGS[name][4], steps, workdir)
+    out: dict[str, dict[str, float]] = {}
+    for part in sorted((run / "timeline").glob("*.json")):
+        spans: dict[str, list[float]] = {}
+        for e in json.loads(part.read_text())["traceEvents"]:
+            if e.get("ph") == "X":
+                spans.setdefault(e["name"], []).append(e["dur"] / 1e3)
+        out[part.stem] = {k: statistics.median(v[len(v) // 5 :] or v) for k, v in spans.items()}
+    return out
 
 
 def torch_rate(steps: int, batch: int = 1024) -> float | None:
@@ -181,6 +217,7 @@ def main() -> None:
     ap.add_argument("--steps", default="200,400", help="the two global step targets")
     ap.add_argument("--dry-run", action="store_true", help="tiny runs: check the script")
     ap.add_argument("--json", help="write the rates here")
+    ap.add_argument("--phases", action="store_true", help="also a timeline of each phase")
     args = ap.parse_args()
     steps = (2, 4) if args.dry_run else tuple(int(s) for s in args.steps.split(","))
     rounds = 1 if args.dry_run else args.rounds
@@ -195,15 +232,18 @@ def main() -> None:
             if t is not None:
                 rates[TORCH].append(t)
                 print(f"round {r + 1}: {TORCH}: {t:,.0f} examples/s", flush=True)
+        timed = {n: phases(n, steps[0], Path(tmp)) for n in PHASES} if args.phases else {}
     med = {k: statistics.median(v) for k, v in rates.items() if v}
     if args.json:
-        Path(args.json).write_text(json.dumps({"rates": rates, "median": med}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"rates": rates, "median": med, "phases": timed}, indent=1)
+        )
     one, sync2, wide, wide_zc, wide_pf, ref_gpu, ref_cpu = (med[n] for n in CONFIGS)
     goals = [
         ("async 1 PS + 2 GPU workers, wide MLP, batch 1024", wide, ">= 190,000", wide >= 190e3),
         ("the same with zero copy", wide_zc, ">= 190,000", wide_zc >= 190e3),
         ("the same with the pull overlapped", wide_pf, ">= 190,000", wide_pf >= 190e3),
-        ("reference MLP: GPU / CPU path", ref_gpu / ref_cpu, ">= 1.0", ref_gpu >= ref_cpu),
+        ("reference MLP: GPU / CPU path", ref_gpu / ref_cpu, ">= 1.0", ref_gpu / ref_cpu >= 1),
     ]
     if TORCH in med:
         goals.append(
@@ -219,9 +259,14 @@ def main() -> None:
     print(f"{'sync 2 replicas / one process (GPU, wide)':66s} {sync2 / one:12.2f}")
     print(f"\n{'goal':66s} {'value':>12s} {'target':>11s}  met")
     for label, value, target, met in goals:
+        met = met and min(med.values()) > 0  # (a rate <= 0: the noise beat the extra steps)
         print(f"{label:66s} {value:12,.2f} {target:>11s}  {'yes' if met else 'NO'}")
     if TORCH not in med:
         print("(no torch with CUDA here: the one-process goal is not measured)")
+    for name, tasks in timed.items():
+        print(f"\nphases, median ms a step ({name}, timeline on):")
+        for task, spans in tasks.items():
+            print(f"  {task:10s} " + ", ".join(f"{k} {v:.2f}" for k, v in spans.items()))
 
 
 if __name__ == "__main__":
