@@ -7,7 +7,7 @@
 # MPIPS_GPU_STANDIN=1 runs it without a GPU, on the stand-in: a check of the script itself,
 # whose figures mean nothing.
 #
-#   benchmarks/gpu_check.sh [--wheels DIR] [--scaling] [--out DIR]
+#   benchmarks/gpu_check.sh [--wheels DIR] [--scaling] [--skip-tests] [--out DIR]
 #
 # The machine's python3 must have cupy (and numpy, h5py, numba, scipy, tqdm,
 # threadpoolctl, pytest); what it lacks (an MPI runtime: the `mpich` and `mpi4py` wheels;
@@ -19,22 +19,22 @@
 #     mpich mpi4py tensorboardX
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=.whl SCALING=0 OUT_DIR=${OUT:-}
+WHEELS=.whl SCALING=0 TESTS=1 OUT_DIR=${OUT:-}
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) WHEELS=$2; shift 2 ;;
     --scaling) SCALING=1; shift ;;
+    --skip-tests) TESTS=0; shift ;;
     --out) OUT_DIR=$2; shift 2 ;;
-    *) echo "usage: $0 [--wheels DIR] [--scaling] [--out DIR]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--wheels DIR] [--scaling] [--skip-tests] [--out DIR]" >&2; exit 2 ;;
   esac
 done
 PY=${PYTHON:-python3}
 VENV=${MPIPS_GPU_VENV:-/tmp/mpips-gpu-venv}
-LOG=$(mktemp -d)
-save() {  # what ran so far into --out, after each part (a run cut short still returns it)
-  [ -z "$OUT_DIR" ] || { mkdir -p "$OUT_DIR" && cp "$LOG"/*.json "$LOG"/*.txt "$LOG"/*.log "$OUT_DIR"/ 2>/dev/null; }
-  return 0
-}
+# logs, job files and results go straight into --out (a run cut short still leaves them)
+LOG=${OUT_DIR:-$(mktemp -d)}
+mkdir -p "$LOG" || exit 2
+LOG=$(cd "$LOG" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV" || exit 2
@@ -81,9 +81,12 @@ NCCL=$(python -c 'from cupy.cuda import nccl; print("NCCL", nccl.get_version(), 
 echo "$NCCL"
 FAILED=0
 echo "== the gpu tests"
-python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py >"$LOG/tests.txt" 2>&1 || FAILED=1
+if [ "$TESTS" = 1 ]; then
+  python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py >"$LOG/tests.txt" 2>&1 || FAILED=1
+else
+  echo "skipped (--skip-tests)" >"$LOG/tests.txt"
+fi
 tail -5 "$LOG/tests.txt"
-save
 echo "== every mode on the GPU (the built-in digits job)"
 MODES=""
 for spec in "one process:sync:0" "sync:sync:3" "sync_replicas:sync_replicas:3" "async:async:3"; do
@@ -95,20 +98,17 @@ for spec in "one process:sync:0" "sync:sync:3" "sync_replicas:sync_replicas:3" "
   [ -z "$line" ] && { line="FAILED: $(tail -3 "$LOG/$mode-$ranks.log" | tr '\n' ' ')"; FAILED=1; }
   echo "$label: $line"
   MODES+="$label: ${line#*final: }"$'\n'
-  save
 done
 echo "== the GPU goals"
 DRY=--rounds=${GPU_ROUNDS:-2}  # (each round: every configuration twice; GPU_ROUNDS=1 halves it)
 [ "${MPIPS_GPU_STANDIN:-}" = 1 ] && DRY=--dry-run
-python benchmarks/gpu_workload.py "$DRY" --phases --json "$LOG/gpu.json" 2>&1 | tee "$LOG/goals.txt"
+python benchmarks/gpu_workload.py "$DRY" --phases --profile "$LOG/profile.txt" --json "$LOG/gpu.json" 2>&1 | tee "$LOG/goals.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || FAILED=1
-save
 if [ "$SCALING" = 1 ]; then
   echo "== node scaling (issue 31)"
   python benchmarks/node_scaling.py --budget "${SCALING_BUDGET:-150}" --json "$LOG/node_scaling.json" 2>&1 | tee "$LOG/scaling.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || FAILED=1
 fi
-save
 echo
 echo "================ gpu_check summary ($(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null))"
 echo "gpu tests: $(tail -1 "$LOG/tests.txt")"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -179,6 +180,17 @@ def phases(name: str, steps: int, workdir: Path) -> dict[str, dict[str, float]]:
     return out
 
 
+def profile(name: str, steps: int, workdir: Path, out: Path) -> None:
+    """One-process configuration ``name`` run under cProfile: the functions with the most
+    time of their own, into ``out`` (where a step's host time goes)."""
+    job = write_job(name, workdir)
+    stats = workdir / "profile.out"
+    cmd = [sys.executable, "-m", "cProfile", "-o", str(stats), "-m", "mpips", "train", str(job)]
+    subprocess.run([*cmd, "--steps", str(steps)], cwd=workdir, capture_output=True, timeout=600)
+    with out.open("w") as f:
+        pstats.Stats(str(stats), stream=f).sort_stats("tottime").print_stats(30)
+
+
 def torch_rate(steps: int, batch: int = 1024) -> float | None:
     """Examples/s of one PyTorch process training the wide MLP (ReLU, softmax
     cross-entropy, SGD) on the GPU; None without torch or CUDA."""
@@ -218,6 +230,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="tiny runs: check the script")
     ap.add_argument("--json", help="write the rates here")
     ap.add_argument("--phases", action="store_true", help="also a timeline of each phase")
+    ap.add_argument("--profile", help="also profile one process (cProfile) into this file")
     args = ap.parse_args()
     steps = (2, 4) if args.dry_run else tuple(int(s) for s in args.steps.split(","))
     rounds = 1 if args.dry_run else args.rounds
@@ -233,6 +246,8 @@ def main() -> None:
                 rates[TORCH].append(t)
                 print(f"round {r + 1}: {TORCH}: {t:,.0f} examples/s", flush=True)
         timed = {n: phases(n, steps[0], Path(tmp)) for n in PHASES} if args.phases else {}
+        if args.profile:
+            profile(PHASES[0], steps[0], Path(tmp), Path(args.profile))
     med = {k: statistics.median(v) for k, v in rates.items() if v}
     if args.json:
         Path(args.json).write_text(

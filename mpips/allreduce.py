@@ -35,6 +35,7 @@ from typing import NoReturn, cast
 import numpy as np
 from mpi4py import MPI
 
+from .backend import page_zeros
 from .errors import AlreadyReported, ReplicasDiverged, Stalled
 from .store import (
     STALL_TIMEOUT,
@@ -222,7 +223,10 @@ class GradientBuckets:
             self.stores = self._shared_stores(totals, slot_names)
         else:
             self.stores = {
-                d: _Store(np.zeros(n, d), np.zeros(n, d), {k: np.zeros(n, d) for k in slot_names})
+                # (gradients and values on pages of their own: a GPU replica locks them)
+                d: _Store(
+                    page_zeros(n, d), page_zeros(n, d), {k: np.zeros(n, d) for k in slot_names}
+                )
                 for d, n in totals.items()
             }
         used = dict.fromkeys(self.stores, 0)

@@ -194,7 +194,15 @@ class Device:
         refuses stays pageable (said once)."""
         if self.on_host:
             return
-        runs = _page_runs([a for a in arrays if a.nbytes], self._pinned)
+        arrays = [a for a in arrays if a.nbytes]
+        shared = [a for a in arrays if not owns_pages(a)]
+        if shared:  # (an mpips bug, not the user's: say it, and leave them pageable)
+            warnings.warn(
+                f"mpips: {len(shared)} host buffer(s) share pages with other memory and stay "
+                "pageable (locking them would make copies of that memory fail)",
+                stacklevel=2,
+            )
+        runs = _page_runs([a for a in arrays if owns_pages(a)], self._pinned)
         runtime = self.xp.cuda.runtime
         refused = []
         for start, size in runs:
@@ -336,12 +344,38 @@ def grown(have: int, need: int) -> int:
 def page_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """An uninitialised host array on whole pages of its own: a buffer made while others are
     page-locked (a CTR table's kept rows, grown) shares no page with them, so locking it
-    never meets a locked page (which CUDA refuses)."""
+    never meets a locked page (which CUDA refuses), and no other array lies on its pages."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(-(-nbytes // PAGE) * PAGE + PAGE, np.uint8)
     start = -raw.ctypes.data % PAGE
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def page_zeros(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A zeroed host array on whole pages of its own (see page_aligned): a buffer a GPU
+    worker page-locks (``Device.pin``)."""
+    a = page_aligned((shape,) if isinstance(shape, int) else tuple(shape), dtype)
+    a[...] = 0
+    return a
+
+
+def owns_pages(a: np.ndarray) -> bool:
+    """Whether every page ``a`` lies on belongs to its own allocation, so that locking them
+    locks no one else's memory. CUDA takes a copy that begins in a locked page for a copy
+    from pinned memory, and cupy's asarray copies straight from an array that begins there:
+    another array on a locked page (made next to a heap buffer) then fails to copy when it
+    runs past the locked pages (cudaErrorInvalidValue). True for arrays made by
+    page_aligned and for memory from elsewhere (an MPI shared window: pages of its own);
+    false for most small numpy arrays, which share heap pages."""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if root.base is not None:  # (a window's memory: no numpy array of others lies there)
+        return True
+    lo = a.ctypes.data // PAGE * PAGE
+    hi = -(-(a.ctypes.data + a.nbytes) // PAGE) * PAGE
+    return root.ctypes.data <= lo and hi <= root.ctypes.data + root.nbytes
 
 
 def _page_runs(arrays: list[np.ndarray], locked: dict[int, int]) -> list[tuple[int, int]]:

@@ -48,12 +48,14 @@ class Traffic:
 
     def to_device(self, host: _np.ndarray, new: bool) -> None:
         """A host-to-device copy: into a ``new`` device array, or into an existing one."""
+        _check_range(host)
         self.h2d_copies += 1
         self.h2d_bytes += host.nbytes
         self.allocations += new
         self.h2d_pageable += 0 if _pinned(host) else host.nbytes
 
     def to_host(self, host: _np.ndarray) -> None:
+        _check_range(host)
         self.d2h_copies += 1
         self.d2h_bytes += host.nbytes
         self.d2h_pageable += 0 if _pinned(host) else host.nbytes
@@ -68,6 +70,22 @@ def _pinned(host: _np.ndarray) -> bool:
     """Whether ``host``'s memory lies in a range registered with cuda.runtime.hostRegister."""
     at = host.__array_interface__["data"][0]
     return any(start <= at and at + host.nbytes <= start + n for start, n in _locked.items())
+
+
+def _check_range(host: _np.ndarray) -> None:
+    """Refuse a copy from or to host memory that begins in a page-locked range and runs past
+    its end, as CUDA does (cudaErrorInvalidValue): the driver takes the whole copy for
+    pinned from where it begins. cupy's asarray copies straight from any array that begins
+    in a locked range, so a locked page that also holds others' heap memory fails this way
+    for them (seen on an H100: an epoch's batch order, made next to a locked buffer)."""
+    at = host.__array_interface__["data"][0]
+    for start, n in _locked.items():
+        if start <= at < start + n < at + host.nbytes:
+            raise RuntimeError(
+                f"cudaErrorInvalidValue: invalid argument (a copy of {host.nbytes} bytes "
+                f"that begins in a page-locked range and runs {at + host.nbytes - start - n} "
+                "bytes past it)"
+            )
 
 
 class _Runtime:
@@ -304,9 +322,9 @@ def asarray(a: Any, dtype: Any = None) -> ndarray:
     """A device array of ``a``: copied to the device when ``a`` is on the host."""
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
-    values = _np.array(a, dtype=dtype)
-    traffic.to_device(values, new=True)
-    return ndarray(values)
+    host = _np.asarray(a, dtype=dtype)  # (cupy copies from the host array where it lies)
+    traffic.to_device(host, new=True)
+    return ndarray(host.copy())
 
 
 def array(a: Any, dtype: Any = None, copy: bool = True) -> ndarray:

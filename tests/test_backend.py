@@ -153,11 +153,13 @@ def test_page_aligned_buffers_lock_beside_locked_neighbours():
     import warnings
 
     from mpips import standin
-    from mpips.backend import PAGE, Device, page_aligned
+    from mpips.backend import PAGE, Device, _page_runs, page_aligned
 
     device = Device(standin)
-    small = [np.zeros(10, np.float32) for _ in range(64)]  # heap neighbours
-    device.pin(small[::3])
+    small = [np.zeros(10, np.float32) for _ in range(64)]  # heap neighbours, locked
+    runs = _page_runs(small[::3], {})
+    for start, n in runs:
+        standin.cuda.runtime.hostRegister(start, n, 0)
     try:
         for shape in [(1, 1), (3, 8), (1000, 9), (0, 4)]:
             a = page_aligned(shape, np.float32)
@@ -172,14 +174,16 @@ def test_page_aligned_buffers_lock_beside_locked_neighbours():
             assert standin.traffic.h2d_pageable == 0
     finally:
         device.unpin()
+        for start, _ in runs:
+            standin.cuda.runtime.hostUnregister(start)
 
 
 def test_device_pins_host_buffers_once_and_releases_them():
     from mpips import standin
-    from mpips.backend import Device
+    from mpips.backend import Device, page_zeros
 
     device = Device(standin)
-    a, b = np.zeros(1000, np.float32), np.zeros(10, np.float32)
+    a, b = page_zeros(1000, np.float32), page_zeros(10, np.float32)
     device.pin([a, b, a])  # a second time: once
     standin.traffic.reset()
     staged = device.stage_in({"a": a, "b": b})
@@ -190,6 +194,36 @@ def test_device_pins_host_buffers_once_and_releases_them():
     device.stage_out(staged, {"a": a, "b": b})
     assert standin.traffic.d2h_pageable == 4040
     Device().pin([a])  # the CPU: nothing to do
+
+
+def test_pinning_never_locks_a_page_that_other_arrays_lie_on():
+    """CUDA takes a copy that begins in a locked page as a copy from pinned memory, and
+    cupy's asarray copies straight from an array that begins there: a small array made
+    next to a locked heap buffer failed to copy once it ran past the locked pages
+    (cudaErrorInvalidValue, an async GPU worker at its second epoch on an H100). The
+    stand-in refuses such a copy as CUDA does, and pin() locks only buffers whose pages
+    are their own (page_zeros), leaving others pageable with a warning."""
+    from mpips import standin
+    from mpips.backend import PAGE, Device, owns_pages, page_zeros
+
+    heap = np.zeros(10, np.float32)  # (a small numpy array: its page holds other memory)
+    assert not owns_pages(heap) and owns_pages(page_zeros(10, np.float32))
+    device = Device(standin)
+    with pytest.warns(UserWarning, match="share pages with other memory"):
+        device.pin([heap])
+    assert not standin._locked
+    device.unpin()
+
+    raw = page_zeros(3 * PAGE, np.uint8)
+    device.pin([raw[:PAGE]])  # its first page only
+    try:
+        standin.asarray(raw[PAGE : PAGE + 64])  # begins past the locked page: pageable
+        with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+            standin.asarray(raw[PAGE - 64 : PAGE + 64])  # begins in it, runs past it
+        with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
+            standin.asarray(raw[:PAGE]).get(out=raw[PAGE - 8 : 2 * PAGE - 8])
+    finally:
+        device.unpin()
 
 
 def test_scatter_add_sums_repeated_indices_with_either_array_module(monkeypatch):

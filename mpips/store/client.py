@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import grown, page_aligned
+from ..backend import grown, page_aligned, page_zeros
 from ..placement import Placed, Placement, owner_and_row, views
 from .control import RunControl
 from .mailbox import WorkerMail
@@ -143,18 +143,20 @@ class StoreClient:
         self._live = [
             windows.shared_memory(r)[: placement.whole_bytes(p)]
             if self.reads_in_place
-            else np.zeros(placement.whole_bytes(p), np.uint8)
+            else page_zeros(placement.whole_bytes(p), np.uint8)  # (a GPU page-locks them)
             for p, r in enumerate(self.ps_ranks)
         ]
-        self._grad_bufs = [np.zeros(placement.whole_bytes(p), np.uint8) for p in range(num_ps)]
+        self._grad_bufs = [page_zeros(placement.whole_bytes(p), np.uint8) for p in range(num_ps)]
         self.params = views(whole, self._live)
         self.grads = views(whole, self._grad_bufs)
         # split variables (layout.partition): one full array each, whose row blocks move
         # straight to and from their PS tasks
+        self._split: list[np.ndarray] = []
         for e in placement.dense:
             if e.whole is not None and e.name not in self.params:
-                self.params[e.name] = np.zeros(e.whole.shape, e.whole.dtype)
-                self.grads[e.name] = np.zeros(e.whole.shape, e.whole.dtype)
+                self.params[e.name] = page_zeros(e.whole.shape, e.whole.dtype)
+                self.grads[e.name] = page_zeros(e.whole.shape, e.whole.dtype)
+                self._split += [self.params[e.name], self.grads[e.name]]
         self._segments = _segments(self)
         self.tables = _tables(placement)
         # zero copy: every table partition as (rows, width), in its PS's memory
@@ -236,9 +238,7 @@ class StoreClient:
         """The host memory a GPU worker copies from and to step after step, which it
         page-locks: the buffers a pull fills and a push reads, or with zero copy the PS
         tasks' memory of the whole variables, which its copies in read straight."""
-        split = [a for name, a in self.params.items() if a.base is None]
-        split += [a for name, a in self.grads.items() if a.base is None]
-        return [*self._live, *self._grad_bufs, *split]
+        return [*self._live, *self._grad_bufs, *self._split]
 
     @property
     def pulled_bytes(self) -> int:
