@@ -299,8 +299,10 @@ class StagedGradients:
         self.copied: dict[str, int] = {}  # rows of each gradient in host memory so far
 
     def ready(self, then: Any) -> Any:
-        """``then`` (a ready callback, or None) behind the copies."""
-        if self.on_host:
+        """``then`` (a ready callback, or None) behind the copies; None when there is
+        neither (one replica on a GPU: its gradients stay there, and backward need not
+        report)."""
+        if self.on_host or (then is None and not self.host):
             return then
 
         def ready(name: str, rows: int | None = None) -> None:

@@ -35,7 +35,9 @@ def dense_forward(x: Any, kernel: Any, bias: Any) -> Any:
 
 
 BLOCK_BYTES = 256 << 10  # a kernel gradient reported to ``ready`` is written in blocks this big
-# (512 KiB hid less of the reference MLP's exchange: docs/performance.md)
+# (512 KiB hid less of the reference MLP's exchange: docs/performance.md); on the host only:
+# on a GPU each block is a launch (~65 us of host time in cupy) and a wait for its copy out,
+# while the whole backward of the wide MLP takes ~1.5 ms there (H100, docs/performance.md)
 
 
 def dense_backward(
@@ -51,16 +53,17 @@ def dense_backward(
     """The gradients of ``dense_forward`` from ``dy``, the output's: bias and kernel into
     ``grad_bias`` and ``grad_kernel`` (in place), and the input's, returned (None unless
     ``input_grad``). ``written(rows)``, if given, is called once the bias and the first
-    ``rows`` rows of the kernel are final (0 for the bias alone): then the kernel's gradient
-    is written in blocks of rows, so sync replicas can reduce the first while the rest are
-    computed. The input's gradient comes first: after ``written`` the kernel is not read
-    (sync replicas may update it then)."""
+    ``rows`` rows of the kernel are final (0 for the bias alone): then, on the host, the
+    kernel's gradient is written in blocks of rows, so sync replicas can reduce the first
+    while the rest are computed (on a device, whole). The input's gradient comes first:
+    after ``written`` the kernel is not read (sync replicas may update it then)."""
     dx = dy @ kernel.T if input_grad else None
     dy.sum(axis=0, out=grad_bias)
     rows = grad_kernel.shape[0]
     step = rows
     if written is not None:
         written(0)
+    if written is not None and xp is np:
         blocks = max(1, -(-grad_kernel.nbytes // BLOCK_BYTES))
         step = max(1, -(-rows // blocks))
     for first in range(0, rows, step):

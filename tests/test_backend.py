@@ -196,6 +196,20 @@ def test_device_pins_host_buffers_once_and_releases_them():
     Device().pin([a])  # the CPU: nothing to do
 
 
+def test_one_replica_on_a_device_gives_backward_no_ready_callback():
+    """Gradients that stay on the device (one replica, one process) need no report from
+    backward, which then writes each kernel whole; gradients bound for host buffers do."""
+    from mpips import standin
+    from mpips.backend import Device
+
+    device = Device(standin)
+    grads = {"k": standin.zeros((4, 3), np.float32)}
+    assert device.staged(grads, {}).ready(None) is None
+    assert callable(device.staged(grads, {"k": np.zeros((4, 3), np.float32)}).ready(None))
+    assert callable(device.staged(grads, {}).ready(lambda name, rows=None: None))
+    assert Device().staged({}, {}).ready(None) is None  # the CPU: as given
+
+
 def test_pinning_never_locks_a_page_that_other_arrays_lie_on():
     """CUDA takes a copy that begins in a locked page as a copy from pinned memory, and
     cupy's asarray copies straight from an array that begins there: a small array made

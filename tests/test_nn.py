@@ -95,6 +95,42 @@ def test_backward_reports_a_big_kernel_block_by_block_each_block_final(monkeypat
         np.testing.assert_allclose(grads[name], g, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+def test_on_a_device_backward_writes_each_kernel_whole(monkeypatch):
+    """On a device a block of rows would be a launch and a wait for its copy out, each
+    costing more than the overlap gains (cupy: ~65 us of host time a launch; the wide
+    MLP had ~90 a step): a kernel's gradient is written and said ready whole, the bias
+    first, and equals the host's."""
+    from mpips import layers, standin
+
+    monkeypatch.setattr(layers, "BLOCK_BYTES", 1024)
+    host = MLP([40, 24, 3])
+    params = host.initial_values(0)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 40)).astype(np.float32)
+    y = rng.integers(0, 3, 8)
+    want = {k: np.zeros_like(v) for k, v in params.items()}
+    host.loss_and_grads(params, x, y, want)
+    model = MLP([40, 24, 3], xp=standin)
+    on_device = {k: standin.asarray(v) for k, v in params.items()}
+    grads = {k: standin.zeros(v.shape, v.dtype) for k, v in params.items()}
+    said = []
+    model.loss_and_grads(
+        on_device,
+        standin.asarray(x),
+        standin.asarray(y),
+        grads,
+        lambda n, r=None: said.append((n, r)),
+    )
+    assert said == [
+        ("dense_1/bias", None),
+        ("dense_1/kernel", 24),
+        ("dense_0/bias", None),
+        ("dense_0/kernel", 40),
+    ]
+    for name, g in want.items():
+        np.testing.assert_allclose(grads[name].get(), g, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
 def test_buckets_cut_a_big_matrix_between_rows():
     """A bucket closes once it holds bucket_bytes; a matrix that would overfill it is cut
     between rows, a vector never. Every row lies in one bucket, in backward's order, and each
