@@ -58,6 +58,19 @@ def test_the_mlp_reports_auc_on_two_classes():
     assert "auc" not in MLP([5, 8, 3]).evaluate(MLP([5, 8, 3]).initial_values(0), x, y)
 
 
+def _small_mlp_and_grads():
+    """An MLP 40-24-3 (dense_0/kernel: 40 rows of 96 bytes), its initial values, a batch of
+    8, and the gradients on the host written whole (no ``ready``)."""
+    model = MLP([40, 24, 3])
+    params = model.initial_values(0)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 40)).astype(np.float32)
+    y = rng.integers(0, 3, 8)
+    whole = {k: np.zeros_like(v) for k, v in params.items()}
+    model.loss_and_grads(params, x, y, whole)
+    return model, params, x, y, whole
+
+
 def test_backward_reports_a_big_kernel_block_by_block_each_block_final(monkeypatch):
     """Given ``ready``, the MLP writes a kernel's gradient in blocks of rows and says each
     block once it is final (bias first, then the kernel's rows in order), so sync replicas
@@ -68,13 +81,7 @@ def test_backward_reports_a_big_kernel_block_by_block_each_block_final(monkeypat
     from mpips import layers
 
     monkeypatch.setattr(layers, "BLOCK_BYTES", 1024)
-    model = MLP([40, 24, 3])  # dense_0/kernel: 40 rows of 96 bytes, 4 blocks
-    params = model.initial_values(0)
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((8, 40)).astype(np.float32)
-    y = rng.integers(0, 3, 8)
-    whole = {k: np.zeros_like(v) for k, v in params.items()}
-    model.loss_and_grads(params, x, y, whole)
+    model, params, x, y, whole = _small_mlp_and_grads()  # dense_0/kernel: 4 blocks
     grads = {k: np.zeros_like(v) for k, v in params.items()}
     said = []  # (name, rows, the block as it was when said)
 
@@ -103,13 +110,7 @@ def test_on_a_device_backward_writes_each_kernel_whole(monkeypatch):
     from mpips import layers, standin
 
     monkeypatch.setattr(layers, "BLOCK_BYTES", 1024)
-    host = MLP([40, 24, 3])
-    params = host.initial_values(0)
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((8, 40)).astype(np.float32)
-    y = rng.integers(0, 3, 8)
-    want = {k: np.zeros_like(v) for k, v in params.items()}
-    host.loss_and_grads(params, x, y, want)
+    _, params, x, y, want = _small_mlp_and_grads()
     model = MLP([40, 24, 3], xp=standin)
     on_device = {k: standin.asarray(v) for k, v in params.items()}
     grads = {k: standin.zeros(v.shape, v.dtype) for k, v in params.items()}
