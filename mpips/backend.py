@@ -368,13 +368,14 @@ def owns_pages(a: np.ndarray) -> bool:
     from pinned memory, and cupy's asarray copies straight from an array that begins there:
     another array on a locked page (made next to a heap buffer) then fails to copy when it
     runs past the locked pages (cudaErrorInvalidValue). True for arrays made by
-    page_aligned and for memory from elsewhere (an MPI shared window: pages of its own);
-    false for most small numpy arrays, which share heap pages."""
+    page_aligned and for MPI's memory (a shared window: a mapping of its own); false for
+    most small numpy arrays, which share heap pages, and for other foreign buffers (a bytes
+    object lies on the heap too)."""
     root = a
     while isinstance(root.base, np.ndarray):
         root = root.base
     if root.base is not None:  # (a window's memory: no numpy array of others lies there)
-        return True
+        return type(root.base).__module__ == "mpi4py.MPI"
     lo = a.ctypes.data // PAGE * PAGE
     hi = -(-(a.ctypes.data + a.nbytes) // PAGE) * PAGE
     return root.ctypes.data <= lo and hi <= root.ctypes.data + root.nbytes

@@ -222,6 +222,7 @@ def test_pinning_never_locks_a_page_that_other_arrays_lie_on():
 
     heap = np.zeros(10, np.float32)  # (a small numpy array: its page holds other memory)
     assert not owns_pages(heap) and owns_pages(page_zeros(10, np.float32))
+    assert not owns_pages(np.frombuffer(b"\0" * 40, np.float32))  # (heap memory too)
     device = Device(standin)
     with pytest.warns(UserWarning, match="share pages with other memory"):
         device.pin([heap])
