@@ -17,6 +17,7 @@ import numpy as np
 from .data import SPLITS, check_finite, resolve_path
 from .errors import DataError
 from .files import atomic_write, check_regular
+from .hdf5 import fixed_text
 from .memory import ABSURD_BYTES, check_fits, human
 
 
@@ -47,7 +48,7 @@ def write_dataset(
                 f.create_dataset(f"{split}/y", data=y.astype(np.int64))
             f.attrs["num_classes"] = num_classes
             f.attrs["x_scale"] = x_scale
-            f.attrs["name"] = name
+            f.attrs["name"] = fixed_text(name)
 
     atomic_write(path, write)
 

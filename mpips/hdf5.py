@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 
 from .errors import MpipsError
 from .files import check_regular
@@ -58,18 +59,29 @@ def h5py_errors(damaged: Damaged) -> Iterator[None]:
 _PLAIN_ATTRIBUTES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.STRING)
 
 
+def fixed_text(value: str) -> np.bytes_:
+    """``value`` as a fixed-length string attribute (UTF-8 bytes), the way mpips writes
+    text into HDF5. h5py keeps a str as a variable-length string in the file's global
+    heap, and libhdf5 (2.0) loops forever, in C, reading one whose size a damaged byte
+    changed; a fixed-length string lies in its object's header, where damage is an error
+    h5py reports. plain_attrs gives either kind back as str."""
+    return np.bytes_(value.encode())
+
+
 def plain_attrs(obj: h5py.HLObject) -> dict[str, Any]:
-    """The attributes of ``obj`` (a file, group or dataset) that hold numbers or strings,
-    by name; any other (a variable-length sequence, a compound, a reference) is left out
-    unread: mpips writes none, and reading a damaged one can crash the HDF5 library itself
-    (a flipped byte in a string attribute's type makes it a sequence, which h5py cannot
-    read). h5py's errors pass through (wrap the call in h5py_errors)."""
+    """The attributes of ``obj`` (a file, group or dataset) that hold numbers or strings
+    (as str, fixed-length or not), by name; any other (a variable-length sequence, a
+    compound, a reference) is left out unread: mpips writes none, and reading a damaged
+    one can crash the HDF5 library itself (a flipped byte in a string attribute's type
+    makes it a sequence, which h5py cannot read). h5py's errors pass through (wrap the
+    call in h5py_errors)."""
     out = {}
     for i in range(h5py.h5a.get_num_attrs(obj.id)):
         attr = h5py.h5a.open(obj.id, index=i)
         if attr.get_type().get_class() in _PLAIN_ATTRIBUTES:
             name = attr.name.decode(errors="replace")
-            out[name] = obj.attrs[attr.name]
+            value = obj.attrs[attr.name]
+            out[name] = value.decode(errors="replace") if isinstance(value, bytes) else value
     return out
 
 

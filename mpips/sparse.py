@@ -22,7 +22,7 @@ import scipy.sparse as sp
 
 from .errors import DataError
 from .files import atomic_write
-from .hdf5 import h5py_errors, open_plain, plain_attrs
+from .hdf5 import fixed_text, h5py_errors, open_plain, plain_attrs
 from .memory import ABSURD_BYTES, check_fits
 
 FORMAT = "mpips-csr-1"
@@ -204,10 +204,10 @@ def write_csr_chunks(
             if not rows["train"]:
                 raise DataError(f"{name or path}: no train rows")
             f.attrs.update(
-                format=FORMAT,
+                format=fixed_text(FORMAT),
                 num_features=num_features or max(top + 1, 1),
                 num_classes=2,
-                name=name,
+                name=fixed_text(name),
                 max_nnz=max_nnz,
             )
 

@@ -19,6 +19,7 @@ from conftest import BackgroundJob, clean_env, run_mpi, run_py, small_tmpfs, sto
 from mpips import checkpoint, files, initial
 from mpips.checkpoint import Checkpoint, writing
 from mpips.errors import CheckpointError
+from mpips.hdf5 import plain_attrs
 from mpips.variables import VariableSpec
 
 W = {"w": np.arange(8, dtype=np.float32).reshape(2, 4)}
@@ -38,7 +39,7 @@ def test_a_shard_of_another_run_is_refused_at_commit_and_at_read(tmp_path):
     manifest = json.loads((tmp_path / "ckpt-1.json").read_text())
     assert manifest["run"] == "aaaa"
     with h5py.File(tmp_path / checkpoint.shard_name(1, 0, 1)) as f:
-        assert f.attrs["run"] == "aaaa"
+        assert plain_attrs(f)["run"] == "aaaa"
     checkpoint.write_shard(tmp_path, 2, 0, 1, W, run="bbbb")  # another run's shard, same name
     with pytest.raises(checkpoint.ForeignShard, match="written by run bbbb, not by this run"):
         checkpoint.commit(tmp_path, 2, 1, checkpoint.whole_index(W), {}, {}, run="aaaa")
@@ -98,7 +99,7 @@ def test_the_run_a_process_writes_for_tags_its_shards_and_manifests(tmp_path):
     try:
         checkpoint.write_shard(d, 4, 0, 1, W)
         with h5py.File(d / checkpoint.shard_name(4, 0, 1)) as f:
-            assert f.attrs["run"] == "cccc"
+            assert plain_attrs(f)["run"] == "cccc"
     finally:
         checkpoint.release_directory(d)
 
@@ -349,7 +350,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_is_intact(t
     assert ckpt.run and ckpt.num_shards == 2
     for k in range(2):
         with h5py.File(ckpt.shard_path(k)) as f:
-            assert f.attrs["run"] == ckpt.run
+            assert plain_attrs(f)["run"] == ckpt.run
     ckpt.read_all()
     r = run_py(["-m", "mpips", "eval"], tmp_path)
     assert r.returncode == 0 and f"global_step {ckpt.step}" in r.stdout, r.stderr

@@ -7,6 +7,7 @@ from pathlib import Path
 import h5py
 
 from ..files import atomic_write
+from ..hdf5 import fixed_text
 from ..initial import InitialValues
 from .format import h5_path
 from .reading import Checkpoint
@@ -28,7 +29,7 @@ def export(
     def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:
             f.attrs["global_step"] = ckpt.step
-            f.attrs["source"] = str(ckpt.path)
+            f.attrs["source"] = fixed_text(str(ckpt.path))
             for name, value in variables.items():
                 f.create_dataset(name, data=value)
             for name, value in (slots if with_slots else {}).items():

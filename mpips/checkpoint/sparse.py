@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 
 from ..errors import CheckpointError
-from ..hdf5 import plain_attrs
+from ..hdf5 import fixed_text, plain_attrs
 from ..initial import InitialValues, row_chunks
 from ..memory import check_fits
 from .format import NUMBER_KINDS, SPARSE, Entry, Part, Rows, h5_path
@@ -149,14 +149,14 @@ def write_sparse(f: h5py.File, path: str, changed: _Changed, tables: SparseTable
     model's initial rows of ``seed``)."""
     a, index = changed.array, changed.index()
     g = f.create_group(path)
-    g.attrs["layout"] = SPARSE
+    g.attrs["layout"] = fixed_text(SPARSE)
     g.attrs["rows"] = len(a)
     base = changed.base()
     if base is not None:
-        g.attrs["base"] = "constant"
+        g.attrs["base"] = fixed_text("constant")
         g.attrs["value"] = base
     else:
-        g.attrs["base"] = "initial"
+        g.attrs["base"] = fixed_text("initial")
         g.attrs["seed"] = tables.seed
     g.create_dataset("index", data=index)
     values = g.create_dataset("values", (len(index),) + a.shape[1:], a.dtype)

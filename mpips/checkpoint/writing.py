@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..files import TEXT_LIMIT, atomic_write
-from ..hdf5 import H5PY_ERRORS, open_plain, plain_attrs, reason
+from ..hdf5 import H5PY_ERRORS, fixed_text, open_plain, plain_attrs, reason
 from .checks import check_finite
 from .format import FORMAT, RUN, Entry, h5_path, manifest_name, shard_name, text_attr
 from .lock import run_of
@@ -53,11 +53,11 @@ def write_shard(
     def write(tmp: Path) -> None:
         sparse = sparse_parts(variables, slots, tables)
         with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = FORMAT
+            f.attrs["format"] = fixed_text(FORMAT)
             f.attrs["global_step"] = step
             f.attrs["shard"] = shard
             if run:
-                f.attrs[RUN] = run
+                f.attrs[RUN] = fixed_text(run)
             for is_slot, arrays in ((False, variables), (True, slots)):
                 for name, value in arrays.items():
                     path = h5_path(name, is_slot)
