@@ -299,11 +299,13 @@ class StagedGradients:
         self.copied: dict[str, int] = {}  # rows of each gradient in host memory so far
 
     def ready(self, then: Any) -> Any:
-        """``then`` (a ready callback, or None) behind the copies; None when there is
-        neither (one replica on a GPU: its gradients stay there, and backward need not
-        report)."""
-        if self.on_host or (then is None and not self.host):
+        """``then`` (a ready callback, or None) behind the copies; None when nothing goes
+        to the host (one replica on a GPU: its gradients stay there, and backward need
+        not report)."""
+        if self.on_host:
             return then
+        if not self.host:  # (``then`` would never be called: it follows a copy)
+            return None
 
         def ready(name: str, rows: int | None = None) -> None:
             if name not in self.host:
@@ -357,7 +359,8 @@ def page_aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 def page_zeros(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
     """A zeroed host array on whole pages of its own (see page_aligned): a buffer a GPU
     worker page-locks (``Device.pin``)."""
-    a = page_aligned((shape,) if isinstance(shape, int) else tuple(shape), dtype)
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+    a = page_aligned(tuple(int(n) for n in dims), dtype)
     a[...] = 0
     return a
 
@@ -374,7 +377,10 @@ def owns_pages(a: np.ndarray) -> bool:
     root = a
     while isinstance(root.base, np.ndarray):
         root = root.base
-    if root.base is not None:  # (a window's memory: no numpy array of others lies there)
+    # MPI's memory: what mpips pins of it is shared windows' (MPI_Win_allocate_shared, a
+    # mapping of its own, where no numpy array of others lies); a window of Win.Allocate
+    # may be heap memory, and must not be pinned
+    if root.base is not None:
         return type(root.base).__module__ == "mpi4py.MPI"
     lo = a.ctypes.data // PAGE * PAGE
     hi = -(-(a.ctypes.data + a.nbytes) // PAGE) * PAGE

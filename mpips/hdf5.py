@@ -59,13 +59,15 @@ def h5py_errors(damaged: Damaged) -> Iterator[None]:
 _PLAIN_ATTRIBUTES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.STRING)
 
 
-def fixed_text(value: str) -> np.bytes_:
-    """``value`` as a fixed-length string attribute (UTF-8 bytes), the way mpips writes
-    text into HDF5. h5py keeps a str as a variable-length string in the file's global
-    heap, and libhdf5 (2.0) loops forever, in C, reading one whose size a damaged byte
-    changed; a fixed-length string lies in its object's header, where damage is an error
-    h5py reports. plain_attrs gives either kind back as str."""
-    return np.bytes_(value.encode())
+def fixed_text(value: str) -> np.ndarray:
+    """``value`` as a fixed-length UTF-8 string attribute, the way mpips writes text into
+    HDF5 (labelled UTF-8, so h5dump and others show it as written). h5py keeps a str as a
+    variable-length string in the file's global heap, and libhdf5 (2.0) loops forever, in
+    C, reading one whose size a damaged byte changed; a fixed-length string lies in its
+    object's header, where damage is an error h5py reports. plain_attrs gives either kind
+    back as str."""
+    raw = value.encode()
+    return np.array(raw, dtype=h5py.string_dtype("utf-8", max(1, len(raw))))
 
 
 def plain_attrs(obj: h5py.HLObject) -> dict[str, Any]:

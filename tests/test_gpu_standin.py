@@ -149,6 +149,24 @@ def test_one_process_on_the_standin_equals_the_cpu_and_copies_in_only_batches(
     assert gpu.waits[1:] == [1] * 49 and set(cpu.waits) == {0}, gpu.waits
 
 
+def test_one_process_on_a_device_gives_backward_no_ready_callback(monkeypatch, tmp_path):
+    """Alone on a GPU the gradients stay on the device: backward gets no ``ready`` (with
+    one, the MLP wrote each kernel's gradient in blocks of rows: ~90 matrix-product
+    launches a step on the wide MLP, measured on an H100)."""
+    from mpips.nn import MLP
+
+    given = []
+    original = MLP.loss_and_grads
+
+    def recording(self, params, x, y, grads, ready=None):
+        given.append(ready)
+        return original(self, params, x, y, grads, ready)
+
+    monkeypatch.setattr(MLP, "loss_and_grads", recording)
+    one_process("gpu", monkeypatch, tmp_path, "sgd", 0.0, steps=3)
+    assert given == [None] * len(given) and len(given) >= 3, given
+
+
 def test_a_part_too_big_for_the_device_stays_on_the_host(monkeypatch, tmp_path):
     """data.on_device unset: a part over a quarter of the device's free memory stays on the
     host and each batch crosses; true puts it there all the same."""
