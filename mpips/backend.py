@@ -195,14 +195,14 @@ class Device:
         if self.on_host:
             return
         arrays = [a for a in arrays if a.nbytes]
-        shared = [a for a in arrays if not owns_pages(a)]
-        if shared:  # (an mpips bug, not the user's: say it, and leave them pageable)
+        owned = [a for a in arrays if owns_pages(a)]
+        if len(owned) < len(arrays):  # (an mpips bug, not the user's: say it, leave them)
             warnings.warn(
-                f"mpips: {len(shared)} host buffer(s) share pages with other memory and stay "
-                "pageable (locking them would make copies of that memory fail)",
+                f"mpips: {len(arrays) - len(owned)} host buffer(s) share pages with other "
+                "memory and stay pageable (locking them would make copies of that memory fail)",
                 stacklevel=2,
             )
-        runs = _page_runs([a for a in arrays if owns_pages(a)], self._pinned)
+        runs = _page_runs(owned, self._pinned)
         runtime = self.xp.cuda.runtime
         refused = []
         for start, size in runs:
