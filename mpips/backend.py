@@ -178,11 +178,13 @@ class Device:
 
     def stage_out(self, device: dict[str, Any], host: dict[str, np.ndarray]) -> None:
         """Copy ``device`` arrays into the host arrays of the same names (no-op on the CPU,
-        where they are the same arrays)."""
+        where they are the same arrays): every copy queued behind backward on the one
+        stream, then one wait for them all (a blocking copy each would be a wait each)."""
         if self.on_host:
             return
         for name, a in device.items():
-            a.get(out=host[name])  # (once backward is done: the same stream; blocking)
+            a.get(out=host[name], blocking=False)
+        self.synchronize()
 
     def pin(self, arrays: list[np.ndarray]) -> None:
         """Page-lock host buffers the device copies from and to every step (a worker's pull

@@ -201,7 +201,9 @@ class ndarray:  # noqa: N801 (cupy's name)
     def get(
         self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
     ) -> _np.ndarray:
-        """The values in host memory (into ``out``, a numpy array, when given)."""
+        """The values in host memory (into ``out``, a numpy array, when given). ``blocking``
+        (cupy's default) waits for the device's queue, as cupy does: a wait."""
+        traffic.waits += bool(blocking)
         if out is None:
             out = self._a.copy()
             traffic.to_host(out)

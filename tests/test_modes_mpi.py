@@ -64,6 +64,7 @@ class Crossings(Hook):
 
     def __init__(self):
         self.steps, self.batch, self.variables = [], 0, 0
+        self.waits: list[int] = []  # the host's waits for the device, each step
 
     def begin(self, run):
         self.zero_copy = run.job.train.zero_copy  # as this run resolved it
@@ -74,6 +75,7 @@ class Crossings(Hook):
     def after_step(self, run, info):
         t = standin.traffic
         self.steps.append((t.h2d_bytes, t.d2h_bytes, t.h2d_pageable, t.allocations, t.d2h_pageable))
+        self.waits.append(t.waits)
         # float32 digits, int64 labels; none of it with the part on the device (the default)
         on_device = run.job.data.on_device is not False
         self.batch = 0 if on_device else run.job.train.batch_size * (64 * 4 + 8)
@@ -81,11 +83,14 @@ class Crossings(Hook):
     def end(self, run):
         self.variables = sum(v.nbytes for v in run.variables().values())
 
-    def each_byte_once(self, copies_in: int, copies_out: int, scratch: int = 0) -> None:
+    def each_byte_once(
+        self, copies_in: int, copies_out: int, scratch: int = 0, waits: int | None = None
+    ) -> None:
         """After the first step, a step copies ``copies_in`` bytes in from page-locked
-        memory, and the batch; ``copies_out`` out into page-locked memory; and allocates
+        memory, and the batch; ``copies_out`` out into page-locked memory; allocates
         nothing but ``scratch`` arrays (those of Adam's array rule, which the stand-in runs
-        where cupy runs a fused kernel). A step that checks the replicas copies the
+        where cupy runs a fused kernel); and the host waits for the device ``waits`` times
+        (when given). A step that checks the replicas copies the
         variables out too, an epoch's last batch may be shorter (a buffer of its own), and a
         small batch array may happen to lie on a page locked with its neighbours."""
         steps = self.steps[1:]
@@ -97,6 +102,7 @@ class Crossings(Hook):
             assert d2h in (copies_out, copies_out + self.variables), steps
             assert out_pageable <= d2h - copies_out, steps  # (only the check's copies)
             assert allocations == scratch or h2d < copies_in + self.batch, steps
+        assert waits is None or set(self.waits[1:]) == {waits}, self.waits
 
 
 def train(write, device: str = "cpu", hooks=()) -> tuple[mpips.Job, mpips.TrainResult]:
@@ -159,7 +165,8 @@ def test_async_counts_every_global_step_once_and_learns(shared, device, capsys):
     said = capsys.readouterr().out
     updates = world().allgather(result.updates if result.role.job == "worker" else None)
     if device == "gpu" and result.role.job == "worker":  # pulled variables in, gradients out
-        crossings.each_byte_once(crossings.variables, crossings.variables)
+        # two waits a step: for the loss, and one for all the gradients' copies out
+        crossings.each_byte_once(crossings.variables, crossings.variables, waits=2)
     expected = device == "cpu" and one_node()  # (collective: every rank asks)
     if result.role.job == "worker":  # the default on one node: zero copy, but on a GPU
         assert crossings.zero_copy is expected
@@ -203,7 +210,7 @@ def test_gpu_workers_with_zero_copy_copy_straight_from_the_ps_memory(
     if result.role.job == "worker":
         assert crossings.zero_copy is True
         # (the update runs on the host, so Adam's makes no device scratch either)
-        crossings.each_byte_once(crossings.variables, crossings.variables)
+        crossings.each_byte_once(crossings.variables, crossings.variables, waits=2)
     assert sum(updates[1:]) == 60, updates
     if world().rank == 1:
         assert result.global_step == 60 and result.test_accuracy > 0.5
