@@ -28,6 +28,7 @@ import scipy.sparse as sp
 
 from .errors import DataError
 from .files import check_regular
+from .memory import check_disk
 from .sparse import ROWS_PER_CHUNK, write_csr_chunks
 
 CLOTHING = "datasets/data/WomensClothingE-CommerceReviews.parquet.brotli"
@@ -253,6 +254,9 @@ def make_zipf(
     are everywhere, most are rare, as in click logs), labels from a planted logistic model;
     ``rows`` train rows, then rows // 10 test rows, generated a chunk at a time."""
     total = rows + rows // 10
+    # per row: nnz ids (int64) and values (float32), its indptr entry and its label
+    what = f"zipf: a file of {rows} + {rows // 10} rows"
+    check_disk(total * (nnz * 12 + 9), out, what, DataError)
 
     def chunks() -> Iterator[tuple[str, Any, Any]]:
         for c, lo in enumerate(range(0, total, ROWS_PER_CHUNK)):

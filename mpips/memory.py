@@ -95,6 +95,17 @@ def check_fits(
         )
 
 
+def check_disk(nbytes: int, path: str | Path, what: str, error: type[MpipsError]) -> None:
+    """Raise ``error`` if ``nbytes`` (for ``what``, to be written at ``path``) is more than the
+    disk free where ``path`` would go: refused before writing, not a full disk halfway."""
+    folder = next((p for p in Path(path).absolute().parents if p.is_dir()), Path("/"))
+    free = shutil.disk_usage(folder).free
+    if nbytes > free:
+        raise error(
+            f"{what} needs about {human(nbytes)}, more than the {human(free)} free in {folder}"
+        )
+
+
 SHM_DIR = "/dev/shm"  # where MPI's shared memory lives on Linux
 
 

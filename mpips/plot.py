@@ -127,13 +127,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
                 [p[1] for p in busy], [100 * p[2] for p in busy], "--", color=line.get_color()
             )
         written.append(_save(fig, ax, out / "ps_apply.png"))
-    try:
-        timeline = merge(run_dir)
-    except RecursionError:  # JSON nested too deep: timeline.merge says only its other errors
-        raise DataError(
-            f"{Path(run_dir) / 'timeline'}: a timeline file there is not one (its JSON nests "
-            f"too deep to read)"
-        ) from None
+    timeline = merge(run_dir)
     if timeline is not None:
         written += [timeline, _plot_phases(timeline, out / "phases.png")]
     return written

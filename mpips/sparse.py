@@ -203,6 +203,11 @@ def write_csr_chunks(
                 top = max(top, int(x.indices.max(initial=-1)))
             if not rows["train"]:
                 raise DataError(f"{name or path}: no train rows")
+            if not rows["test"]:  # (evaluation would have nothing to measure)
+                raise DataError(
+                    f"{name or path}: no test rows (too few rows to hold any out, or an empty "
+                    "test file): give more rows, or a test file with some"
+                )
             f.attrs.update(
                 format=fixed_text(FORMAT),
                 num_features=num_features or max(top + 1, 1),

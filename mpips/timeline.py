@@ -119,7 +119,7 @@ def merge(run_dir: str | Path) -> Path | None:
     for part in parts:
         try:
             events += json.loads(part.read_text())["traceEvents"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # (JSON nested too deep)
             raise DataError(f"{part}: not a timeline file") from None
     out = Path(run_dir) / "timeline.json"
     atomic_write(

@@ -247,7 +247,7 @@ def test_plot_of_a_malformed_timeline_is_one_message(tmp_path, capsys):
     (d / "timeline").mkdir()
     for text, said in (
         ('{"traceEvents": [1, {"ph": "X"}]}', "timeline.json: not a timeline (a malformed event"),
-        ('{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deep to read"),
+        ('{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}", "w.json: not a timeline file"),
     ):
         (d / "timeline/w.json").write_text(text)
         said_in_process(capsys, ["plot", str(d), "--out", str(tmp_path / "png")], said)
@@ -266,12 +266,31 @@ def test_plot_of_a_malformed_timeline_is_one_message(tmp_path, capsys):
         (["zipf", "--features", "0"], "--features 0: the id space needs at least 1 id"),
         (["zipf", "--rows", "-1"], "--rows -1: zipf needs at least 10 train row(s)"),
         (["zipf", "--rows", "5"], "a tenth of them are its test rows"),
+        (["zipf", "--rows", str(10**12)], "TiB, more than the"),  # (it filled the disk)
     ],
 )
 def test_data_sizes_out_of_range_are_refused(tmp_path, capsys, args, said):
     out = str(tmp_path / "o.h5")
     said_in_process(capsys, ["data", args[0], out, *args[1:]], said)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("test_file", [False, True])
+def test_a_text_conversion_with_no_test_rows_is_refused_and_writes_nothing(
+    tmp_path, capsys, test_file
+):
+    """Four libsvm rows hold none out (every fifth row is a test row), and an empty test
+    file gives none: one message, and the output file (a good one there before) is left as
+    it was (it was written, then refused by the reader)."""
+    (tmp_path / "a.svm").write_text("1 1:1 5:1\n0 2:1\n1 3:1 4:0.5\n0 7:2\n")
+    (tmp_path / "empty.svm").write_text("# nothing\n")
+    out = tmp_path / "o.h5"
+    out.write_bytes(b"a good file")
+    argv = ["data", "libsvm", str(out), "--src", str(tmp_path / "a.svm")]
+    argv += ["--test-src", str(tmp_path / "empty.svm")] if test_file else []
+    said_in_process(capsys, argv, "a.svm: no test rows", "give more rows, or a test file")
+    assert out.read_bytes() == b"a good file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.svm", "empty.svm", "o.h5"]
 
 
 def test_data_into_a_directory_is_one_message(tmp_path, capsys):
