@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -241,7 +242,7 @@ class Device:
     def staged(self, device: dict[str, Any], host: dict[str, np.ndarray]) -> StagedGradients:
         """Gradients the model writes in ``device`` arrays, to be copied into the ``host``
         arrays of the same names as backward says each is ready (see StagedGradients)."""
-        return StagedGradients(device, host, self.on_host)
+        return StagedGradients(device, host, self.on_host, self.synchronize)
 
     def _buffer(self, key: str, like: np.ndarray) -> Any:
         """The device buffer kept under ``key`` for arrays like ``like``. Arrays whose row
@@ -293,49 +294,67 @@ class StagedGradients:
     ``ready(name, rows)`` copies what backward has finished of gradient ``name`` (its first
     ``rows`` rows, or all of it) that is not copied yet, then calls ``then(name, rows)``,
     so a bucket is reduced from host memory only once its part is there; ``finish()`` copies
-    whatever was never said ready. Each byte crosses once. On the CPU both are no-ops but
-    for ``then``: the model writes the host buffers themselves."""
+    whatever was never said ready, all queued, then one wait. Each byte crosses once. On
+    the CPU both are no-ops but for ``then``: the model writes the host buffers
+    themselves."""
 
-    def __init__(self, device: dict[str, Any], host: dict[str, np.ndarray], on_host: bool):
+    def __init__(
+        self,
+        device: dict[str, Any],
+        host: dict[str, np.ndarray],
+        on_host: bool,
+        synchronize: Callable[[], None] = lambda: None,
+    ):
         self.device, self.host, self.on_host = device, host, on_host
+        self.synchronize = synchronize  # (waits for the device's queue)
         self.copied: dict[str, int] = {}  # rows of each gradient in host memory so far
 
     def ready(self, then: Any) -> Any:
-        """``then`` (a ready callback, or None) behind the copies; None when nothing goes
-        to the host (one replica on a GPU: its gradients stay there, and backward need
-        not report)."""
+        """``then`` (a ready callback, or None) behind the copies; None when nothing need
+        be in host memory before backward ends: one replica on a GPU (its gradients stay
+        there) or no ``then`` (buckets in node shared memory: nothing is reduced during
+        backward), so ``finish`` copies every gradient with one wait, not one each (the
+        copies run on the model's stream, after its kernels, either way)."""
         if self.on_host:
             return then
-        if not self.host:  # (``then`` would never be called: it follows a copy)
+        if not self.host or then is None:
             return None
 
         def ready(name: str, rows: int | None = None) -> None:
             if name not in self.host:
                 return  # (a gradient that stays on the device)
             self._copy(name, rows)
-            if then is not None:
-                then(name, rows)
+            then(name, rows)
 
         return ready
 
-    def _copy(self, name: str, rows: int | None) -> None:
+    def _copy(self, name: str, rows: int | None, blocking: bool = True) -> None:
         src, dst = self.device[name], self.host[name]
-        total = len(dst) if dst.ndim else 1
+        total = _rows(dst)
         stop = total if rows is None or not dst.ndim else min(rows, total)
         done = self.copied.get(name, 0)
         if stop <= done:
             return
         if done == 0 and stop == total:
-            src.get(out=dst)
+            src.get(out=dst, blocking=blocking)
         else:
-            src[done:stop].get(out=dst[done:stop])
+            src[done:stop].get(out=dst[done:stop], blocking=blocking)
         self.copied[name] = stop
 
     def finish(self) -> None:
-        """Copy every gradient (or the rows of it) not copied yet."""
-        if not self.on_host:
-            for name in self.host:
-                self._copy(name, None)
+        """Copy every gradient (or the rows of it) not copied yet: queued, then one wait."""
+        if self.on_host:
+            return
+        left = [n for n, a in self.host.items() if self.copied.get(n, 0) < _rows(a)]
+        for name in left:
+            self._copy(name, None, blocking=False)
+        if left:
+            self.synchronize()
+
+
+def _rows(a: np.ndarray) -> int:
+    """Rows of ``a``, a scalar's one."""
+    return len(a) if a.ndim else 1
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -246,6 +246,14 @@ def test_staged_gradients_copy_each_row_once_as_backward_says_it_is_ready():
     np.testing.assert_array_equal(host["w"], np.arange(18).reshape(6, 3))
     assert host["b"].tolist() == [7, 7, 7]
     assert sx.traffic.d2h_bytes == 18 * 4 + 3 * 4 and sx.traffic.d2h_copies == 4
+    # no reduction to tell (buckets in shared memory): no callback, and at the end every
+    # copy queued, then one wait for them all
+    host["w"][...], host["b"][...], sx.traffic.waits = 0, 0, 0
+    staged = device.staged(grads, host)
+    assert staged.ready(None) is None
+    staged.finish()
+    np.testing.assert_array_equal(host["w"], np.arange(18).reshape(6, 3))
+    assert host["b"].tolist() == [7, 7, 7] and sx.traffic.waits == 1
     on_cpu = Device().staged(host, host)
     assert on_cpu.ready(print) is print and on_cpu.ready(None) is None
 
