@@ -451,10 +451,11 @@ def softmax_cross_entropy(xp: ModuleType, z: Any, y: Any) -> tuple[float, Any]:
     e = xp.exp(z)
     s = e.sum(axis=1, keepdims=True)
     n = len(y)
-    y = y.astype(np.int64)
-    loss = float((xp.log(s[:, 0]) - z[xp.arange(n), y]).mean())
+    y = y.astype(np.int64, copy=False)  # (on a GPU each array operation is a launch)
+    rows = xp.arange(n)
+    loss = float((xp.log(s[:, 0]) - z[rows, y]).mean())
     d = e / s
-    d[xp.arange(n), y] -= 1
+    d[rows, y] -= 1
     d /= n
     return loss, d
 
