@@ -80,8 +80,12 @@ def _splits(
         yield from _hold_out(_chunked(read(src)), fraction)
         return
     for split, path in (("train", src), ("test", test_src)):
+        rows = 0
         for x, y in _chunked(read(path)):
+            rows += len(y)
             yield split, x, y
+        if not rows:
+            raise DataError(f"{path}: no rows (nothing to {split} on)")
 
 
 def _lines(path: Path, kind: str, parse: Callable[[str], Row | None]) -> Iterator[Row]:

@@ -205,8 +205,8 @@ def write_csr_chunks(
                 raise DataError(f"{name or path}: no train rows")
             if not rows["test"]:  # (evaluation would have nothing to measure)
                 raise DataError(
-                    f"{name or path}: no test rows (too few rows to hold any out, or an empty "
-                    "test file): give more rows, or a test file with some"
+                    f"{name or path}: no test rows (too few rows to hold any out): give more "
+                    "rows, or a test file"
                 )
             f.attrs.update(
                 format=fixed_text(FORMAT),

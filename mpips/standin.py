@@ -5,7 +5,9 @@ cupy's, they refuse numpy's company: any operation that mixes a device array wit
 array raises TypeError, as does an implicit conversion to numpy (``np.asarray``, a numpy
 ufunc). Values cross only explicitly, through ``asarray``/``array`` of a host array,
 ``ndarray.set`` (host to device) and ``ndarray.get``/``asnumpy`` (device to host), and each
-crossing is counted in ``traffic`` so tests can assert "one copy in, one copy out".
+crossing is counted in ``traffic`` so tests can assert "one copy in, one copy out". A copy
+to the host that does not block lands, as on a stream, only when the host next waits for
+the device (counted too): until then its destination holds NaN.
 Reductions give 0-d device arrays, as cupy's do. It is stricter than cupy in one place: a
 numpy array as an index raises here (cupy converts it), so index arrays must be moved first.
 
@@ -62,6 +64,19 @@ class Traffic:
 
 
 traffic = Traffic()
+# copies to the host queued (get without blocking): their destination and values, written
+# when the host next waits for the device
+_queued: list[tuple[_np.ndarray, _np.ndarray]] = []
+
+
+def _wait() -> None:
+    """The host waits for the device: counted, and the queued copies land."""
+    traffic.waits += 1
+    for out, values in _queued:
+        out[...] = values
+    _queued.clear()
+
+
 _locked: dict[int, int] = {}  # page-locked host ranges: address -> bytes
 _PAGE = _os.sysconf("SC_PAGE_SIZE") if hasattr(_os, "sysconf") else 4096  # (as backend.PAGE)
 
@@ -124,7 +139,7 @@ class _Runtime:
 
     @staticmethod
     def deviceSynchronize() -> None:  # noqa: N802
-        traffic.waits += 1  # (the stand-in's work is done when a call returns)
+        _wait()  # (the stand-in's work is done when a call returns, but queued copies)
 
 
 class cuda:  # noqa: N801 (cupy.cuda)
@@ -202,21 +217,35 @@ class ndarray:  # noqa: N801 (cupy's name)
         self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True
     ) -> _np.ndarray:
         """The values in host memory (into ``out``, a numpy array, when given). ``blocking``
-        (cupy's default) waits for the device's queue, as cupy does: a wait."""
-        traffic.waits += bool(blocking)
+        (cupy's default) waits for the device's queue, as cupy does: a wait. Not blocking
+        (into ``out`` only), the copy is queued as on a stream: ``out`` holds garbage (NaN)
+        until the host next waits for the device, so code that reads it sooner fails."""
+        if not blocking and out is not None:
+            self._check_out(out)
+            traffic.to_host(out)
+            _queued.append((out, self._a.copy()))
+            if out.dtype.kind in "fc":
+                out[...] = _np.nan
+            elif out.dtype.kind in "iu":
+                out[...] = _np.iinfo(out.dtype).max
+            return out
+        _wait()
         if out is None:
             out = self._a.copy()
             traffic.to_host(out)
             return out
+        self._check_out(out)
+        traffic.to_host(out)
+        out[...] = self._a
+        return out
+
+    def _check_out(self, out: Any) -> None:
         if not isinstance(out, _np.ndarray):
             raise TypeError(f"get(out=...): a numpy array, not {type(out)}")
         if out.shape != self._a.shape or out.dtype != self._a.dtype:
             raise ValueError("get(out=...): a numpy array of the same shape and dtype")
         if not out.flags.c_contiguous:
             raise RuntimeError("get(out=...): a C-contiguous array (cupy copies into no other)")
-        traffic.to_host(out)
-        out[...] = self._a
-        return out
 
     def set(self, arr: _np.ndarray, stream: Any = None) -> None:
         """Copy the host array ``arr`` (same shape and dtype) into this device array."""
@@ -233,12 +262,12 @@ class ndarray:  # noqa: N801 (cupy's name)
 
     def item(self) -> Any:
         """The one value as a Python scalar: a device-to-host read (the host waits)."""
-        traffic.waits += 1
+        _wait()
         return self._a.item()
 
     def tolist(self) -> Any:
         """The values as Python lists: a device-to-host read (the host waits)."""
-        traffic.waits += 1
+        _wait()
         return self._a.tolist()
 
     def __getattr__(self, name: str) -> Any:
@@ -260,15 +289,15 @@ class ndarray:  # noqa: N801 (cupy's name)
         return (_wrap(row) for row in self._a)
 
     def __float__(self) -> float:
-        traffic.waits += 1
+        _wait()
         return float(self._a)
 
     def __int__(self) -> int:
-        traffic.waits += 1
+        _wait()
         return int(self._a)
 
     def __bool__(self) -> bool:
-        traffic.waits += 1
+        _wait()
         return bool(self._a)
 
     def __format__(self, spec: str) -> str:

@@ -198,14 +198,18 @@ def test_device_pins_host_buffers_once_and_releases_them():
 
 def test_one_replica_on_a_device_gives_backward_no_ready_callback():
     """Gradients that stay on the device (one replica, one process) need no report from
-    backward, which then writes each kernel whole; gradients bound for host buffers do."""
+    backward, which then writes each kernel whole; nor do gradients bound for host buffers
+    with nothing to tell (buckets in shared memory: they are copied at the end); gradients
+    a reduction waits for do."""
     from mpips import standin
     from mpips.backend import Device
 
     device = Device(standin)
     grads = {"k": standin.zeros((4, 3), np.float32)}
     assert device.staged(grads, {}).ready(None) is None
-    assert callable(device.staged(grads, {"k": np.zeros((4, 3), np.float32)}).ready(None))
+    bound = {"k": np.zeros((4, 3), np.float32)}
+    assert device.staged(grads, bound).ready(None) is None
+    assert callable(device.staged(grads, bound).ready(lambda name, rows=None: None))
     assert device.staged(grads, {}).ready(lambda name, rows=None: None) is None
     assert Device().staged({}, {}).ready(None) is None  # the CPU: as given
 

@@ -134,15 +134,17 @@ def test_an_empty_test_split_is_said_before_training(tmp_path):
 
 
 def test_an_empty_split_of_a_sparse_file_or_of_arrays_is_refused(tmp_path, capsys):
+    import h5py
     import scipy.sparse as sp
 
     from mpips.data import open_dataset
     from mpips.sparse import write_csr_chunks
 
-    x = sp.csr_matrix(np.eye(4, 6, dtype=np.float32))
-    write_csr_chunks(
-        tmp_path / "s.h5", [("train", x, np.array([0, 1, 0, 1], np.int8))], num_features=6
-    )
+    x, y = sp.csr_matrix(np.eye(4, 6, dtype=np.float32)), np.array([0, 1, 0, 1], np.int8)
+    write_csr_chunks(tmp_path / "s.h5", [("train", x, y), ("test", x, y)], num_features=6)
+    with h5py.File(tmp_path / "s.h5", "r+") as f:  # (the writer refuses to leave it empty)
+        for key, size in (("label", 0), ("ids", 0), ("values", 0), ("indptr", 1)):
+            f[f"test/{key}"].resize((size,))
     with pytest.raises(DataError, match="the test split has no rows"):
         open_dataset(str(tmp_path / "s.h5"))
     np.savez(tmp_path / "one.npz", x=np.ones((1, 3), np.float32), y=np.array([1]))
@@ -280,15 +282,16 @@ def test_a_text_conversion_with_no_test_rows_is_refused_and_writes_nothing(
     tmp_path, capsys, test_file
 ):
     """Four libsvm rows hold none out (every fifth row is a test row), and an empty test
-    file gives none: one message, and the output file (a good one there before) is left as
-    it was (it was written, then refused by the reader)."""
+    file gives none: one message naming the file and why, and the output file (a good one
+    there before) is left as it was (it was written, then refused by the reader)."""
     (tmp_path / "a.svm").write_text("1 1:1 5:1\n0 2:1\n1 3:1 4:0.5\n0 7:2\n")
     (tmp_path / "empty.svm").write_text("# nothing\n")
     out = tmp_path / "o.h5"
     out.write_bytes(b"a good file")
     argv = ["data", "libsvm", str(out), "--src", str(tmp_path / "a.svm")]
     argv += ["--test-src", str(tmp_path / "empty.svm")] if test_file else []
-    said_in_process(capsys, argv, "a.svm: no test rows", "give more rows, or a test file")
+    said = "empty.svm: no rows (nothing to test on)" if test_file else "a.svm: no test rows"
+    said_in_process(capsys, argv, said)
     assert out.read_bytes() == b"a good file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.svm", "empty.svm", "o.h5"]
 

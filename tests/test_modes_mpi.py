@@ -129,8 +129,8 @@ def test_sync_in_process_equals_one_process(shared, device, memory, monkeypatch)
     crossings = Crossings()
     job, result = train(lambda: sync_job(shared, "adam"), device, [crossings])
     if device == "gpu":  # variables on the device: gradients out, their mean in
-        # waits a step: the loss, the update's, and in shared memory one for every
-        # gradient's copy out (as messages one each: each is reduced as it comes)
+        # waits a step: the loss, the update's, and in shared memory one for all the
+        # gradients' copies out (as messages one each: each is reduced as it comes)
         waits = 3 if memory == "shared" and one_node() else None
         crossings.each_byte_once(crossings.variables, crossings.variables, 4, waits)
     assert (result.global_step, result.updates) == (20, 20)

@@ -156,15 +156,17 @@ FASHION = "/usr/share/datasets/fashion-mnist"
 
 
 @pytest.mark.parametrize(
-    "job,target",
+    "job,target,steps",
     [
-        ("fashion_mnist.toml", 0.85),
-        ("fashion_mnist_sync.toml", 0.85),
-        ("cnn_fashion_mnist.toml", 0.89),
+        ("fashion_mnist.toml", 0.85, None),
+        ("fashion_mnist_sync.toml", 0.85, None),
+        # the CNN (a model of your own: jobs/cnn.py) to 3500 of its ~7500 steps, 40 s of
+        # its 2 minutes on 2 cores: 0.875-0.898 there, 0.90 at the end (docs/guide/models.md)
+        ("cnn_fashion_mnist.toml", 0.86, 3500),
     ],
 )
-def test_fashion_mnist_job_reaches_its_target(tmp_path, job, target):
-    """The shipped jobs, as a user runs them (the CNN is a model of your own: jobs/cnn.py)."""
+def test_fashion_mnist_job_reaches_its_target(tmp_path, job, target, steps):
+    """The shipped jobs, as a user runs them."""
     import os
 
     if not os.path.isdir(FASHION):
@@ -175,9 +177,11 @@ def test_fashion_mnist_job_reaches_its_target(tmp_path, job, target):
         ["-m", "mpips", "data", "fashion-mnist", "data/fashion_mnist.h5"], cwd=tmp_path, timeout=120
     )
     assert r.returncode == 0, r.stderr
-    r = run_train(tmp_path, 8, str(ROOT / "jobs" / job), timeout=600)
+    more = ["--steps", str(steps)] if steps else []
+    r = run_train(tmp_path, 8, str(ROOT / "jobs" / job), *more, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.result["test_accuracy"] >= target, r.stdout[-3000:]
+    assert steps is None or r.result["global_step"] == steps
 
 
 def test_run_ends_when_every_worker_has_exhausted_its_epochs(tmp_path):
