@@ -138,9 +138,11 @@ class Slow(mpips.Hook):
             return
         if run.job.train.max_staleness is None and info.local_updates == 3:
             # unbounded: wait until the others have made 40 more updates (an event, not a
-            # time), so they run well ahead however loaded the machine is
+            # time), so they run well ahead however loaded the machine is, or all the rest
+            # (a late start under load: else the wait ran into its deadline)
+            target = min(info.step + 40, run.job.train.steps)
             deadline = time.monotonic() + 60
-            while run.global_step() < info.step + 40 and time.monotonic() < deadline:
+            while run.global_step() < target and time.monotonic() < deadline:
                 time.sleep(0.01)
         else:
             time.sleep(0.004)  # bounded: a slow worker the others must wait for
