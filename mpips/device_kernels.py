@@ -10,6 +10,7 @@ Compiled by NVRTC at the first call (cupy caches the binary on disk), on a GPU o
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,23 @@ _RULES: dict[str, tuple[str, str, str]] = {
 }
 _compiled: dict[str, Any] = {}
 
+# The softmax cross-entropy of one row of logits ``z`` (``classes`` of them, label ``y``):
+# its loss and the gradient of the batch's mean loss (``rows`` rows), in one pass where the
+# array version makes ~15 launches (max, subtract, exp, sum, divide, gathers, scatter).
+# ``z`` and ``d`` are flat (raw) arrays; a label out of range gives a NaN loss, which stops
+# the run as any loss that is not finite does.
+SOFTMAX_XENT = (
+    "const ptrdiff_t at = i * classes;"
+    " float m = z[at];"
+    " for (int j = 1; j < classes; ++j) { m = fmaxf(m, z[at + j]); }"
+    " float s = 0.0f;"
+    " for (int j = 0; j < classes; ++j) { s += expf(z[at + j] - m); }"
+    ' loss = (y < 0 || y >= classes) ? nanf("") : logf(s) - (z[at + y] - m);'
+    " for (int j = 0; j < classes; ++j) {"
+    " d[at + j] = (expf(z[at + j] - m) / s - (j == y ? 1.0f : 0.0f)) / rows; }"
+)
+_failed: list[str] = []  # the fused loss's compile or launch failed once: not tried again
+
 
 def is_cupy(a: Any) -> bool:
     """A cupy array (and not numpy, nor the stand-in)."""
@@ -85,3 +103,38 @@ def device_apply(
         return False
     kernel(name)(grad, *scalars, var, *slots)
     return True
+
+
+def softmax_xent(z: Any, y: Any) -> tuple[Any, Any] | None:
+    """(each row's loss, the mean loss's gradient with respect to ``z``) by one fused kernel,
+    for float32 cupy logits (rows, classes), C-contiguous, and integer cupy labels; None for
+    anything else, or if the kernel failed once (the array version runs instead: said once)."""
+    if _failed or not (is_cupy(z) and is_cupy(y)):
+        return None
+    if z.dtype != np.float32 or z.ndim != 2 or not z.flags.c_contiguous:
+        return None
+    if y.ndim != 1 or len(y) != len(z) or y.dtype.kind not in "iu":
+        return None
+    try:
+        import cupy
+
+        k = _compiled.get("softmax_xent")
+        if k is None:
+            k = _compiled["softmax_xent"] = cupy.ElementwiseKernel(
+                "raw float32 z, int64 y, int32 classes, float32 rows",
+                "raw float32 d, float32 loss",
+                SOFTMAX_XENT,
+                "mpips_softmax_xent",
+            )
+        rows, classes = z.shape
+        d = cupy.empty(rows * classes, np.float32)
+        loss = cupy.empty(rows, np.float32)
+        labels = y.astype(np.int64, copy=False)
+        k(z.reshape(-1), labels, np.int32(classes), np.float32(rows), d, loss)
+    except Exception as e:  # (NVRTC, a driver): the array version is always there
+        _failed.append(str(e))
+        warnings.warn(
+            f"mpips: the fused softmax loss failed ({e}); using array operations", stacklevel=2
+        )
+        return None
+    return loss, d.reshape(rows, classes)

@@ -51,6 +51,24 @@ def test_each_fused_gpu_kernel_gives_the_numpy_rules_bits(kind, hyper):
         np.testing.assert_array_equal(d_slots[k].get(), v, err_msg=k)
 
 
+def test_the_fused_softmax_loss_gives_the_array_versions_values():
+    """One kernel for the loss and its gradient on the GPU (~15 array launches on the
+    host's path): the same values as numpy's, to float32 rounding."""
+    import cupy
+
+    from mpips import device_kernels
+    from mpips.layers import softmax_cross_entropy
+
+    rng = np.random.default_rng(0)
+    z = (rng.normal(size=(1024, 10)) * 5).astype(np.float32)
+    y = rng.integers(0, 10, 1024)
+    loss, d = softmax_cross_entropy(cupy, cupy.asarray(z), cupy.asarray(y))
+    assert "softmax_xent" in device_kernels._compiled and not device_kernels._failed
+    ref_loss, ref_d = softmax_cross_entropy(np, z, y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(d.get(), ref_d, rtol=1e-4, atol=1e-8)
+
+
 def test_a_gpu_worker_names_its_gpu():
     import cupy
 

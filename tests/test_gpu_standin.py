@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -256,6 +257,71 @@ def test_staged_gradients_copy_each_row_once_as_backward_says_it_is_ready():
     assert host["b"].tolist() == [7, 7, 7] and sx.traffic.waits == 1
     on_cpu = Device().staged(host, host)
     assert on_cpu.ready(print) is print and on_cpu.ready(None) is None
+
+
+def test_the_fused_softmax_loss_compiled_as_c_gives_the_array_versions_values(tmp_path):
+    """The fused softmax cross-entropy kernel (device_kernels.SOFTMAX_XENT) cannot run
+    without a GPU, but its loop body is plain C: compiled here and run over a batch, it
+    gives the array version's loss and gradient (to float32 rounding: exp and the sum's
+    order differ), and a label out of range gives a NaN loss (the run stops) rather than a
+    read past the row."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from mpips.device_kernels import SOFTMAX_XENT
+    from mpips.layers import softmax_cross_entropy
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    source = (
+        "#include <math.h>\n#include <stddef.h>\n"
+        "void xent(long count_, const float *z, const long long *y_, int classes, float rows,"
+        " float *d, float *loss_) {\n#define loss (loss_[i])\n"
+        "for (ptrdiff_t i = 0; i < count_; i++) { const long long y = y_[i]; "
+        f"{SOFTMAX_XENT} }}\n#undef loss\n}}"
+    )
+    (tmp_path / "x.c").write_text(source)
+    lib = tmp_path / "x.so"
+    subprocess.run(
+        [cc, "-O2", "-shared", "-fPIC", str(tmp_path / "x.c"), "-o", str(lib), "-lm"], check=True
+    )
+    fn = ctypes.CDLL(str(lib)).xent
+    f32 = np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")
+    i64 = np.ctypeslib.ndpointer(np.int64, flags="C_CONTIGUOUS")
+    fn.argtypes = [ctypes.c_long, f32, i64, ctypes.c_int, ctypes.c_float, f32, f32]
+    rng = np.random.default_rng(0)
+    z = (rng.normal(size=(257, 10)) * 5).astype(np.float32)
+    y = rng.integers(0, 10, 257)
+    d, losses = np.empty_like(z), np.empty(257, np.float32)
+    fn(257, z, y, 10, 257.0, d, losses)
+    loss, grad = softmax_cross_entropy(np, z, y)
+    np.testing.assert_allclose(losses.mean(), loss, rtol=1e-5)
+    np.testing.assert_allclose(d, grad, rtol=1e-4, atol=1e-8)
+    y[3] = 10  # out of range: that row's loss is NaN, the others as they were
+    fn(257, z, y, 10, 257.0, d, losses)
+    assert np.isnan(losses[3]) and np.isfinite(np.delete(losses, 3)).all()
+
+
+def test_a_fused_loss_that_fails_falls_back_to_the_array_version_once(monkeypatch):
+    """If the fused softmax kernel cannot compile or launch (here: arrays it cannot take),
+    the loss is the array version's, said once, and the kernel is not tried again."""
+    from mpips import device_kernels
+    from mpips.layers import softmax_cross_entropy
+
+    rng = np.random.default_rng(0)
+    z, y = rng.normal(size=(8, 3)).astype(np.float32), rng.integers(0, 3, 8)
+    expected = softmax_cross_entropy(np, z, y)
+    monkeypatch.setattr(device_kernels, "is_cupy", lambda a: True)
+    monkeypatch.setattr(device_kernels, "_failed", [])
+    with pytest.warns(UserWarning, match="the fused softmax loss failed"):
+        loss, d = softmax_cross_entropy(sx, sx.asarray(z), sx.asarray(y))
+    assert loss == expected[0] and len(device_kernels._failed) == 1
+    np.testing.assert_array_equal(d.get(), expected[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        softmax_cross_entropy(sx, sx.asarray(z), sx.asarray(y))
 
 
 def test_the_gpu_kernels_loop_bodies_compiled_as_c_give_the_numpy_rules_bits(tmp_path):
