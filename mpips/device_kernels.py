@@ -66,7 +66,9 @@ SOFTMAX_XENT = (
     " for (int j = 0; j < classes; ++j) {"
     " d[at + j] = (expf(z[at + j] - m) / s - (j == y ? 1.0f : 0.0f)) / rows; }"
 )
-_failed: list[str] = []  # the fused loss's compile or launch failed once: not tried again
+_failed: list[str] = []  # the fused loss could not be compiled or loaded: not tried again
+# one thread a row: up to this many classes (a wider row would want a block of its own)
+MAX_FUSED_CLASSES = 1024
 
 
 def is_cupy(a: Any) -> bool:
@@ -107,17 +109,29 @@ def device_apply(
 
 def softmax_xent(z: Any, y: Any) -> tuple[Any, Any] | None:
     """(each row's loss, the mean loss's gradient with respect to ``z``) by one fused kernel,
-    for float32 cupy logits (rows, classes), C-contiguous, and integer cupy labels; None for
-    anything else, or if the kernel failed once (the array version runs instead: said once)."""
+    for float32 cupy logits (rows, 1..MAX_FUSED_CLASSES), C-contiguous, and integer cupy
+    labels; None for anything else, or if the kernel could not be compiled or loaded (the
+    array version runs instead: said once). Other errors (out of memory) are raised."""
     if _failed or not (is_cupy(z) and is_cupy(y)):
         return None
     if z.dtype != np.float32 or z.ndim != 2 or not z.flags.c_contiguous:
+        return None
+    if not 0 < z.shape[1] <= MAX_FUSED_CLASSES:
         return None
     if y.ndim != 1 or len(y) != len(z) or y.dtype.kind not in "iu":
         return None
     try:
         import cupy
-
+        from cupy.cuda.compiler import CompileException
+        from cupy.cuda.driver import CUDADriverError
+    except ImportError as e:
+        _fused_failed(e)
+        return None
+    rows, classes = z.shape
+    d = cupy.empty(rows * classes, np.float32)
+    loss = cupy.empty(rows, np.float32)
+    labels = y.astype(np.int64, copy=False)
+    try:
         k = _compiled.get("softmax_xent")
         if k is None:
             k = _compiled["softmax_xent"] = cupy.ElementwiseKernel(
@@ -126,15 +140,17 @@ def softmax_xent(z: Any, y: Any) -> tuple[Any, Any] | None:
                 SOFTMAX_XENT,
                 "mpips_softmax_xent",
             )
-        rows, classes = z.shape
-        d = cupy.empty(rows * classes, np.float32)
-        loss = cupy.empty(rows, np.float32)
-        labels = y.astype(np.int64, copy=False)
         k(z.reshape(-1), labels, np.int32(classes), np.float32(rows), d, loss)
-    except Exception as e:  # (NVRTC, a driver): the array version is always there
-        _failed.append(str(e))
-        warnings.warn(
-            f"mpips: the fused softmax loss failed ({e}); using array operations", stacklevel=2
-        )
+    except (CompileException, CUDADriverError) as e:  # (NVRTC, or loading the module)
+        _compiled.pop("softmax_xent", None)
+        _fused_failed(e)
         return None
     return loss, d.reshape(rows, classes)
+
+
+def _fused_failed(e: Exception) -> None:
+    """The fused loss is off from now on, said once."""
+    _failed.append(str(e))
+    warnings.warn(
+        f"mpips: the fused softmax loss failed ({e}); using array operations", stacklevel=3
+    )

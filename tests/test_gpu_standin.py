@@ -305,8 +305,9 @@ def test_the_fused_softmax_loss_compiled_as_c_gives_the_array_versions_values(tm
 
 
 def test_a_fused_loss_that_fails_falls_back_to_the_array_version_once(monkeypatch):
-    """If the fused softmax kernel cannot compile or launch (here: arrays it cannot take),
-    the loss is the array version's, said once, and the kernel is not tried again."""
+    """If the fused softmax kernel cannot be compiled or loaded (here: no cupy to compile
+    it with), the loss is the array version's, said once, and the kernel is not tried
+    again."""
     from mpips import device_kernels
     from mpips.layers import softmax_cross_entropy
 
