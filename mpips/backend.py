@@ -303,7 +303,7 @@ class StagedGradients:
         device: dict[str, Any],
         host: dict[str, np.ndarray],
         on_host: bool,
-        synchronize: Callable[[], None] = lambda: None,
+        synchronize: Callable[[], None],
     ):
         self.device, self.host, self.on_host = device, host, on_host
         self.synchronize = synchronize  # (waits for the device's queue)
@@ -328,33 +328,29 @@ class StagedGradients:
 
         return ready
 
-    def _copy(self, name: str, rows: int | None, blocking: bool = True) -> None:
+    def _copy(self, name: str, rows: int | None, blocking: bool = True) -> bool:
+        """Copy what is not copied yet of gradient ``name``'s first ``rows`` rows (None: all
+        of it); whether there was any."""
         src, dst = self.device[name], self.host[name]
-        total = _rows(dst)
+        total = len(dst) if dst.ndim else 1
         stop = total if rows is None or not dst.ndim else min(rows, total)
         done = self.copied.get(name, 0)
         if stop <= done:
-            return
+            return False
         if done == 0 and stop == total:
             src.get(out=dst, blocking=blocking)
         else:
             src[done:stop].get(out=dst[done:stop], blocking=blocking)
         self.copied[name] = stop
+        return True
 
     def finish(self) -> None:
         """Copy every gradient (or the rows of it) not copied yet: queued, then one wait."""
         if self.on_host:
             return
-        left = [n for n, a in self.host.items() if self.copied.get(n, 0) < _rows(a)]
-        for name in left:
-            self._copy(name, None, blocking=False)
-        if left:
+        queued = [self._copy(name, None, blocking=False) for name in self.host]
+        if any(queued):
             self.synchronize()
-
-
-def _rows(a: np.ndarray) -> int:
-    """Rows of ``a``, a scalar's one."""
-    return len(a) if a.ndim else 1
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

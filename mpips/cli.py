@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from . import __version__
 from .errors import CheckpointError, DataError, MpipsError
+from .files import nearest_existing
 from .job import Job, load_job
 from .log import counted, set_verbose
 
@@ -687,8 +688,8 @@ def _check_data_args(args: argparse.Namespace, out: Path) -> None:
         raise DataError(f"--features {args.features}: the id space needs at least 1 id")
     if out.is_dir():
         raise DataError(f"{out}: is a directory; give the .h5 file to write")
-    folder = next((p for p in out.absolute().parents if p.exists()), None)
-    if folder is not None and not folder.is_dir():
+    folder = nearest_existing(out)
+    if not folder.is_dir():
         raise DataError(f"{out}: cannot be written ({folder} is not a directory)")
 
 

@@ -41,6 +41,12 @@ def os_reason(e: OSError) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def nearest_existing(path: str | Path) -> Path:
+    """The nearest folder above ``path`` that exists (or a file in its place): where it
+    would be written, for checks before writing."""
+    return next((p for p in Path(path).absolute().parents if p.exists()), Path("/"))
+
+
 def check_regular(
     path: str | Path, error: type[MpipsError], what: str, max_bytes: int | None = None
 ) -> int:

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from .errors import MpipsError
+from .files import nearest_existing
 
 # more than this is absurd for any one array or allocation, whatever the machine (1 PiB)
 ABSURD_BYTES = 1 << 50
@@ -98,7 +99,7 @@ def check_fits(
 def check_disk(nbytes: int, path: str | Path, what: str, error: type[MpipsError]) -> None:
     """Raise ``error`` if ``nbytes`` (for ``what``, to be written at ``path``) is more than the
     disk free where ``path`` would go: refused before writing, not a full disk halfway."""
-    folder = next((p for p in Path(path).absolute().parents if p.is_dir()), Path("/"))
+    folder = nearest_existing(path)
     free = shutil.disk_usage(folder).free
     if nbytes > free:
         raise error(

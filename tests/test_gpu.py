@@ -52,8 +52,8 @@ def test_each_fused_gpu_kernel_gives_the_numpy_rules_bits(kind, hyper):
 
 
 def test_the_fused_softmax_loss_gives_the_array_versions_values():
-    """One kernel for the loss and its gradient on the GPU (~15 array launches on the
-    host's path): the same values as numpy's, to float32 rounding."""
+    """One kernel for the loss and its gradient on the GPU (the array version is 16
+    launches): the same values as numpy's, to float32 rounding."""
     import cupy
 
     from mpips import device_kernels
