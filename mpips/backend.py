@@ -4,13 +4,13 @@ pinning."""
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import numpy as np
-import scipy.sparse as sp
 
 from . import standin
 from .errors import ConfigError
@@ -21,6 +21,14 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def issparse(a: Any) -> bool:
+    """A scipy sparse matrix (CSR rows). scipy.sparse is imported by the code that makes one
+    (sparse data, the CTR models), not at start-up (~0.2 s of CPU a process): if it is not
+    loaded, nothing is sparse."""
+    sp = sys.modules.get("scipy.sparse")
+    return sp is not None and sp.issparse(a)
 
 
 BLAS_THREADS_ENV = "MPIPS_BLAS_THREADS"  # a rank's BLAS threads, set by hand (benchmarks)
@@ -146,7 +154,7 @@ class Device:
         """An array (a batch, a test split) on the device: copied if it is not there, into
         the buffer kept under ``key`` when given (a batch: one buffer from step to step). A
         sparse batch (CSR) becomes a SparseBatch."""
-        if not self.on_host and sp.issparse(a):
+        if not self.on_host and issparse(a):
             return SparseBatch(self.xp, a)
         if self.on_host or not isinstance(a, np.ndarray):
             return a
@@ -268,6 +276,8 @@ class SparseBatch:
     stand-in, and these two are all an embedding lookup and its gradient need."""
 
     def __init__(self, xp: ModuleType, a: Any):
+        import scipy.sparse as sp
+
         a = sp.csr_matrix(a)
         self.xp, self.shape = xp, a.shape
         self.values = xp.asarray(np.asarray(a.data, np.float32))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -192,6 +193,11 @@ _fused_enabled = os.environ.get("MPIPS_FUSED_KERNELS", "1").strip().lower() not 
     "off",
 )
 _ready: dict[str, Callable[..., None]] = {}  # compiled for float32 and run once
+# A process loads numba (~0.8 s of CPU: on 2 busy cores, half a small job's start-up) only
+# once it has applied updates by the numpy rules for this long: a short run never pays it,
+# a long one has the fused kernels from its second second on (the same bits either way)
+COMPILE_AFTER = 1.0
+_applying_since: list[float] = []  # when this process first asked for a kernel
 _loaders: dict[str, threading.Thread] = {}  # the thread that compiles each kernel
 _lock = threading.Lock()
 
@@ -282,14 +288,15 @@ def fused_apply(
     """``kind``'s rule by its fused kernel, in place, where one fits; False (nothing done)
     where the numpy rule must run instead: kernels off or unavailable, arrays that are not
     C-contiguous float32 numpy arrays of one shape, or (``wait=False``) the kernel not
-    compiled yet. The result is the numpy rule's, bit for bit."""
+    compiled yet: its compile starts once this process has applied updates for
+    COMPILE_AFTER seconds. The result is the numpy rule's, bit for bit."""
     name = kernel_name(kind, hyper)
     if name is None or not _fused_enabled:
         return False
     arrays = [slots[s] for s in SLOTS[kind]]
     if not _fits(var, grad, arrays):
         return False
-    kernel = _ready.get(name) or fused_kernel(name, wait)
+    kernel = _ready.get(name) or (fused_kernel(name, wait) if wait or _compile_due() else None)
     if kernel is None:
         return False
     # ravel: views of C-contiguous arrays, so the kernel writes into var and slots
@@ -297,6 +304,15 @@ def fused_apply(
         var.ravel(), grad.ravel(), *[a.ravel() for a in arrays], *kernel_scalars(kind, hyper, lr, t)
     )
     return True
+
+
+def _compile_due() -> bool:
+    """Whether this process has applied updates for COMPILE_AFTER seconds (from its first
+    request for a kernel): then a kernel not ready yet starts compiling."""
+    now = time.monotonic()
+    if not _applying_since:
+        _applying_since.append(now)
+    return now - _applying_since[0] >= COMPILE_AFTER
 
 
 _constants: dict[tuple[Any, ...], tuple[np.float32, ...]] = {}  # float32 hyper-parameters
@@ -347,18 +363,11 @@ class Optimizer:
         start = {"accumulator": init, "n": init}
         return {s: np.full_like(var, start.get(s, 0.0)) for s in self.slots}
 
-    def prepare(self) -> None:
-        """Start compiling this optimizer's fused kernel in the background, for a process that
-        will apply updates (a PS task, a sync replica): its first updates then need not run
-        the numpy rule while numba starts up."""
-        name = kernel_name(self.kind, self.hyper)
-        if name is not None and _fused_enabled:
-            fused_kernel(name, wait=False)
-
     def apply(self, var: Array, grad: Array, slots: dict[str, Array], lr: float, t: int) -> None:
         """Update ``var`` and its ``slots`` in place with ``grad``; ``t`` is the 1-based update
         count. C-contiguous float32 numpy arrays go through the fused kernel once it is
-        compiled (the first call starts that, in the background), float32 cupy arrays
+        compiled (in the background, once this process has applied updates for
+        COMPILE_AFTER seconds), float32 cupy arrays
         through the same rule's cupy kernel (device_kernels.py), anything else through the
         numpy or cupy rule above; all give the same bits."""
         h = self.hyper

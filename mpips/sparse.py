@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
-import scipy.sparse as sp
 
 from .errors import DataError
 from .files import atomic_write
@@ -28,7 +28,10 @@ from .memory import ABSURD_BYTES, check_fits
 FORMAT = "mpips-csr-1"
 KEYS = {"label": "iu", "indptr": "iu", "ids": "iu", "values": "f"}
 
-Split = tuple[sp.csr_matrix, np.ndarray]
+if TYPE_CHECKING:  # (scipy.sparse is imported where a matrix is made: not at start-up)
+    import scipy.sparse as sp
+
+Split = tuple["sp.csr_matrix", np.ndarray]
 
 
 def is_sparse_file(f: h5py.File) -> bool:
@@ -148,6 +151,8 @@ def load_csr(path: str, split: str, rows: tuple[int, int], num_features: int) ->
             f"data file {path}: {split} row {row} holds {values[k]} for feature id {ids[k]}: "
             f"mpips trains on finite numbers only (fix or drop that row)"
         )
+    import scipy.sparse as sp
+
     x = sp.csr_matrix((values, ids, indptr), shape=(stop - start, num_features))
     return x, labels
 
@@ -172,6 +177,8 @@ def write_csr_chunks(
     memory holds one chunk at a time, whatever the file's size. Duplicate ids of a row are
     summed. ``num_features`` None: the largest id + 1. Durable and atomic: a failure (a bad
     line in a converter's input) leaves no file, and an existing one untouched."""
+
+    import scipy.sparse as sp
 
     def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:

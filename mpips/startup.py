@@ -12,9 +12,9 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
-import scipy.sparse as sp
 
 from . import checkpoint
+from .backend import issparse
 from .data import (
     DatasetInfo,
     InMemoryPart,
@@ -311,7 +311,7 @@ def _on_device(
     forced = job.data.on_device
     host_only = (
         "sparse (CSR) rows"
-        if sp.issparse(part.x)
+        if issparse(part.x)
         else "a model with tables or a prepare() of its own"
         if model.tables() or type(model).prepare is not Model.prepare
         else ""

@@ -202,6 +202,65 @@ def test_first_updates_run_the_numpy_rule_while_the_kernel_compiles(monkeypatch)
         compiling.join()
 
 
+def test_the_kernel_compiles_only_once_updates_have_run_for_a_while(monkeypatch):
+    """numba costs ~0.8 s of CPU to load: a process starts compiling a kernel only once it
+    has applied updates for COMPILE_AFTER seconds (a short run never loads it); the
+    numpy rule runs until the kernel is ready, then the kernel."""
+    pytest.importorskip("numba")
+    optim.fused_kernel("sgd")  # (in the cache: the compile below is a load)
+    started = []
+    real = optim.fused_kernel
+    monkeypatch.setattr(optim, "_ready", {})
+    monkeypatch.setattr(optim, "_loaders", {})
+    monkeypatch.setattr(optim, "_applying_since", [])
+    monkeypatch.setattr(
+        optim, "fused_kernel", lambda name, wait=True: started.append(name) or real(name, wait)
+    )
+    clock = [1000.0]
+    monkeypatch.setattr(optim.time, "monotonic", lambda: clock[0])
+    opt = Optimizer("sgd", {})
+    var, grad = np.ones(4, np.float32), np.full(4, 2, np.float32)
+    opt.apply(var, grad, {}, 0.5, 1)
+    clock[0] += optim.COMPILE_AFTER * 0.9
+    opt.apply(var, grad, {}, 0.5, 2)
+    assert started == [] and var.tolist() == [-1.0] * 4  # the numpy rule, twice
+    clock[0] += optim.COMPILE_AFTER * 0.2
+    opt.apply(var, grad, {}, 0.5, 3)  # due: the compile starts (in the background)
+    assert started == ["sgd"]
+    optim._loaders["sgd"].join()
+    calls = []
+    kernel = optim._ready["sgd"]
+    monkeypatch.setitem(optim._ready, "sgd", lambda *a: calls.append(a) or kernel(*a))
+    opt.apply(var, grad, {}, 0.5, 4)
+    assert len(calls) == 1 and var.tolist() == [-3.0] * 4
+
+
+@pytest.mark.launcher
+def test_a_short_job_loads_neither_numba_nor_scipy(tmp_path):
+    """A small dense job on one node (1 PS + 2 workers, zero copy and the control counters
+    in shared memory) loads no numba on any rank (the atomics come from libatomic, the fused
+    kernels after COMPILE_AFTER s of updates) and no scipy (sparse data only): ~1.3 s of
+    CPU a process, which a 3-rank job on 2 cores paid at each start before."""
+    from conftest import run_mpi
+
+    from mpips.store import atomics
+
+    if atomics.backend_name() != "libatomic":
+        pytest.skip("no libatomic here: the atomics come from numba")
+    code = (
+        "import sys\nimport mpips\n"
+        "job = mpips.load_job(None)\n"
+        "job.train.steps, job.train.progress, job.checkpoint.dir = 30, False, ''\n"
+        "mpips.train(job)\n"
+        "got = sorted({m.split('.')[0] for m in sys.modules} & {'numba', 'scipy'})\n"
+        "print(f'loaded: {got}', flush=True)\n"
+    )
+    out = run_mpi(3, ["-c", code], tmp_path, MPIPS_VERBOSE="1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("loaded: []") == 3, out.stdout[-3000:]
+    assert "zero copy" in out.stdout or "zero_copy" in out.stdout, out.stdout[-3000:]
+
+
 @pytest.mark.parametrize(
     "why",
     [

@@ -598,37 +598,60 @@ def test_table_rows_come_from_and_go_to_their_owners(rule, shared):
     cluster.free()
 
 
-def test_the_cpus_atomics_lose_nothing_between_processes():
+@pytest.mark.parametrize(
+    "backends",
+    [("libatomic",) * 2, ("numba",) * 2, ("libatomic", "numba")],
+    ids=["libatomic", "numba", "both"],
+)
+def test_the_cpus_atomics_lose_nothing_between_processes(backends):
     """atomics.py on node-shared memory, every rank at once: fetch_add counts every add,
     compare_and_swap lets exactly one of several swaps from the same old value win, and a
-    lock made of it keeps a plain read-modify-write of another word whole."""
+    lock made of it keeps a plain read-modify-write of another word whole. Through
+    libatomic, through numba (the fallback), and the two at once (even ranks one, odd ranks
+    the other: both are the CPU's atomics)."""
     from mpi4py import MPI
 
     from mpips.store import atomics, barrier
 
     needs_one_node()
+    if backends[0] == "libatomic" and atomics._libatomic() is None:
+        pytest.skip("no libatomic here")
     comm = MPI.COMM_WORLD
-    win = MPI.Win.Allocate_shared(32 if comm.rank == 0 else 0, disp_unit=8, comm=comm)
-    counter, swapped, lock, plain = range(4)
-    words = np.frombuffer(win.Shared_query(0)[0], dtype=np.int64)
+    win = MPI.Win.Allocate_shared(40 if comm.rank == 0 else 0, disp_unit=8, comm=comm)
+    counter, swapped, lock, plain, claims = range(5)
+    array = np.frombuffer(win.Shared_query(0)[0], dtype=np.int64)
     if comm.rank == 0:
-        words[:] = 0
+        array[:] = 0
+    words = atomics.Words(array, backends[comm.rank % 2])
     barrier(comm, "the test")
     n = 50_000
     for _ in range(n):
-        atomics.fetch_add(words, counter, 1)
+        words.fetch_add(counter, 1)
     for _ in range(n):  # count by compare-and-swap: a swap that lost retries from the new value
-        old = atomics.load(words, swapped, 1)[0]
-        while (seen := atomics.compare_and_swap(words, swapped, old, old + 1)) != old:
+        old = words.load(swapped, 1)[0]
+        while (seen := words.compare_and_swap(swapped, old, old + 1)) != old:
             old = seen
     for _ in range(n // 4):
-        while atomics.compare_and_swap(words, lock, 0, comm.rank + 1) != 0:
+        while words.compare_and_swap(lock, 0, comm.rank + 1) != 0:
             pass
-        value = int(words[plain])  # a plain load and store: only the lock keeps it whole
-        words[plain] = value + 1
-        assert atomics.exchange(words, lock, 0) == comm.rank + 1
-    barrier(comm, "the test")
-    assert list(atomics.load(words, 0, 4)) == [comm.size * n, comm.size * n, 0, comm.size * n // 4]
+        value = int(array[plain])  # a plain load and store: only the lock keeps it whole
+        array[plain] = value + 1
+        assert words.exchange(lock, 0) == comm.rank + 1
+    at, out = np.array([counter, plain], np.int64), np.zeros(2, np.int64)
+    tickets = [words.add_then_load(claims, 1, at, out) for _ in range(n // 4)]
+    total = comm.size * n
+    every = sorted(t for mine in comm.allgather(tickets) for t in mine)  # (a barrier too)
+    assert tickets == sorted(tickets) and every == list(range(total // 4))
+    assert list(words.load(0, 5)) == [total, total, 0, total // 4, total // 4]
+    assert words.add_then_load(claims, 0, at, out) == total // 4
+    assert list(out) == [total, total // 4]
+    for bad in (
+        lambda: words.fetch_add(5, 1),
+        lambda: words.load(3, 3),
+        lambda: words.exchange(-1, 0),
+    ):
+        with pytest.raises(IndexError):
+            bad()
     barrier(comm, "the test")
     win.Free()
 

@@ -30,7 +30,6 @@ from ..store import (
     publish_start_step,
     serve,
     stall_limit,
-    updates_in_place,
 )
 from ..summaries import job_timeline, ps_summaries
 from .base import Mode
@@ -45,10 +44,7 @@ def open_store(
     # zero copy: the workers apply their updates in PS memory (store/stripes.py), else a
     # PS task applies those of stateful optimizers and sync_replicas
     zero_copy = bool(job.train.zero_copy)  # (resolved by now: mpips.train)
-    in_place = updates_in_place(placement, zero_copy)
     inboxes = has_inboxes(placement, zero_copy, mode.ps_applies(optimizer.stateful))
-    if (cluster.is_ps and inboxes) or (in_place and not cluster.is_ps):
-        optimizer.prepare()  # its fused kernel compiles meanwhile, not at the first update
     cluster.check_placement(placement)
     warning = imbalance(placement, job.layout.placement)
     if warning and cluster.is_chief:

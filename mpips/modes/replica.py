@@ -137,7 +137,6 @@ class Replica:
         self.stop_asked = 0  # a hook on this replica asked to stop the run
         self.timeline = job_timeline(job, "worker", self.role.task)
         self.clip = global_norm_clip(self.oc.clip_norm)
-        optimizer.prepare()  # a replica applies every update itself: compile its kernel now
 
     def train(self, extra_hooks: list[Hook]) -> TrainResult:
         try:

@@ -30,7 +30,6 @@ from .window import (
     WindowPlan,
     Windows,
     has_inboxes,
-    updates_in_place,
 )
 
 __all__ = [
@@ -58,7 +57,6 @@ __all__ = [
     "stall_limit",
     "start_limit",
     "unreachable",
-    "updates_in_place",
     "wait",
     "watched_barrier",
 ]

@@ -5,131 +5,189 @@ Why not MPI's atomics: MPICH makes the atomics of a shared-memory window atomic 
 inter-process mutex per window. On an oversubscribed node a process descheduled while
 holding that mutex stalls every other atomic of the window for a time slice (an atomic then
 costs 20-80 us, and some ms at the tail; docs/performance.md). A CPU's own atomic takes
-~0.25 us and holds nothing. The words these functions touch must be touched by nothing else
-(MPI's atomics included), and every process using them must share the node.
+~0.5 us from Python and holds nothing. The words these functions touch must be touched by
+nothing else (MPI's atomics included), and every process using them must share the node.
 
-The instructions are emitted through numba (a dependency already, for the optimizers' fused
-kernels): LLVM's ``cmpxchg`` and ``atomicrmw``, sequentially consistent, so taking a lock
-word is an acquire and giving it back a release for the stores made under it.
+The instructions come from libatomic, GCC's runtime library for atomics (``libatomic.so.1``,
+there wherever gcc's runtime is): its ``__atomic_*_8`` entry points, sequentially
+consistent, called through ctypes with the GIL held (the call is shorter than giving the GIL
+up). Taking a lock word is then an acquire and giving it back a release for the stores made
+under it. For 8-byte words these are the CPU's own instructions (``lock cmpxchg``, ``lock
+xadd`` on x86-64), no lock of libatomic's own. Without libatomic the same instructions come
+from numba (LLVM's ``cmpxchg`` and ``atomicrmw``): numba's import and loading the compiled
+functions cost ~0.8 s of CPU a process, most of a small job's start-up, so numba is the
+fallback. Processes on either path may share words: both are the CPU's atomics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import ctypes
+import os
 from typing import Any
 
 import numpy as np
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+SEQ_CST = 5  # __ATOMIC_SEQ_CST
+ENV = "MPIPS_ATOMICS"  # "numba": the fallback, even where libatomic is (tests compare both)
 
 
-def _address(context: Any, builder: Any, array_type: Any, array: Any, index: Any) -> Any:
-    view = context.make_array(array_type)(context, builder, array)
-    return cgutils.get_item_pointer(context, builder, array_type, view, [index])
+class Words:
+    """Aligned int64 words (a view of node-shared memory), touched only through these
+    methods; an index out of range raises IndexError rather than touch other memory."""
+
+    def __init__(self, array: np.ndarray, backend: str | None = None):
+        if array.dtype != np.int64 or array.ndim != 1 or not array.flags.c_contiguous:
+            raise ValueError("atomics.Words: a flat C-contiguous int64 array")
+        if array.ctypes.data % 8:
+            raise ValueError("atomics.Words: the CPU's atomics need 8-byte aligned words")
+        self.array, self.size = array, array.size
+        self.base = array.ctypes.data
+        self._ops = _backend(backend)
+
+    def _address(self, index: int) -> int:
+        if not 0 <= index < self.size:
+            raise IndexError(f"atomics.Words: word {index} of {self.size}")
+        return self.base + 8 * index
+
+    def compare_and_swap(self, index: int, expected: int, new: int) -> int:
+        """Atomically: if word ``index`` is ``expected``, set it to ``new``. Returns the old
+        value (``expected`` when the swap happened)."""
+        return self._ops.compare_and_swap(self, self._address(index), index, expected, new)
+
+    def exchange(self, index: int, value: int) -> int:
+        """Atomically set word ``index`` to ``value``; returns the old value."""
+        return self._ops.exchange(self, self._address(index), index, value)
+
+    def fetch_add(self, index: int, value: int) -> int:
+        """Atomically add ``value`` to word ``index``; returns the old value."""
+        return self._ops.fetch_add(self, self._address(index), index, value)
+
+    def load(self, start: int, count: int) -> np.ndarray:
+        """Words ``start`` to ``start + count``, each read atomically (not all at one
+        instant)."""
+        self._address(start), self._address(start + count - 1)
+        out = np.empty(count, np.int64)
+        self._ops.load(self, start, out)
+        return out
+
+    def add_then_load(self, index: int, value: int, at: np.ndarray, out: np.ndarray) -> int:
+        """Atomically add ``value`` to word ``index``, then read the words ``at`` into
+        ``out`` (each atomically): a worker's step claim. Returns the old value."""
+        for k in (index, int(at.min()), int(at.max())):
+            self._address(k)
+        return self._ops.add_then_load(self, index, value, at, out)
 
 
-@intrinsic
-def _cas(typingctx: Any, words: Any, index: Any, expected: Any, new: Any) -> Any:
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        address = _address(context, builder, signature.args[0], args[0], args[1])
-        pair = builder.cmpxchg(address, args[2], args[3], "seq_cst", "seq_cst")
-        return builder.extract_value(pair, 0)
+class _LibAtomic:
+    """libatomic's entry points, through ctypes (PyDLL: the GIL is kept for the call)."""
 
-    return types.int64(words, index, expected, new), codegen
+    def __init__(self, lib: ctypes.PyDLL):
+        i64, ptr, order = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+        def entry(name: str, restype: Any, *args: Any) -> Any:
+            f = getattr(lib, name)
+            f.restype, f.argtypes = restype, list(args)
+            return f
+
+        self._cas = entry(
+            "__atomic_compare_exchange_8",
+            ctypes.c_bool,
+            ptr,
+            ctypes.POINTER(i64),
+            i64,
+            order,
+            order,
+        )
+        self._swap = entry("__atomic_exchange_8", i64, ptr, i64, order)
+        self._add = entry("__atomic_fetch_add_8", i64, ptr, i64, order)
+        self._load = entry("__atomic_load_8", i64, ptr, order)
+
+    def compare_and_swap(self, words: Words, at: int, index: int, expected: int, new: int) -> int:
+        seen = ctypes.c_int64(expected)  # (one a call: threads may share the words)
+        self._cas(at, ctypes.byref(seen), new, SEQ_CST, SEQ_CST)
+        return seen.value  # expected if swapped, else the value found
+
+    def exchange(self, words: Words, at: int, index: int, value: int) -> int:
+        return self._swap(at, value, SEQ_CST)
+
+    def fetch_add(self, words: Words, at: int, index: int, value: int) -> int:
+        return self._add(at, value, SEQ_CST)
+
+    def load(self, words: Words, start: int, out: np.ndarray) -> None:
+        base, load = words.base, self._load
+        out[:] = [load(base + 8 * k, SEQ_CST) for k in range(start, start + out.size)]
+
+    def add_then_load(
+        self, words: Words, index: int, value: int, at: np.ndarray, out: np.ndarray
+    ) -> int:
+        base, load = words.base, self._load
+        old = self._add(base + 8 * index, value, SEQ_CST)
+        out[: at.size] = [load(base + 8 * k, SEQ_CST) for k in at.tolist()]
+        return old
 
 
-def _rmw(op: str) -> Any:
-    """An intrinsic ``(words, index, value) -> old`` doing LLVM's ``atomicrmw op``."""
+class _Numba:
+    """The same atomics compiled by numba (its intrinsics emit LLVM's instructions)."""
 
-    def typer(typingctx: Any, words: Any, index: Any, value: Any) -> Any:
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            address = _address(context, builder, signature.args[0], args[0], args[1])
-            return builder.atomic_rmw(op, address, args[2], "seq_cst")
+    def __init__(self) -> None:
+        from . import atomics_numba
 
-        return types.int64(words, index, value), codegen
+        self._f = atomics_numba
+        atomics_numba.warm()  # compiled or loaded now, not on a first call under a lock
 
-    return intrinsic(typer)
+    def compare_and_swap(self, words: Words, at: int, index: int, expected: int, new: int) -> int:
+        return int(self._f.compare_and_swap(words.array, index, expected, new))
+
+    def exchange(self, words: Words, at: int, index: int, value: int) -> int:
+        return int(self._f.exchange(words.array, index, value))
+
+    def fetch_add(self, words: Words, at: int, index: int, value: int) -> int:
+        return int(self._f.fetch_add(words.array, index, value))
+
+    def load(self, words: Words, start: int, out: np.ndarray) -> None:
+        self._f.load(words.array, start, out)
+
+    def add_then_load(
+        self, words: Words, index: int, value: int, at: np.ndarray, out: np.ndarray
+    ) -> int:
+        return int(self._f.add_then_load(words.array, index, value, at, out))
 
 
-_swap, _add = _rmw("xchg"), _rmw("add")
+_backends: dict[str, Any] = {}
 
 
-def _compiled(function: Callable[..., Any]) -> Any:
-    """``function`` compiled, cached on disk where numba finds a writable place."""
+def _backend(name: str | None = None) -> Any:
+    """The atomics of this process: libatomic where it loads, else numba (``name``, or
+    MPIPS_ATOMICS=numba, asks for numba)."""
+    name = name or ("numba" if os.environ.get(ENV) == "numba" else "libatomic")
+    if name not in _backends:
+        lib = _libatomic() if name == "libatomic" else None
+        _backends[name] = _LibAtomic(lib) if lib is not None else _Numba()
+    return _backends[name]
+
+
+def _libatomic() -> ctypes.PyDLL | None:
+    """libatomic, from the dynamic loader's usual places (ctypes.util.find_library runs
+    ldconfig: only where that fails)."""
     try:
-        return njit(cache=True, nogil=True)(function)
-    except RuntimeError:  # no writable cache directory: compile in each process
-        return njit(nogil=True)(function)
+        return ctypes.PyDLL("libatomic.so.1")
+    except OSError:
+        pass
+    from ctypes.util import find_library
+
+    name = find_library("atomic")
+    try:
+        return ctypes.PyDLL(name) if name else None
+    except OSError:
+        return None
 
 
-@_compiled
-def _compare_and_swap(words, index, expected, new):
-    return _cas(words, index, expected, new)
-
-
-@_compiled
-def _exchange(words, index, value):
-    return _swap(words, index, value)
-
-
-@_compiled
-def _fetch_add(words, index, value):
-    return _add(words, index, value)
-
-
-@_compiled
-def _load(words, start, out):
-    for i in range(out.size):
-        out[i] = _add(words, start + i, 0)
-
-
-@_compiled
-def _add_then_load(words, index, value, at, out):
-    old = _add(words, index, value)
-    for i in range(out.size):
-        out[i] = _add(words, at[i], 0)
-    return old
-
-
-def compare_and_swap(words: np.ndarray, index: int, expected: int, new: int) -> int:
-    """Atomically: if ``words[index] == expected``, set it to ``new``. Returns the old value
-    (``expected`` when the swap happened)."""
-    return int(_compare_and_swap(words, index, expected, new))
-
-
-def exchange(words: np.ndarray, index: int, value: int) -> int:
-    """Atomically set ``words[index]`` to ``value``; returns the old value."""
-    return int(_exchange(words, index, value))
-
-
-def fetch_add(words: np.ndarray, index: int, value: int) -> int:
-    """Atomically add ``value`` to ``words[index]``; returns the old value."""
-    return int(_fetch_add(words, index, value))
-
-
-def load(words: np.ndarray, start: int, count: int) -> np.ndarray:
-    """``words[start:start + count]``, each read atomically (not all at one instant)."""
-    out = np.empty(count, np.int64)
-    _load(words, start, out)
-    return out
-
-
-def add_then_load(
-    words: np.ndarray, index: int, value: int, at: np.ndarray, out: np.ndarray
-) -> int:
-    """Atomically add ``value`` to ``words[index]``, then read ``words[at]`` into ``out``
-    (each word atomically), in one call: a worker's step claim. Returns the old value."""
-    return int(_add_then_load(words, index, value, at, out))
+def backend_name() -> str:
+    """Which atomics this process uses: "libatomic" or "numba"."""
+    return "libatomic" if isinstance(_backend(), _LibAtomic) else "numba"
 
 
 def warm() -> None:
-    """Compile (or load from numba's cache) every function now, at start-up: not on a first
-    call made while holding a lock."""
-    words = np.zeros(2, np.int64)
-    compare_and_swap(words, 0, 0, 1)
-    exchange(words, 0, 0)
-    fetch_add(words, 1, 1)
-    load(words, 0, 2)
-    at = np.arange(2, dtype=np.int64)
-    add_then_load(words, 0, 0, at, np.empty(2, np.int64))
+    """Load this process's atomics now, at start-up (numba's compile, where it is the path,
+    takes ~1 s on a cold cache): not on a first call made while holding a lock."""
+    _backend()

@@ -190,7 +190,7 @@ class StoreClient:
     def _in_place(self, whole: list[Placed], apply: Apply, slot_names: Sequence[str]) -> Stripes:
         """Zero copy: the stripes through which this worker applies ``apply`` to the whole
         variables and table partitions (with their slots) in the PS tasks' memory."""
-        from .stripes import Stripes  # numba: only zero copy pays for its import
+        from .stripes import Stripes  # (zero copy only)
 
         windows = self.windows
         shared = [windows.shared_memory(r) for r in self.ps_ranks]

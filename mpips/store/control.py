@@ -121,29 +121,26 @@ class _MpiCounters:
 
 class _SharedCounters:
     """The counters in node-shared memory, moved with the CPU's atomics (atomics.py): every
-    rank on one node. ~0.3 us an atomic, where MPICH's take tens of us on a busy node; a
-    step's claim is one compiled call."""
+    rank on one node. ~0.5 us an atomic, where MPICH's take tens of us on a busy node."""
 
     def __init__(self, windows: Windows):
-        from . import atomics  # (compiled when the windows were made)
-
-        self.atomics, self.words = atomics, windows.control_words()
+        self.words = windows.control_words()
         self.clocks_at, self.num_workers = windows.clocks_at, windows.layout.num_workers
         clocks = range(self.clocks_at, self.clocks_at + 2 * self.num_workers)
         self._begin_at = np.array([GLOBAL_STEP, TICKETS, *clocks], np.int64)
 
     def add(self, index: int, value: int) -> int:
-        return self.atomics.fetch_add(self.words, index, value)
+        return self.words.fetch_add(index, value)
 
     def swap(self, index: int, value: int) -> int:
-        return self.atomics.exchange(self.words, index, value)
+        return self.words.exchange(index, value)
 
     def read(self, index: int, count: int) -> np.ndarray:
-        return self.atomics.load(self.words, index, count)
+        return self.words.load(index, count)
 
     def begin(self) -> np.ndarray:
         old = np.empty(self._begin_at.size, np.int64)
-        old[1] = self.atomics.add_then_load(self.words, TICKETS, 1, self._begin_at, old)
+        old[1] = self.words.add_then_load(TICKETS, 1, self._begin_at, old)
         return old
 
     def end(self, task: int) -> int:

@@ -163,7 +163,7 @@ class _Chores:
                 self.drain()  # every update counted before the request is in the shard
                 in_place = self.windows.updates_in_place  # workers update while it writes
                 if in_place:  # ... unless it holds every lock word of its memory
-                    from .stripes import hold_ps, release_ps  # (zero copy only: numba)
+                    from .stripes import hold_ps, release_ps  # (zero copy only)
 
                     hold_ps(self.windows, self.task)
                 self.windows.params.Sync()  # see every Put and Accumulate that has landed

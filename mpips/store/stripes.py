@@ -1,7 +1,7 @@
 """Zero copy's push: a worker applies its own update straight to the PS memory it shares
 (``train.zero_copy``), a stripe of a few MiB at a time, each under a lock word of that PS
 (``Windows.lock_words``) taken with the CPU's compare-and-swap (atomics.py). Imported only
-by zero copy (numba).
+by zero copy.
 
 Why: on one node the bytes are the cost. MPICH serialises ``Accumulate`` into a shared-memory
 window and runs it through a generic loop: 7.2 ms a step for the wide MLP's 23 MB, where this
@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import Stalled
 from ..waits import MIN_SLEEP
-from .atomics import compare_and_swap, exchange
+from .atomics import Words
 from .cluster import stall_limit
 from .rules import Apply, apply_rows
 from .window import LOCKS_PER_PS, Windows
@@ -41,18 +41,18 @@ STRIPE_BYTES = 4 << 20  # small enough that two workers interleave, few enough l
 OWN_WORD_BYTES = 256 << 10
 SPIN_SECONDS = 5e-4  # try a taken word again at once for this long, then sleep between tries
 
-Word = tuple[np.ndarray, int]  # a lock word: its PS's words, and which
+Word = tuple[Words, int]  # a lock word: its PS's words, and which
 
 
 def _try_lock(word: Word, me: int) -> int:
     """Take lock ``word`` if it is free (0): returns 0, else its holder (see ``_holder``)."""
     words, k = word
-    return compare_and_swap(words, k, 0, me)
+    return words.compare_and_swap(k, 0, me)
 
 
 def _unlock(word: Word) -> None:
     words, k = word
-    exchange(words, k, 0)
+    words.exchange(k, 0)
 
 
 def _holder(word_value: int) -> str:

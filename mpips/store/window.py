@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from ..layout import Layout
 from ..placement import Placement, views
+from . import atomics
 from .cluster import barrier, check_arrival
 from .inbox import Inbox, mail_words
 
@@ -137,10 +138,9 @@ class Windows(WindowPlan):
             self.local(win)[:] = 0
             win.Lock_all(MPI.MODE_NOCHECK)
         if self.control_shared or shared:
-            from . import atomics  # numba: only jobs on one node pay for its import
-
-            # compiled (~1 s on a cold cache) before the barrier, so no rank starts training
-            # while another still compiles, and none compiles while holding a lock word
+            # loaded before the barrier (where numba is the path, compiled: ~1 s on a cold
+            # cache), so no rank starts training while another still compiles, and none
+            # compiles while holding a lock word
             atomics.warm()
         self._open = True
         barrier(comm, "window creation")  # nobody reads a counter before its owner zeroed it
@@ -150,15 +150,15 @@ class Windows(WindowPlan):
         locks = [] if self.locks is None else [self.locks]
         return self.params, self.mail, self.control, *locks
 
-    def control_words(self) -> np.ndarray:
+    def control_words(self) -> atomics.Words:
         """The control counters, in this process's address space (``control_shared`` only;
-        atomics.py's functions are the only way to touch them)."""
+        touched only through the CPU's atomics)."""
         assert self.control_shared
         return _words(self.control, self.control_rank)
 
-    def lock_words(self, ps_task: int) -> np.ndarray:
+    def lock_words(self, ps_task: int) -> atomics.Words:
         """PS task ``ps_task``'s LOCKS_PER_PS lock words, in this process's address space
-        (zero copy only; atomics.py's functions are the only way to touch them)."""
+        (zero copy only; touched only through the CPU's atomics)."""
         assert self.locks is not None
         return _words(self.locks, self.layout.ps_ranks[ps_task])
 
@@ -266,11 +266,10 @@ def _aligned_shared(comm: MPI.Intracomm, nbytes: int) -> MPI.Win:
     return win
 
 
-def _words(win: MPI.Win, rank: int) -> np.ndarray:
-    """``rank``'s part of a window made by ``_aligned_shared``, as int64 words."""
-    words = _shared_bytes(win, rank).view(np.int64)
-    assert words.ctypes.data % 8 == 0, "the CPU's atomics need aligned words"
-    return words
+def _words(win: MPI.Win, rank: int) -> atomics.Words:
+    """``rank``'s part of a window made by ``_aligned_shared``, as int64 words for the CPU's
+    atomics (aligned: each rank's part is on pages of its own)."""
+    return atomics.Words(_shared_bytes(win, rank).view(np.int64))
 
 
 def _shared_bytes(win: MPI.Win, rank: int) -> np.ndarray:
