@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
+from .backend import array_module
 from .errors import AlreadyReported, ConfigError, MpipsError
 from .variables import VariableSpec
 
@@ -228,6 +229,11 @@ def first_loss_and_grads(
     for n in names:
         g = grads[n]
         left = _nan_count(g)  # NaN: not written
+        if left and _diverged(model, params):
+            # another worker's diverging update reached the variables while this step read
+            # them (zero copy reads the PS memory as it changes): not the model's mistake;
+            # a later step's loss is not finite, and the loss check says so
+            return loss, ""
         if left:
             extra = [str(k) for k in given if k not in grads]
             return loss, (
@@ -252,6 +258,17 @@ def _nan_count(g: Any) -> int:
     flat = g.reshape(-1)
     chunks = (flat[i : i + NAN_CHUNK] for i in range(0, flat.size, NAN_CHUNK))
     return sum(int((c != c).sum()) for c in chunks)
+
+
+def _diverged(model: Model, params: dict[str, Any]) -> bool:
+    """Whether a dense variable holds a value that is not finite (inf or NaN)."""
+    for s in model.variables():
+        if s.name in params:
+            flat = params[s.name].reshape(-1)
+            for i in range(0, flat.size, NAN_CHUNK):
+                if not bool(array_module(flat).isfinite(flat[i : i + NAN_CHUNK]).all()):
+                    return True
+    return False
 
 
 def said_once(problem: str, speaker: bool) -> MpipsError:

@@ -193,12 +193,15 @@ _fused_enabled = os.environ.get("MPIPS_FUSED_KERNELS", "1").strip().lower() not 
     "off",
 )
 _ready: dict[str, Callable[..., None]] = {}  # compiled for float32 and run once
-# A process loads numba (~0.8 s of CPU: on 2 busy cores, half a small job's start-up) only
-# once it has applied updates by the numpy rules for this long: a short run never pays it,
-# a long one has the fused kernels from its second second on (the same bits either way)
-COMPILE_AFTER = 1.0
-_applying_since: list[float] = []  # when this process first asked for a kernel
+# Loading numba costs a process ~0.8 s of CPU (on 2 busy cores, half a small job's start-up).
+# A process starts compiling a kernel only once the numpy rules, applying updates that
+# kernel could apply, have cost it this many seconds (about what loading numba costs): a
+# small model never loads it, a big one has its kernel after a few updates, and neither
+# pays more than about twice the cheaper choice. The bits are the same either way.
+COMPILE_AFTER = 0.3
+_rule_seconds = [0.0]  # CPU time in numpy rules waiting for a kernel, in this thread
 _loaders: dict[str, threading.Thread] = {}  # the thread that compiles each kernel
+_failed: set[str] = set()  # kernels that could not be had (numba missing, a failed compile)
 _lock = threading.Lock()
 
 
@@ -245,6 +248,7 @@ def _compile(name: str) -> None:
         import numba
     except Exception as e:  # not installed, or built for another numpy
         warnings.warn(f"mpips: numba is not available ({e}); using the numpy rules", stacklevel=1)
+        _failed.add(name)
         return
     source, arrays, scalars = _KERNELS[name]
     try:  # compiled once per machine, then loaded from numba's cache next to this file
@@ -257,6 +261,7 @@ def _compile(name: str) -> None:
         warnings.warn(
             f"mpips: fused {name} kernel failed ({e}); using the numpy rule", stacklevel=1
         )
+        _failed.add(name)
         return
     _ready[name] = kernel
 
@@ -284,35 +289,33 @@ def fused_apply(
     lr: float,
     t: int,
     wait: bool = True,
-) -> bool:
-    """``kind``'s rule by its fused kernel, in place, where one fits; False (nothing done)
-    where the numpy rule must run instead: kernels off or unavailable, arrays that are not
-    C-contiguous float32 numpy arrays of one shape, or (``wait=False``) the kernel not
-    compiled yet: its compile starts once this process has applied updates for
-    COMPILE_AFTER seconds. The result is the numpy rule's, bit for bit."""
+) -> bool | None:
+    """``kind``'s rule by its fused kernel, in place, where one fits: True. False (nothing
+    done) where the numpy rule must run instead: kernels off or unavailable, arrays that
+    are not C-contiguous float32 numpy arrays of one shape. None (nothing done, the numpy
+    rule runs) where the kernel fits but is not compiled yet (``wait=False``): its compile
+    starts once the numpy rules have taken COMPILE_AFTER seconds (Optimizer.apply counts
+    them). The result is the numpy rule's, bit for bit."""
     name = kernel_name(kind, hyper)
     if name is None or not _fused_enabled:
         return False
     arrays = [slots[s] for s in SLOTS[kind]]
     if not _fits(var, grad, arrays):
         return False
-    kernel = _ready.get(name) or (fused_kernel(name, wait) if wait or _compile_due() else None)
+    kernel = _ready.get(name)
     if kernel is None:
-        return False
+        if name in _failed:
+            return False
+        if not (wait or _rule_seconds[0] >= COMPILE_AFTER):
+            return None  # not worth loading numba yet
+        kernel = fused_kernel(name, wait)
+        if kernel is None:  # compiling (None), or it failed
+            return False if name in _failed else None
     # ravel: views of C-contiguous arrays, so the kernel writes into var and slots
     kernel(
         var.ravel(), grad.ravel(), *[a.ravel() for a in arrays], *kernel_scalars(kind, hyper, lr, t)
     )
     return True
-
-
-def _compile_due() -> bool:
-    """Whether this process has applied updates for COMPILE_AFTER seconds (from its first
-    request for a kernel): then a kernel not ready yet starts compiling."""
-    now = time.monotonic()
-    if not _applying_since:
-        _applying_since.append(now)
-    return now - _applying_since[0] >= COMPILE_AFTER
 
 
 _constants: dict[tuple[Any, ...], tuple[np.float32, ...]] = {}  # float32 hyper-parameters
@@ -366,10 +369,10 @@ class Optimizer:
     def apply(self, var: Array, grad: Array, slots: dict[str, Array], lr: float, t: int) -> None:
         """Update ``var`` and its ``slots`` in place with ``grad``; ``t`` is the 1-based update
         count. C-contiguous float32 numpy arrays go through the fused kernel once it is
-        compiled (in the background, once this process has applied updates for
-        COMPILE_AFTER seconds), float32 cupy arrays
-        through the same rule's cupy kernel (device_kernels.py), anything else through the
-        numpy or cupy rule above; all give the same bits."""
+        compiled (in the background, once the numpy rules have taken COMPILE_AFTER
+        seconds of this process), float32 cupy arrays through the same rule's cupy kernel
+        (device_kernels.py), anything else through the numpy or cupy rule above; all give
+        the same bits."""
         h = self.hyper
         if is_cupy(var):  # a GPU: the rule's cupy kernel
             name = kernel_name(self.kind, h)
@@ -377,8 +380,22 @@ class Optimizer:
                 arrays = [slots[s] for s in SLOTS[self.kind]]
                 if device_apply(name, var, grad, arrays, kernel_scalars(self.kind, h, lr, t)):
                     return
-        elif fused_apply(self.kind, h, var, grad, slots, lr, t, wait=False):
-            return
+        else:
+            fused = fused_apply(self.kind, h, var, grad, slots, lr, t, wait=False)
+            if fused:
+                return
+            if fused is None:  # a kernel would fit: the numpy rule's time counts towards it
+                start = time.thread_time()  # (CPU: not the time others ran meanwhile)
+                self._array_rule(var, grad, slots, lr, t)
+                _rule_seconds[0] += time.thread_time() - start
+                return
+        self._array_rule(var, grad, slots, lr, t)
+
+    def _array_rule(
+        self, var: Array, grad: Array, slots: dict[str, Array], lr: float, t: int
+    ) -> None:
+        """The rule as array operations (numpy or cupy), in place."""
+        h = self.hyper
         if self.kind == "sgd":
             apply_sgd(var, grad, lr)
         elif self.kind == "momentum":

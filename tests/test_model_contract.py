@@ -234,6 +234,15 @@ def test_first_loss_and_grads_unit():
             return float("nan")
 
     assert first_loss_and_grads(NanLoss(4, 3), params, x, y, buffers())[1] == ""
+
+    class Overtaken(Half):  # another worker's diverging update reached the variables meanwhile
+        def loss_and_grads(self, params, x, y, grads, ready=None):
+            loss = super().loss_and_grads(params, x, y, grads)
+            params["b"][1] = np.inf  # (zero copy: this worker reads the PS memory live)
+            return loss
+
+    live = {k: v.copy() for k, v in params.items()}
+    assert first_loss_and_grads(Overtaken(4, 3), live, x, y, buffers())[1] == ""
     assert isinstance(said_once("p", True), ConfigError)
     quiet = said_once("p", False)
     assert isinstance(quiet, AlreadyReported) and quiet.exit_code == 2

@@ -202,45 +202,48 @@ def test_first_updates_run_the_numpy_rule_while_the_kernel_compiles(monkeypatch)
         compiling.join()
 
 
-def test_the_kernel_compiles_only_once_updates_have_run_for_a_while(monkeypatch):
-    """numba costs ~0.8 s of CPU to load: a process starts compiling a kernel only once it
-    has applied updates for COMPILE_AFTER seconds (a short run never loads it); the
-    numpy rule runs until the kernel is ready, then the kernel."""
+def test_the_kernel_compiles_only_once_the_numpy_rule_has_cost_as_much(monkeypatch):
+    """numba costs ~0.8 s of CPU to load: a process starts compiling a kernel only once the
+    numpy rule, applying updates the kernel could apply, has taken COMPILE_AFTER seconds
+    (a small model's short run never loads it); the numpy rule runs until the kernel is
+    ready, then the kernel. Updates no kernel fits (float64) do not count."""
     pytest.importorskip("numba")
     optim.fused_kernel("sgd")  # (in the cache: the compile below is a load)
     started = []
     real = optim.fused_kernel
     monkeypatch.setattr(optim, "_ready", {})
     monkeypatch.setattr(optim, "_loaders", {})
-    monkeypatch.setattr(optim, "_applying_since", [])
+    monkeypatch.setattr(optim, "_rule_seconds", [0.0])
+    monkeypatch.setattr(optim, "_failed", set())
     monkeypatch.setattr(
         optim, "fused_kernel", lambda name, wait=True: started.append(name) or real(name, wait)
     )
-    clock = [1000.0]
-    monkeypatch.setattr(optim.time, "monotonic", lambda: clock[0])
+    ticks = iter(range(1000))  # each numpy rule "takes" a little over a tenth of COMPILE_AFTER
+    clock = SimpleNamespace(thread_time=lambda: next(ticks) * optim.COMPILE_AFTER / 9.5)
+    monkeypatch.setattr(optim, "time", clock)
     opt = Optimizer("sgd", {})
     var, grad = np.ones(4, np.float32), np.full(4, 2, np.float32)
-    opt.apply(var, grad, {}, 0.5, 1)
-    clock[0] += optim.COMPILE_AFTER * 0.9
-    opt.apply(var, grad, {}, 0.5, 2)
-    assert started == [] and var.tolist() == [-1.0] * 4  # the numpy rule, twice
-    clock[0] += optim.COMPILE_AFTER * 0.2
-    opt.apply(var, grad, {}, 0.5, 3)  # due: the compile starts (in the background)
-    assert started == ["sgd"]
+    wide, wide_grad = var.astype(np.float64), grad.astype(np.float64)
+    for t in range(1, 11):
+        opt.apply(var, grad, {}, 0.5, t)
+        opt.apply(wide, wide_grad, {}, 0.5, t)  # (no kernel for float64: never counted)
+    assert started == [] and var.tolist() == wide.tolist() == [-9.0] * 4  # the numpy rule
+    opt.apply(var, grad, {}, 0.5, 11)  # due: the compile starts (in the background)
+    assert started == ["sgd"] and var.tolist() == [-10.0] * 4
     optim._loaders["sgd"].join()
     calls = []
     kernel = optim._ready["sgd"]
     monkeypatch.setitem(optim._ready, "sgd", lambda *a: calls.append(a) or kernel(*a))
-    opt.apply(var, grad, {}, 0.5, 4)
-    assert len(calls) == 1 and var.tolist() == [-3.0] * 4
+    opt.apply(var, grad, {}, 0.5, 12)
+    assert len(calls) == 1 and var.tolist() == [-11.0] * 4
 
 
 @pytest.mark.launcher
 def test_a_short_job_loads_neither_numba_nor_scipy(tmp_path):
     """A small dense job on one node (1 PS + 2 workers, zero copy and the control counters
-    in shared memory) loads no numba on any rank (the atomics come from libatomic, the fused
-    kernels after COMPILE_AFTER s of updates) and no scipy (sparse data only): ~1.3 s of
-    CPU a process, which a 3-rank job on 2 cores paid at each start before."""
+    in shared memory) loads no numba on any rank (the atomics come from libatomic, and its
+    updates are too small for a fused kernel to pay) and no scipy (sparse data only): ~1.3
+    s of CPU a process, which a 3-rank job on 2 cores paid at each start before."""
     from conftest import run_mpi
 
     from mpips.store import atomics
@@ -295,10 +298,12 @@ def test_numpy_rule_runs_where_no_kernel_fits(monkeypatch, why):
         monkeypatch.setitem(sys.modules, "numba", None)
         monkeypatch.setattr(optim, "_ready", {})
         monkeypatch.setattr(optim, "_loaders", {})
+        monkeypatch.setattr(optim, "_failed", set())
         with pytest.warns(UserWarning, match="numba is not available"):
             assert optim.fused_kernel("adam") is None
     before = var.copy()
-    assert not optim.fused_apply("adam", HYPER, var, grad, slots, 0.1, 1)
+    assert optim.fused_apply("adam", HYPER, var, grad, slots, 0.1, 1) is False
+    assert optim.fused_apply("adam", HYPER, var, grad, slots, 0.1, 1, wait=False) is False
     np.testing.assert_array_equal(var, before)  # untouched: the numpy rule's to do
     if why in ("read-only slot", "shapes differ"):
         return  # the numpy rule refuses these too

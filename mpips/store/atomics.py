@@ -22,6 +22,7 @@ fallback. Processes on either path may share words: both are the CPU's atomics.
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 from typing import Any
 
@@ -45,6 +46,7 @@ class Words:
         self._ops = _backend(backend)
 
     def _address(self, index: int) -> int:
+        index = operator.index(index)
         if not 0 <= index < self.size:
             raise IndexError(f"atomics.Words: word {index} of {self.size}")
         return self.base + 8 * index
@@ -65,14 +67,20 @@ class Words:
     def load(self, start: int, count: int) -> np.ndarray:
         """Words ``start`` to ``start + count``, each read atomically (not all at one
         instant)."""
-        self._address(start), self._address(start + count - 1)
         out = np.empty(count, np.int64)
-        self._ops.load(self, start, out)
+        if count:
+            self._address(start), self._address(start + count - 1)
+            self._ops.load(self, start, out)
         return out
 
     def add_then_load(self, index: int, value: int, at: np.ndarray, out: np.ndarray) -> int:
         """Atomically add ``value`` to word ``index``, then read the words ``at`` into
-        ``out`` (each atomically): a worker's step claim. Returns the old value."""
+        ``out`` (each atomically): a worker's step claim. Returns the old value. Everything
+        is checked before the add (a call that raises has added nothing)."""
+        if at.dtype != np.int64 or at.ndim != 1 or not at.size or out.shape != at.shape:
+            raise ValueError("atomics.Words.add_then_load: int64 indices, an out of their size")
+        if out.dtype != np.int64:
+            raise ValueError("atomics.Words.add_then_load: an int64 out")
         for k in (index, int(at.min()), int(at.max())):
             self._address(k)
         return self._ops.add_then_load(self, index, value, at, out)
@@ -101,6 +109,13 @@ class _LibAtomic:
         self._swap = entry("__atomic_exchange_8", i64, ptr, i64, order)
         self._add = entry("__atomic_fetch_add_8", i64, ptr, i64, order)
         self._load = entry("__atomic_load_8", i64, ptr, order)
+        self._lock_free = entry("__atomic_is_lock_free", ctypes.c_bool, ctypes.c_size_t, ptr)
+
+    def lock_free(self) -> bool:
+        """Whether 8-byte atomics are the CPU's own here (else libatomic takes locks of its
+        own, in each process: no use between processes)."""
+        word = np.zeros(1, np.int64)
+        return bool(self._lock_free(8, word.ctypes.data))
 
     def compare_and_swap(self, words: Words, at: int, index: int, expected: int, new: int) -> int:
         seen = ctypes.c_int64(expected)  # (one a call: threads may share the words)
@@ -162,22 +177,16 @@ def _backend(name: str | None = None) -> Any:
     name = name or ("numba" if os.environ.get(ENV) == "numba" else "libatomic")
     if name not in _backends:
         lib = _libatomic() if name == "libatomic" else None
-        _backends[name] = _LibAtomic(lib) if lib is not None else _Numba()
+        ops = _LibAtomic(lib) if lib is not None else None
+        _backends[name] = ops if ops is not None and ops.lock_free() else _Numba()
     return _backends[name]
 
 
 def _libatomic() -> ctypes.PyDLL | None:
-    """libatomic, from the dynamic loader's usual places (ctypes.util.find_library runs
-    ldconfig: only where that fails)."""
+    """libatomic, from the dynamic loader's usual places (no search beyond: that runs
+    ldconfig in a subprocess, after MPI_Init)."""
     try:
         return ctypes.PyDLL("libatomic.so.1")
-    except OSError:
-        pass
-    from ctypes.util import find_library
-
-    name = find_library("atomic")
-    try:
-        return ctypes.PyDLL(name) if name else None
     except OSError:
         return None
 
