@@ -140,7 +140,9 @@ class Windows(WindowPlan):
         if self.control_shared or shared:
             # loaded before the barrier (where numba is the path, compiled: ~1 s on a cold
             # cache), so no rank starts training while another still compiles, and none
-            # compiles while holding a lock word
+            # compiles while holding a lock word. (A fused optimizer kernel may start loading
+            # in the background while a worker holds one, once a process: its numba import
+            # holds the GIL, so that stripe's holder can take ~0.1 s longer; optim.py)
             atomics.warm()
         self._open = True
         barrier(comm, "window creation")  # nobody reads a counter before its owner zeroed it
