@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import operator
 import os as _os
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -43,10 +44,16 @@ class Traffic:
     # the host waited for the device's queue to drain: a synchronize, or a device value
     # read as a Python scalar (float(loss)); on a GPU each one stalls the launch pipeline
     waits: int = 0
+    # operations that would each be a kernel launch on cupy (its host time, ~10-65 us, is
+    # what a GPU step is made of), by name: arithmetic, functions that compute, gathers,
+    # assignments and filled allocations; not views (reshape, T, slices), copies between
+    # host and device, nor ``empty``
+    launches: Counter[str] = field(default_factory=Counter)
 
     def reset(self) -> None:
         self.h2d_copies = self.h2d_bytes = self.d2h_copies = self.d2h_bytes = 0
         self.allocations = self.h2d_pageable = self.d2h_pageable = self.waits = 0
+        self.launches.clear()
 
     def to_device(self, host: _np.ndarray, new: bool) -> None:
         """A host-to-device copy: into a ``new`` device array, or into an existing one."""
@@ -177,12 +184,31 @@ def _wrap(value: Any) -> Any:
     return value
 
 
+# functions and methods that make a view or read metadata (no launch on cupy)
+VIEWS = {
+    "reshape",
+    "ravel",
+    "view",
+    "transpose",
+    "swapaxes",
+    "squeeze",
+    "expand_dims",
+    "broadcast_to",
+    "empty",
+    "empty_like",
+    "get_array_module",
+}
+
+
 def _device_call(fn: Any, name: str) -> Any:
     """``fn`` (a numpy function or method) taking and giving device arrays only."""
+    launch = name not in VIEWS
 
     def call(*args: Any, **kwargs: Any) -> Any:
         out = kwargs.get("out")
         result = fn(*_unwrap(args), **{k: _unwrap(v) for k, v in kwargs.items()})
+        if launch and not (name == "astype" and result is getattr(fn, "__self__", None)):
+            traffic.launches[name] += 1  # (astype(copy=False) to its own dtype: no copy)
         return out if isinstance(out, ndarray) else _wrap(result)
 
     call.__name__ = call.__qualname__ = name
@@ -277,9 +303,12 @@ class ndarray:  # noqa: N801 (cupy's name)
         return _device_call(attr, name) if callable(attr) else _wrap(attr)
 
     def __getitem__(self, key: Any) -> Any:
+        if _gathers(key):
+            traffic.launches["gather"] += 1
         return _wrap(self._a[_unwrap(key)])
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        traffic.launches["setitem"] += 1  # (a fill or a copy kernel)
         self._a[_unwrap(key)] = _unwrap(value)
 
     def __len__(self) -> int:
@@ -309,6 +338,12 @@ class ndarray:  # noqa: N801 (cupy's name)
     __hash__ = None  # type: ignore[assignment]
 
 
+def _gathers(key: Any) -> bool:
+    """An index with a device array in it (a gather kernel), not basic slicing (a view)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, ndarray) for k in keys)
+
+
 def _operand(value: Any) -> Any:
     """An operator's other operand: a device array or a scalar (cupy takes no list)."""
     if isinstance(value, (list, tuple)):
@@ -319,6 +354,7 @@ def _operand(value: Any) -> Any:
 def _binary(op: Any, reflected: bool = False) -> Any:
     def method(self: ndarray, other: Any) -> Any:
         other = _operand(other)
+        traffic.launches[op.__name__] += 1
         return _wrap(op(other, self._a) if reflected else op(self._a, other))
 
     return method
@@ -327,6 +363,7 @@ def _binary(op: Any, reflected: bool = False) -> Any:
 def _inplace(op: Any) -> Any:
     def method(self: ndarray, other: Any) -> ndarray:
         self._a = op(self._a, _operand(other))
+        traffic.launches[op.__name__] += 1
         return self
 
     return method
@@ -342,7 +379,11 @@ for _name in "lt le eq ne gt ge".split():
 
 
 def _unary(op: Any) -> Any:
-    return lambda self: _wrap(op(self._a))
+    def method(self: ndarray) -> Any:
+        traffic.launches[op.__name__] += 1
+        return _wrap(op(self._a))
+
+    return method
 
 
 for _name in "neg pos abs invert".split():
@@ -361,6 +402,7 @@ def asarray(a: Any, dtype: Any = None) -> ndarray:
 def array(a: Any, dtype: Any = None, copy: bool = True) -> ndarray:
     """A new device array of ``a`` (a copy, from the host or the device)."""
     if isinstance(a, ndarray):
+        traffic.launches["copy"] += 1
         return ndarray(_np.array(a._a, dtype=dtype, copy=copy))
     return asarray(a, dtype)
 
@@ -379,6 +421,7 @@ def get_array_module(*args: Any) -> ModuleType:
 
 def scatter_add(target: ndarray, index: Any, values: Any) -> None:
     """``target[index] += values`` with repeated indices summed (cupyx.scatter_add)."""
+    traffic.launches["scatter_add"] += 1
     _np.add.at(_unwrap(target), _unwrap(index), _unwrap(values))
 
 

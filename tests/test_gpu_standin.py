@@ -91,7 +91,7 @@ class Recorder(Hook):
     last step: making the batch counts too), and the final variables."""
 
     def __init__(self):
-        self.steps, self.waits, self.params = [], [], None
+        self.steps, self.waits, self.launches, self.params = [], [], [], None
 
     def begin(self, run):
         sx.traffic.reset()
@@ -100,6 +100,7 @@ class Recorder(Hook):
         t = sx.traffic
         self.steps.append((t.h2d_bytes, t.d2h_bytes, t.allocations))
         self.waits.append(t.waits)
+        self.launches.append(dict(t.launches))
         t.reset()
 
     def end(self, run):
@@ -148,6 +149,51 @@ def test_one_process_on_the_standin_equals_the_cpu_and_copies_in_only_batches(
     # the host waits for the device once a step, for the loss: not for the update, nor for
     # the norm of a clip, so the launches of the next step queue behind the update
     assert gpu.waits[1:] == [1] * 49 and set(cpu.waits) == {0}, gpu.waits
+
+
+def test_a_one_process_step_launches_what_the_model_needs_and_no_more(monkeypatch, tmp_path):
+    """The launches of a step (the host time of a GPU step is made of them: ~10-65 us each
+    in cupy), counted on the stand-in for the digits MLP 64-64-10 with SGD, by what makes
+    them. A change that adds launches to every step fails here (the ~90 matrix products a
+    step that blocks of rows once made on an H100 would). On cupy the loss is one fused
+    kernel and a mean, and each variable's update one fused kernel: 20 a step."""
+    recorder, _ = one_process("gpu", monkeypatch, tmp_path, "sgd", 0.0, steps=6)
+    want = {
+        "the batch: rows and labels gathered on the device": {"gather": 2},
+        "forward: a product and a bias a layer, ReLU between": {
+            "matmul": 2,
+            "add": 2,
+            "maximum": 1,
+        },
+        "the softmax loss as arrays (cupy: one fused kernel and a mean)": {
+            "max": 1,
+            "sub": 2,
+            "exp": 1,
+            "sum": 1,
+            "arange": 1,
+            "gather": 2,
+            "log": 1,
+            "mean": 1,
+            "truediv": 1,
+            "isub": 1,
+            "setitem": 1,
+            "itruediv": 1,
+        },
+        "backward: bias and kernel gradients, the hidden input's, ReLU's mask": {
+            "sum": 2,
+            "matmul": 3,
+            "gt": 1,
+            "imul": 1,
+        },
+        "SGD as arrays, 4 variables (cupy: one fused kernel each)": {"mul": 4, "isub": 4},
+    }
+    total: dict[str, int] = {}
+    for part in want.values():
+        for name, n in part.items():
+            total[name] = total.get(name, 0) + n
+    for step, launched in enumerate(recorder.launches[1:], 2):
+        assert launched == total, (step, launched, total)
+    assert sum(total.values()) == 36
 
 
 def test_one_process_on_a_device_gives_backward_no_ready_callback(monkeypatch, tmp_path):

@@ -19,7 +19,7 @@ from test_sync_mpi import write_job as sync_job
 from test_sync_replicas import JOB as REPLICAS_JOB
 
 import mpips
-from mpips import log, standin
+from mpips import layers, log, standin
 from mpips.errors import MpipsError
 from mpips.hooks import Hook
 from mpips.job import load_job
@@ -65,9 +65,11 @@ class Crossings(Hook):
     def __init__(self):
         self.steps, self.batch, self.variables = [], 0, 0
         self.waits: list[int] = []  # the host's waits for the device, each step
+        self.matmuls: list[int] = []  # matrix products launched, each step
 
     def begin(self, run):
         self.zero_copy = run.job.train.zero_copy  # as this run resolved it
+        self.layers = len(run.job.model.hidden) + 1  # (the built-in MLP)
 
     def before_step(self, run):
         standin.traffic.reset()
@@ -76,6 +78,7 @@ class Crossings(Hook):
         t = standin.traffic
         self.steps.append((t.h2d_bytes, t.d2h_bytes, t.h2d_pageable, t.allocations, t.d2h_pageable))
         self.waits.append(t.waits)
+        self.matmuls.append(t.launches["matmul"])
         # float32 digits, int64 labels; none of it with the part on the device (the default)
         on_device = run.job.data.on_device is not False
         self.batch = 0 if on_device else run.job.train.batch_size * (64 * 4 + 8)
@@ -89,10 +92,11 @@ class Crossings(Hook):
         """After the first step, a step copies ``copies_in`` bytes in from page-locked
         memory, and the batch; ``copies_out`` out into page-locked memory; allocates
         nothing but ``scratch`` arrays (those of Adam's array rule, which the stand-in runs
-        where cupy runs a fused kernel); and the host waits for the device ``waits`` times
-        (when given). A step that checks the replicas copies the
-        variables out too, an epoch's last batch may be shorter (a buffer of its own), and a
-        small batch array may happen to lie on a page locked with its neighbours."""
+        where cupy runs a fused kernel); the host waits for the device ``waits`` times
+        (when given); and each layer's products are whole (3 a layer less one). A step that
+        checks the replicas copies the variables out too, an epoch's last batch may be
+        shorter (a buffer of its own), and a small batch array may happen to lie on a page
+        locked with its neighbours."""
         steps = self.steps[1:]
         full = [s for s in steps if s[0] == copies_in + self.batch]
         assert steps and len(full) * 2 >= len(steps), (copies_in, self.batch, steps)
@@ -105,6 +109,10 @@ class Crossings(Hook):
         # (a step that checks the replicas waits for their copies too)
         checked = [w for s, w in zip(steps, self.waits[1:], strict=True) if s[1] == copies_out]
         assert waits is None or set(checked) == {waits}, self.waits
+        # each kernel's gradient one matrix product, as every layer's output and the hidden
+        # layers' input gradients: 3 a layer less one (not one a block of rows, as on the
+        # host when a reduction is told: ~90 a step on the wide MLP, seen on an H100)
+        assert set(self.matmuls[1:]) == {3 * self.layers - 1}, self.matmuls
 
 
 def train(write, device: str = "cpu", hooks=()) -> tuple[mpips.Job, mpips.TrainResult]:
@@ -126,6 +134,8 @@ def test_sync_in_process_equals_one_process(shared, device, memory, monkeypatch)
     each gradient is reduced as backward says it is ready, copied out of the device first)."""
     if memory == "messages":
         monkeypatch.setenv("MPIPS_SHARED_MEMORY", "0")
+        if device == "gpu":  # blocks smaller than a kernel: on the host only, never on a device
+            monkeypatch.setattr(layers, "BLOCK_BYTES", 1024)
     crossings = Crossings()
     job, result = train(lambda: sync_job(shared, "adam"), device, [crossings])
     if device == "gpu":  # variables on the device: gradients out, their mean in
