@@ -53,7 +53,7 @@ _compiled: dict[str, Any] = {}
 
 # The softmax cross-entropy of one row of logits ``z`` (``classes`` of them, label ``y``):
 # its loss and the gradient of the batch's mean loss (``rows`` rows), in one pass where the
-# array version is 16 operations, each a launch (max, subtract, exp, sum, divide, gathers,
+# array version is 14 operations, each a launch (max, subtract, exp, sum, divide, gathers,
 # a scatter).
 # ``z`` and ``d`` are flat (raw) arrays; a label out of range gives a NaN loss, which stops
 # the run as any loss that is not finite does.

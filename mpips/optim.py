@@ -113,10 +113,11 @@ def apply_ftrl(
 # and there is no fast-math (no fused multiply-add, no reordering, IEEE sqrt and division),
 # so they give the numpy rules' results bit for bit (tests/test_optim.py checks it).
 # error_model="numpy" drops the division-by-zero check that keeps LLVM from vectorising.
-# Serial: the PS shares its cores with the workers. numba compiles a kernel the first time
-# a process needs it and caches it on disk where it can write; without numba, or for arrays
-# that are not C-contiguous float32 numpy arrays (cupy, float64, strided views), the numpy
-# rules above run. (numexpr was measured too: slower than numpy here; docs/performance.md.)
+# Serial: the PS shares its cores with the workers. numba compiles a kernel once the numpy
+# rules have cost a process COMPILE_AFTER s (below) and caches it on disk where it can
+# write; without numba, or for arrays that are not C-contiguous float32 numpy arrays (cupy,
+# float64, strided views), the numpy rules above run. (numexpr was measured too: slower
+# than numpy here; docs/performance.md.)
 
 
 def _sgd_kernel(var, grad, lr):
@@ -199,7 +200,7 @@ _ready: dict[str, Callable[..., None]] = {}  # compiled for float32 and run once
 # small model never loads it, a big one has its kernel after a few updates, and neither
 # pays more than about twice the cheaper choice. The bits are the same either way.
 COMPILE_AFTER = 0.3
-_rule_seconds = [0.0]  # CPU time in numpy rules waiting for a kernel, in this thread
+_rule_seconds = [0.0]  # this process's CPU time in those rules (each thread's, summed)
 _loaders: dict[str, threading.Thread] = {}  # the thread that compiles each kernel
 _failed: set[str] = set()  # kernels that could not be had (numba missing, a failed compile)
 _lock = threading.Lock()
@@ -225,9 +226,9 @@ def fused_kernel(name: str, wait: bool = True) -> Callable[..., None] | None:
     numba missing, the compile failed, or (``wait=False``) not ready yet.
 
     The first request starts a thread that imports numba and compiles the kernel for
-    float32 arrays, or loads it from numba's cache on disk: ~0.3-0.5 s either way on a
-    2-vCPU VM, mostly numba's own start-up. ``wait=False`` returns at once, so a caller runs
-    the numpy rule until the kernel is ready rather than stalling its first update.
+    float32 arrays, or loads it from numba's cache on disk: ~0.7-0.8 s of CPU on a 2-vCPU
+    VM, mostly numba's own start-up. ``wait=False`` returns at once, so a caller runs the
+    numpy rule until the kernel is ready rather than stalling an update.
     """
     kernel = _ready.get(name)
     if kernel is not None:

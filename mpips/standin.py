@@ -184,7 +184,8 @@ def _wrap(value: Any) -> Any:
     return value
 
 
-# functions and methods that make a view or read metadata (no launch on cupy)
+# functions and methods that make a view or read metadata (no launch on cupy; a reshape or
+# ravel that must copy counts as one)
 VIEWS = {
     "reshape",
     "ravel",
@@ -194,9 +195,14 @@ VIEWS = {
     "squeeze",
     "expand_dims",
     "broadcast_to",
+    "sliding_window_view",
     "empty",
     "empty_like",
     "get_array_module",
+    "shape",
+    "result_type",
+    "may_share_memory",
+    "shares_memory",
 }
 
 
@@ -207,8 +213,12 @@ def _device_call(fn: Any, name: str) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         out = kwargs.get("out")
         result = fn(*_unwrap(args), **{k: _unwrap(v) for k, v in kwargs.items()})
-        if launch and not (name == "astype" and result is getattr(fn, "__self__", None)):
+        base = getattr(fn, "__self__", None)
+        if launch and not (name == "astype" and result is base):
             traffic.launches[name] += 1  # (astype(copy=False) to its own dtype: no copy)
+        elif name in ("reshape", "ravel") and isinstance(base, _np.ndarray):
+            if isinstance(result, _np.ndarray) and not _np.may_share_memory(result, base):
+                traffic.launches["copy"] += 1  # (of an array that was not contiguous)
         return out if isinstance(out, ndarray) else _wrap(result)
 
     call.__name__ = call.__qualname__ = name

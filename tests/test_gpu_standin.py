@@ -64,6 +64,12 @@ def test_the_standin_counts_each_crossing_and_allocation():
     with pytest.raises(TypeError):
         buf.set(d)  # a device array is not a host array
     scatter_add(sx, buf, sx.asarray(np.array([0, 0])), sx.asarray(np.ones((2, 3), np.float32)))
+    # launches, by name: views and empty arrays are none, a reshape that must copy is one
+    t.reset()
+    d.reshape(-1), d.T, d[0], sx.empty(3), d.ravel(), d.T.reshape(-1)
+    (d + 1).sum(), d[sx.asarray(np.array([1]))]
+    d[0] = 0
+    assert dict(t.launches) == {"copy": 1, "add": 1, "sum": 1, "gather": 1, "setitem": 1}
 
 
 def test_gpu_is_the_standin_when_asked(monkeypatch):

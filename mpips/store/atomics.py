@@ -5,11 +5,11 @@ Why not MPI's atomics: MPICH makes the atomics of a shared-memory window atomic 
 inter-process mutex per window. On an oversubscribed node a process descheduled while
 holding that mutex stalls every other atomic of the window for a time slice (an atomic then
 costs 20-80 us, and some ms at the tail; docs/performance.md). A CPU's own atomic takes
-~0.5 us from Python and holds nothing. The words these functions touch must be touched by
+~0.5-0.8 us from Python and holds nothing. The words these functions touch must be touched by
 nothing else (MPI's atomics included), and every process using them must share the node.
 
-The instructions come from libatomic, GCC's runtime library for atomics (``libatomic.so.1``,
-there wherever gcc's runtime is): its ``__atomic_*_8`` entry points, sequentially
+The instructions come from libatomic, GCC's library for atomics (``libatomic.so.1``,
+installed with gcc; ``libatomic1`` on Debian): its ``__atomic_*_8`` entry points, sequentially
 consistent, called through ctypes with the GIL held (the call is shorter than giving the GIL
 up). Taking a lock word is then an acquire and giving it back a release for the stores made
 under it. For 8-byte words these are the CPU's own instructions (``lock cmpxchg``, ``lock
@@ -81,9 +81,10 @@ class Words:
             raise ValueError("atomics.Words.add_then_load: int64 indices, an out of their size")
         if out.dtype != np.int64:
             raise ValueError("atomics.Words.add_then_load: an int64 out")
-        for k in (index, int(at.min()), int(at.max())):
+        ks = at.tolist()  # (min and max of a few Python ints: faster than numpy's)
+        for k in (index, min(ks), max(ks)):
             self._address(k)
-        return self._ops.add_then_load(self, index, value, at, out)
+        return self._ops.add_then_load(self, index, value, at, ks, out)
 
 
 class _LibAtomic:
@@ -133,11 +134,11 @@ class _LibAtomic:
         out[:] = [load(base + 8 * k, SEQ_CST) for k in range(start, start + out.size)]
 
     def add_then_load(
-        self, words: Words, index: int, value: int, at: np.ndarray, out: np.ndarray
+        self, words: Words, index: int, value: int, at: np.ndarray, ks: list[int], out: np.ndarray
     ) -> int:
         base, load = words.base, self._load
         old = self._add(base + 8 * index, value, SEQ_CST)
-        out[: at.size] = [load(base + 8 * k, SEQ_CST) for k in at.tolist()]
+        out[:] = [load(base + 8 * k, SEQ_CST) for k in ks]
         return old
 
 
@@ -163,7 +164,7 @@ class _Numba:
         self._f.load(words.array, start, out)
 
     def add_then_load(
-        self, words: Words, index: int, value: int, at: np.ndarray, out: np.ndarray
+        self, words: Words, index: int, value: int, at: np.ndarray, ks: list[int], out: np.ndarray
     ) -> int:
         return int(self._f.add_then_load(words.array, index, value, at, out))
 

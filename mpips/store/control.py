@@ -3,7 +3,7 @@ flag, the stop signal, checkpoint requests and the shard each PS task wrote for 
 of the run, the first failure, and one clock per worker.
 
 An async worker's step touches them twice (``begin_step``, ``end_step``). With every rank on
-one node they are node-shared memory moved with the CPU's atomics (~0.3 us each); otherwise
+one node they are node-shared memory moved with the CPU's atomics (~0.5-0.8 us each); otherwise
 MPI atomics, each step's several counters in one ``Get_accumulate`` over an indexed
 datatype: every MPI atomic on a window takes MPICH's window lock, and on an oversubscribed
 node each costs tens of microseconds (five per step were a fifth of a CTR step's overhead).
