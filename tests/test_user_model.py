@@ -226,15 +226,18 @@ def test_a_result_file_that_cannot_be_written_is_found_before_training(tmp_path)
 @pytest.mark.launcher
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_the_shipped_cnn_trains_in_both_modes(tmp_path, mode):
-    """jobs/cnn.py (the layer library) on the 8x8 digits, briefly: async and sync."""
+    """jobs/cnn.py (the layer library) on the 8x8 digits, briefly: async and sync. (Async's
+    two workers update in place at once, and its accuracy has a tail: at 300 steps 0.87-0.97
+    in 40 runs under load, and once 0.69 in CI; at 500 steps 0.875-0.978 in 16, median 0.97.
+    The CNN's quality is tested on Fashion-MNIST, test_train_mpi.py.)"""
     shutil.copy(ROOT / "jobs/cnn.py", tmp_path)
     (tmp_path / "job.toml").write_text(
         f'[model]\nkind = "cnn:build"\n[model.args]\nhidden = 32\n[data]\nbuiltin = "digits"\n'
-        f'[optimizer]\nlearning_rate = 0.1\n[train]\nmode = "{mode}"\nsteps = 300\n'
+        f'[optimizer]\nlearning_rate = 0.1\n[train]\nmode = "{mode}"\nsteps = 500\n'
         f"batch_size = 32\nlog_every = 0\n"
     )
     _, result = run_job(tmp_path)
-    assert result["global_step"] == 300 and result["test_accuracy"] >= 0.85, result
+    assert result["global_step"] == 500 and result["test_accuracy"] >= 0.8, result
 
 
 @pytest.mark.launcher
