@@ -45,32 +45,33 @@ class Words:
         self.base = array.ctypes.data
         self._ops = _backend(backend)
 
-    def _address(self, index: int) -> int:
+    def _check(self, index: int) -> int:
+        """``index`` as an int, if it is one of these words (else IndexError)."""
         index = operator.index(index)
         if not 0 <= index < self.size:
             raise IndexError(f"atomics.Words: word {index} of {self.size}")
-        return self.base + 8 * index
+        return index
 
     def compare_and_swap(self, index: int, expected: int, new: int) -> int:
         """Atomically: if word ``index`` is ``expected``, set it to ``new``. Returns the old
         value (``expected`` when the swap happened)."""
-        return self._ops.compare_and_swap(self, self._address(index), index, expected, new)
+        return self._ops.compare_and_swap(self, self._check(index), expected, new)
 
     def exchange(self, index: int, value: int) -> int:
         """Atomically set word ``index`` to ``value``; returns the old value."""
-        return self._ops.exchange(self, self._address(index), index, value)
+        return self._ops.exchange(self, self._check(index), value)
 
     def fetch_add(self, index: int, value: int) -> int:
         """Atomically add ``value`` to word ``index``; returns the old value."""
-        return self._ops.fetch_add(self, self._address(index), index, value)
+        return self._ops.fetch_add(self, self._check(index), value)
 
     def load(self, start: int, count: int) -> np.ndarray:
         """Words ``start`` to ``start + count``, each read atomically (not all at one
         instant)."""
         out = np.empty(count, np.int64)
         if count:
-            self._address(start), self._address(start + count - 1)
-            self._ops.load(self, start, out)
+            self._check(start + count - 1)
+            self._ops.load(self, self._check(start), out)
         return out
 
     def add_then_load(self, index: int, value: int, at: np.ndarray, out: np.ndarray) -> int:
@@ -82,9 +83,8 @@ class Words:
         if out.dtype != np.int64:
             raise ValueError("atomics.Words.add_then_load: an int64 out")
         ks = at.tolist()  # (min and max of a few Python ints: faster than numpy's)
-        for k in (index, min(ks), max(ks)):
-            self._address(k)
-        return self._ops.add_then_load(self, index, value, at, ks, out)
+        self._check(min(ks)), self._check(max(ks))
+        return self._ops.add_then_load(self, self._check(index), value, at, ks, out)
 
 
 class _LibAtomic:
@@ -118,16 +118,16 @@ class _LibAtomic:
         word = np.zeros(1, np.int64)
         return bool(self._lock_free(8, word.ctypes.data))
 
-    def compare_and_swap(self, words: Words, at: int, index: int, expected: int, new: int) -> int:
+    def compare_and_swap(self, words: Words, index: int, expected: int, new: int) -> int:
         seen = ctypes.c_int64(expected)  # (one a call: threads may share the words)
-        self._cas(at, ctypes.byref(seen), new, SEQ_CST, SEQ_CST)
+        self._cas(words.base + 8 * index, ctypes.byref(seen), new, SEQ_CST, SEQ_CST)
         return seen.value  # expected if swapped, else the value found
 
-    def exchange(self, words: Words, at: int, index: int, value: int) -> int:
-        return self._swap(at, value, SEQ_CST)
+    def exchange(self, words: Words, index: int, value: int) -> int:
+        return self._swap(words.base + 8 * index, value, SEQ_CST)
 
-    def fetch_add(self, words: Words, at: int, index: int, value: int) -> int:
-        return self._add(at, value, SEQ_CST)
+    def fetch_add(self, words: Words, index: int, value: int) -> int:
+        return self._add(words.base + 8 * index, value, SEQ_CST)
 
     def load(self, words: Words, start: int, out: np.ndarray) -> None:
         base, load = words.base, self._load
@@ -151,13 +151,13 @@ class _Numba:
         self._f = atomics_numba
         atomics_numba.warm()  # compiled or loaded now, not on a first call under a lock
 
-    def compare_and_swap(self, words: Words, at: int, index: int, expected: int, new: int) -> int:
+    def compare_and_swap(self, words: Words, index: int, expected: int, new: int) -> int:
         return int(self._f.compare_and_swap(words.array, index, expected, new))
 
-    def exchange(self, words: Words, at: int, index: int, value: int) -> int:
+    def exchange(self, words: Words, index: int, value: int) -> int:
         return int(self._f.exchange(words.array, index, value))
 
-    def fetch_add(self, words: Words, at: int, index: int, value: int) -> int:
+    def fetch_add(self, words: Words, index: int, value: int) -> int:
         return int(self._f.fetch_add(words.array, index, value))
 
     def load(self, words: Words, start: int, out: np.ndarray) -> None:
