@@ -315,6 +315,8 @@ class ndarray:  # noqa: N801 (cupy's name)
     def __getitem__(self, key: Any) -> Any:
         if _gathers(key):
             traffic.launches["gather"] += 1
+        for listed in _listed(key):  # cupy copies a list index in first (pageable, a new array)
+            traffic.to_device(_np.asarray(listed), new=True)
         return _wrap(self._a[_unwrap(key)])
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -349,9 +351,16 @@ class ndarray:  # noqa: N801 (cupy's name)
 
 
 def _gathers(key: Any) -> bool:
-    """An index with a device array in it (a gather kernel), not basic slicing (a view)."""
+    """An index with a device array or a list in it (a gather kernel), not basic slicing (a
+    view)."""
     keys = key if isinstance(key, tuple) else (key,)
-    return any(isinstance(k, ndarray) for k in keys)
+    return any(isinstance(k, (ndarray, list)) for k in keys)
+
+
+def _listed(key: Any) -> list[list[Any]]:
+    """The Python lists in an index: cupy makes each a device array (a copy in) to gather."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return [k for k in keys if isinstance(k, list)]
 
 
 def _operand(value: Any) -> Any:

@@ -70,6 +70,11 @@ def test_the_standin_counts_each_crossing_and_allocation():
     (d + 1).sum(), d[sx.asarray(np.array([1]))]
     d[0] = 0
     assert dict(t.launches) == {"copy": 1, "add": 1, "sum": 1, "gather": 1, "setitem": 1}
+    # a list index: cupy copies the list in (a new device array), then gathers
+    t.reset()
+    assert d[[1, 0]].get().tolist() == [[1.0] * 3, [0.0] * 3]
+    assert dict(t.launches) == {"gather": 1}
+    assert (t.h2d_copies, t.h2d_bytes, t.allocations, t.h2d_pageable) == (1, 16, 1, 16)
 
 
 def test_gpu_is_the_standin_when_asked(monkeypatch):
