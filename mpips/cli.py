@@ -148,8 +148,16 @@ def _add_predict(sub: Subparsers) -> None:
     )
     _job_args(pr)
     pr.add_argument("--ckpt", metavar="PATH", help="a manifest (ckpt-S.json) or a directory")
-    pr.add_argument("--input", required=True, metavar="FILE")
-    pr.add_argument("--output", required=True, metavar="FILE")
+    pr.add_argument(
+        "--input",
+        required=True,
+        metavar="FILE",
+        help="rows to predict: a .npy file, the array 'x' of a .npz, or the dataset 'x' of an "
+        "HDF5 file (numbers only; scaled as the job's data is)",
+    )
+    pr.add_argument(
+        "--output", required=True, metavar="FILE", help="the predictions, written as .npy"
+    )
     pr.set_defaults(func=cmd_predict)
 
 
@@ -259,7 +267,7 @@ def _add_data(sub: Subparsers) -> None:
         "--src",
         help="fashion-mnist: folder of the idx files "
         "(default /usr/share/datasets/fashion-mnist); libsvm/libffm/criteo: "
-        "the text file",
+        "the text file; arrays: a .npz with arrays x and y",
     )
     d.add_argument(
         "--test-src",
@@ -388,6 +396,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     from .layout import block_nodes, check_world, node_indices, ps_imbalance
     from .modes import select
     from .nn import build_model
+    from .optim import unused_settings
     from .placement import imbalance
     from .training import refuse_tables_in_one_process
 
@@ -430,6 +439,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         print(f"\npulls: {_pull_path(job, bool(on))}")
     spread = ps_imbalance(layout.ps_ranks, nodes)  # (not in sync mode: its PS tasks hold nothing)
     warnings = [w for w in (spread, imbalance(placement, job.layout.placement)) if w]
+    warnings += unused_settings(job.optimizer)
     for warning in warnings:
         print(f"\nwarning: {warning}")
     return 0

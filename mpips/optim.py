@@ -429,6 +429,25 @@ HYPER: dict[str, tuple[str, ...]] = {
 }
 
 
+def unused_settings(cfg: Any) -> list[str]:
+    """The [optimizer] settings a job changes from their defaults that its rule does not
+    read (``nesterov = true`` with ``kind = "adagrad"``; ``decay_rate`` with the constant
+    schedule), each said with why, so a run says so rather than train without them."""
+    default = type(cfg)()
+    notes = [
+        (k, f"kind {cfg.kind!r} does not use it")
+        for k in dict.fromkeys(sum(HYPER.values(), ()))
+        if k not in HYPER[cfg.kind]
+    ]
+    if cfg.schedule == "constant":
+        notes += [(k, "the constant schedule does not use it") for k in ("decay_rate", "decay_steps")]
+    return [
+        f"optimizer.{k} = {getattr(cfg, k)!r} has no effect: {why}"
+        for k, why in notes
+        if getattr(cfg, k) != getattr(default, k)
+    ]
+
+
 def build_optimizer(cfg: Any) -> Optimizer:
     """The optimizer named by a job's [optimizer] table."""
     return Optimizer(cfg.kind, {k: getattr(cfg, k) for k in HYPER[cfg.kind]})

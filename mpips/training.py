@@ -25,7 +25,7 @@ from .layout import node_indices, ps_imbalance
 from .log import detail, log
 from .model import Model, factory_name
 from .nn import build_model
-from .optim import build_optimizer
+from .optim import build_optimizer, unused_settings
 from .run import TrainResult
 from .startup import Prepared, prepare
 from .store import START_TIMEOUT, Cluster, agreed, allgather_json, node_of_each_rank
@@ -58,8 +58,9 @@ def train(
     cluster = Cluster(comm, layout)
     set_role(cluster.role)
     spread = ps_imbalance(layout.ps_ranks, nodes) if mode.ps_holds_variables else None
-    if spread and cluster.rank == 0:
-        log(cluster.role, f"warning: {spread}")
+    if cluster.rank == 0:
+        for warning in ([spread] if spread else []) + unused_settings(job.optimizer):
+            log(cluster.role, f"warning: {warning}")
     # which process plays which task (a rank killed outright is named by failure.py's watcher)
     node = node_indices(nodes)
     detail(

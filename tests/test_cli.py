@@ -29,6 +29,18 @@ def test_layout_prints_roles_and_placement():
     assert r.returncode == 0 and "pulls: copied each step (several nodes)" in r.stdout, r.stdout
 
 
+def test_optimizer_settings_the_rule_ignores_are_warned_by_layout_and_train(tmp_path):
+    """nesterov with adagrad trains (a job that changes only its kind still runs), and both
+    the dry run and the run say once that the setting has no effect."""
+    text = '[data]\nbuiltin = "digits"\n[optimizer]\nkind = "adagrad"\nnesterov = true\n'
+    (tmp_path / "job.toml").write_text(text + "[train]\nsteps = 5\n")
+    said = "warning: optimizer.nesterov = True has no effect: kind 'adagrad' does not use it"
+    r = run_py(["-m", "mpips", "layout", "job.toml", "-n", "3"], cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.count(said) == 1, r.stdout + r.stderr
+    r = run_py(["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path)
+    assert r.returncode == 0 and (r.stdout + r.stderr).count(said) == 1, r.stdout + r.stderr
+
+
 def test_layout_errors_are_one_line(tmp_path):
     (tmp_path / "all-ps.toml").write_text("ps = [0, 1]\n")
     r = run_py(

@@ -341,3 +341,26 @@ def test_clip_by_global_norm():
     assert clip_by_global_norm([a, b], 10.0) == 5.0 and a[0] == 3.0
     assert clip_by_global_norm([a, b], 1.0) == 5.0
     np.testing.assert_allclose(np.concatenate([a, b]), [0.6, 0.0, 0.8])
+
+
+def test_settings_the_rule_does_not_read_are_named():
+    """A setting changed from its default that the job's rule ignores is said (nesterov with
+    adagrad, a decay with the constant schedule); the defaults and the rule's own are not."""
+    from mpips.job import OptimizerConfig
+
+    said = optim.unused_settings(
+        OptimizerConfig(kind="adagrad", nesterov=True, beta2=0.99, epsilon=1e-3, decay_rate=0.5)
+    )
+    assert said == [
+        "optimizer.nesterov = True has no effect: kind 'adagrad' does not use it",
+        "optimizer.beta2 = 0.99 has no effect: kind 'adagrad' does not use it",
+        "optimizer.decay_rate = 0.5 has no effect: the constant schedule does not use it",
+    ]
+    assert optim.unused_settings(OptimizerConfig()) == []
+    for kind in optim.HYPER:
+        assert optim.unused_settings(OptimizerConfig(kind=kind)) == [], kind
+    stepped = OptimizerConfig(kind="momentum", nesterov=True, schedule="step", decay_steps=10)
+    assert optim.unused_settings(stepped) == []
+    assert optim.unused_settings(OptimizerConfig(kind="ftrl", l1=0.1, momentum=0.5)) == [
+        "optimizer.momentum = 0.5 has no effect: kind 'ftrl' does not use it"
+    ]
