@@ -413,6 +413,10 @@ def cmd_layout(args: argparse.Namespace) -> int:
     model = build_model(job.model, info, job_file=job.source)
     if mode.single:  # as `mpips train` on one process refuses it
         refuse_tables_in_one_process(job, model, "python -m mpips train")
+    # (made before anything is printed: a pin to no variable is one error, not a table and it)
+    placement = None
+    if mode.ps_holds_variables:
+        placement = mode.store_placement(job, model, layout.num_ps)
     index = node_indices(nodes)
     on = f" on {index[-1] + 1} nodes" if index[-1] else ""
     print(
@@ -430,16 +434,16 @@ def cmd_layout(args: argparse.Namespace) -> int:
             f"\none process (no mpirun): trains as a single synchronous replica, whatever "
             f'train.mode (here "{job.train.mode}") says'
         )
-    if not mode.ps_holds_variables:
+    warnings = unused_settings(job.optimizer)
+    if placement is None:
         _print_replicas(model, layout)
-        return 0
-    placement = mode.store_placement(job, model, layout.num_ps)
-    _print_placement(job, placement, layout)
-    if mode.zero_copy_on_one_node:
-        print(f"\npulls: {_pull_path(job, bool(on))}")
-    spread = ps_imbalance(layout.ps_ranks, nodes)  # (not in sync mode: its PS tasks hold nothing)
-    warnings = [w for w in (spread, imbalance(placement, job.layout.placement)) if w]
-    warnings += unused_settings(job.optimizer)
+    else:
+        _print_placement(job, placement, layout)
+        if mode.zero_copy_on_one_node:
+            print(f"\npulls: {_pull_path(job, bool(on))}")
+        # (not in sync mode: its PS tasks hold nothing)
+        spread = ps_imbalance(layout.ps_ranks, nodes)
+        warnings = [w for w in (spread, imbalance(placement, job.layout.placement)) if w] + warnings
     for warning in warnings:
         print(f"\nwarning: {warning}")
     return 0

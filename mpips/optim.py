@@ -440,7 +440,9 @@ def unused_settings(cfg: Any) -> list[str]:
         if k not in HYPER[cfg.kind]
     ]
     if cfg.schedule == "constant":
-        notes += [(k, "the constant schedule does not use it") for k in ("decay_rate", "decay_steps")]
+        notes += [
+            (k, "the constant schedule does not use it") for k in ("decay_rate", "decay_steps")
+        ]
     return [
         f"optimizer.{k} = {getattr(cfg, k)!r} has no effect: {why}"
         for k, why in notes

@@ -37,6 +37,10 @@ def test_optimizer_settings_the_rule_ignores_are_warned_by_layout_and_train(tmp_
     said = "warning: optimizer.nesterov = True has no effect: kind 'adagrad' does not use it"
     r = run_py(["-m", "mpips", "layout", "job.toml", "-n", "3"], cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.count(said) == 1, r.stdout + r.stderr
+    sync = text.replace("[optimizer]", '[train]\nmode = "sync"\nsteps = 5\n[optimizer]')
+    (tmp_path / "sync.toml").write_text(sync)
+    r = run_py(["-m", "mpips", "layout", "sync.toml", "-n", "3"], cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.count(said) == 1, r.stdout + r.stderr
     r = run_py(["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path)
     assert r.returncode == 0 and (r.stdout + r.stderr).count(said) == 1, r.stdout + r.stderr
 
@@ -51,6 +55,13 @@ def test_layout_errors_are_one_line(tmp_path):
     (tmp_path / "l.toml").write_text("ps = [7]\n")
     r = run_py(["-m", "mpips", "layout", "-n", "4", "--layout", str(tmp_path / "l.toml")], cwd=ROOT)
     assert r.returncode == 2 and "ps rank 7 is out of range for 4 ranks" in r.stderr
+    # a pin to no variable: the error alone, not the rank table and then the error
+    (tmp_path / "pin.toml").write_text(
+        '[data]\nbuiltin = "digits"\n[train]\nsteps = 5\n[layout.pin]\n"nope" = 1\n'
+    )
+    r = run_py(["-m", "mpips", "layout", "pin.toml", "-n", "4"], cwd=tmp_path)
+    assert r.returncode == 2 and "layout.pin: the model has no variable 'nope'" in r.stderr
+    assert not r.stdout, r.stdout
 
 
 def test_layout_on_one_process_shows_the_single_replica_it_trains_as():
