@@ -56,6 +56,22 @@ class StartTimeout(Stalled):
     """Some rank never reached a start-up step (or the end of the run)."""
 
 
+class ExitDuringTraining(MpipsError):
+    """``sys.exit()`` called by a model or a hook while a job trains: on one rank it would
+    leave the others waiting for that rank until a watchdog's timeout (and blame a hang),
+    so the whole job ends at once, this rank named. The exit code is kept where it is one
+    (else 1: the run did not finish, whatever the code)."""
+
+    def __init__(self, code: object):
+        self.exit_code = code if isinstance(code, int) and code else 1
+        shown = "" if code is None else repr(code)
+        super().__init__(
+            f"sys.exit({shown}) was called during training (by the model or a hook); the "
+            "other ranks cannot go on without this one. Raise an exception for an error, "
+            "or call run.request_stop() in a hook to end the run with a checkpoint"
+        )
+
+
 class NonFinite(MpipsError):
     """A loss or a variable became NaN or infinite (TensorFlow's NanTensorHook): training
     stops, and no checkpoint holding such values is committed."""

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from . import checkpoint, modes, preemption
 from .backend import Device, pin_blas_threads
 from .data import open_data
-from .errors import ConfigError
+from .errors import ConfigError, ExitDuringTraining
 from .failure import set_role
 from .hooks import Hook
 from .job import Job
@@ -79,6 +79,8 @@ def train(
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             result = _train(job, mode, cluster, list(hooks), model, data)
+    except SystemExit as e:  # (not an Exception: it would end this rank alone)
+        raise ExitDuringTraining(e.code) from None
     finally:  # the run is over, whether or not it raised: another run may take the directory
         if job.checkpoint.dir:
             checkpoint.release_directory(job.checkpoint.dir)

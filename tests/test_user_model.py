@@ -2,8 +2,10 @@
 mpips.train, the errors a bad factory gives, and hooks that stop the run and read variables."""
 
 import json
+import re
 import shutil
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -123,6 +125,50 @@ def test_a_factory_that_raises_is_said_once_on_every_rank(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     said = "model.kind = 'my_model:build' raised RuntimeError: no GPU kernel for this"
     assert r.stderr.count(said) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+EXITING = """
+import sys
+from mpi4py import MPI
+from my_model import Softmax
+
+class Quitter(Softmax):
+    steps = 0
+    def loss_and_grads(self, params, x, y, grads, ready=None):
+        self.steps += 1
+        if self.steps == 10 and MPI.COMM_WORLD.rank == WHO:
+            sys.exit(CODE)
+        return super().loss_and_grads(params, x, y, grads, ready)
+
+def build(data, l2=0.0):
+    if AT_BUILD and MPI.COMM_WORLD.rank == WHO:
+        sys.exit(CODE)
+    return Quitter(data.num_inputs, data.num_classes, l2)
+"""
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize(
+    "mode, who, code, at_build",
+    [("async", 2, "'model gave up'", False), ("sync", 1, "0", False), ("async", 1, "3", True)],
+)
+def test_sys_exit_in_a_model_on_one_rank_ends_the_job_at_once(tmp_path, mode, who, code, at_build):
+    """sys.exit on one rank, in a step or in the factory, (SystemExit: not an Exception)
+    ends the whole job within seconds, naming the rank and what was called, not after a
+    watchdog's minutes blaming a hang; sys.exit(0) too, since the run did not finish."""
+    user_job(tmp_path, mode)
+    text = EXITING.replace("WHO", str(who)).replace("CODE", code).replace("AT_BUILD", str(at_build))
+    (tmp_path / "quitter.py").write_text(text)
+    job = (tmp_path / "job.toml").read_text().replace("my_model:build", "quitter:build")
+    (tmp_path / "job.toml").write_text(job)
+    began = time.monotonic()
+    argv = ["-m", "mpips", "train", "job.toml", "--no-progress", "--steps", "100000"]
+    r = run_mpi(3, argv, cwd=tmp_path, timeout=90)
+    took = time.monotonic() - began
+    said = rf"mpips: error on rank {who} \(/job:worker/task:\d\): sys\.exit\({code}\) was called"
+    assert re.search(said, r.stderr), r.stderr[-3000:]
+    assert r.returncode == (3 if code == "3" else 1), r.stderr[-3000:]
+    assert took < 30 and "hung?" not in r.stderr, (took, r.stderr[-3000:])
 
 
 DISORDER = """
