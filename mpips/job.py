@@ -198,6 +198,7 @@ POSITIVE = (
     "data.prefetch",
 )
 UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
+MAX_INT = (1 << 62) - 1  # the largest integer a setting may be (a checkpoint holds it)
 
 
 def _type_name(t: Any) -> str:
@@ -257,15 +258,22 @@ def _fill(cls: type, table: dict[str, Any], where: str) -> Any:
 
 def _check_finite(job: Job) -> None:
     """Every number of every section is finite: ``learning_rate = nan`` (or ``inf``) would
-    pass the range checks below and make the run's first loss NaN."""
+    pass the range checks below and make the run's first loss NaN. Every integer is at most
+    MAX_INT, the largest a checkpoint's manifest holds: a seed or batch size above it would
+    train and write checkpoints that no restore accepts."""
     for section in dataclasses.fields(job):
         config = getattr(job, section.name)
         if not dataclasses.is_dataclass(config):
             continue
         for f in dataclasses.fields(config):
             value = getattr(config, f.name)
+            key = f"{section.name}.{f.name}"
             if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{section.name}.{f.name}: must be a finite number, got {value}")
+                raise ConfigError(f"{key}: must be a finite number, got {value}")
+            ints = value if isinstance(value, list) else [value]
+            big = [v for v in ints if isinstance(v, int) and v > MAX_INT]
+            if big:
+                raise ConfigError(f"{key}: must be at most 2**62 - 1, got {big[0]}")
 
 
 def validate(job: Job) -> Job:

@@ -45,6 +45,12 @@ MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
         (MINIMAL + "batch_size = 'x'\n", r"train.batch_size: expected an integer, got 'x'"),
         (MINIMAL + "batch_size = 0\n", r"train.batch_size: must be > 0"),
         (MINIMAL + "seed = 1.5\n", r"train.seed: expected an integer"),
+        # a checkpoint's manifest holds integers up to 2**62 - 1: a run with a bigger seed or
+        # batch size would write checkpoints no restore accepts
+        (MINIMAL + f"seed = {2**62}\n", r"train.seed: must be at most 2\*\*62 - 1, got 4611686"),
+        (MINIMAL + f"batch_size = {2**62}\n", r"train.batch_size: must be at most 2\*\*62 - 1"),
+        (MINIMAL.replace("10", str(10**23)), r"train.steps: must be at most 2\*\*62 - 1, got 1000"),
+        (MINIMAL + f"[model]\nhidden = [8, {2**63}]\n", r"model.hidden: must be at most 2\*\*62"),
         (MINIMAL + "mode = 'semi'\n", r"train.mode: 'semi' is not one of 'async'"),
         (MINIMAL + "[model]\nhidden = [64, 'x']\n", r"model.hidden: expected a list of integers"),
         (
