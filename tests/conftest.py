@@ -356,13 +356,22 @@ def run_train(
 class BackgroundJob:
     """``python -m mpips train`` run in the background under mpiexec, its output in a file:
     wait for log lines, find a task's pid, signal it, and always stop the launcher.
-    ``nodes``: ranks per node, as run_mpi."""
+    ``nodes``: ranks per node, as run_mpi; ``wrap``: a command mpiexec runs under
+    (``("timeout", "60")``)."""
 
-    def __init__(self, tmp_path: Path, ranks: int, *args: str, nodes: Sequence[int] | None = None):
+    def __init__(
+        self,
+        tmp_path: Path,
+        ranks: int,
+        *args: str,
+        nodes: Sequence[int] | None = None,
+        wrap: Sequence[str] = (),
+    ):
         self.log = tmp_path / "out.log"
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(
             [
+                *wrap,
                 mpiexec_path(),
                 *launch_args(ranks, nodes),
                 sys.executable,

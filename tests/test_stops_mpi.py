@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BackgroundJob, run_mpi
+from conftest import BackgroundJob, run_mpi, run_py
 
 from mpips import checkpoint, modes
 from mpips.errors import ConfigError
@@ -193,6 +193,42 @@ def test_ctrl_c_checkpoints_and_exits_3_like_sigterm(tmp_path):
         3, ["-m", "mpips", "train", "--no-progress", "--steps", str(step + 20)], cwd=tmp_path
     )
     assert again.returncode == 0 and f"restored global_step {step}" in again.stdout, again.stderr
+
+
+TWICE = """
+import os, signal, sys, time
+from mpips import preemption
+preemption.install()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGINT)  # the same request again, as GNU timeout makes it
+time.sleep(0.05)
+print("alive", preemption.requested(), flush=True)
+time.sleep(preemption.DUPLICATE_SECONDS)
+os.kill(os.getpid(), signal.SIGTERM)  # a second request: the default action, at once
+time.sleep(10)
+print("not ended", flush=True)
+"""
+
+
+def test_a_repeated_signal_is_one_request_and_a_later_one_ends_the_process(tmp_path):
+    """Two signals within DUPLICATE_SECONDS are one request (GNU timeout signals mpirun and
+    its process group, so each rank got SIGTERM twice, and died of the second in 2 of 6
+    runs, losing the checkpoint); one after that ends the process at once."""
+    (tmp_path / "twice.py").write_text(TWICE)
+    began = time.monotonic()
+    r = run_py(["twice.py"], tmp_path, timeout=30)
+    assert r.stdout == f"alive {int(signal.SIGTERM)}\n", (r.stdout, r.stderr)
+    assert r.returncode == -signal.SIGTERM and time.monotonic() - began < 8, r
+
+
+def test_sigterm_to_gnu_timeout_around_mpirun_checkpoints_and_exits_3(tmp_path):
+    """``timeout 60 mpirun ...`` sent SIGTERM (a scheduler's or a user's): the clean stop."""
+    job = BackgroundJob(tmp_path, 3, "--steps", str(10**9), wrap=("timeout", "60"))
+    job.wait_for(r"saved checkpoint")
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.end() == 3, job.text()[-3000:]
+    job.wait_for(r"stopped early by SIGTERM: checkpoint at global_step \d+")
 
 
 FIRST = """
