@@ -89,7 +89,7 @@ def load_inputs(path: str) -> np.ndarray:
         elif p.suffix == ".npz":
             with np.load(p, allow_pickle=False) as z:
                 names = list(z.files)
-                if "x" not in names and len(names) != 1:
+                if "x" not in names and (len(names) != 1 or names == ["y"]):
                     raise DataError(f"--input {path}: holds {names}; name the inputs 'x'")
                 x = z["x" if "x" in names else names[0]]
         else:
@@ -105,8 +105,8 @@ def load_inputs(path: str) -> np.ndarray:
                 x = ds[()]
     except DataError:
         raise
-    except (OSError, ValueError, KeyError) as e:
-        raise DataError(f"--input {path}: unreadable ({e})") from None
+    except (OSError, ValueError, KeyError, EOFError) as e:  # (EOFError: an empty file)
+        raise DataError(f"--input {path}: unreadable ({e or type(e).__name__})") from None
     if x.dtype.kind not in "biuf":
         raise DataError(f"--input {path}: holds {x.dtype} values, not numbers")
     with np.errstate(over="ignore"):  # a value past float32's range: inf, refused by predict

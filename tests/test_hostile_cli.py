@@ -185,7 +185,13 @@ def test_predict_refuses_no_rows_and_values_that_are_not_finite(trained):
         f["x"] = np.zeros((0, 4))
     np.save(trained / "nan.npy", np.array([[1, 2, 3, 4], [1, 2, np.nan, 4]], np.float32))
     np.save(trained / "big.npy", np.array([[1, 2, 1e300, 4]]))  # inf as float32
+    (trained / "zero.npy").write_bytes(b"")  # a file of no bytes at all
+    (trained / "zero.npz").write_bytes(b"")
+    np.savez(trained / "labels.npz", y=np.ones((3, 4), np.int64))  # only the labels
     for name, said in (
+        ("zero.npy", "--input zero.npy: unreadable ("),
+        ("zero.npz", "--input zero.npz: unreadable ("),
+        ("labels.npz", "--input labels.npz: holds ['y']; name the inputs 'x'"),
         ("empty.npy", "--input empty.npy: holds no rows (shape [0, 4])"),
         ("empty.h5", "--input empty.h5: holds no rows (shape [0, 4])"),
         ("nan.npy", "--input nan.npy: input row 1 holds nan at input 2"),
