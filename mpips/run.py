@@ -221,9 +221,17 @@ def save_whole(
     return PendingSave(step, lambda block: path)
 
 
-def say_restored(role: Role, step: int, path: Any) -> None:
-    """Chief: the run resumes from a checkpoint."""
+def say_restored(role: Role, step: int, path: Any, model_changed: str = "") -> None:
+    """Chief: the run resumes from a checkpoint (one that model ``model_changed`` wrote, if
+    another model than this job's: restored by variable names and shapes, said)."""
     log(role, f"restored global_step {step} from {path}")
+    if model_changed:
+        log(
+            role,
+            f"warning: model {model_changed!r} wrote this checkpoint; its variables were "
+            "restored into this job's model by name and shape (mpips eval refuses such a "
+            "pair; --ckpt-dir DIR starts afresh)",
+        )
 
 
 def say_position_lost(role: Role, why: str) -> None:

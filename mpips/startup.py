@@ -69,6 +69,7 @@ class Prepared:
     restored: Path | None = None  # the manifest restored from, if any
     clocks: list[int] | None = None  # restored data position (updates per worker)
     position_lost: str = ""  # why a checkpoint's data position is not restored (if not)
+    model_changed: str = ""  # the restored checkpoint's model, where another model wrote it
     rows: tuple[int, int] = (0, 0)  # worker: its part of the train rows
     train: Part | None = None  # worker: its part of the train rows
     test: tuple[Any, Any] | None = None  # chief: the test split
@@ -226,6 +227,9 @@ def prepare(
     if ckpt is not None:
         prep.start_step, prep.restored = ckpt.step, latest
         prep.clocks, prep.position_lost = data_position(job, ckpt, cluster.layout.num_workers)
+        wrote = ckpt.meta.get("model")
+        if isinstance(wrote, str) and wrote != job.model.kind:
+            prep.model_changed = wrote
     model = prep.model = build_model(job.model, info, xp, job.source, factory)
     model.worker = cluster.role.task if not cluster.is_ps else 0
     mode.check(job, cluster, model, info)

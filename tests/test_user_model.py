@@ -127,6 +127,23 @@ def test_a_factory_that_raises_is_said_once_on_every_rank(tmp_path):
     assert r.stderr.count(said) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
 
 
+@pytest.mark.launcher
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_resuming_with_another_model_says_so(tmp_path, mode):
+    """A checkpoint that another model (model.kind) wrote resumes by variable names and
+    shapes, and the chief says which model wrote it; the same model says nothing."""
+    user_job(tmp_path, mode)
+    run_job(tmp_path, 3, "--steps", "20")
+    r, _ = run_job(tmp_path, 3, "--steps", "40")
+    assert "restored global_step 20" in r.stdout and "wrote this checkpoint" not in r.stdout
+    shutil.copy(tmp_path / "my_model.py", tmp_path / "renamed.py")
+    job = (tmp_path / "job.toml").read_text().replace("my_model:build", "renamed:build")
+    (tmp_path / "job.toml").write_text(job)
+    r, result = run_job(tmp_path, 3, "--steps", "60")
+    said = "warning: model 'my_model:build' wrote this checkpoint; its variables were restored"
+    assert r.stdout.count(said) == 1 and result["global_step"] == 60, r.stdout[-3000:]
+
+
 EXITING = """
 import sys
 from mpi4py import MPI

@@ -239,7 +239,7 @@ class Replica:
             same = bool(clocks) and len(clocks) == self.workers and len(set(clocks)) == 1
             header[:] = prep.start_step, clocks[0] if same else 0
             if prep.restored is not None:
-                say_restored(role, prep.start_step, prep.restored)
+                say_restored(role, prep.start_step, prep.restored, prep.model_changed)
                 lost = prep.position_lost or (
                     f"the checkpoint's workers had used different numbers of batches "
                     f"({clocks}), and the replicas share one data position"

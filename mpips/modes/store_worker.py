@@ -148,7 +148,7 @@ class StoreWorker:
             )
             control.raise_ready()
             if prep.restored is not None:
-                say_restored(role, prep.start_step, prep.restored)
+                say_restored(role, prep.start_step, prep.restored, prep.model_changed)
                 if prep.position_lost:
                     say_position_lost(role, prep.position_lost)
             if tc.steps and prep.start_step >= tc.steps:
