@@ -78,8 +78,9 @@ class Model:
         raise NotImplementedError
 
     def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> dict[str, float]:
-        """*Required.* Metrics on a split, by name: at least ``"loss"``; ``"accuracy"`` and
-        ``"auc"`` are reported when present."""
+        """*Required.* Metrics on a split, by name, each a number: ``"accuracy"``,
+        ``"loss"`` and ``"auc"`` are reported first when present (and fill the result's
+        ``test_*`` fields), any others after them."""
         raise NotImplementedError
 
     def predict(self, params: dict[str, Any], x: Any) -> Any:
