@@ -14,11 +14,15 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .data import SPLITS, check_finite, resolve_path
+from .data import SPLITS, check_finite, npz_member, numpy_errors, open_npz, resolve_path
 from .errors import DataError
 from .files import atomic_write, check_regular
 from .hdf5 import fixed_text
 from .memory import ABSURD_BYTES, check_fits, human
+
+# what a failure to write a converted file (a read-only folder, a full disk) means: one line
+# (WriteFailed, exit 1), as `ckpt export` and `predict` say theirs
+NOT_WRITTEN = "no dataset written"
 
 
 def write_dataset(
@@ -50,22 +54,17 @@ def write_dataset(
             f.attrs["x_scale"] = x_scale
             f.attrs["name"] = fixed_text(name)
 
-    atomic_write(path, write)
+    atomic_write(path, write, NOT_WRITTEN)
 
 
 def _read_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
     """(x, y) of a .npz file: x rows of finite numbers (as float32), y integer labels; no
     pickle."""
-    check_regular(path, DataError, path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            if "x" not in z.files or "y" not in z.files:
-                raise DataError(f"{path}: needs arrays 'x' and 'y', has {z.files}")
-            x, y = z["x"], z["y"]
-    except DataError:
-        raise
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not a readable .npz file ({e})") from None
+    with open_npz(path, path) as z:
+        if "x" not in z.files or "y" not in z.files:
+            raise DataError(f"{path}: needs arrays 'x' and 'y', has {z.files}")
+        with numpy_errors(path, ".npz file"):
+            x, y = npz_member(z, "x"), npz_member(z, "y")
     if x.dtype.kind not in "biuf" or x.ndim < 2:
         raise DataError(f"{path}: x must be rows of numbers, got {x.ndim}-D {x.dtype}")
     if 0 in x.shape[1:]:
@@ -147,8 +146,8 @@ def convert_fashion_mnist(out: str | Path, src: str | Path = FASHION_MNIST_DIR) 
 def convert_digits(out: str | Path) -> None:
     """The 1797 8x8 digits that ship inside mpips (scikit-learn's set: 1437 train / 360 test,
     uint8, scale 1/16), copied to ``out`` as a dataset file of its own."""
-    src = Path(resolve_path("", "digits"))
-    atomic_write(out, lambda tmp: tmp.write_bytes(src.read_bytes()))
+    raw = Path(resolve_path("", "digits")).read_bytes()  # (first: a failure below is the write's)
+    atomic_write(out, lambda tmp: tmp.write_bytes(raw), NOT_WRITTEN)
 
 
 def make_synthetic(

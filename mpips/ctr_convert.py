@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from .convert import NOT_WRITTEN
 from .errors import DataError
-from .files import check_regular
+from .files import WriteFailed, check_regular, os_reason
 from .memory import check_disk
 from .sparse import ROWS_PER_CHUNK, write_csr_chunks
 
@@ -92,16 +93,36 @@ def _lines(path: Path, kind: str, parse: Callable[[str], Row | None]) -> Iterato
     """Parsed rows of a text file (``parse`` returns None for a line to skip); a line it
     cannot parse is one DataError naming the file, line number and kind."""
     check_regular(path, DataError, str(path))  # a FIFO would block, /dev/zero never end
-    with open(path, errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                row = parse(line)
-            except ValueError as e:
-                raise DataError(
-                    f"{path}:{number}: not a {kind} line ({e}): {line.strip()[:60]!r}"
-                ) from None
-            if row is not None:
-                yield row
+    try:  # (read while the output is written: an OSError here is the input's, said so)
+        with open(path, errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    row = parse(line)
+                except ValueError as e:
+                    raise DataError(
+                        f"{path}:{number}: not a {kind} line ({e}): {line.strip()[:60]!r}"
+                    ) from None
+                if row is not None:
+                    yield row
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({os_reason(e)})") from None
+
+
+def _write(
+    out: str | Path,
+    chunks: Iterable[tuple[str, Any, Any]],
+    num_features: int | None,
+    name: str,
+) -> None:
+    """write_csr_chunks, with a failure to write ``out`` (a read-only folder, a full disk)
+    one WriteFailed naming it, as the dense converters say theirs (write_csr_chunks lets
+    the OSError through: a traceback); the input's read errors are DataErrors (_lines)."""
+    try:
+        write_csr_chunks(out, chunks, num_features, name=name)
+    except OSError as e:
+        raise WriteFailed(
+            f"cannot write {out} ({os_reason(e)}: an I/O failure, not bad input); {NOT_WRITTEN}"
+        ) from None
 
 
 def _libsvm_line(line: str, ffm: bool) -> Row | None:
@@ -139,7 +160,7 @@ def convert_libsvm(
         return _lines(path, kind, lambda line: _libsvm_line(line, ffm))
 
     chunks = _splits(read, Path(src), Path(test_src) if test_src else None, test_fraction)
-    write_csr_chunks(out, chunks, None, name=Path(src).name)
+    _write(out, chunks, None, Path(src).name)
 
 
 def _hash(token: str, bits: int) -> int:
@@ -191,7 +212,7 @@ def convert_criteo(
         return _lines(path, "Criteo", lambda line: criteo_line(line, bits))
 
     chunks = _splits(read, Path(src), Path(test_src) if test_src else None, test_fraction)
-    write_csr_chunks(out, chunks, 1 << bits, name=Path(src).name)
+    _write(out, chunks, 1 << bits, Path(src).name)
 
 
 _WORD = re.compile(r"[a-z0-9']+")
@@ -241,9 +262,7 @@ def convert_clothing_reviews(out: str | Path, bits: int = 20) -> None:
             ids, values = review_features(text, cats, bits)
             yield int(label), ids, values
 
-    write_csr_chunks(
-        out, _hold_out(_chunked(rows()), 0.2), 1 << bits, name="womens-clothing-reviews"
-    )
+    _write(out, _hold_out(_chunked(rows()), 0.2), 1 << bits, "womens-clothing-reviews")
 
 
 def make_zipf(
@@ -279,4 +298,4 @@ def make_zipf(
             yield "train", x[:cut], labels[:cut]
             yield "test", x[cut:], labels[cut:]
 
-    write_csr_chunks(out, chunks(), num_features, name=f"zipf-{a}")
+    _write(out, chunks(), num_features, f"zipf-{a}")

@@ -15,9 +15,12 @@ import math
 import os
 import queue
 import threading
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -40,6 +43,18 @@ SCAN_BYTES = 1 << 24  # rows with a value that is not finite are looked for this
 # default names of the arrays in each kind of container
 HDF5_NAMES = {s: (f"{s}/x", f"{s}/y") for s in ALL_SPLITS}
 NPZ_NAMES = {s: (f"x_{s}", f"y_{s}") for s in ALL_SPLITS}  # Keras' mnist.npz convention
+# what np.load raises on an empty, truncated or damaged .npy or .npz file, a zip's own errors
+# included (a bad CRC, corrupt deflate data, an encrypted member or an unknown compression
+# method, a NotImplementedError: a RuntimeError), and on a header declaring a huge array
+NUMPY_ERRORS = (
+    OSError,
+    ValueError,
+    EOFError,
+    RuntimeError,
+    MemoryError,
+    zipfile.BadZipFile,
+    zlib.error,
+)
 
 Batch = tuple[int, Any, Any]  # (epoch, x, y)
 
@@ -102,14 +117,16 @@ def _container(info: DatasetInfo) -> Iterator[_Arrays]:
 
             yield _Arrays(get, has, attrs, f)
     elif info.kind == "npz":
-        check_regular(info.path, DataError, _where(info))  # a FIFO would block np.load
-        with np.load(info.path, allow_pickle=False) as z:
+        with open_npz(info.path, _where(info), ".npz dataset") as z:
             cache: dict[str, Any] = {}
-            yield _Arrays(
-                lambda n: cache[n] if n in cache else cache.setdefault(n, z[n]),
-                lambda n: n in z.files,
-                {},
-            )
+
+            def member(name: str) -> np.ndarray:
+                if name not in cache:
+                    with numpy_errors(_where(info), ".npz dataset"):
+                        cache[name] = npz_member(z, name)
+                return cache[name]
+
+            yield _Arrays(member, lambda n: n in z.files, {})
     elif info.kind == "npy":
         yield _Arrays(_load_npy, os.path.exists, {})
     else:
@@ -164,7 +181,53 @@ class _H5Dataset:
 def _load_npy(path: str) -> Any:
     """One .npy array as a read-only memory map, after checking it is a regular file."""
     check_regular(path, DataError, f"data file {path}")
-    return np.load(path, mmap_mode="r", allow_pickle=False)
+    with numpy_errors(f"data file {path}", ".npy dataset"):
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+@contextlib.contextmanager
+def numpy_errors(what: str, kind: str) -> Iterator[None]:
+    """np.load's errors on a bad file (NUMPY_ERRORS) as one DataError naming ``what``: "not a
+    readable ``kind`` (why)", ``kind`` e.g. ".npz file". Wrap the reading only: an error of
+    the caller's own code would be blamed on the file."""
+    try:
+        yield
+    except NUMPY_ERRORS as e:
+        raise DataError(f"{what}: not a readable {kind} ({numpy_reason(e)})") from None
+
+
+def numpy_reason(e: BaseException) -> str:
+    """Why np.load could not read a file, in a few words: numpy says "No data left in file"
+    of an empty one, and of one in no numpy format advises unpickling it; a zip member's
+    compressed data that ends early is an EOFError with no text."""
+    text = str(e)
+    if isinstance(e, EOFError):
+        return "empty" if "No data left" in text else "truncated"
+    if isinstance(e, ValueError) and "allow_pickle" in text:
+        return "not in numpy's format, or Python objects, which mpips never unpickles"
+    if isinstance(e, ValueError) and "mmap length" in text:
+        return "truncated: shorter than its header says"
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
+def open_npz(path: str | Path, what: str, kind: str = ".npz file") -> Any:
+    """``path`` opened as a .npz file (close it: ``with``), its members read when asked for;
+    any problem is one DataError naming ``what``, a .npy file given a .npz's name too."""
+    check_regular(path, DataError, what)  # a FIFO would block np.load
+    with numpy_errors(what, kind):
+        z = np.load(path, allow_pickle=False)
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise DataError(f"{what}: not a readable {kind} (one .npy array, not a zip of them)")
+    return z
+
+
+def npz_member(z: Any, name: str) -> np.ndarray:
+    """The array ``name`` of an open .npz file; ValueError if that member is not a .npy file
+    (np.load gives such a member's bytes: no array, no dtype)."""
+    a = z[name]
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"its member {name}.npy is not a numpy array")
+    return a
 
 
 def _as_array(a: Any) -> Any:

@@ -11,7 +11,16 @@ import h5py
 import numpy as np
 
 from . import checkpoint
-from .data import DatasetInfo, check_finite, load_split, open_data
+from .data import (
+    NUMPY_ERRORS,
+    DatasetInfo,
+    check_finite,
+    load_split,
+    npz_member,
+    numpy_reason,
+    open_data,
+    open_npz,
+)
 from .errors import CheckpointError, ConfigError, DataError
 from .files import check_regular
 from .hdf5 import h5py_errors, open_plain
@@ -87,11 +96,11 @@ def load_inputs(path: str) -> np.ndarray:
         if p.suffix == ".npy":
             x = np.load(p, mmap_mode="r", allow_pickle=False)
         elif p.suffix == ".npz":
-            with np.load(p, allow_pickle=False) as z:
+            with open_npz(p, f"--input {path}", ".npz file") as z:
                 names = list(z.files)
                 if "x" not in names and (len(names) != 1 or names == ["y"]):
                     raise DataError(f"--input {path}: holds {names}; name the inputs 'x'")
-                x = z["x" if "x" in names else names[0]]
+                x = npz_member(z, "x" if "x" in names else names[0])
         else:
 
             def damaged(why: str) -> DataError:
@@ -105,8 +114,8 @@ def load_inputs(path: str) -> np.ndarray:
                 x = ds[()]
     except DataError:
         raise
-    except (OSError, ValueError, KeyError, EOFError) as e:  # (EOFError: an empty file)
-        raise DataError(f"--input {path}: unreadable ({e or type(e).__name__})") from None
+    except (*NUMPY_ERRORS, KeyError) as e:  # (np.load's and a zip's errors: data.py)
+        raise DataError(f"--input {path}: unreadable ({numpy_reason(e)})") from None
     if x.dtype.kind not in "biuf":
         raise DataError(f"--input {path}: holds {x.dtype} values, not numbers")
     with np.errstate(over="ignore"):  # a value past float32's range: inf, refused by predict

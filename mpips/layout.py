@@ -223,4 +223,28 @@ def read_layout_file(path: str | Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"layout file {path}: invalid TOML: {e}") from None
     check_keys(data, LAYOUT_KEYS, f"layout file {path}")
+    _check_layout_types(data, f"layout file {path}")
     return data
+
+
+def _is_int(value: Any) -> bool:
+    """An integer, not a bool (TOML's ``true`` is a Python int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_layout_types(data: dict[str, Any], where: str) -> None:
+    """ConfigError naming ``where`` and the key unless ``ps`` is a count, a list of ranks or
+    "per_node" and ``world_size`` a positive integer, as a job's [layout] table is checked:
+    unchecked, ``world_size = "2"`` was refused as "2, but the job runs on 2 ranks"."""
+    ps = data.get("ps")
+    if ps is not None and not (
+        _is_int(ps) or ps == PER_NODE or (isinstance(ps, list) and all(map(_is_int, ps)))
+    ):
+        raise ConfigError(
+            f'{where}: ps: expected a count, a list of ranks or "per_node", got {ps!r}'
+        )
+    size = data.get("world_size")
+    if size is not None and not _is_int(size):
+        raise ConfigError(f"{where}: world_size: expected an integer, got {size!r}")
+    if size is not None and not 1 <= size <= MAX_WORLD_SIZE:
+        raise ConfigError(f"{where}: world_size: must be in 1..{MAX_WORLD_SIZE}, got {size}")

@@ -75,6 +75,22 @@ def huge_inputs(d: Path) -> None:
             f.create_dataset(f"{split}/x", (rows, 1 << 40), np.uint8, chunks=(1, 1 << 16))
 
 
+NPY_JOB = GOOD_JOB.replace(
+    'path = "d.h5"',
+    'train_x = "x.npy"\ntrain_y = "e.npy"\ntest_x = "x.npy"\ntest_y = "y.npy"',
+)
+
+
+def empty_data(d: Path, job: str, name: str) -> None:
+    """The job reads its data from a 0-byte file ``name`` (numpy: an EOFError, which was a
+    traceback), its other arrays good .npy files."""
+    (d / "job.toml").write_text(job)
+    with h5py.File(d / "d.h5") as f:
+        np.save(d / "x.npy", f["train/x"][()])
+        np.save(d / "y.npy", f["train/y"][()])
+    (d / name).write_bytes(b"")
+
+
 # (what to break, extra args, the message): each case starts from a copy of `trained`
 CASES = {
     "malformed TOML": (
@@ -103,6 +119,16 @@ CASES = {
         ["--layout", "l.toml"],
         "world_size = 8, but the job runs on 3 ranks (mpirun -n 8?)",
     ),
+    "layout world_size that is not an integer": (
+        lambda d: (d / "l.toml").write_text('ps = 1\nworld_size = "3"\n'),
+        ["--layout", "l.toml"],
+        "layout file l.toml: world_size: expected an integer, got '3'",
+    ),
+    "layout ps that is not a count": (
+        lambda d: (d / "l.toml").write_text("ps = true\n"),
+        ["--layout", "l.toml"],
+        'layout file l.toml: ps: expected a count, a list of ranks or "per_node", got True',
+    ),
     "layout file unknown key": (
         lambda d: (d / "l.toml").write_text("pss = 1\n"),
         ["--layout", "l.toml"],
@@ -118,6 +144,16 @@ CASES = {
         lambda d: write_data(d / "d.h5", **{"train/y": np.zeros(60, np.float32)}),
         [],
         "'train/y' must be 1-D integer labels",
+    ),
+    "an empty .npz file as data": (
+        lambda d: empty_data(d, GOOD_JOB.replace("d.h5", "e.npz"), "e.npz"),
+        [],
+        "data file e.npz: not a readable .npz dataset (empty)",
+    ),
+    "an empty .npy file as data": (
+        lambda d: empty_data(d, NPY_JOB, "e.npy"),
+        [],
+        "data file e.npy: not a readable .npy dataset (empty)",
     ),
     "truncated data": (lambda d: truncate(d / "d.h5", 0.3), [], "not a readable mpips HDF5"),
     "labels out of range": (

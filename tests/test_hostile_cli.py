@@ -189,8 +189,8 @@ def test_predict_refuses_no_rows_and_values_that_are_not_finite(trained):
     (trained / "zero.npz").write_bytes(b"")
     np.savez(trained / "labels.npz", y=np.ones((3, 4), np.int64))  # only the labels
     for name, said in (
-        ("zero.npy", "--input zero.npy: unreadable ("),
-        ("zero.npz", "--input zero.npz: unreadable ("),
+        ("zero.npy", "--input zero.npy: unreadable (empty)"),
+        ("zero.npz", "--input zero.npz: not a readable .npz file (empty)"),
         ("labels.npz", "--input labels.npz: holds ['y']; name the inputs 'x'"),
         ("empty.npy", "--input empty.npy: holds no rows (shape [0, 4])"),
         ("empty.h5", "--input empty.h5: holds no rows (shape [0, 4])"),

@@ -2,8 +2,11 @@
 declared sizes are checked against each other and against memory before any allocation,
 and no checkpoint ever holds NaN or infinity."""
 
+import io
 import json
+import os
 import warnings
+import zipfile
 
 import h5py
 import numpy as np
@@ -12,7 +15,9 @@ from conftest import dense_data_file, run_py
 
 from mpips import checkpoint, data, sparse
 from mpips.checkpoint import Entry, Part
-from mpips.errors import CheckpointError, DataError, NonFinite
+from mpips.errors import CheckpointError, ConfigError, DataError, NonFinite
+from mpips.job import DataConfig
+from mpips.layout import read_layout_file
 from mpips.memory import ABSURD_BYTES, available_bytes
 from mpips.variables import VariableSpec
 
@@ -243,3 +248,142 @@ def test_ctr_loss_has_no_overflow_warning_for_any_logit():
     assert np.isfinite(loss) and loss == pytest.approx(
         (1000 + 0 + np.log(2) + 0 + 1000) / 5, rel=1e-5
     )
+
+
+def npy_bytes(a):
+    """``a`` as the bytes of a .npy file."""
+    out = io.BytesIO()
+    np.save(out, a)
+    return out.getvalue()
+
+
+# how a .npy or .npz file is damaged (its bytes -> the damaged bytes) and what is said
+DAMAGE = {
+    "empty": (lambda raw: b"", "(empty)"),
+    "one byte": (lambda raw: raw[:1], ""),
+    "magic string only": (lambda raw: raw[:6], ""),
+    "truncated header": (lambda raw: raw[:20], ""),
+    "truncated data": (lambda raw: raw[:-9], ""),
+}
+
+
+@pytest.mark.parametrize("kind", ["npy", "npz"])
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_an_empty_or_truncated_numpy_data_file_is_one_data_error(tmp_path, kind, damage):
+    """numpy raises EOFError on an empty file, zipfile.BadZipFile on a truncated .npz (no
+    OSError, no ValueError): each was a traceback at start-up."""
+    cut, said = DAMAGE[damage]
+    x, y = np.zeros((6, 3), np.float32), np.arange(6) % 2
+    if kind == "npy":
+        for name, a in (("x.npy", x), ("y.npy", y)):
+            (tmp_path / name).write_bytes(npy_bytes(a))
+        (tmp_path / "bad.npy").write_bytes(cut(npy_bytes(y)))
+        config = DataConfig(
+            train_x=str(tmp_path / "x.npy"),
+            train_y=str(tmp_path / "bad.npy"),  # (named last: the error names it, not x.npy)
+            test_x=str(tmp_path / "x.npy"),
+            test_y=str(tmp_path / "y.npy"),
+        )
+    else:
+        np.savez(tmp_path / "good.npz", x_train=x, y_train=y, x_test=x, y_test=y)
+        (tmp_path / "bad.npz").write_bytes(cut((tmp_path / "good.npz").read_bytes()))
+        config = DataConfig(path=str(tmp_path / "bad.npz"))
+    bad = tmp_path / f"bad.{kind}"
+    with pytest.raises(DataError, match=f"data file {bad}: not a readable .{kind} dataset") as e:
+        data.open_data(config)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_npz_member_that_is_no_array_or_damaged_is_one_data_error(tmp_path):
+    """np.load gives a member that is not a .npy file as bytes (no shape, no dtype), and a
+    member with a bad CRC as zipfile.BadZipFile."""
+    x, y = np.zeros((6, 3), np.float32), np.arange(6) % 2
+    members = {"x_train": x, "y_train": y, "x_test": x, "y_test": y}
+    with zipfile.ZipFile(tmp_path / "text.npz", "w") as z:
+        for name, a in members.items():
+            z.writestr(f"{name}.npy", b"not an array" if name == "y_test" else npy_bytes(a))
+    with pytest.raises(DataError, match=r"text.npz: not a readable .npz dataset \(its member y_"):
+        data.open_data(DataConfig(path=str(tmp_path / "text.npz")))
+    np.savez(tmp_path / "crc.npz", **members)
+    raw = bytearray((tmp_path / "crc.npz").read_bytes())
+    raw[len(raw) // 3] ^= 0xFF  # inside a stored member's data
+    (tmp_path / "crc.npz").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="crc.npz: not a readable .npz dataset .Bad CRC-32"):
+        data.open_data(DataConfig(path=str(tmp_path / "crc.npz")))
+
+
+@pytest.mark.parametrize(
+    "name, content, said",
+    [
+        ("empty.npz", b"", "empty.npz: not a readable .npz file (empty)"),
+        ("one.npz", b"P", "one.npz: not a readable .npz file (not in numpy's format"),
+        ("zip.npz", b"PK\x03\x04", "zip.npz: not a readable .npz file (File is not a zip"),
+        ("a.npy", npy_bytes(np.zeros((4, 2))), "a.npy: not a readable .npz file (one .npy"),
+    ],
+)
+def test_data_arrays_from_a_bad_npz_is_one_line(tmp_path, name, content, said):
+    (tmp_path / name).write_bytes(content)
+    r = run_py(["-m", "mpips", "data", "arrays", "o.h5", "--src", name], cwd=tmp_path)
+    assert r.returncode == 2 and said in r.stderr, (r.returncode, r.stderr)
+    assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "o.h5").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["digits"],
+        ["synthetic", "--rows", "20"],
+        ["arrays", "--src", "xy.npz"],
+        ["libsvm", "--src", "s.svm"],
+        ["criteo", "--src", "s.svm"],
+    ],
+)
+def test_data_that_cannot_be_written_is_one_line(tmp_path, args):
+    """A folder no file can be made in (/proc: even root cannot, as a read-only folder
+    stops everyone else): one line naming the output, as `ckpt export` says it, exit 1 (an
+    I/O failure), not a PermissionError's traceback."""
+    np.savez(tmp_path / "xy.npz", x=np.zeros((10, 3)), y=np.arange(10) % 2)
+    (tmp_path / "s.svm").write_text("1 1:1\n0 2:1\n" * 5)
+    r = run_py(["-m", "mpips", "data", args[0], "/proc/x.h5", *args[1:]], cwd=tmp_path)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "cannot write /proc/x.h5 (" in r.stderr and "no dataset written" in r.stderr
+    assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ('world_size = "2"', "world_size: expected an integer, got '2'"),
+        ("world_size = true", "world_size: expected an integer, got True"),
+        ("world_size = 2.0", "world_size: expected an integer, got 2.0"),
+        ("world_size = 0", "world_size: must be in 1..1048576, got 0"),
+        ("ps = true", 'ps: expected a count, a list of ranks or "per_node", got True'),
+        ("ps = 1.0", 'ps: expected a count, a list of ranks or "per_node", got 1.0'),
+        ("ps = [0, true]", 'ps: expected a count, a list of ranks or "per_node", got [0, True]'),
+        ("ps = [0.0]", 'ps: expected a count, a list of ranks or "per_node", got [0.0]'),
+        ('ps = "pernode"', "ps: expected a count, a list of ranks or \"per_node\", got 'pernode'"),
+    ],
+)
+def test_a_layout_file_checks_its_types(tmp_path, text, said):
+    """As a job's [layout] table is checked: unchecked, ``world_size = "2"`` was refused as
+    "world_size = 2, but the job runs on 2 ranks", ``true`` passed as 1 rank, and `mpips
+    layout` ended in a TypeError's traceback."""
+    (tmp_path / "l.toml").write_text(text + "\n")
+    with pytest.raises(ConfigError) as e:
+        read_layout_file(tmp_path / "l.toml")
+    assert str(e.value) == f"layout file {tmp_path / 'l.toml'}: {said}"
+    r = run_py(["-m", "mpips", "layout", "-n", "2", "--layout", "l.toml"], cwd=tmp_path)
+    assert r.returncode == 2 and f"layout file l.toml: {said}" in r.stderr, r.stderr
+    assert r.stderr.count("mpips: error") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_layout_file_of_good_types_is_read(tmp_path):
+    for text, spec in (
+        ("ps = 2\nworld_size = 8", {"ps": 2, "world_size": 8}),
+        ("ps = [0, 4]", {"ps": [0, 4]}),
+        ('ps = "per_node"', {"ps": "per_node"}),
+    ):
+        (tmp_path / "l.toml").write_text(text + "\n")
+        assert read_layout_file(tmp_path / "l.toml") == spec
