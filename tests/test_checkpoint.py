@@ -1,6 +1,9 @@
 import json
+import os
+import re
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -334,3 +337,232 @@ def test_the_checkpoint_package_builds_no_job_dataset_or_model():
             todo.append(m)
     reached = seen & {"mpips.job", "mpips.data", "mpips.model", "mpips.nn", "mpips.ctr"}
     assert not reached, sorted(seen)
+
+
+# -- every shard is the manifest's, and holds what it says --------------------------------------
+
+
+def two_steps(d):
+    """Checkpoints at steps 1 and 2, each of two shards (a variable in each)."""
+    placement = round_robin(SPECS, 2)
+    for step in (1, 2):
+        v = values(step)
+        for task in range(2):
+            arrays = {e.spec.name: v[e.spec.name] for e in placement.on_ps(task)}
+            checkpoint.write_shard(d, step, task, 2, arrays, run="r")
+        checkpoint.commit(d, step, 2, *checkpoint.index_of(placement), {}, 3, run="r")
+    return d / "ckpt-2.json"
+
+
+def set_attr(shard, name, value):
+    with h5py.File(shard, "r+") as f:
+        if value is None:
+            del f.attrs[name]
+        else:
+            f.attrs[name] = value
+
+
+def copy_over(d, source):
+    (d / "ckpt-2.shard-0-of-2.h5").write_bytes((d / source).read_bytes())
+
+
+SHARD_0 = "ckpt-2.shard-0-of-2.h5"
+MIXED = {
+    "a shard of step 1 copied over step 2's": (
+        lambda d: copy_over(d, "ckpt-1.shard-0-of-2.h5"),
+        "its global_step is 1, not 2 (a shard of another checkpoint, copied or renamed?)",
+    ),
+    "shard 1 copied over shard 0": (
+        lambda d: copy_over(d, "ckpt-2.shard-1-of-2.h5"),
+        "its shard index is 1, not 0",
+    ),
+    "global_step edited": (
+        lambda d: set_attr(d / SHARD_0, "global_step", 9),
+        "its global_step is 9, not 2",
+    ),
+    "global_step deleted": (
+        lambda d: set_attr(d / SHARD_0, "global_step", None),
+        "it has no global_step attribute",
+    ),
+    "shard index deleted": (
+        lambda d: set_attr(d / SHARD_0, "shard", None),
+        "it has no shard attribute",
+    ),
+    "shard count edited": (
+        lambda d: set_attr(d / SHARD_0, "shards", 3),
+        "its shard count is 3, not 2",
+    ),
+    "format deleted": (
+        lambda d: set_attr(d / SHARD_0, "format", None),
+        "it has no format attribute",
+    ),
+    "format edited": (
+        lambda d: set_attr(d / SHARD_0, "format", "mpips-checkpoint-1"),
+        "its format is 'mpips-checkpoint-1'",
+    ),
+    "checksum kind edited": (
+        lambda d: set_attr(d / SHARD_0, "checksum", "md5"),
+        "its checksum is 'md5', not 'crc32'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MIXED)
+def test_a_shard_whose_attributes_are_not_the_manifests_is_refused(tmp_path, case):
+    """A checkpoint never mixes steps or shards: a shard whose format, global_step, index
+    or count is not the manifest's is one message naming it and what differs, for a read
+    and for ckpt inspect's layouts, and nothing is modified."""
+    path = two_steps(tmp_path)
+    change, said = MIXED[case]
+    change(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    ckpt = Checkpoint(path)
+    message = re.escape(f"shard {SHARD_0} is not this checkpoint's: {said}")
+    with pytest.raises(CheckpointError, match=message):
+        ckpt.read_all()
+    on_0 = next(n for n, e in ckpt.variables.items() if e.parts[0].shard == 0)
+    with pytest.raises(CheckpointError, match=message):
+        ckpt.layouts(on_0)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_shard_written_before_the_shard_count_and_checksums_still_loads(tmp_path):
+    """The shard count and checksums are newer than the format: shards without them load."""
+    path = two_steps(tmp_path)
+    for k in range(2):
+        shard = tmp_path / checkpoint.shard_name(2, k, 2)
+        set_attr(shard, "shards", None)
+        set_attr(shard, "checksum", None)
+        with h5py.File(shard, "r+") as f:
+            f.visititems(lambda _, o: o.attrs.__delitem__("crc32") if "crc32" in o.attrs else 0)
+    got = Checkpoint(path).read_all()[0]
+    for k, v in values(2).items():
+        np.testing.assert_array_equal(got[k], v)
+
+
+REPLACED = {
+    "another dtype": (
+        np.zeros((3, 2), np.float64),
+        "holds 'dense_0/kernel' as float64[3, 2], the manifest says float32[3, 2]",
+    ),
+    "another shape": (
+        np.zeros((2, 2), np.float32),
+        "holds 'dense_0/kernel' as float32[2, 2], the manifest says float32[3, 2]",
+    ),
+    "none": (None, "holds no 'dense_0/kernel', the manifest says float32[3, 2]"),
+}
+
+
+@pytest.mark.parametrize("case", REPLACED)
+def test_a_dataset_of_another_dtype_or_shape_is_named(tmp_path, case):
+    path = save(tmp_path, 1, values())
+    value, said = REPLACED[case]
+    with h5py.File(tmp_path / "ckpt-1.shard-0-of-1.h5", "r+") as f:
+        del f["variables/dense_0/kernel"]
+        if value is not None:
+            f["variables/dense_0/kernel"] = value
+    with pytest.raises(CheckpointError, match=re.escape(f"shard ckpt-1.shard-0-of-1.h5 {said}")):
+        Checkpoint(path).read(SPECS)
+
+
+@pytest.mark.parametrize(
+    "kind, said", [("fifo", "is a FIFO"), ("directory", "is a directory"), ("zero", "is a device")]
+)
+def test_a_shard_that_is_no_regular_file_says_what_it_is(tmp_path, kind, said):
+    path = save(tmp_path, 1, values())
+    shard = tmp_path / "ckpt-1.shard-0-of-1.h5"
+    shard.unlink()
+    {"fifo": os.mkfifo, "directory": os.mkdir, "zero": lambda p: os.symlink("/dev/zero", p)}[kind](
+        shard
+    )
+    with pytest.raises(CheckpointError, match=f"shard {shard.name}: {said}, not a regular file"):
+        Checkpoint(path).read(SPECS)
+
+
+# -- checksums -------------------------------------------------------------------------------
+
+
+def flip(shard, dataset, at=0):
+    """Flip one bit of byte ``at`` of ``dataset``'s values, in the file's bytes (as a disk
+    or a copy damages them), leaving its metadata as it was."""
+    with h5py.File(shard, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(shard, "r+b") as f:
+        f.seek(offset + at)
+        byte = f.read(1)[0]
+        f.seek(offset + at)
+        f.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize(
+    "dataset, said",
+    [
+        ("variables/dense_0/kernel", "variable 'dense_0/kernel'"),
+        ("slots/m/dense_0/bias", "optimizer slot 'dense_0/bias/m'"),
+    ],
+)
+def test_a_flipped_byte_in_a_shards_values_is_refused(tmp_path, dataset, said):
+    v = values()
+    path = save(tmp_path, 1, v, slots={"dense_0/bias/m": v["dense_0/bias"] + 1})
+    shard = tmp_path / "ckpt-1.shard-0-of-1.h5"
+    flip(shard, dataset, at=5)
+    before = shard.read_bytes()
+    with pytest.raises(
+        CheckpointError,
+        match=f"shard {shard.name} is damaged: the values of {said} do not match the checksum",
+    ):
+        Checkpoint(path).read_all()
+    assert shard.read_bytes() == before
+    with h5py.File(shard, "r+") as f:  # without a checksum in a shard that records them
+        del f[dataset].attrs["crc32"]
+    with pytest.raises(CheckpointError, match=f"its dataset /{dataset} .* carries none"):
+        Checkpoint(path).read_all()
+
+
+def partitioned(d, shards=2, rows=11):
+    """A table of ``rows`` rows split "mod" over ``shards`` shards."""
+    table = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
+    for k in range(shards):
+        checkpoint.write_shard(d, 1, k, shards, {"emb": table[k::shards]})
+    index = {
+        "emb": Entry(
+            table.shape, "float32", tuple(Part(k, (k, rows, shards)) for k in range(shards))
+        )
+    }
+    checkpoint.commit(d, 1, shards, index, {}, {}, 3)
+    return checkpoint.resolve(d), VariableSpec("emb", table.shape), table
+
+
+def test_a_partition_is_checked_when_all_its_rows_are_read(tmp_path):
+    """Every read of all of a stored partition checks its crc32: the same partition, or
+    several merged onto fewer PS tasks. A read of some of its rows (restoring onto a PS
+    count that splits it) is not checked: it would have to read the rest too."""
+    ckpt, spec, table = partitioned(tmp_path)
+    flip(ckpt.shard_path(1), "variables/emb", at=10)  # its row 1: the table's row 3
+    damaged = "shard ckpt-1.shard-1-of-2.h5 is damaged: the values of variable 'emb'"
+    for rows in [(1, 11, 2), (0, 11, 1)]:  # the same partition; 2 PS -> 1
+        with pytest.raises(CheckpointError, match=damaged):
+            ckpt.read([spec], rows={"emb": rows})
+    got = ckpt.read([spec], rows={"emb": (0, 11, 3)})["emb"]  # 2 PS -> 3: rows 0, 3, 6, 9
+    assert got[1].tobytes() != table[3].tobytes()  # (not checked: documented)
+    np.testing.assert_array_equal(ckpt.read([spec], rows={"emb": (0, 11, 2)})["emb"], table[::2])
+
+
+def test_the_checksum_is_of_what_was_written(tmp_path):
+    """Values that change while a shard is written (SGD updates landing in a PS's window)
+    are checksummed as the file holds them: each block is copied, then checksummed and
+    written, and the file then reads back with no checksum error."""
+    from mpips.checkpoint import checksum
+
+    a = np.arange(40, dtype=np.float32).reshape(20, 2)
+
+    def racing():
+        for rows, block in checksum.copied_blocks(a):
+            yield rows, block
+            a[:] += 1  # after the copy: the file gets the block as copied
+
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        ds = checksum.write_checked(f, "x", a.shape, a.dtype, racing())
+        assert int(ds.attrs["crc32"]) == checksum.crc32(ds[()])
+    assert checksum.crc32(a[::2]) == checksum.crc32(np.ascontiguousarray(a[::2]))
+    assert checksum.crc32(a[10:], checksum.crc32(a[:10])) == checksum.crc32(a)

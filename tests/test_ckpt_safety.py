@@ -150,6 +150,30 @@ def test_reading_a_checkpoint_never_imports_the_model_its_manifest_names(tmp_pat
     assert not (tmp_path / "out.h5").exists()
 
 
+@pytest.mark.parametrize(
+    "dataset, said",
+    [
+        ("values", "do not match the checksum written with them"),
+        ("index", "its row index does not match the checksum written with it"),
+    ],
+)
+def test_a_flipped_byte_in_a_sparse_part_is_refused(tmp_path, dataset, said):
+    """A sparse part's row index (read whole when it is checked) and its stored rows (when
+    all are read) are checked against their crc32s, naming the shard and the table."""
+    from mpips.ctr import EMBEDDING
+
+    d = tmp_path / "ck"
+    model, opt, table = sparse_checkpoint(d, {})
+    shard = d / checkpoint.shard_name(1, 0, 1)
+    with h5py.File(shard, "r") as f:
+        offset = f[f"variables/{EMBEDDING}/{dataset}"].id.get_offset()
+    raw = bytearray(shard.read_bytes())
+    raw[offset] ^= 0x10  # index 7 becomes 23: in range, ascending; a value changes
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=f"shard {shard.name} .*'{EMBEDDING}'.* {said}"):
+        Checkpoint(d / "ckpt-1.json").read_all(initial.from_model(model, opt))
+
+
 # -- hostile manifests -----------------------------------------------------------------------
 
 
@@ -290,6 +314,7 @@ def digits_checkpoint(d, nan=False):
     path.parent.mkdir(parents=True)
     with h5py.File(path, "w") as f:  # written by hand: write_shard refuses NaN
         f.attrs["format"] = checkpoint.FORMAT
+        f.attrs["global_step"], f.attrs["shard"] = 7, 0
         for name, value in params.items():
             f[checkpoint.h5_path(name, False)] = value
     checkpoint.commit(path.parent, 7, 1, checkpoint.whole_index(params), {}, {"model": "mlp"})

@@ -14,7 +14,7 @@ import pytest
 from conftest import clean_env, dense_data_file, run_mpi, run_py, run_train
 
 from mpips import checkpoint
-from mpips.checkpoint import Checkpoint
+from mpips.checkpoint import Checkpoint, checksum
 from mpips.errors import CheckpointError
 from mpips.job import parse_job
 from mpips.startup import data_position
@@ -60,13 +60,16 @@ def snapshot(d):
 # -- 1. NaN or infinity: train's restore refuses it, as eval does -----------------------------
 
 
-def poke(shard, path, value):
+def poke(shard, path, value, crc=True):
     """Put ``value`` into element [1, 2] (or [1]) of dataset ``path`` of ``shard``, as no
-    mpips run writes it."""
+    mpips run writes it; ``crc``: with the checksum of the new values, as a file written
+    by other means would carry (else the checksum written with the old ones: damage)."""
     with h5py.File(shard, "r+") as f:
         a = f[path][()]
         a[(1, 2) if a.ndim == 2 else (1,)] = value
         f[path][...] = a
+        if crc:
+            f[path].attrs[checksum.CRC32] = np.uint32(checksum.crc32(a))
 
 
 @pytest.mark.launcher
@@ -312,6 +315,54 @@ def test_a_shard_with_damaged_metadata_is_one_message_for_every_command(tmp_path
         one_message(r, said)
         assert len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
     assert snapshot(tmp_path / "ck") == before and not (tmp_path / "out.h5").exists()
+
+
+def flip_value(shard, dataset, at):
+    """Flip a bit of byte ``at`` of ``dataset``'s values in ``shard``'s bytes (its metadata,
+    checksum included, as written): what a failing disk or copy does."""
+    with h5py.File(shard, "r") as f:
+        offset = f[dataset].id.get_offset()
+    raw = bytearray(shard.read_bytes())
+    raw[offset + at] ^= 0x10
+    shard.write_bytes(bytes(raw))
+
+
+MIXED_OR_FLIPPED = {
+    "mixed": (
+        lambda ck: (ck / "ckpt-20.shard-0-of-2.h5").write_bytes(
+            (ck / "ckpt-10.shard-0-of-2.h5").read_bytes()
+        ),
+        "checkpoint ck/ckpt-20.json: shard ckpt-20.shard-0-of-2.h5 is not this checkpoint's: "
+        "its global_step is 10, not 20",
+    ),
+    "flipped": (
+        lambda ck: flip_value(ck / "ckpt-20.shard-1-of-2.h5", "variables/dense_0/bias", 9),
+        "checkpoint ck/ckpt-20.json: shard ckpt-20.shard-1-of-2.h5 is damaged: the values of "
+        "variable 'dense_0/bias' do not match the checksum",
+    ),
+}
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("case", MIXED_OR_FLIPPED)
+def test_a_mixed_or_damaged_checkpoint_is_refused_by_train_eval_and_inspect(tmp_path, case):
+    """The reproduction: a run of 2 PS tasks checkpoints at steps 10 and 20; step 10's shard 0
+    copied over step 20's, or a flipped bit in a shard's values, is one message naming the
+    shard for a resuming train, eval and ckpt inspect (exit 2), and nothing is written."""
+    digits_job(tmp_path, steps=20)
+    job = tmp_path / "job.toml"
+    job.write_text(job.read_text() + "every_steps = 10\n")  # one run: one run id
+    assert run_train(tmp_path, 4, "job.toml", "--ps", "2").returncode == 0
+    ck = tmp_path / "ck"
+    change, said = MIXED_OR_FLIPPED[case]
+    change(ck)
+    before = snapshot(ck)
+    r = run_train(tmp_path, 4, "job.toml", "--ps", "2", "--steps", "30")
+    one_message(r, said)
+    assert r.result is None
+    for args in (["eval", "job.toml"], ["ckpt", "inspect", "ck"]):
+        one_message(run_py(["-m", "mpips", *args], tmp_path), said)
+    assert snapshot(ck) == before
 
 
 @pytest.mark.launcher(quick=True)

@@ -21,10 +21,12 @@ A directory belongs to one run at a time: the chief holds an exclusive lock on
 ``D/.mpips-lock`` for the whole run (released by the OS when it ends, however it ends), so a
 second run started on the same directory stops at start-up naming the first. Every shard
 and the manifest carry the run's id (agreed by all ranks at start-up): a manifest never
-commits, and a reader never reads, another run's shard.
+commits, and a reader never reads, another run's shard; nor one whose format, global step,
+index or count is not the manifest's, nor values whose crc32 is not the one written.
 
 The package, a module per job: format (file names, index entries), lock (the directory lock
-and run id), checks (finite values, a writable directory), sparse (table partitions stored
+and run id), checks (finite values, a writable directory), checksum (the crc32 of every
+dataset, as written and as read), sparse (table partitions stored
 by their changed rows), manifest (the index, encoded and parsed), writing (shards and the
 commit), pruning (what a commit makes obsolete), reading (Checkpoint, resolve) and export.
 Nothing here builds a job, a dataset or a model: initial values are handed in.

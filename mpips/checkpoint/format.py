@@ -16,6 +16,7 @@ NUMBER_KINDS = "biufc"  # numbers only: an object dtype would mean pickled data
 MAX_SHARDS = 1 << 20  # one shard per PS task: more is a corrupt or hostile manifest
 SPARSE = "sparse"  # the layout attribute of a part stored as (index, values)
 RUN = "run"  # the run id: a shard attribute and a manifest field
+SHARDS = "shards"  # how many shards the checkpoint has: a shard attribute and a manifest field
 
 Rows = tuple[int, int, int]  # range(start, stop, step) of axis 0
 

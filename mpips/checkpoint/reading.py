@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -21,12 +22,14 @@ from ..initial import CHUNK_ELEMENTS, InitialValues, row_chunks
 from ..memory import check_fits
 from ..variables import VariableSpec
 from .checks import count_non_finite
+from .checksum import CHECKSUM, CRC32, crc32, recorded
 from .format import (
     FORMAT,
     MANIFEST_FILE,
     MAX_SHARDS,
     RUN,
     SHARD_FILE,
+    SHARDS,
     Entry,
     Part,
     Rows,
@@ -36,7 +39,11 @@ from .format import (
     text_attr,
 )
 from .manifest import MAX_INT, check_meta, parse_index, parse_ints
-from .sparse import SparsePart, check_sparse
+from .sparse import SparsePart, check_sparse, integer
+
+# the shard attributes that must equal the manifest's (format and run are checked apart),
+# in words; SHARDS only where written (shards before it do not record their count)
+SHARD_NUMBERS = {"global_step": "global_step", "shard": "shard index", SHARDS: "shard count"}
 
 
 class NeedsModel(CheckpointError):
@@ -103,8 +110,10 @@ class Checkpoint:
         shards that hold them (a PS restoring its partition never holds the whole table).
         Rows that a sparse part does not store are computed again: a constant, or
         ``initial``'s rows (without it, NeedsModel: a checkpoint never makes mpips build the
-        model it names). Every shard read must carry the manifest's run id. Anything missing
-        or of another shape or dtype is an error naming it; ``stored_bytes`` and
+        model it names). Every shard read must carry the manifest's run id, format, global
+        step, its own shard index and (where recorded) count; every dataset read whole is
+        checked against the crc32 its shard records (see _verify). Anything missing, of
+        another shape or dtype, or damaged is an error naming it; ``stored_bytes`` and
         ``regenerated_bytes`` then say how much was read from the shards and how much
         computed. ``finite`` (what NaN or infinity would spoil, and what to do instead):
         every array is checked as it is read, and one holding NaN or infinity is a
@@ -112,7 +121,7 @@ class Checkpoint:
         rows = rows or {}
         wanted = [(s, False) for s in specs] + [(s, True) for s in slot_specs]
         out: dict[str, np.ndarray] = {}
-        files: dict[int, h5py.File] = {}
+        files: dict[int, _Shard] = {}
         entries = [self._entry(spec, is_slot) for spec, is_slot in wanted]
         need = sum(
             _nbytes(e, rows.get(spec.name)) for e, (spec, _) in zip(entries, wanted, strict=True)
@@ -131,8 +140,8 @@ class Checkpoint:
         except (OSError, KeyError, ValueError, TypeError) as e:
             raise CheckpointError(f"checkpoint {self.path}: corrupt or unreadable ({e})") from None
         finally:
-            for f in files.values():
-                f.close()
+            for shard in files.values():
+                shard.file.close()
         return out
 
     def refuse_non_finite(
@@ -176,16 +185,17 @@ class Checkpoint:
             )
         return entry
 
-    def _assemble(self, w: _Wanted, files: dict[int, h5py.File]) -> np.ndarray:
+    def _assemble(self, w: _Wanted, files: dict[int, _Shard]) -> np.ndarray:
         """The rows ``w`` wants, from every part that holds some of them."""
         full = (0, w.entry.shape[0] if w.entry.shape else 1, 1)
         target = range(*(w.rows or full))
         for part in w.entry.parts:  # the common cases: a whole array, or the same partition
             if range(*(part.rows or full)) == target:
                 stored = self._stored(w, part, files)
-                if isinstance(stored, h5py.Dataset):
+                if isinstance(stored, _Dense):
                     with h5py_errors(self._damaged(part.shard)):
-                        whole = stored[()]
+                        whole = stored.dataset[()]
+                    self._verify(w, part.shard, stored.crc, crc32(whole))
                     self.stored_bytes += whole.nbytes
                     return whole
                 array = np.empty((len(target),) + w.entry.shape[1:], w.entry.dtype)
@@ -198,50 +208,120 @@ class Checkpoint:
             if both is None:
                 continue
             stored = self._stored(w, part, files)
-            if isinstance(stored, h5py.Dataset):  # one hyperslab on each side, straight in
+            if isinstance(stored, _Dense):  # one hyperslab on each side, straight in
                 with h5py_errors(self._damaged(part.shard)):
-                    stored.read_direct(array, *both)
+                    stored.dataset.read_direct(array, *both)
+                if _is_all(both[0], len(range(*(part.rows or full)))):
+                    self._verify(w, part.shard, stored.crc, crc32(array[both[1]]))
                 self.stored_bytes += array[both[1]].nbytes
             else:
                 self._read_sparse(w, part.shard, stored, array, *both)
         return array
 
-    def _stored(
-        self, w: _Wanted, part: Part, files: dict[int, h5py.File]
-    ) -> h5py.Dataset | SparsePart:
+    def _stored(self, w: _Wanted, part: Part, files: dict[int, _Shard]) -> _Dense | SparsePart:
         """What ``part`` is stored as (a dataset, or a sparse part), checked against the
         manifest."""
-        damaged = self._damaged(part.shard)
         if part.shard not in files:
-            path = self.shard_path(part.shard)
-            if not path.is_file():
-                raise CheckpointError(f"checkpoint {self.path}: shard {path.name} is missing")
-            f = open_plain(
-                path, CheckpointError, f"checkpoint {self.path}: shard {path.name}", damaged
-            )
-            files[part.shard] = f
-            with h5py_errors(damaged):
-                wrote = text_attr(plain_attrs(f).get(RUN))
-            if self.run is not None and wrote != self.run:
-                raise CheckpointError(
-                    f"checkpoint {self.path}: shard {path.name} was written by "
-                    f"{f'run {wrote}' if wrote else 'a run with no id'}, not by the run that "
-                    f"committed this manifest ({self.run}): two runs wrote into "
-                    f"{self.directory}; this checkpoint cannot be read"
-                )
-        entry = w.entry
-        with h5py_errors(damaged):
-            obj = files[part.shard].get(h5_path(w.name, w.is_slot))
+            files[part.shard] = self._open_shard(part.shard)
+        shard, entry = files[part.shard], w.entry
+        with h5py_errors(self._damaged(part.shard)):
+            obj = shard.file.get(h5_path(w.name, w.is_slot))
             if isinstance(obj, h5py.Group) and entry.shape:
-                return check_sparse(self.path, w.name, entry, part, obj)
-            held = (obj.shape, obj.dtype) if isinstance(obj, h5py.Dataset) else None
-        shape = entry.shape if part.rows is None else (len(range(*part.rows)),) + entry.shape[1:]
-        if held is None or held[0] != shape or held[1] != np.dtype(entry.dtype):
-            raise CheckpointError(
-                f"checkpoint {self.path}: shard {self.shard_path(part.shard).name} does not hold "
-                f"'{w.name}' as the manifest says"
+                return check_sparse(self.path, w.name, entry, part, obj, shard.checksummed)
+            shape = (
+                entry.shape if part.rows is None else (len(range(*part.rows)),) + entry.shape[1:]
             )
-        return obj
+            problem = _held_mismatch(obj, shape, np.dtype(entry.dtype))
+            if problem is None:
+                assert isinstance(obj, h5py.Dataset)
+                return _Dense(obj, recorded(obj, shard.checksummed, self._no_crc(w, part.shard)))
+        name = self.shard_path(part.shard).name
+        raise CheckpointError(
+            f"checkpoint {self.path}: shard {name} {problem.format(name=w.name)}, the manifest "
+            f"says {entry.dtype}{list(shape)}"
+        )
+
+    def _open_shard(self, k: int) -> _Shard:
+        """Shard ``k`` opened as plain data, after checking that it is this checkpoint's:
+        its run, format, global step, index and count are the manifest's (a shard copied
+        or renamed from another checkpoint would mix two steps in one restore)."""
+        path = self.shard_path(k)
+        if not path.exists():  # (a FIFO, a directory, a device: open_plain says which)
+            raise CheckpointError(f"checkpoint {self.path}: shard {path.name} is missing")
+        damaged = self._damaged(k)
+        f = open_plain(path, CheckpointError, f"checkpoint {self.path}: shard {path.name}", damaged)
+        try:
+            with h5py_errors(damaged):
+                attrs = plain_attrs(f)
+            self._check_run(path.name, text_attr(attrs.get(RUN)))
+            problem = self._shard_mismatch(k, attrs)
+        except BaseException:
+            f.close()
+            raise
+        if problem is not None:
+            f.close()
+            raise CheckpointError(
+                f"checkpoint {self.path}: shard {path.name} is not this checkpoint's: "
+                f"{problem}; this checkpoint cannot be read"
+            )
+        return _Shard(f, attrs.get(CHECKSUM) == CRC32)
+
+    def _check_run(self, name: str, wrote: str | None) -> None:
+        """CheckpointError unless shard ``name`` was written by the run (``wrote``) that
+        committed the manifest (if it names one)."""
+        if self.run is not None and wrote != self.run:
+            raise CheckpointError(
+                f"checkpoint {self.path}: shard {name} was written by "
+                f"{f'run {wrote}' if wrote else 'a run with no id'}, not by the run that "
+                f"committed this manifest ({self.run}): two runs wrote into "
+                f"{self.directory}; this checkpoint cannot be read"
+            )
+
+    def _shard_mismatch(self, k: int, attrs: dict[str, Any]) -> str | None:
+        """How shard ``k``'s attributes disagree with the manifest, in words; None if its
+        format, global step, index and count (where recorded) and checksum kind agree."""
+        fmt = attrs.get("format")
+        if fmt != FORMAT:
+            return "it has no format attribute" if fmt is None else f"its format is {fmt!r}"
+        want = {"global_step": self.step, "shard": k, SHARDS: self.num_shards}
+        for key, words in SHARD_NUMBERS.items():
+            if key == SHARDS and key not in attrs:
+                continue
+            if key not in attrs:
+                return f"it has no {key} attribute"
+            if integer(attrs[key]) != want[key]:
+                return (
+                    f"its {words} is {_shown(attrs[key])}, not {want[key]} (a shard of "
+                    f"another checkpoint, copied or renamed?)"
+                )
+        kind = attrs.get(CHECKSUM)
+        if kind not in (None, CRC32):
+            return f"its checksum is {kind!r}, not {CRC32!r}"
+        return None
+
+    def _no_crc(self, w: _Wanted, shard: int) -> Callable[[str], CheckpointError]:
+        """The error for a dataset of ``w`` whose checksum is absent or not a crc32."""
+        name = self.shard_path(shard).name
+
+        def no_crc(dataset: str) -> CheckpointError:
+            return CheckpointError(
+                f"checkpoint {self.path}: shard {name} records crc32 checksums, but its "
+                f"dataset {dataset} ({_kind(w.is_slot)} '{w.name}') carries none (or one "
+                f"that is no crc32): damaged; this checkpoint cannot be read"
+            )
+
+        return no_crc
+
+    def _verify(self, w: _Wanted, shard: int, expected: int | None, got: int) -> None:
+        """CheckpointError naming the shard and ``w`` if the crc32 of the bytes read
+        (``got``) is not the one written (None: the shard records none)."""
+        if expected is not None and got != expected:
+            raise CheckpointError(
+                f"checkpoint {self.path}: shard {self.shard_path(shard).name} is damaged: "
+                f"the values of {_kind(w.is_slot)} '{w.name}' do not match the checksum "
+                f"written with them (crc32 {got:08x}, written {expected:08x}); this "
+                f"checkpoint cannot be read (an earlier one, or a copy, may be intact)"
+            )
 
     def _read_sparse(
         self,
@@ -254,10 +334,12 @@ class Checkpoint:
     ) -> None:
         """Rows ``held`` (positions in the part) of a sparse part into ``out[into]``: their
         initial values first (a constant, or computed a chunk of rows at a time), then the
-        rows the part stores, scattered over them (read a chunk at a time)."""
+        rows the part stores, scattered over them (read a chunk at a time; when every row
+        is wanted, every stored row is read, and checked against its crc32)."""
         view, chosen = out[into], range(len(part.rows))[held]
         if not len(chosen):
             return
+        whole, crc = len(chosen) == len(part.rows), 0
         if part.constant is not None:
             view[...] = part.constant
         else:
@@ -270,9 +352,12 @@ class Checkpoint:
             if take.any():
                 with h5py_errors(self._damaged(shard)):
                     rows = part.values[lo:hi]
+                crc = crc32(rows, crc) if whole else crc
                 self.stored_bytes += rows.nbytes + index[lo:hi].nbytes
                 view[(index[lo:hi][take] - chosen.start) // chosen.step] = rows[take]
         self.regenerated_bytes += view.nbytes - int(mine.sum()) * view[:1].nbytes
+        if whole:
+            self._verify(w, shard, part.crc, crc)
 
     def _regenerate(self, w: _Wanted, rows: range, seed: int, view: np.ndarray) -> None:
         """The initial values of ``rows`` of ``w`` (a table, or a slot of one) into ``view``,
@@ -310,13 +395,8 @@ class Checkpoint:
         entry = (self.slots if is_slot else self.variables)[name]
         out = []
         for part in entry.parts:
-            path, damaged = self.shard_path(part.shard), self._damaged(part.shard)
-            with (
-                open_plain(
-                    path, CheckpointError, f"checkpoint {self.path}: shard {path.name}", damaged
-                ) as f,
-                h5py_errors(damaged),
-            ):
+            shard = self._open_shard(part.shard)
+            with shard.file as f, h5py_errors(self._damaged(part.shard)):
                 obj = f.get(h5_path(name, is_slot))
                 index = obj.get("index") if isinstance(obj, h5py.Group) else None
                 stored = index.shape[0] if isinstance(index, h5py.Dataset) and index.ndim else None
@@ -333,6 +413,51 @@ class Checkpoint:
 
         both = self.read(specs(self.variables), specs(self.slots), initial=initial)
         return ({n: both[n] for n in self.variables}, {n: both[n] for n in self.slots})
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """An open shard, checked to be its checkpoint's; ``checksummed``: its datasets carry
+    crc32s (a shard written before checksums carries none)."""
+
+    file: h5py.File
+    checksummed: bool
+
+
+@dataclass(frozen=True)
+class _Dense:
+    """A part stored whole, as a dataset checked against the manifest, and the crc32 it
+    was written with (None: its shard records none)."""
+
+    dataset: h5py.Dataset
+    crc: int | None
+
+
+def _held_mismatch(obj: object, shape: tuple[int, ...], dtype: np.dtype[Any]) -> str | None:
+    """How ``obj`` (what a shard holds at a part's path) is not a ``dtype`` dataset of
+    ``shape``, in words with ``{name}`` for the variable's; None if it is."""
+    if obj is None:
+        return "holds no '{name}'"
+    if not isinstance(obj, h5py.Dataset):
+        return "holds '{name}' as a group, not an array"
+    if obj.shape != shape or obj.dtype != dtype:
+        return f"holds '{{name}}' as {obj.dtype}{list(obj.shape)}"
+    return None
+
+
+def _is_all(positions: slice, length: int) -> bool:
+    """Whether ``positions`` (from _overlap) are every row of ``range(length)``."""
+    return len(range(length)[positions]) == length
+
+
+def _shown(value: Any) -> str:
+    """An attribute's value in a message: an integer as a number, anything else as repr."""
+    number = integer(value)
+    return repr(value) if number is None else str(number)
+
+
+def _kind(is_slot: bool) -> str:
+    return "optimizer slot" if is_slot else "variable"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from ..hdf5 import fixed_text, plain_attrs
 from ..initial import InitialValues, row_chunks
 from ..memory import check_fits
+from .checksum import crc32, recorded, write_array, write_checked
 from .format import NUMBER_KINDS, SPARSE, Entry, Part, Rows, h5_path
 
 SPARSE_MIN_BYTES = 1 << 16  # smaller partitions are written whole: sparse saves too little
@@ -146,7 +147,8 @@ def write_sparse(f: h5py.File, path: str, changed: _Changed, tables: SparseTable
     """One array of a table partition as a group: ``index`` (positions of the rows that
     differ from their initial values, ascending), ``values`` (those rows), and attributes
     saying what the other rows hold: ``base`` "constant" (``value``) or "initial" (the
-    model's initial rows of ``seed``)."""
+    model's initial rows of ``seed``). Both datasets carry the crc32 of what was written
+    (see checksum)."""
     a, index = changed.array, changed.index()
     g = f.create_group(path)
     g.attrs["layout"] = fixed_text(SPARSE)
@@ -158,10 +160,10 @@ def write_sparse(f: h5py.File, path: str, changed: _Changed, tables: SparseTable
     else:
         g.attrs["base"] = fixed_text("initial")
         g.attrs["seed"] = tables.seed
-    g.create_dataset("index", data=index)
-    values = g.create_dataset("values", (len(index),) + a.shape[1:], a.dtype)
-    for lo, hi in row_chunks(len(index), a[:1].size, tables.initial.chunk_elements):
-        values[lo:hi] = a[index[lo:hi]]
+    write_array(g, "index", index)
+    chunks = row_chunks(len(index), a[:1].size, tables.initial.chunk_elements)
+    blocks = (((slice(lo, hi),), a[index[lo:hi]]) for lo, hi in chunks)
+    write_checked(g, "values", (len(index),) + a.shape[1:], a.dtype, blocks)
 
 
 def _table_arrays(
@@ -180,19 +182,24 @@ def _table_arrays(
 class SparsePart:
     """A part stored sparsely, checked: its rows of the whole variable, the ascending
     positions (in the part) of the rows it stores, those rows, and what the other rows hold
-    (``constant``, or the initial values of ``seed``)."""
+    (``constant``, or the initial values of ``seed``), and the crc32 ``values`` was
+    written with (None: its shard records none)."""
 
     rows: range
     index: np.ndarray
     values: h5py.Dataset
     constant: np.ndarray | None
     seed: int
+    crc: int | None = None
 
 
-def check_sparse(path: Path, name: str, entry: Entry, part: Part, g: h5py.Group) -> SparsePart:
+def check_sparse(
+    path: Path, name: str, entry: Entry, part: Part, g: h5py.Group, checksummed: bool = False
+) -> SparsePart:
     """A sparse part checked: its attributes, the shapes and dtypes of its index and
-    values, and every index entry (in range, strictly ascending); a CheckpointError
-    saying what is wrong otherwise."""
+    values, every index entry (in range, strictly ascending) and, if ``checksummed`` (its
+    shard records crc32s), the index's crc32; a CheckpointError saying what is wrong
+    otherwise. The values' crc32 is checked as they are read (see Checkpoint)."""
     dtype = np.dtype(entry.dtype)
     rows = range(*(part.rows or (0, entry.shape[0], 1)))
     shard = Path(g.file.filename).name
@@ -222,12 +229,37 @@ def check_sparse(path: Path, name: str, entry: Entry, part: Part, g: h5py.Group)
         )
     constant, seed = _sparse_base(attrs, dtype, bad)
     check_fits(8 * k, f"reading checkpoint {path}", CheckpointError)
-    positions = index[()].astype(np.int64)
+    stored = index[()]
+    positions = stored.astype(np.int64)
     if k and (positions.min() < 0 or positions.max() >= len(rows)):
         raise bad(f"its row index holds positions outside 0..{len(rows) - 1}")
     if k and bool((positions[1:] <= positions[:-1]).any()):
         raise bad("its row index is not strictly ascending (sorted, no repeats)")
-    return SparsePart(rows, positions, values, constant, seed)
+    _check_index_crc(index, stored, checksummed, bad)
+    crc = recorded(values, checksummed, _no_crc(bad))
+    return SparsePart(rows, positions, values, constant, seed, crc)
+
+
+def _no_crc(bad: Callable[[str], CheckpointError]) -> Callable[[str], CheckpointError]:
+    """The error for a dataset of a sparse part that carries no crc32 its shard records."""
+    return lambda dataset: bad(f"its dataset {dataset} carries no crc32 (its shard records them)")
+
+
+def _check_index_crc(
+    index: h5py.Dataset,
+    stored: np.ndarray,
+    checksummed: bool,
+    bad: Callable[[str], CheckpointError],
+) -> None:
+    """``bad`` unless ``stored``, the row ``index`` read whole, matches the crc32 it was
+    written with (if its shard records one)."""
+    expected = recorded(index, checksummed, _no_crc(bad))
+    got = crc32(stored)
+    if expected is not None and got != expected:
+        raise bad(
+            f"its row index does not match the checksum written with it (crc32 {got:08x}, "
+            f"written {expected:08x}): the shard is damaged"
+        )
 
 
 def _sparse_base(

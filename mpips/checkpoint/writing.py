@@ -14,7 +14,8 @@ from ..errors import CheckpointError
 from ..files import TEXT_LIMIT, atomic_write
 from ..hdf5 import H5PY_ERRORS, fixed_text, open_plain, plain_attrs, reason
 from .checks import check_finite
-from .format import FORMAT, RUN, Entry, h5_path, manifest_name, shard_name, text_attr
+from .checksum import CHECKSUM, CRC32, write_array
+from .format import FORMAT, RUN, SHARDS, Entry, h5_path, manifest_name, shard_name, text_attr
 from .lock import run_of
 from .manifest import encode_index
 from .pruning import prune
@@ -43,7 +44,8 @@ def write_shard(
     shard holds) and ``slots`` (``<variable>/<slot>`` -> array), tagged with ``run`` (by
     default the run this process writes in ``directory``, see run_of). With ``tables``, the
     table partitions among them and their slots are written sparsely where that writes at
-    most SPARSE_MAX_FRACTION of their bytes (see write_sparse), else whole. NonFinite, and
+    most SPARSE_MAX_FRACTION of their bytes (see write_sparse), else whole. Every dataset
+    carries the crc32 of the bytes written (see checksum). NonFinite, and
     nothing written, if any value is NaN or infinite; WriteFailed (exit 1) if the file
     system refuses it (disk full, read-only)."""
     slots = slots or {}
@@ -56,6 +58,8 @@ def write_shard(
             f.attrs["format"] = fixed_text(FORMAT)
             f.attrs["global_step"] = step
             f.attrs["shard"] = shard
+            f.attrs[SHARDS] = num_shards
+            f.attrs[CHECKSUM] = fixed_text(CRC32)
             if run:
                 f.attrs[RUN] = fixed_text(run)
             for is_slot, arrays in ((False, variables), (True, slots)):
@@ -64,7 +68,7 @@ def write_shard(
                     if tables is not None and path in sparse:
                         write_sparse(f, path, sparse[path], tables)
                     else:
-                        f.create_dataset(path, data=value)
+                        write_array(f, path, value)
 
     return atomic_write(
         Path(directory) / shard_name(step, shard, num_shards),
