@@ -519,6 +519,25 @@ def test_a_flipped_byte_in_a_shards_values_is_refused(tmp_path, dataset, said):
         Checkpoint(path).read_all()
 
 
+@pytest.mark.parametrize("at", [0, 9, -1])
+def test_a_large_array_read_in_blocks_is_checked_across_them(tmp_path, monkeypatch, at):
+    """A large part is read a block of rows at a time, each block's crc32 chained in a
+    thread while the next is read: a flipped byte in the first, a middle or the last block
+    is refused, and undamaged, the blocks give the array's values."""
+    from mpips.checkpoint import reading
+
+    monkeypatch.setattr(reading, "READ_BLOCK_ELEMENTS", 2)  # the 3x2 kernel: a row a block
+    v = values()
+    path = save(tmp_path, 1, v)
+    got = Checkpoint(path).read_all()[0]
+    assert all(np.array_equal(got[k], v[k]) for k in v)
+    shard = tmp_path / "ckpt-1.shard-0-of-1.h5"
+    size = v["dense_0/kernel"].nbytes
+    flip(shard, "variables/dense_0/kernel", at=at % size)
+    with pytest.raises(CheckpointError, match="the values of variable 'dense_0/kernel' do not"):
+        Checkpoint(path).read_all()
+
+
 def partitioned(d, shards=2, rows=11):
     """A table of ``rows`` rows split "mod" over ``shards`` shards."""
     table = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
