@@ -204,9 +204,28 @@ time.sleep(0.05)
 os.kill(os.getpid(), signal.SIGINT)  # the same request again, as GNU timeout makes it
 time.sleep(0.05)
 print("alive", preemption.requested(), flush=True)
-time.sleep(preemption.DUPLICATE_SECONDS)
+time.sleep(preemption.DUPLICATE_SECONDS + 1)
 os.kill(os.getpid(), signal.SIGTERM)  # a second request: the default action, at once
 time.sleep(10)
+print("not ended", flush=True)
+"""
+
+STUCK = """
+import os, signal, threading, time
+import numpy as np
+from mpi4py import MPI
+from mpips import preemption
+preemption.install()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.05)
+print("asked", preemption.requested(), flush=True)
+
+def again():
+    time.sleep(preemption.DUPLICATE_SECONDS + 1)
+    os.kill(os.getpid(), signal.SIGINT)  # a second request while the main thread is in C
+
+threading.Thread(target=again, daemon=True).start()
+MPI.COMM_WORLD.Recv(np.empty(1), source=0, tag=7)  # blocks in MPI: no Python handler runs
 print("not ended", flush=True)
 """
 
@@ -219,7 +238,12 @@ def test_a_repeated_signal_is_one_request_and_a_later_one_ends_the_process(tmp_p
     began = time.monotonic()
     r = run_py(["twice.py"], tmp_path, timeout=30)
     assert r.stdout == f"alive {int(signal.SIGTERM)}\n", (r.stdout, r.stderr)
-    assert r.returncode == -signal.SIGTERM and time.monotonic() - began < 8, r
+    assert r.returncode == -signal.SIGTERM and time.monotonic() - began < 9, r
+    # stuck in C (a blocking MPI receive): the later request still ends the process
+    (tmp_path / "stuck.py").write_text(STUCK)
+    r = run_py(["stuck.py"], tmp_path, timeout=30)
+    assert r.stdout == f"asked {int(signal.SIGTERM)}\n", (r.stdout, r.stderr)
+    assert r.returncode == -signal.SIGINT, r
 
 
 def test_sigterm_to_gnu_timeout_around_mpirun_checkpoints_and_exits_3(tmp_path):
