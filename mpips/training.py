@@ -49,8 +49,21 @@ def train(
     worker reads only its part). On one process (no mpirun) the job trains as a single
     synchronous replica, to debug a model locally.
     """
-    preemption.install()  # first: a signal during start-up is acted on at the first step
-    comm = comm or MPI.COMM_WORLD
+    previous = preemption.install()  # first: a signal during start-up acts at the first step
+    try:
+        return _collective_train(job, hooks, comm or MPI.COMM_WORLD, model, data)
+    finally:  # the caller's handlers back (a notebook's Ctrl-C is KeyboardInterrupt again)
+        preemption.restore(previous)
+
+
+def _collective_train(
+    job: Job,
+    hooks: Iterable[Hook],
+    comm: MPI.Intracomm,
+    model: Any,
+    data: Mapping[str, tuple[Any, Any]] | None,
+) -> TrainResult:
+    """train() once the signals are caught."""
     mode = modes.select(job, comm.size)
     job = as_run(job, mode, model)
     nodes = node_of_each_rank(comm)

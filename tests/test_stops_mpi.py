@@ -246,6 +246,54 @@ def test_a_repeated_signal_is_one_request_and_a_later_one_ends_the_process(tmp_p
     assert r.returncode == -signal.SIGINT, r
 
 
+NOTEBOOK = """
+import os, signal, time
+import mpips
+from mpips import preemption
+before = {s: signal.getsignal(s) for s in preemption.SIGNALS}
+
+class CtrlC(mpips.Hook):
+    def begin(self, run):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in a notebook, during a run
+
+job = mpips.load_job(None)
+job.train.progress, job.train.steps = False, 5
+result = mpips.train(job, hooks=[CtrlC()])
+print("stopped by", result.stopped_by, flush=True)
+assert {s: signal.getsignal(s) for s in preemption.SIGNALS} == before
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+first = preemption.install()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.05)
+second = preemption.install()  # a run at once after: the first request's watch is over
+time.sleep(preemption.DUPLICATE_SECONDS + 0.5)
+os.kill(os.getpid(), signal.SIGUSR1)  # the second run's first request, not a death
+time.sleep(0.05)
+print("second run asked by", preemption.requested(), flush=True)
+preemption.restore(second)
+preemption.restore(first)
+assert {s: signal.getsignal(s) for s in preemption.SIGNALS} == before
+"""
+
+
+def test_a_run_gives_the_callers_signal_handlers_back(tmp_path):
+    """mpips.train in a script or notebook: Ctrl-C during the run stops it (a checkpoint);
+    after the run Ctrl-C raises KeyboardInterrupt again, as before it. A run started
+    within a second of an earlier request is not killed by that request's timer."""
+    (tmp_path / "notebook.py").write_text(NOTEBOOK)
+    r = run_py(["notebook.py"], tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [line for line in r.stdout.splitlines() if not line.startswith("[")] == [
+        f"stopped by {int(signal.SIGINT)}",
+        "KeyboardInterrupt",
+        f"second run asked by {int(signal.SIGUSR1)}",
+    ], (r.stdout, r.stderr[-3000:])
+
+
 def test_sigterm_to_gnu_timeout_around_mpirun_checkpoints_and_exits_3(tmp_path):
     """``timeout 60 mpirun ...`` sent SIGTERM (a scheduler's or a user's): the clean stop."""
     job = BackgroundJob(tmp_path, 3, "--steps", str(10**9), wrap=("timeout", "60"))
