@@ -207,6 +207,11 @@ def numpy_reason(e: BaseException) -> str:
         return "not in numpy's format, or Python objects, which mpips never unpickles"
     if isinstance(e, ValueError) and "mmap length" in text:
         return "truncated: shorter than its header says"
+    if isinstance(e, MemoryError):  # (a valid member larger than memory, or a bad header)
+        return (
+            f"{text.strip() or 'out of memory'}: more than this machine's memory holds; a .npz "
+            f"member is read whole, a .npy file is memory-mapped (data convert writes HDF5)"
+        )
     return text.strip().splitlines()[0] if text.strip() else type(e).__name__
 
 
@@ -317,7 +322,7 @@ def _open(
         raise
     except (OSError, KeyError, ValueError, TypeError, AttributeError, MemoryError) as e:
         kind = {"hdf5": "mpips HDF5", "npz": ".npz", "npy": ".npy"}.get(info.kind, "")
-        raise DataError(f"{where}: not a readable {kind} dataset ({e})") from None
+        raise DataError(f"{where}: not a readable {kind} dataset ({numpy_reason(e)})") from None
     return DatasetInfo(
         info.path,
         widths["train"],

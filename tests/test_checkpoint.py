@@ -400,6 +400,10 @@ MIXED = {
         lambda d: set_attr(d / SHARD_0, "format", "mpips-checkpoint-1"),
         "its format is 'mpips-checkpoint-1'",
     ),
+    "checksum kind deleted": (
+        lambda d: set_attr(d / SHARD_0, "checksum", None),
+        "it has no checksum attribute",
+    ),
     "checksum kind edited": (
         lambda d: set_attr(d / SHARD_0, "checksum", "md5"),
         "its checksum is 'md5', not 'crc32'",

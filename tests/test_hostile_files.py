@@ -312,6 +312,24 @@ def test_a_npz_member_that_is_no_array_or_damaged_is_one_data_error(tmp_path):
         data.open_data(DataConfig(path=str(tmp_path / "crc.npz")))
 
 
+def test_a_npz_member_larger_than_memory_says_so_and_what_to_use(tmp_path):
+    """A .npz member is read whole: one of 3.6 TiB (its header says) is numpy's MemoryError,
+    said as memory, with the formats that are read in parts."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (10**12,)}
+    )
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as z:
+        z.writestr("x_train.npy", header.getvalue() + bytes(64))
+        for name in ("y_train", "x_test", "y_test"):
+            z.writestr(f"{name}.npy", npy_bytes(np.zeros(4, np.int64)))
+    with pytest.raises(DataError) as e:
+        data.open_data(DataConfig(path=str(tmp_path / "huge.npz")))
+    said = str(e.value)
+    assert "huge.npz: not a readable .npz dataset (Unable to allocate 3.64 TiB" in said, said
+    assert "more than this machine's memory holds" in said and "memory-mapped" in said, said
+
+
 @pytest.mark.parametrize(
     "name, content, said",
     [

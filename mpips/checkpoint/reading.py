@@ -147,6 +147,7 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.path}: corrupt or unreadable ({e})") from None
         finally:
             self._crcs.shutdown(cancel_futures=True)
+            self._checks = []  # (a Checkpoint read again, or kept, holds nothing of this read)
             for shard in files.values():
                 shard.file.close()
         return out
@@ -310,7 +311,8 @@ class Checkpoint:
 
     def _shard_mismatch(self, k: int, attrs: dict[str, Any]) -> str | None:
         """How shard ``k``'s attributes disagree with the manifest, in words; None if its
-        format, global step, index and count (where recorded) and checksum kind agree."""
+        format, global step, index and count (where recorded) and checksum kind agree (a
+        shard that records its count, as every shard with checksums does, must name one)."""
         fmt = attrs.get("format")
         if fmt != FORMAT:
             return "it has no format attribute" if fmt is None else f"its format is {fmt!r}"
@@ -326,6 +328,8 @@ class Checkpoint:
                     f"another checkpoint, copied or renamed?)"
                 )
         kind = attrs.get(CHECKSUM)
+        if kind is None and SHARDS in attrs:  # (written together: one without the other
+            return "it has no checksum attribute"  # would be read unchecked)
         if kind not in (None, CRC32):
             return f"its checksum is {kind!r}, not {CRC32!r}"
         return None
