@@ -3,11 +3,13 @@ trained by the workers as synchronous replicas. With one worker it equals one pr
 two, every replica's dense variables stay bit-for-bit the same and the tables equal a
 lockstep reference; its checkpoints restore onto another PS count."""
 
+import os
 import re
+import signal
 
 import numpy as np
 import pytest
-from conftest import run_mpi
+from conftest import RESULT, BackgroundJob, read_result, run_mpi
 from test_ctr_mpi import JOB, small_dataset
 
 from mpips.checkpoint import Checkpoint
@@ -152,3 +154,20 @@ def test_nothing_of_a_hybrid_step_whose_loss_is_not_finite_is_pushed(tmp_path):
     assert "clip_norm" not in r.stderr  # hybrid refuses it: not advised
     pushes = re.findall(r"pushed by (\d)", r.stdout)
     assert sorted(pushes) == ["0"] * 3 + ["1"] * 3, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("victim", ["/job:worker/task:1", "/job:ps/task:0"])
+def test_a_signal_stops_a_hybrid_job_with_exit_3_on_every_rank(tmp_path, victim):
+    """SIGTERM to a worker (or the PS task) of a hybrid job: a checkpoint, exit 3 and
+    stopped_by in the result (a worker's own signal stopped the replicas, but no task
+    recorded it: the job exited 0 and a requeue on exit 3 never came)."""
+    hybrid_job(tmp_path, "wide_deep", "adagrad", 0.3, 10**9)
+    text = (tmp_path / "job.toml").read_text() + "every_steps = 20\n"
+    (tmp_path / "job.toml").write_text(text)
+    job = BackgroundJob(tmp_path, 4, "job.toml", "--result", RESULT)
+    job.wait_for("saved checkpoint")
+    os.kill(job.pid_of(victim), signal.SIGTERM)
+    assert job.end(60) == 3, job.text()[-3000:]
+    res = read_result(tmp_path)
+    assert res and res["stopped_by"] == "SIGTERM", job.text()[-3000:]
+    assert f"checkpoint at global_step {res['global_step']} in runs/s" in job.text()

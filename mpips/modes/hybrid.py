@@ -139,8 +139,13 @@ class HybridReplica(Replica):
         return x, {**self.params, **rows}, {**self.grads, **self.client.gradients()}
 
     def _signal(self) -> int:
-        """Its own signal, or one any task (a PS task included) set in the control window."""
-        return preemption.requested() or self.control.stop_signal()
+        """Its own signal, or one any task (a PS task included) set in the control window.
+        Its own is set there too: every task, the PS ones included, reads the run's stop
+        signal from the window at the end (and exits 3 by it)."""
+        own = preemption.requested()
+        if own and not self.control.stop_signal():
+            self.control.request_stop(own)
+        return own or self.control.stop_signal()
 
     def _push_rows(self, grads: dict[str, Any], lr: float) -> None:
         """This worker's gradient rows (deltas for SGD) to the PS tasks, applied there before
