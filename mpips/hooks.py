@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm import tqdm
 
+from .errors import MpipsError
 from .log import log
 
 if TYPE_CHECKING:
@@ -67,6 +68,20 @@ class Run:
         """The model's dense variables now, by name (numpy copies): pulled from the PS tasks
         in async mode, this replica's own in sync mode. Costs a pull: call it when needed."""
         return self.read_variables()
+
+    def close(self, global_step: int) -> None:
+        """The run is over and its store about to be freed (async mode): a hook that kept
+        this Run reads the final ``global_step``, and ``variables()`` is an error (it read
+        freed memory: a segfault)."""
+
+        def over() -> dict[str, Any]:
+            raise MpipsError(
+                "mpips.Run.variables(): the run is over and its PS store freed; call it "
+                "from a hook during the run, or read the final checkpoint"
+            )
+
+        self.global_step, self.read_variables = (lambda: global_step), over
+        self.stop_run = lambda: None
 
     def request_stop(self) -> None:
         """End the run early, as a normal end: every worker stops at its next step (async:

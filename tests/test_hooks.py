@@ -133,3 +133,34 @@ def test_a_job_with_stop_at_loss_ends_normally_where_the_loss_fell(tmp_path):
     first_said = min(int(s) for _, _, s in said)
     assert result["global_step"] <= first_said + 4, r.stdout[-3000:]  # steps in flight
     assert (tmp_path / f"runs/default/ckpt-{result['global_step']}.json").exists()
+
+
+KEPT = """
+import mpips
+kept = {}
+class Keep(mpips.Hook):
+    def begin(self, run):
+        kept["run"] = run
+with mpips.abort_on_error():
+    job = mpips.load_job(None)
+    job.train.progress, job.train.steps = False, 40
+    result = mpips.train(job, hooks=[Keep()])
+    if "run" in kept:
+        run = kept["run"]
+        assert run.global_step() == result.global_step == 40, (run.global_step(), result)
+        try:
+            run.variables()
+        except mpips.MpipsError as e:
+            print("said:", e, flush=True)
+"""
+
+
+def test_a_run_kept_past_its_end_says_so_instead_of_reading_freed_memory(tmp_path):
+    """A hook that keeps its Run and reads it after mpips.train returned: in async mode the
+    PS store is freed by then (global_step() segfaulted, variables() was an MPI error on
+    every rank); now the final step, and one clear error."""
+    (tmp_path / "kept.py").write_text(KEPT)
+    r = run_mpi(3, ["kept.py"], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [line for line in r.stdout.splitlines() if line.startswith("said:")]
+    assert len(said) == 2 and "the run is over and its PS store freed" in said[0], r.stdout

@@ -109,6 +109,7 @@ class StoreWorker:
         )
         if self.cluster.is_chief:
             self._conclude(result, gathered)
+        run.close(result.global_step)  # (the store is freed next: a kept Run must not read it)
         return result
 
     def _validate(self) -> dict[str, float]:
