@@ -317,14 +317,17 @@ def _resolve_job(args: argparse.Namespace) -> Job:
     return validate(job)
 
 
-def _check_result_path(path: str | None) -> None:
-    """``--result FILE`` must be writable: found at start-up, not after the run."""
+def _check_result_path(path: str | None, job: str | None) -> None:
+    """``--result FILE`` must be writable, and not the job file: found at start-up, not
+    after the run."""
     import os
     from pathlib import Path
 
     from .errors import ConfigError
+    from .files import refuse_overwriting
 
     if path:
+        refuse_overwriting(path, [job], ConfigError)
         folder = Path(path).resolve().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise ConfigError(
@@ -343,7 +346,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with abort_on_error():
 
         def start_up() -> Job:
-            _check_result_path(args.result)
+            _check_result_path(args.result, args.job)
             return _resolve_job(args)
 
         job = agreed(MPI.COMM_WORLD, start_up)
@@ -360,7 +363,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation import evaluate
     from .files import atomic_write
 
-    _check_result_path(args.result)
+    _check_result_path(args.result, args.job)
     job = _resolve_job(args)
     metrics, step, path = evaluate(job, args.ckpt)
     shown = " ".join(f"test_{k} {v:.4f}" for k, v in metrics.items())
@@ -380,8 +383,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
     from .evaluation import predict
+    from .files import refuse_overwriting
 
+    refuse_overwriting(args.output, [args.input, args.job], ConfigError)
     job = _resolve_job(args)
     rows, step = predict(job, args.input, args.output, args.ckpt)
     print(
@@ -691,6 +697,10 @@ ZIPF_LEAST_ROWS = 10  # zipf holds out rows // 10 test rows: fewer would leave n
 
 def _check_data_args(args: argparse.Namespace, out: Path) -> None:
     """``data``'s sizes and output, before anything is read or generated."""
+    from .files import refuse_overwriting
+
+    sources = [getattr(args, k, None) for k in ("src", "test_src", "val_src")]
+    refuse_overwriting(out, sources, DataError)
     if args.rows is not None and args.dataset in ("synthetic", "zipf"):
         least = ZIPF_LEAST_ROWS if args.dataset == "zipf" else 1
         if args.rows < least:

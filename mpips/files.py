@@ -79,6 +79,25 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def refuse_overwriting(
+    output: str | Path, inputs: list[str | Path | None], error: type[MpipsError]
+) -> None:
+    """``error`` (one line) if ``output`` is the same file as one of ``inputs``: written,
+    it would replace what the command reads (a job file, a data source), which is lost."""
+    for given in inputs:
+        if given is None or str(given) == "":
+            continue
+        try:
+            same = os.path.samefile(output, given)
+        except OSError:  # (one of them does not exist yet, or cannot be looked at)
+            same = Path(output).resolve() == Path(given).resolve()
+        if same:
+            raise error(
+                f"{output}: the same file as the input {given}: writing it would replace "
+                f"what this command reads; give another output name"
+            )
+
+
 def check_output(final: Path, checkpoint_file: bool = False) -> None:
     """OutputRefused unless ``final`` may be written (replaced by a rename): a new name, a
     regular file or a link (the link is replaced, never what it names); and, unless

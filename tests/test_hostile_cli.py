@@ -315,3 +315,25 @@ def test_data_into_a_directory_is_one_message(tmp_path, capsys):
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ck"]
     assert not list((tmp_path / "ck").iterdir())
+
+
+@quick
+def test_an_output_naming_the_commands_own_input_is_refused_before_anything_is_lost(tmp_path):
+    """--result onto the job file, predictions onto their input, a converter's HDF5 onto its
+    text or .npz source: each replaced what the command read (exit 0, the input gone)."""
+    (tmp_path / "j.toml").write_text('[data]\nbuiltin = "digits"\n[train]\nsteps = 5\n')
+    (tmp_path / "a.svm").write_text("1 3:1.5\n0 7:2\n" * 50)
+    np.savez(tmp_path / "src.npz", x=np.zeros((40, 3), np.float32), y=np.arange(40) % 2)
+    np.save(tmp_path / "in.npy", np.zeros((4, 64), np.float32))
+    cases = [
+        (["train", "j.toml", "--result", "j.toml", "--no-progress"], "j.toml"),
+        (["eval", "j.toml", "--result", "./j.toml"], "j.toml"),
+        (["predict", "--ckpt", "ck", "--input", "in.npy", "--output", "in.npy"], "in.npy"),
+        (["data", "libsvm", "a.svm", "--src", "a.svm"], "a.svm"),
+        (["data", "arrays", "src.npz", "--src", "src.npz"], "src.npz"),
+    ]
+    for argv, kept in cases:
+        before = (tmp_path / kept).read_bytes()
+        r = run_py(["-m", "mpips", *argv], cwd=tmp_path, timeout=120)
+        refused(r, "the same file as the input", "give another output name")
+        assert (tmp_path / kept).read_bytes() == before, argv
