@@ -234,7 +234,13 @@ class MetricsWriter:
         jsonl.write(
             "".join(
                 json.dumps(
-                    {"time": round(now, 3), "task": self.task, "step": step, "name": k, "value": v}
+                    {
+                        "time": round(now, 3),
+                        "task": self.task,
+                        "step": step,
+                        "name": k,
+                        "value": float(v),
+                    }
                 )
                 + "\n"
                 for k, v in values.items()
@@ -246,7 +252,7 @@ class MetricsWriter:
             from tensorboardX.summary import scalar
 
             for k, v in values.items():
-                events.write_event(Event(summary=scalar(k, v), wall_time=now, step=step))
+                events.write_event(Event(summary=scalar(k, float(v)), wall_time=now, step=step))
 
 
 class Summaries(Hook):

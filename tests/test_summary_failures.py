@@ -48,6 +48,22 @@ def test_a_full_disk_switches_summaries_off_with_one_warning(tmp_path, capsys):
     assert "No space left on device (errno 28)): they are switched off, training goes on" in said
 
 
+def test_numpy_scalars_are_written_as_numbers(tmp_path, capsys):
+    """A model's loss as np.float32 (what a numpy mean gives): written, not "not JSON
+    serializable" and summaries switched off."""
+    import json
+
+    import numpy as np
+
+    out = MetricsWriter(tmp_path, WORKER, tensorboard=True)
+    out.record(1, {"loss": np.float32(0.5), "accuracy": np.float64(0.25)})
+    out.close()
+    said = capsys.readouterr().out
+    assert "cannot write summaries" not in said, said
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["name"], r["value"]) for r in lines] == [("loss", 0.5), ("accuracy", 0.25)]
+
+
 @pytest.fixture
 def stuck_fifo(tmp_path):
     """A worker folder whose metrics.jsonl is a FIFO nobody reads: opening it blocks, as a
