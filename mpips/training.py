@@ -35,7 +35,7 @@ __all__ = ["TrainResult", "train"]
 
 def train(
     job: Job,
-    hooks: Iterable[Hook] = (),
+    hooks: Iterable[Hook] | None = (),
     comm: MPI.Intracomm | None = None,
     model: Any = None,
     data: Mapping[str, tuple[Any, Any]] | None = None,
@@ -58,7 +58,7 @@ def train(
 
 def _collective_train(
     job: Job,
-    hooks: Iterable[Hook],
+    hooks: Iterable[Hook] | None,
     comm: MPI.Intracomm,
     model: Any,
     data: Mapping[str, tuple[Any, Any]] | None,
@@ -91,7 +91,7 @@ def _collective_train(
     # job at the first loss that is not finite (naming the worker and the global step)
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            result = _train(job, mode, cluster, list(hooks), model, data)
+            result = _train(job, mode, cluster, list(hooks or ()), model, data)
     except SystemExit as e:  # (not an Exception: it would end this rank alone)
         raise ExitDuringTraining(e.code) from None
     finally:  # the run is over, whether or not it raised: another run may take the directory

@@ -164,3 +164,13 @@ def test_a_run_kept_past_its_end_says_so_instead_of_reading_freed_memory(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     said = [line for line in r.stdout.splitlines() if line.startswith("said:")]
     assert len(said) == 2 and "the run is over and its PS store freed" in said[0], r.stdout
+
+
+def test_hooks_none_is_no_hooks(tmp_path):
+    """``mpips.train(job, hooks=None)`` (one process) trains, as with no hooks: it was a
+    TypeError on every rank."""
+    import mpips
+
+    job = mpips.load_job(None)
+    job.train.progress, job.train.steps, job.checkpoint.dir = False, 3, str(tmp_path / "ck")
+    assert mpips.train(job, hooks=None).global_step == 3
