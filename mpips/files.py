@@ -85,7 +85,7 @@ def refuse_overwriting(
     """``error`` (one line) if ``output`` is the same file as one of ``inputs``: written,
     it would replace what the command reads (a job file, a data source), which is lost."""
     for given in inputs:
-        if given is None or str(given) == "":
+        if not given:  # (None or "": an input not given)
             continue
         try:
             same = os.path.samefile(output, given)
