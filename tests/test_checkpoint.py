@@ -571,21 +571,35 @@ def test_a_partition_is_checked_when_all_its_rows_are_read(tmp_path):
     np.testing.assert_array_equal(ckpt.read([spec], rows={"emb": (0, 11, 2)})["emb"], table[::2])
 
 
-def test_the_checksum_is_of_what_was_written(tmp_path):
+def test_the_checksum_is_of_what_was_written(tmp_path, monkeypatch):
     """Values that change while a shard is written (SGD updates landing in a PS's window)
     are checksummed as the file holds them: each block is copied, then checksummed and
-    written, and the file then reads back with no checksum error."""
+    written, and the file then reads back with no checksum error. Here an update lands
+    right after each block's checksum, before its write: written from a view of the array
+    (not a copy), the file would hold the update and no longer match its checksum."""
     from mpips.checkpoint import checksum
 
+    monkeypatch.setattr(checksum, "CHUNK_ELEMENTS", 8)  # 4 rows of 2 a block: 5 blocks
     a = np.arange(40, dtype=np.float32).reshape(20, 2)
+    original = a.copy()
+    real_crc32 = checksum.crc32
+    blocks = []
 
-    def racing():
-        for rows, block in checksum.copied_blocks(a):
-            yield rows, block
-            a[:] += 1  # after the copy: the file gets the block as copied
+    def update_after(block, value=0):
+        got = real_crc32(block, value)
+        blocks.append(got)
+        a[:] += 1  # the update lands between the checksum and the write
+        return got
 
+    monkeypatch.setattr(checksum, "crc32", update_after)
     with h5py.File(tmp_path / "x.h5", "w") as f:
-        ds = checksum.write_checked(f, "x", a.shape, a.dtype, racing())
-        assert int(ds.attrs["crc32"]) == checksum.crc32(ds[()])
+        ds = checksum.write_array(f, "x", a)
+        written = ds[()]
+        assert int(ds.attrs["crc32"]) == real_crc32(written)
+    monkeypatch.setattr(checksum, "crc32", real_crc32)
+    assert len(blocks) == 5  # crosses 4 block boundaries
+    # each block as it was when copied: the ones before it had added 1 each
+    want = original + np.repeat(np.arange(5, dtype=np.float32), 4)[:, None]
+    np.testing.assert_array_equal(written, want)
     assert checksum.crc32(a[::2]) == checksum.crc32(np.ascontiguousarray(a[::2]))
     assert checksum.crc32(a[10:], checksum.crc32(a[:10])) == checksum.crc32(a)

@@ -207,6 +207,21 @@ def test_first_loss_and_grads_unit():
     good.loss_and_grads(params, x, y, want)
     np.testing.assert_array_equal(grads["w"], want["w"])
 
+    class Rebinds(my_model.Softmax):  # writes both, then rebinds them to copies
+        def loss_and_grads(self, params, x, y, grads, ready=None):
+            loss = super().loss_and_grads(params, x, y, grads)
+            grads["w"], grads["b"] = grads["w"] * 1, grads["b"].copy()
+            return loss
+
+    grads = buffers()
+    before = dict(grads)
+    _, problem = first_loss_and_grads(Rebinds(4, 3), params, x, y, grads)
+    assert problem.startswith(
+        "Rebinds.loss_and_grads rebinds grads['w'] (grads['w'] = ...) instead of writing"
+    ), problem
+    assert problem.endswith("(rebound too: b)"), problem
+    assert all(grads[k] is before[k] for k in grads)  # the caller's buffers, as handed over
+
     class Half(my_model.Softmax):
         def loss_and_grads(self, params, x, y, grads, ready=None):
             loss = super().loss_and_grads(params, x, y, grads)
