@@ -9,6 +9,8 @@ the first, gets the default action (the job dies), even while the rank is stuck 
 (a blocking MPI call) where no Python handler runs. One within that second is the same
 request delivered twice, and is ignored: GNU ``timeout`` signals mpirun and then its whole
 process group, so each rank gets the signal from it and again as mpirun forwards it.
+(mpirun itself takes a second SIGINT, however soon, for a forced abort: exit 255 whatever
+the ranks chose; ``python -m mpips.launch`` runs it so that it gets one: mpips/launch.py.)
 
 ``install()`` returns the handlers it replaced and ``restore()`` puts them back when a run
 ends, so a script or notebook that trains gets its own Ctrl-C (KeyboardInterrupt) back.

@@ -1,0 +1,157 @@
+"""``python -m mpips.launch mpirun -n 8 python -m mpips train ...``: the launcher, run so that
+Ctrl-C pressed twice in quick succession stops the job as one Ctrl-C does (a checkpoint,
+exit 3).
+
+MPICH's mpiexec (hydra) takes any second SIGINT for "force abort": it kills every rank and
+exits 255 with assertion lines of its own, even when the ranks have already committed their
+checkpoint and chosen exit 3; no option or environment variable changes that. Slurm's
+``srun -X`` (which passes one Ctrl-C on to the tasks) kills them at a second one within a
+second. A terminal sends Ctrl-C to its whole foreground process group, so the launcher gets
+every press. Here the launcher runs in a process group of its own, which the terminal's
+Ctrl-C does not reach, and this process passes the signals on: SIGINT once, dropping a
+repeat within preemption.DUPLICATE_SECONDS of it (the ranks too take one that soon for the
+same request); one after that is passed on, so Ctrl-C pressed again later still aborts the
+job. The other signals (SIGTERM, SIGUSR1, ...) are passed on as they come. Exits with the
+launcher's status.
+
+It imports the standard library and that constant only: this process holds no MPI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+from .preemption import DUPLICATE_SECONDS
+
+PROG = "mpips.launch"
+USAGE = (
+    f"python -m {PROG} LAUNCHER [ARG...]   "
+    f"(e.g. python -m {PROG} mpirun -n 8 python -m mpips train)"
+)
+RELAYED = (
+    signal.SIGHUP,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGTERM,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+DROPPED = (
+    f"{PROG}: a second Ctrl-C within {DUPLICATE_SECONDS:g} s is the same request: not passed "
+    "on (the launcher would abort the job); press it again later to abort"
+)
+HELP = (
+    "Runs the launcher in a process group of its own and passes signals on to it: Ctrl-C "
+    f"once (a repeat within {DUPLICATE_SECONDS:g} s is the same request; a later one aborts "
+    "the job), the others as they come. Exits with the launcher's status."
+)
+_PR_SET_PDEATHSIG = 1
+
+
+class Relay:
+    """Passes the signals this process receives on to the launcher (its pid: the launcher
+    forwards them to the ranks itself), SIGINT once per DUPLICATE_SECONDS."""
+
+    def __init__(self) -> None:
+        self.child: subprocess.Popen[bytes] | None = None
+        self.pending: list[int] = []  # received before the launcher started
+        self.first_interrupt: float | None = None
+        self.told = False
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and not self._pass_interrupt():
+            return
+        if self.child is None:
+            self.pending.append(signum)
+        else:
+            self.child.send_signal(signum)  # (nothing once the launcher has been reaped)
+
+    def _pass_interrupt(self) -> bool:
+        """Whether this SIGINT goes on: the first does, a repeat within the window not."""
+        now = time.monotonic()
+        if self.first_interrupt is None:
+            self.first_interrupt = now
+            return True
+        if now - self.first_interrupt >= DUPLICATE_SECONDS:
+            return True
+        if not self.told:
+            self.told = True
+            print(DROPPED, file=sys.stderr, flush=True)
+        return False
+
+    def started(self, child: subprocess.Popen[bytes]) -> None:
+        """The launcher runs: pass on what came while it started."""
+        self.child = child
+        while self.pending:
+            child.send_signal(self.pending.pop(0))
+
+
+def _ends_with_this_process() -> None:
+    """In the launcher, before exec: SIGTERM to it if this process dies first (kill -9), so
+    the job, in a process group of its own, never runs on out of Ctrl-C's reach."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def _stdin() -> int | None:
+    """The launcher's stdin: none from a terminal (a process group in the background that
+    reads its terminal is stopped by SIGTTIN), else this process's own."""
+    try:
+        return subprocess.DEVNULL if os.isatty(0) else None
+    except OSError:
+        return subprocess.DEVNULL
+
+
+def _exit_status(returncode: int) -> int:
+    """The launcher's status as ours: its exit code, or death by the same signal."""
+    if returncode >= 0:
+        return returncode
+    signum = -returncode
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return 128 + signum  # (a signal whose default action does not end a process)
+
+
+def run(command: Sequence[str]) -> int:
+    """Run the launcher ``command`` in its own process group, relaying signals (see the
+    module's docstring); returns its exit status, 2 if it cannot be started."""
+    relay = Relay()
+    previous = {sig: signal.signal(sig, relay.handle) for sig in RELAYED}
+    try:
+        try:
+            child = subprocess.Popen(
+                list(command), process_group=0, stdin=_stdin(), preexec_fn=_ends_with_this_process
+            )
+        except OSError as e:
+            print(f"{PROG}: error: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
+            return 2
+        relay.started(child)
+        returncode = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return _exit_status(returncode)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mpips.launch LAUNCHER [ARG...]``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(f"usage: {USAGE}\n{HELP}")
+        return 0
+    if not args:
+        print(f"{PROG}: error: no launcher command given; {USAGE}", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
