@@ -50,6 +50,17 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _verbose_arg(p: argparse.ArgumentParser, also: str = "") -> None:
+    """-v/--verbose: details, and a failure in the user's code with its full traceback."""
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help=f"{also}print an error raised in your own code (a model, a hook) with its full "
+        "traceback, not only its file and line (as MPIPS_VERBOSE=1 does)",
+    )
+
+
 def _ps_spec(text: str) -> int | list[int] | str:
     if text == "per_node":
         return text
@@ -100,13 +111,7 @@ def _add_train(sub: Subparsers) -> None:
         "(of an earlier run: use --ckpt-dir for a new directory)",
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar on the chief")
-    t.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="also print each rank's pid, each worker's rows, staleness and 'done' lines "
-        "(as MPIPS_VERBOSE=1 does)",
-    )
+    _verbose_arg(t, "also print each rank's pid, each worker's rows, staleness and 'done' lines; ")
     t.add_argument("--log-every", type=int, help="override train.log_every")
     t.add_argument(
         "--result",
@@ -134,6 +139,7 @@ def _add_eval(sub: Subparsers) -> None:
         help="write the metrics as JSON to FILE (checkpoint, global_step, model, "
         "test_<metric> and test_metrics), for scripts and tests to read",
     )
+    _verbose_arg(ev)
     ev.set_defaults(func=cmd_eval)
 
 
@@ -153,11 +159,29 @@ def _add_predict(sub: Subparsers) -> None:
         required=True,
         metavar="FILE",
         help="rows to predict: a .npy file, the array 'x' of a .npz, or the dataset 'x' of an "
-        "HDF5 file (numbers only; scaled as the job's data is)",
+        "HDF5 file (numbers only; raw rows are multiplied by the data's x_scale, as training "
+        "rows are; rows whose range looks scaled already are refused unless you say which)",
+    )
+    units = pr.add_mutually_exclusive_group()
+    units.add_argument(
+        "--input-raw",
+        dest="input_scaled",
+        action="store_false",
+        default=None,
+        help="the rows are in the data file's raw units: multiply them by its x_scale",
+    )
+    units.add_argument(
+        "--input-scaled",
+        dest="input_scaled",
+        action="store_true",
+        default=None,
+        help="the rows are multiplied by x_scale already (e.g. pixels in [0, 1]): use them "
+        "as they are",
     )
     pr.add_argument(
         "--output", required=True, metavar="FILE", help="the predictions, written as .npy"
     )
+    _verbose_arg(pr)
     pr.set_defaults(func=cmd_predict)
 
 
@@ -389,7 +413,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     refuse_overwriting(args.output, [args.input, args.job], ConfigError)
     job = _resolve_job(args)
-    rows, step = predict(job, args.input, args.output, args.ckpt)
+    rows, step = predict(job, args.input, args.output, args.ckpt, args.input_scaled)
     print(
         f"wrote {args.output}: predictions for {rows} rows (checkpoint at global_step "
         f"{step}, model {job.model.kind})"
@@ -729,3 +753,19 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `python -m mpips layout | head`: not an error worth a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as e:  # a mistake in the user's model (eval, predict): where it is
+        return _failed_in_user_code(args.command, e)
+
+
+def _failed_in_user_code(command: str, e: Exception) -> int:
+    """An exception out of a command run in this process: said as its file and line in the
+    user's code and its cause (exit 1), as a training job says it; raised on (a full
+    traceback) when verbose, or when no frame is the user's (a bug in mpips)."""
+    from .failure import FULL, in_user_code
+    from .log import verbose
+
+    lead = "" if verbose() else in_user_code(e)
+    if not lead:
+        raise e
+    print(f"{lead}\nmpips: {command} failed there ({FULL})", file=sys.stderr)
+    return 1

@@ -11,9 +11,12 @@ dataset larger than memory trains. Sparse CTR files (CSR) are read by sparse.py.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import queue
+import re
+import shlex
 import threading
 import zipfile
 import zlib
@@ -40,6 +43,9 @@ ALL_SPLITS = ("train", "test", "val")
 MAX_CLASSES = 1 << 24  # more output units than this is a corrupt or hostile attribute
 LABEL_CHUNK = 1 << 20  # labels scanned this many at a time (for num_classes)
 SCAN_BYTES = 1 << 24  # rows with a value that is not finite are looked for this much at a time
+RANGE_ROWS = 1 << 16  # train rows read (at most) for the inputs' range, without an x_range
+IDX_NAME = re.compile(r"idx\d-ubyte")  # MNIST's raw files: train-images-idx3-ubyte(.gz)
+LOOKED_AT = 1000  # entries of a folder named as data.path looked at for idx files
 # default names of the arrays in each kind of container
 HDF5_NAMES = {s: (f"{s}/x", f"{s}/y") for s in ALL_SPLITS}
 NPZ_NAMES = {s: (f"x_{s}", f"y_{s}") for s in ALL_SPLITS}  # Keras' mnist.npz convention
@@ -304,6 +310,8 @@ def _open(
         raise DataError(
             f"{where}: not found{_relative(info.path)} (make one with `python -m mpips data ...`)"
         )
+    if info.kind in ("hdf5", "npz"):
+        _refuse_raw(info.path, where)
     try:
         with _container(info) as source:
             with h5py_errors(_damaged(info)):  # (reads an HDF5 file's attributes only)
@@ -333,6 +341,56 @@ def _open(
         names=names,
         arrays=info.arrays,
     )
+
+
+def _refuse_raw(path: str, where: str) -> None:
+    """DataError naming the converter to run if ``path`` is a raw dataset (a folder, MNIST's
+    idx files, a gzip-compressed file) rather than a data file: a user who points data.path
+    at what they downloaded is told how to make one, as a missing file's message is."""
+    p = Path(path)
+    make = "make a data file from it once with `python -m mpips data"
+    then = 'then set data.path = "OUT.h5"'
+    if p.is_dir():
+        try:
+            names = [c.name for c in itertools.islice(p.iterdir(), LOOKED_AT)]
+        except OSError:
+            names = []
+        if any(IDX_NAME.search(n) for n in names):
+            raise DataError(
+                f"{where}: a folder of idx files (MNIST's format), not a data file: "
+                f"{make} fashion-mnist OUT.h5 --src {shlex.quote(path)}`, {then}"
+            )
+        raise DataError(
+            f"{where}: a directory, not a data file (HDF5 or .npz): {make} KIND OUT.h5 "
+            f"--src FILE` (`python -m mpips data --help` lists the kinds), {then}"
+        )
+    head = _first_bytes(p)
+    if IDX_NAME.search(p.name) and head[:2] in (GZIP_MAGIC, IDX_MAGIC):
+        raise DataError(
+            f"{where}: an idx file (MNIST's format), not a data file: {make} fashion-mnist "
+            f"OUT.h5 --src {shlex.quote(str(p.parent))}` (its folder), {then}"
+        )
+    if head[:2] == GZIP_MAGIC:
+        raise DataError(
+            f"{where}: gzip-compressed, not a data file (HDF5 or .npz): decompress it and "
+            f"{make} KIND OUT.h5 --src FILE` (`python -m mpips data --help` lists the "
+            f"kinds), {then}"
+        )
+
+
+GZIP_MAGIC, IDX_MAGIC = b"\x1f\x8b", b"\x00\x00"  # how a .gz and an idx file begin
+
+
+def _first_bytes(p: Path) -> bytes:
+    """The first bytes of a regular file (b"" for anything else, or one that cannot be
+    read: opening a FIFO would block, and the reader says what is wrong with it)."""
+    if not p.is_file():
+        return b""
+    try:
+        with open(p, "rb") as f:
+            return f.read(4)
+    except OSError:
+        return b""
 
 
 def _check_splits(
@@ -480,6 +538,38 @@ def load_split(
     )
     with _container(info) as source:
         return _read(info, source.get, split, start, stop)
+
+
+def raw_range(info: DatasetInfo) -> tuple[float, float]:
+    """The train inputs' (min, max) before ``x_scale``: the data file's attribute ``x_range``
+    if it records one, else those of its first RANGE_ROWS train rows (read a block at a
+    time, values that are not finite left out). predict compares its input with it."""
+    where = _where(info)
+    with _container(info) as source:
+        if "x_range" in source.attrs:
+            return _recorded_range(source.attrs["x_range"], where)
+        x = source.get(info.names["train"][0])
+        rows = min(info.rows["train"], RANGE_ROWS)
+        step = max(1, SCAN_BYTES // (4 * max(1, info.num_inputs)))
+        lo, hi = math.inf, -math.inf
+        for start in range(0, rows, step):
+            block = np.asarray(x[start : min(rows, start + step)], np.float32)
+            block = block[np.isfinite(block)]
+            if block.size:
+                lo, hi = min(lo, float(block.min())), max(hi, float(block.max()))
+    return (lo, hi) if lo <= hi else (0.0, 0.0)
+
+
+def _recorded_range(value: Any, where: str) -> tuple[float, float]:
+    """A data file's ``x_range`` attribute, checked: two finite numbers, min <= max."""
+    a = np.asarray(value)
+    if a.shape != (2,) or a.dtype.kind not in "biuf" or not np.isfinite(a).all() or a[0] > a[1]:
+        raise DataError(
+            f"{where}: the attribute x_range must be the train inputs' [min, max] (two "
+            f"finite numbers, before x_scale), got "
+            + (f"{a.tolist()!r}" if a.size <= 4 else f"{a.size} values")
+        )
+    return float(a[0]), float(a[1])
 
 
 def _where(info: DatasetInfo) -> str:

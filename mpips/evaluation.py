@@ -4,6 +4,9 @@ array file."""
 
 from __future__ import annotations
 
+import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from .data import (
     numpy_reason,
     open_data,
     open_npz,
+    raw_range,
 )
 from .errors import CheckpointError, ConfigError, DataError
 from .files import check_regular
@@ -122,9 +126,19 @@ def load_inputs(path: str) -> np.ndarray:
         return np.asarray(x, np.float32)
 
 
-def predict(job: Job, inputs: str, output: str, ckpt_path: str | None = None) -> tuple[int, int]:
+def predict(
+    job: Job,
+    inputs: str,
+    output: str,
+    ckpt_path: str | None = None,
+    input_scaled: bool | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> tuple[int, int]:
     """Write the model's predictions for the inputs to ``output`` (.npy); returns (rows,
-    global_step of the checkpoint)."""
+    global_step of the checkpoint). ``input_scaled``: whether the rows are multiplied by the
+    data's x_scale already (True) or raw (False); None decides from their range, and
+    refuses rows that look scaled (see input_is_scaled). ``warn``: where a range at odds
+    with what ``input_scaled`` says is told (default: a line on stderr)."""
     from .files import atomic_write
 
     model, params, ckpt, info = restore_model(job, ckpt_path)
@@ -143,10 +157,11 @@ def predict(job: Job, inputs: str, output: str, ckpt_path: str | None = None) ->
     if not len(x):
         raise DataError(f"--input {inputs}: holds no rows (shape {list(x.shape)})")
     x = x.reshape(len(x), -1)
-    with np.errstate(over="ignore"):  # an overflow to inf is said just below
-        x = x * np.float32(info.x_scale) if info.x_scale != 1.0 else x
-    scaled = f" (times x_scale {info.x_scale})" if info.x_scale != 1.0 else ""
-    check_finite(x, f"--input {inputs}", "input", detail=scaled)  # as training data is
+    check_finite(x, f"--input {inputs}", "input")
+    if not input_is_scaled(x, info, input_scaled, inputs, warn or _warn):
+        with np.errstate(over="ignore"):  # an overflow to inf is said just below
+            x = x * np.float32(info.x_scale)
+        check_finite(x, f"--input {inputs}", "input", detail=f" (times x_scale {info.x_scale})")
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         out = np.asarray(model.predict(params, x))
 
@@ -156,3 +171,55 @@ def predict(job: Job, inputs: str, output: str, ckpt_path: str | None = None) ->
 
     atomic_write(output, write, "no predictions written")
     return len(x), ckpt.step
+
+
+def _warn(text: str) -> None:
+    print(f"mpips: warning: {text}", file=sys.stderr)
+
+
+def input_is_scaled(
+    x: np.ndarray,
+    info: DatasetInfo,
+    given: bool | None,
+    inputs: str,
+    warn: Callable[[str], None],
+) -> bool:
+    """Whether predict's rows ``x`` (finite) are multiplied by the data's x_scale already.
+    ``given`` (--input-scaled / --input-raw) decides, and a range at odds with it is told
+    to ``warn``; without it the rows are raw unless their range looks scaled: then they are
+    refused (DataError), as scaling them again would give confident nonsense. An x_scale
+    of 1 makes both the same."""
+    if info.x_scale == 1.0:
+        return True
+    raw = raw_range(info)
+    scaled = (raw[0] * info.x_scale, raw[1] * info.x_scale)
+    span = (float(x.min()), float(x.max()))
+    looks = looks_scaled(span, raw, info.x_scale)
+    if (given is None and not looks) or looks is None or looks == given:
+        return bool(given)
+    after = f"after x_scale {info.x_scale:g} ([{scaled[0]:g}, {scaled[1]:g}])"
+    before = f"before x_scale ([{raw[0]:g}, {raw[1]:g}])"
+    said = (
+        f"--input {inputs}: its values span [{span[0]:g}, {span[1]:g}], like the training "
+        f"inputs " + (f"{after}, not {before}" if looks else f"{before}, not {after}")
+    )
+    if given is None:
+        raise DataError(
+            f"{said}: scaled again, they would give meaningless predictions. Give --input-scaled "
+            f"to use them as they are, or --input-raw to multiply them by x_scale"
+        )
+    flag = "--input-scaled: used as they are" if given else "--input-raw: multiplied by x_scale"
+    warn(f"{said}; {flag} all the same")
+    return given
+
+
+def looks_scaled(
+    span: tuple[float, float], raw: tuple[float, float], x_scale: float
+) -> bool | None:
+    """Whether inputs spanning ``span`` look multiplied by ``x_scale`` already, the training
+    inputs spanning ``raw`` before it: their largest magnitude nearer (as a ratio) to the
+    training inputs' after x_scale than before it. None if either is all zeros."""
+    top, top_raw = max(abs(span[0]), abs(span[1])), max(abs(raw[0]), abs(raw[1]))
+    if not top > 0 or not top_raw > 0:
+        return None
+    return abs(math.log(top / (top_raw * x_scale))) < abs(math.log(top / top_raw))

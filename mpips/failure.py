@@ -78,15 +78,93 @@ def abort_on_error() -> Iterator[None]:
         say(f"mpips: {where()} interrupted; aborting the job")
         _abort(130)
     except Exception as e:
-        said = f"mpips: {where()} failed with {type(e).__name__}: {e}"
-        if _first_to_explain():
+        _say_failed(e)
+        _abort(1)
+
+
+def _say_failed(e: Exception) -> None:
+    """What a rank says of an unexpected exception: where it raised in the user's own code
+    and why, in a few lines (the full traceback when verbose, or when no frame is the
+    user's: a bug in mpips); one line on the other ranks of the node (the same bug on
+    every worker: said once a node, not once a rank)."""
+    said = f"mpips: {where()} failed with {type(e).__name__}: {e}"
+    frame = user_frame(e)
+    full = _verbose() or frame is None
+    if _first_to_explain():
+        if full:
             tb = "".join(traceback.format_exception(e))
             say(f"mpips: {where()} failed:\n{tb}{said}; aborting the job")
-        else:  # (the same bug on every worker: one traceback a node, not one a rank)
-            frames = traceback.extract_tb(e.__traceback__)
-            at = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
-            say(f"{said}{at}; aborting the job (another rank of this node printed a traceback)")
-        _abort(1)
+        else:
+            say(f"{in_user_code(e)}\nmpips: {where()} failed there; aborting the job ({FULL})")
+        return
+    last = frame or (traceback.extract_tb(e.__traceback__) or [None])[-1]
+    at = f" at {Path(last.filename).name}:{last.lineno}" if last else ""
+    other = "printed a traceback" if full else "said where"
+    say(f"{said}{at}; aborting the job (another rank of this node {other})")
+
+
+FULL = "the full traceback: -v, or MPIPS_VERBOSE=1"
+
+
+def _verbose() -> bool:
+    """Whether the run prints details (-v, MPIPS_VERBOSE): full tracebacks too."""
+    from .log import verbose
+
+    return verbose()
+
+
+def user_frame(e: BaseException) -> traceback.FrameSummary | None:
+    """The frame of ``e``'s traceback where the user's own code (a model, a hook, a script)
+    raised, or called what raised: the last frame that is neither Python's library's nor an
+    installed package's (numpy's) nor one of the layers a model calls (mpips.layers). None
+    if mpips's own code raised: a bug in mpips, or a script's call into mpips.train."""
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        where = _whose(frame.filename)
+        if where == "user":
+            return frame
+        if where == "mpips":
+            return None
+    return None
+
+
+def _whose(filename: str) -> str:
+    """Whose code a traceback's file is: "user", "mpips", or "library" (Python's own, an
+    installed package, a module of mpips's that models call, a frame with no file)."""
+    if filename.startswith("<"):  # <string>, <frozen importlib._bootstrap>
+        return "library"
+    path = Path(filename).resolve()
+    if path.is_relative_to(_PACKAGE):
+        return "library" if path.name in MODEL_API else "mpips"
+    if {"site-packages", "dist-packages"} & set(path.parts):
+        return "library"
+    return "library" if any(path.is_relative_to(d) for d in _library_dirs()) else "user"
+
+
+_PACKAGE = Path(__file__).resolve().parent
+MODEL_API = ("layers.py", "nn.py", "backend.py")  # what a model's own code calls, as numpy
+
+
+def _library_dirs() -> list[Path]:
+    """Where Python's own library and installed packages live (this environment's)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    keys = ("stdlib", "platstdlib", "purelib", "platlib")
+    return [Path(paths[k]).resolve() for k in keys if k in paths]
+
+
+def in_user_code(e: BaseException) -> str:
+    """``e`` where it raised in the user's code, compiler style: ``file:line: in
+    function: Type: message`` and the line's source, indented (the file relative to the
+    working directory when below it). Empty if no frame of the traceback is the user's."""
+    frame = user_frame(e)
+    if frame is None:
+        return ""
+    name = frame.filename
+    with suppress(ValueError):
+        name = str(Path(name).resolve().relative_to(Path.cwd().resolve()))
+    line = f"\n    {frame.line.strip()}" if frame.line else ""
+    return f"{name}:{frame.lineno}: in {frame.name}: {type(e).__name__}: {e}{line}"
 
 
 def say(text: str) -> None:
@@ -136,9 +214,23 @@ def _abort(code: int) -> None:
         leaving(ABORT)  # this rank speaks for itself: the node's watcher stays quiet
         try:
             _unlink_runtime_shm()
+            _quiet_runtime()
         finally:
             comm.Abort(code)
     sys.exit(code)
+
+
+def _quiet_runtime() -> None:
+    """Unless verbose: this rank's stderr to /dev/null, once it has said why it aborts, so
+    the MPI runtime's own line (``Abort(1) on node 1 (rank 1 in comm 0): application called
+    MPI_Abort(MPI_COMM_WORLD, 1) - process 1``) does not bury it. Never raises."""
+    if _verbose():
+        return
+    with suppress(OSError, ValueError, AttributeError):
+        sys.stderr.flush()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stderr.fileno())
+        os.close(null)
 
 
 RUNTIME_SHM = b"/dev/shm/mpich_shm_"  # MPICH's node segment, named until MPI_Finalize

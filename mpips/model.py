@@ -295,9 +295,7 @@ def import_factory(kind: str, near: str | None = None) -> Callable[..., Any]:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # the user's module: any error in it is theirs to see
-        raise ConfigError(
-            f"{where}: cannot import {module_name} ({type(e).__name__}: {e})"
-        ) from None
+        raise ConfigError(f"{where}: {_import_problem(module_name, attr, e)}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{where}: {module_name} has no {attr}")
@@ -305,6 +303,28 @@ def import_factory(kind: str, near: str | None = None) -> Callable[..., Any]:
     if not callable(obj):
         raise ConfigError(f"{where}: {attr} is not callable")
     return cast(Callable[..., Any], obj)
+
+
+def _import_problem(module_name: str, attr: str, e: Exception) -> str:
+    """Why the module of a model.kind did not import, in words: a file name given as the
+    module's name (``net.py``) says the name to give; an error raised in the user's module
+    says its file and line."""
+    named_a_file = module_name.endswith(".py") and getattr(e, "name", None) == module_name
+    if isinstance(e, ModuleNotFoundError) and named_a_file:
+        return (
+            f"drop the .py: model.kind names a module as Python imports it, "
+            f'model.kind = "{module_name.removesuffix(".py")}:{attr}" (looked for beside the '
+            f"job file, then in the working directory)"
+        )
+    return f"cannot import {module_name} ({type(e).__name__}: {e}{_at_user_line(e)})"
+
+
+def _at_user_line(e: BaseException) -> str:
+    """`` at file.py:12`` where ``e`` was raised in the user's own code, else empty."""
+    from .failure import user_frame
+
+    frame = user_frame(e)
+    return f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
 
 
 def build_from_factory(
@@ -317,7 +337,7 @@ def build_from_factory(
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"{what} raised {type(e).__name__}: {e}") from None
+        raise ConfigError(f"{what} raised {type(e).__name__}: {e}{_at_user_line(e)}") from None
     model = check_model(model, what)
     model.xp = xp
     return model
