@@ -135,6 +135,9 @@ class LayoutConfig:
     world_size: int | None = None  # if set, the job refuses another world size
     placement: str = "round_robin"  # or "greedy" (fewest bytes first)
     pin: dict = field(default_factory=dict)  # variable name -> ps task (like tf.device)
+    # a pinned variable still uses up its turn of the placement rule, as in TensorFlow 1.x's
+    # replica_device_setter (default: the rule skips it, and the others fill its turn)
+    pins_take_turns: bool = False
     # dense variables split by rows over every PS task (TensorFlow's partitioned variables):
     # these by name, and (if > 0) every one of at least this many bytes
     partition: list[str] = field(default_factory=list)

@@ -127,35 +127,53 @@ def _pack(specs: Iterable[VariableSpec], tasks: Iterable[int], num_ps: int) -> P
 
 
 def round_robin(
-    specs: list[VariableSpec], num_ps: int, pins: dict[str, int] | None = None
+    specs: list[VariableSpec],
+    num_ps: int,
+    pins: dict[str, int] | None = None,
+    pins_take_turns: bool = False,
 ) -> Placement:
     """The replica_device_setter rule: the i-th variable not pinned goes to ps task i mod
-    num_ps; a pinned one (``pins``: name -> ps task, like ``tf.device``) to its task."""
+    num_ps; a pinned one (``pins``: name -> ps task, like ``tf.device``) to its task.
+    ``pins_take_turns``: a pinned variable still uses up a turn of the rule, as in
+    TensorFlow 1.x, so the i-th variable, pinned or not, has turn i."""
     _check_names(specs)
     pins = pins or {}
-    free = iter(range(len(specs)))
-    return _pack(
-        specs, [pins[s.name] if s.name in pins else next(free) % num_ps for s in specs], num_ps
-    )
+    turns = iter(range(len(specs)))
+    tasks = []
+    for spec in specs:
+        if spec.name not in pins:
+            tasks.append(next(turns) % num_ps)
+            continue
+        if pins_take_turns:
+            next(turns)
+        tasks.append(pins[spec.name])
+    return _pack(specs, tasks, num_ps)
 
 
 def greedy_by_bytes(
-    specs: list[VariableSpec], num_ps: int, pins: dict[str, int] | None = None
+    specs: list[VariableSpec],
+    num_ps: int,
+    pins: dict[str, int] | None = None,
+    pins_take_turns: bool = False,
 ) -> Placement:
     """Each variable, in creation order, goes to the PS holding the fewest bytes so far
-    (pinned ones, first, to their task)."""
+    (pinned ones, first, to their task). ``pins_take_turns``: as TensorFlow 1.x's
+    GreedyLoadBalancingStrategy, a pinned variable is counted, in creation order, on the
+    task the rule would have chosen for it, not on its own."""
     _check_names(specs)
     pins = pins or {}
     load = [0] * num_ps
-    for spec in specs:
-        if spec.name in pins:
-            load[pins[spec.name]] += spec.nbytes
+    if not pins_take_turns:
+        for spec in specs:
+            if spec.name in pins:
+                load[pins[spec.name]] += spec.nbytes
     tasks = []
     for spec in specs:
         task = pins.get(spec.name)
-        if task is None:
-            task = min(range(num_ps), key=lambda t: (load[t], t))
-            load[task] += spec.nbytes
+        if task is None or pins_take_turns:
+            chosen = min(range(num_ps), key=lambda t: (load[t], t))
+            load[chosen] += spec.nbytes
+            task = chosen if task is None else task
         tasks.append(task)
     return _pack(specs, tasks, num_ps)
 

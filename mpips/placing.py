@@ -46,7 +46,8 @@ def job_placement(
             )
     split = _split(job.layout, specs, num_ps)
     whole = [s for s in specs if s.name not in split]
-    placement = STRATEGIES[job.layout.placement](whole, num_ps, pins)
+    strategy = STRATEGIES[job.layout.placement]
+    placement = strategy(whole, num_ps, pins, job.layout.pins_take_turns)
     if split:
         placement = place_blocks(placement, [s for s in specs if s.name in split])
     return place_tables(placement, list(tables), job.model.partition) if tables else placement

@@ -61,6 +61,61 @@ def test_pinned_variables_go_to_their_ps_task_and_the_rest_follow_the_rule():
     assert [e.ps_task for e in greedy] == [1, 1, 1, 0, 0]
 
 
+def tf1_round_robin(names, num_ps, pins):
+    """TensorFlow 1.x's replica_device_setter (device_setter.py), reduced to its rule: its
+    _RoundRobinStrategy is called for every variable whose device names no other job,
+    pinned or not, and a pin's task then wins the merge (DeviceSpec.merge_from)."""
+    turn, tasks = 0, []
+    for name in names:
+        chosen, turn = turn, (turn + 1) % num_ps
+        tasks.append(pins.get(name, chosen))
+    return tasks
+
+
+@pytest.mark.parametrize(
+    "pins",
+    [
+        {"v0": 0, "v1": 0},  # the issue's case: a, b on ps:0; TF1 puts c, d on 0, 1
+        {"v1": 1, "v2": 1},
+        {"v3": 2},
+        {"v0": 2, "v2": 0, "v4": 1},
+    ],
+)
+def test_pins_take_turns_gives_tensorflow_1s_placement(pins):
+    names = [f"v{i}" for i in range(6)]
+    specs = [VariableSpec(n, (4,)) for n in names]
+    tf1 = [e.ps_task for e in round_robin(specs, 3, pins, pins_take_turns=True)]
+    assert tf1 == tf1_round_robin(names, 3, pins)
+
+
+def test_by_default_a_pin_takes_no_turn_and_the_job_key_gives_tf1s_rule():
+    """a pinned to ps:0, b and c free on 2 PS: TF1 gives b turn 1 (a used up turn 0), so
+    0, 1, 0; mpips's default gives b the first free turn: 0, 0, 1. With an even number of
+    pins ahead (a, b pinned to ps:0, then c, d) both rules give 0, 0, 0, 1."""
+    import mpips
+    from mpips.placing import job_placement
+
+    def tasks(variables, pins, turns=""):
+        job = mpips.parse_job(f"[train]\nsteps = 1\n[layout]\n{turns}[layout.pin]\n{pins}")
+        specs = [VariableSpec(n, (4,)) for n in variables]
+        return [e.ps_task for e in job_placement(job, specs, 2)]
+
+    assert tasks("abc", "a = 0\n") == [0, 0, 1]
+    assert tasks("abc", "a = 0\n", "pins_take_turns = true\n") == [0, 1, 0]
+    assert tasks("abcd", "a = 0\nb = 0\n") == [0, 0, 0, 1]
+    assert tasks("abcd", "a = 0\nb = 0\n", "pins_take_turns = true\n") == [0, 0, 0, 1]
+
+
+def test_greedy_with_pins_taking_turns_counts_a_pin_where_tf1s_strategy_did():
+    """TF1's GreedyLoadBalancingStrategy is asked for a pinned variable too and adds its
+    bytes to the task it chose, not to the pin's: a (100 floats) pinned to ps:1 counts on
+    ps:0, so b and c go to ps:1 as well. mpips's default counts a on ps:1 first."""
+    specs = [VariableSpec("a", (100,)), VariableSpec("b", (10,)), VariableSpec("c", (10,))]
+    tf1 = greedy_by_bytes(specs, 2, {"a": 1}, pins_take_turns=True)
+    assert [e.ps_task for e in tf1] == [1, 1, 1]
+    assert [e.ps_task for e in greedy_by_bytes(specs, 2, {"a": 1})] == [1, 0, 0]
+
+
 def test_pins_from_the_job_are_checked():
     import mpips
     from mpips.errors import ConfigError

@@ -156,14 +156,7 @@ def test_a_resumed_run_continues_from_the_checkpoint(tmp_path):
 
 @pytest.mark.parametrize(
     "extra,ranks,said",
-    [
-        (
-            "replicas_to_aggregate = 1\n[layout]\nps = 2\n",
-            4,
-            "(backup workers) needs a single PS task for now; this layout has 2",
-        ),
-        ("batch_size = 1024\n", 3, "make no full batch of 1024 on each of 2 workers"),
-    ],
+    [("batch_size = 1024\n", 3, "make no full batch of 1024 on each of 2 workers")],
 )
 def test_layouts_and_data_sync_replicas_cannot_run_are_one_message(tmp_path, extra, ranks, said):
     (tmp_path / "job.toml").write_text(
@@ -213,25 +206,27 @@ import numpy as np
 import mpips
 
 class Counting(mpips.Model):
-    \"\"\"One variable with a slot per worker task; worker k's gradient is 1 in slot k, 0
-    elsewhere, whatever the batch: -w / lr is then the sum over steps of the mean of the
-    gradients aggregated, and n * -w / lr counts each worker's aggregated gradients.\"\"\"
+    \"\"\"One variable per PS task (w0 on ps:0, w1 on ps:1 ...) with a slot per worker task;
+    worker k's gradient is 1 in slot k, 0 elsewhere, whatever the batch: -w / lr is then the
+    sum over steps of the mean of the gradients that PS task aggregated, and n * -w / lr
+    counts each worker's gradients it aggregated.\"\"\"
 
     def variables(self):
-        return [mpips.Variable("w", (3,))]
+        return [mpips.Variable(f"w{{p}}", (3,)) for p in range({ps})]
 
     def initial_values(self, seed):
-        return {"w": np.zeros(3, np.float32)}
+        return {{f"w{{p}}": np.zeros(3, np.float32) for p in range({ps})}}
 
     def loss_and_grads(self, params, x, y, grads, ready=None):
         if self.worker == 2:
             time.sleep(0.01)  # a straggler: its gradients are mostly the late ones
-        grads["w"][...] = 0
-        grads["w"][self.worker] = 1
+        for g in grads.values():
+            g[...] = 0
+            g[self.worker] = 1
         return 0.0
 
     def evaluate(self, params, x, y):
-        return {"loss": 0.0}
+        return {{"loss": 0.0}}
 
 with mpips.abort_on_error():
     job = mpips.parse_job('''
@@ -248,6 +243,8 @@ batch_size = 32
 progress = false
 [checkpoint]
 dir = "run"
+[layout]
+ps = {ps}
 ''')
     result = mpips.train(job, model=lambda data: Counting())
     if result.role.is_chief:
@@ -255,19 +252,29 @@ dir = "run"
 """
 
 
-def test_a_step_applies_the_mean_of_exactly_the_gradients_aggregated(tmp_path):
-    """1 PS + 3 workers, 2 gradients a step, SGD: each step subtracts lr x the mean of the
-    2 gradients it aggregated (divided by replicas_to_aggregate, not by the 3 workers), and
-    a dropped gradient adds nothing. Worker k's gradient is the unit vector e_k, so the
-    final variable counts, per worker, the gradients aggregated (lr = 2^-6: exact sums)."""
-    (tmp_path / "counting.py").write_text(COUNTING)
-    r = run_mpi(4, ["counting.py"], cwd=tmp_path, timeout=120)
+@pytest.mark.parametrize("ps", [1, 2])
+def test_a_step_applies_the_mean_of_exactly_the_gradients_aggregated(tmp_path, ps):
+    """3 workers, 2 gradients a step, SGD, on 1 and on 2 PS tasks: each step of each PS task
+    subtracts lr x the mean of the 2 gradients it aggregated (divided by
+    replicas_to_aggregate, not by the 3 workers), and a dropped gradient adds nothing.
+    Worker k's gradient is the unit vector e_k, so each PS task's variable counts, per
+    worker, the gradients that PS task aggregated (lr = 2^-6: exact sums). With 2 PS tasks
+    each chooses its own, as TensorFlow's accumulators do: a gradient none dropped counts on
+    both, one that only some dropped on the others."""
+    (tmp_path / "counting.py").write_text(COUNTING.format(ps=ps))
+    r = run_mpi(3 + ps, ["counting.py"], cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["global_step"] == 60
-    aggregated = [s["updates"] - s["dropped"] for s in result["staleness"]]
-    assert sum(aggregated) == 60 * 2, result["staleness"]
+    posted = [s["updates"] for s in result["staleness"]]
+    used_by_all = [s["updates"] - s["dropped"] for s in result["staleness"]]
     assert sum(s["dropped"] for s in result["staleness"]) >= 1, result["staleness"]
     params, _ = checkpoint.Checkpoint(checkpoint.latest_checkpoint(tmp_path / "run")).read_all()
-    # w = -lr x sum over steps of (e_k + e_j) / 2 for the 2 workers k, j aggregated
-    np.testing.assert_array_equal(-params["w"] / 0.015625 * 2, aggregated)
+    for p in range(ps):
+        assert f"[/job:ps/task:{p}] aggregated 60 steps of 2 gradients each" in r.stdout
+        # w = -lr x sum over steps of (e_k + e_j) / 2 for the 2 workers k, j aggregated
+        counts = -params[f"w{p}"] / 0.015625 * 2
+        assert counts.sum() == 60 * 2, counts
+        assert all(u <= c <= n for u, c, n in zip(used_by_all, counts, posted, strict=True))
+    if ps == 1:
+        np.testing.assert_array_equal(counts, used_by_all)

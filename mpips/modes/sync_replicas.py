@@ -1,12 +1,18 @@
 """``train.mode = "sync_replicas"``: TensorFlow's SyncReplicasOptimizer through the PS tasks.
 Each worker posts its gradient for the PS tasks' current step; each PS task averages the
 first ``train.replicas_to_aggregate`` gradients of a step, applies the mean once and moves
-on (gradients that come later are dropped, so backup workers hide a slow one)."""
+on (gradients that come later are dropped, so backup workers hide a slow one).
+
+With backup workers and several PS tasks, each PS task chooses its step's gradients on its
+own, as TensorFlow's accumulators (one per variable) do: two PS tasks may average different
+workers' gradients for the same step. A worker posts only for a step every PS task is at
+(common_step), so the PS tasks are never more than one step apart, each step waits for
+gradients that are posted, and global_step (advanced by ps:0) counts every step once."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -110,7 +116,8 @@ class ReplicasWorker(StoreWorker):
     step (the first ``train.replicas_to_aggregate`` gradients for it, averaged and applied
     once). A gradient that comes after its step was aggregated is dropped, so with backup
     workers (replicas_to_aggregate below the number of workers) a slow worker no longer
-    slows every step: it catches up on the next one."""
+    slows every step: it catches up on the next one. Its tag is the same step on every PS
+    task (common_step)."""
 
     def __init__(self, *args: Any):
         super().__init__(*args)
@@ -141,9 +148,10 @@ class ReplicasWorker(StoreWorker):
             return None
         if control.tickets_ended():  # a stop (a signal or a hook's) ends the tickets
             return None
-        tags = client.ps_steps()
-        if tags[0] >= self.tc.steps:
+        step = common_step(client.ps_steps, self._wait_past)
+        if step is None or step >= self.tc.steps:
             return None
+        tags = [step] * self.cluster.layout.num_ps
         x, _ = model.prepare(x)
         pulled = client.pull()
         if tl:
@@ -174,25 +182,41 @@ class ReplicasWorker(StoreWorker):
         self.stats.dropped = self.dropped
         return StepInfo(tags[0] + 1, loss, epoch, self.updates)
 
+    def _wait_past(self, tags: list[int]) -> bool:
+        """Until every PS task ``p`` is past step ``tags[p]``; False if a stop ended it."""
+        return self.client.wait_steps(tags, self.control.tickets_ended)
+
     def _per_worker(self, staleness: list[dict[str, Any]]) -> None:
         dropped = [s.get("dropped", 0) for s in staleness]
         log(self.role, "gradients dropped as late, per worker task: " + " ".join(map(str, dropped)))
 
 
+def common_step(
+    ps_steps: Callable[[], list[int]], wait_past: Callable[[list[int]], bool]
+) -> int | None:
+    """The step every PS task is at, the one a worker posts its next gradient for. A PS task
+    that has not yet aggregated the step the others finished is waited for (``wait_past``
+    (tags): until every PS task ``p`` is past ``tags[p]``; False if a stop ended the wait,
+    then None): it will, since the gradients that finished it on the others were posted to
+    it too. So no gradient is ever posted for two different steps at once, and the PS tasks
+    never drift more than one step apart."""
+    while True:
+        steps = ps_steps()
+        top = max(steps)
+        if min(steps) == top:
+            return top
+        if not wait_past([top - 1] * len(steps)):
+            return None
+
+
 def check_sync_replicas(job: Job, cluster: Cluster, info: DatasetInfo) -> None:
     """What sync_replicas needs of the layout and the data: no more gradients a step than
-    workers; backup workers only with one PS task (several would aggregate different
-    workers' gradients and drift apart); a full batch a step on every worker."""
+    workers; a full batch a step on every worker."""
     aggregate, workers = job.train.replicas_to_aggregate, cluster.layout.num_workers
     if aggregate > workers:
         raise ConfigError(
             f"train.replicas_to_aggregate = {aggregate}: more than the {workers} worker(s) "
             f"of this layout"
-        )
-    if 0 < aggregate < workers and cluster.layout.num_ps > 1:
-        raise ConfigError(
-            f"train.replicas_to_aggregate = {aggregate} of {workers} workers (backup workers) "
-            f"needs a single PS task for now; this layout has {cluster.layout.num_ps}"
         )
     if full_batches(info.rows["train"], workers, job.train.batch_size) == 0:
         raise DataError(
