@@ -1,13 +1,15 @@
 """Dense dataset files: writing them, and converting other formats into them once.
 
 A dataset file holds ``train/x, train/y, test/x, test/y`` (and optionally ``val/x, val/y``;
-x: rows of numbers, y: 1-D integer labels) and the attributes ``num_classes`` and
-``x_scale`` (x is multiplied by it on load). Sparse CTR files are made by sparse.py.
+x: rows of numbers, y: 1-D integer labels) and the attributes ``num_classes``, ``x_scale``
+(x is multiplied by it on load) and ``x_range`` (the train inputs' [min, max] before
+``x_scale``, which predict compares its input with). Sparse CTR files are made by sparse.py.
 """
 
 from __future__ import annotations
 
 import gzip
+import math
 import struct
 from pathlib import Path
 
@@ -34,7 +36,8 @@ def write_dataset(
     name: str = "",
     val: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> None:
-    """Write a dataset file durably and atomically (temporary file, fsync, rename)."""
+    """Write a dataset file durably and atomically (temporary file, fsync, rename), with the
+    train inputs' range as ``x_range`` (none for a train split without finite values)."""
     splits = list(zip(SPLITS, (train, test), strict=True)) + (
         [("val", val)] if val is not None else []
     )
@@ -42,19 +45,37 @@ def write_dataset(
     def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as f:
             for split, (x, y) in splits:
-                f.create_dataset(
-                    f"{split}/x",
-                    data=x,
-                    compression="gzip",
-                    compression_opts=4,
-                    chunks=(max(1, min(len(x), 1024)), x.shape[1]),
-                )
+                # gzip needs chunks, and a chunk at most the data's shape: none for no rows
+                packed = {"compression": "gzip", "compression_opts": 4}
+                chunks = {"chunks": (min(len(x), 1024), x.shape[1]), **packed} if x.size else {}
+                f.create_dataset(f"{split}/x", data=x, **chunks)
                 f.create_dataset(f"{split}/y", data=y.astype(np.int64))
             f.attrs["num_classes"] = num_classes
             f.attrs["x_scale"] = x_scale
             f.attrs["name"] = fixed_text(name)
+            record_range(f, train[0])
 
     atomic_write(path, write, NOT_WRITTEN)
+
+
+def record_range(f: h5py.File, x: np.ndarray) -> None:
+    """Record the train inputs ``x``'s range as the attribute ``x_range`` of ``f`` (float64
+    [min, max], raw units), so predict need not read train rows for it."""
+    x_range = finite_range(x)
+    if x_range is not None:
+        f.attrs["x_range"] = np.array(x_range, np.float64)
+
+
+def finite_range(x: np.ndarray) -> tuple[float, float] | None:
+    """(min, max) of the finite values of ``x`` (raw units: before any x_scale), as predict's
+    scan of a file without ``x_range`` counts them; None if it has none (no rows)."""
+    if not x.size:
+        return None
+    lo, hi = float(x.min()), float(x.max())
+    if math.isfinite(lo) and math.isfinite(hi):
+        return lo, hi
+    finite = x[np.isfinite(x)]  # (only data that training refuses anyway pays for this copy)
+    return (float(finite.min()), float(finite.max())) if finite.size else None
 
 
 def _read_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -145,9 +166,16 @@ def convert_fashion_mnist(out: str | Path, src: str | Path = FASHION_MNIST_DIR) 
 
 def convert_digits(out: str | Path) -> None:
     """The 1797 8x8 digits that ship inside mpips (scikit-learn's set: 1437 train / 360 test,
-    uint8, scale 1/16), copied to ``out`` as a dataset file of its own."""
+    uint8, scale 1/16), copied to ``out`` as a dataset file of its own, with their ``x_range``
+    as write_dataset records it."""
     raw = Path(resolve_path("", "digits")).read_bytes()  # (first: a failure below is the write's)
-    atomic_write(out, lambda tmp: tmp.write_bytes(raw), NOT_WRITTEN)
+
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(raw)
+        with h5py.File(tmp, "r+") as f:
+            record_range(f, np.asarray(f["train/x"]))
+
+    atomic_write(out, write, NOT_WRITTEN)
 
 
 def make_synthetic(

@@ -304,14 +304,38 @@ def validate(job: Job) -> Job:
 
 
 def _check_model_kind(kind: str) -> None:
-    """A built-in model, or "package.module:factory" (a model of your own)."""
-    if kind not in ("mlp", "logreg", "wide_deep") and not re.fullmatch(
+    """A built-in model, or "package.module:factory" (a model of your own); a file's path
+    given for the module (``models/net.py:build``) says the module name to give."""
+    if kind in ("mlp", "logreg", "wide_deep") or re.fullmatch(
         r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", kind
     ):
+        return
+    hint = _module_for_path(kind)
+    if hint:
         raise ConfigError(
-            f"model.kind: {kind!r} is not 'mlp', 'logreg', 'wide_deep' or "
-            f'"package.module:factory" (a model of your own)'
+            f"model.kind: {kind!r} is a file's path: model.kind names a module as Python "
+            f"imports it, {hint}"
         )
+    raise ConfigError(
+        f"model.kind: {kind!r} is not 'mlp', 'logreg', 'wide_deep' or "
+        f'"package.module:factory" (a model of your own)'
+    )
+
+
+def _module_for_path(kind: str) -> str:
+    """The model.kind to give for one that names its module by a file's path, relative
+    (``models/net.py:build``: ``"models.net:build"``) or not (the file beside the job file:
+    ``"net:build"``); empty if ``kind`` is no such path."""
+    path, _, attr = kind.partition(":")
+    if "/" not in path or not re.fullmatch(r"[A-Za-z_][\w.]*", attr):
+        return ""
+    parts = path.removeprefix("./").removesuffix(".py").split("/")
+    if all(part.isidentifier() for part in parts):
+        where = "looked for beside the job file, then in the working directory"
+        return f'model.kind = "{".".join(parts)}:{attr}" ({where})'
+    if not parts[-1].isidentifier():
+        return ""
+    return f'model.kind = "{parts[-1]}:{attr}" with {parts[-1]}.py beside the job file'
 
 
 def _check_ranges(job: Job) -> None:

@@ -1,9 +1,11 @@
+import sys
 from pathlib import Path
 
 import pytest
 
 from mpips.errors import ConfigError
 from mpips.job import load_job, parse_job
+from mpips.model import import_factory
 from mpips.placing import job_layout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,6 +93,44 @@ MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
 def test_job_errors_name_the_key(text, message):
     with pytest.raises(ConfigError, match=message):
         parse_job(text, "job.toml")
+
+
+@pytest.mark.parametrize(
+    "kind,hint",
+    [
+        ("models/net.py:build", 'model.kind = "models.net:build" (looked for beside the job file'),
+        ("./models/net:build", 'model.kind = "models.net:build"'),
+        ("/home/me/net.py:build", 'model.kind = "net:build" with net.py beside the job file'),
+        ("../net.py:make.model", 'model.kind = "net:make.model" with net.py beside the job'),
+    ],
+)
+def test_a_model_kind_naming_a_file_says_the_module_to_give(kind, hint):
+    """A file's path where model.kind wants a module (as `net.py:build` gets from the model
+    loader: drop the .py) says what to write instead, not only that it is no model kind."""
+    with pytest.raises(ConfigError) as e:
+        parse_job(MINIMAL + f"[model]\nkind = {kind!r}\n", "job.toml")
+    said = str(e.value)
+    assert f"job.toml: model.kind: {kind!r} is a file's path: model.kind names a module" in said
+    assert hint in said and "\n" not in said
+
+
+def test_the_module_name_it_suggests_is_found_beside_the_job_file(tmp_path, monkeypatch):
+    (tmp_path / "kind_path_models").mkdir()
+    (tmp_path / "kind_path_models/net.py").write_text("def build(data):\n    return 'built'\n")
+    (tmp_path / "job.toml").write_text(MINIMAL)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (import_factory adds the job's folder)
+    try:
+        factory = import_factory("kind_path_models.net:build", str(tmp_path / "job.toml"))
+        assert factory(None) == "built"
+    finally:
+        for name in ("kind_path_models.net", "kind_path_models"):
+            sys.modules.pop(name, None)
+
+
+def test_a_model_kind_that_is_no_path_is_told_the_choices():
+    for kind in ("my model", "models/my-net.py:build", "models/net.py:", "net.py"):
+        with pytest.raises(ConfigError, match=r"is not 'mlp', 'logreg', 'wide_deep' or"):
+            parse_job(MINIMAL + f"[model]\nkind = {kind!r}\n", "job.toml")
 
 
 def test_numbers_widen_and_missing_file():
