@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 from . import __version__
-from .errors import CheckpointError, DataError, MpipsError
+from .errors import CheckpointError, ConfigError, DataError, MpipsError
 from .files import nearest_existing
 from .job import Job, load_job
 from .log import counted, set_verbose
@@ -224,9 +224,16 @@ def _add_ckpt(sub: Subparsers) -> None:
     cl.add_argument("dir")
     ci = csub.add_parser("inspect", help="variables, slots and attributes of a checkpoint")
     ci.add_argument("path")
-    ce = csub.add_parser("export", help="write the full variables to one plain HDF5 file")
+    ce = csub.add_parser(
+        "export",
+        help="write the full variables to one plain HDF5 file, or a PyTorch state_dict",
+    )
     ce.add_argument("path")
-    ce.add_argument("out", help="output .h5 file")
+    ce.add_argument(
+        "out",
+        help="output file: .h5 (one dataset per variable), or .pt/.pth (a state_dict of a "
+        "mpips.torch model's module: load_state_dict(torch.load(OUT)))",
+    )
     ce.add_argument("--slots", action="store_true", help="include optimizer slots")
     for sp in (ci, ce):
         sp.add_argument(
@@ -347,7 +354,6 @@ def _check_result_path(path: str | None, job: str | None) -> None:
     import os
     from pathlib import Path
 
-    from .errors import ConfigError
     from .files import refuse_overwriting
 
     if path:
@@ -407,7 +413,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from .errors import ConfigError
     from .evaluation import predict
     from .files import refuse_overwriting
 
@@ -571,10 +576,31 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     ckpt = checkpoint.resolve(args.path)
     initial = _initial_of(args.job, ckpt) if args.job else None
     if args.action == "export":
-        out = checkpoint.export(ckpt, args.out, args.slots, initial)
+        out = _export(ckpt, args.out, args.slots, initial)
         print(f"exported {ckpt.path} -> {out}")
         return 0
     return _inspect(ckpt, initial)
+
+
+TORCH_SUFFIXES = (".pt", ".pth")  # ckpt export writes a PyTorch state_dict there
+
+
+def _export(ckpt: Checkpoint, out: str, slots: bool, initial: InitialValues | None) -> Path:
+    """``ckpt export``: one plain HDF5 file, or a PyTorch state_dict for a ``.pt``/``.pth``
+    output (the variables under the module's names: ``load_state_dict(torch.load(out))``)."""
+    from . import checkpoint
+
+    if Path(out).suffix not in TORCH_SUFFIXES:
+        return checkpoint.export(ckpt, out, slots, initial)
+    if slots:
+        raise ConfigError(f"{out}: --slots are written to .h5 files only (a state_dict has none)")
+    try:
+        from .torch.export import export_state_dict
+    except ImportError:
+        raise ConfigError(
+            f'{out}: a .pt/.pth export needs torch (pip install ".[torch]"); or write .h5'
+        ) from None
+    return export_state_dict(ckpt, out, initial)
 
 
 def _inspect(ckpt: Checkpoint, initial: InitialValues | None) -> int:
@@ -653,7 +679,6 @@ def _initial_from_job(path: str, model_kind: object = None) -> InitialValues:
     import numpy as np
 
     from .data import open_data
-    from .errors import ConfigError
     from .initial import from_model
     from .nn import build_model
     from .optim import build_optimizer

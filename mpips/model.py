@@ -214,7 +214,10 @@ def first_loss_and_grads(
     for name in names:
         grads[name].fill(math.nan)
     given = dict(grads)  # the model's own dict: what it rebinds leaves ``grads`` as it was
-    loss = model.loss_and_grads(params, x, y, given, ready)
+    try:
+        loss = model.loss_and_grads(params, x, y, given, ready)
+    except ConfigError as e:  # a frontend's own check of the first step, said the same way
+        return math.nan, str(e)
     who = f"{type(model).__name__}.loss_and_grads"
     rebound = [n for n in names if given.get(n) is not grads[n]]
     if rebound:
@@ -327,11 +330,22 @@ def _at_user_line(e: BaseException) -> str:
     return f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
 
 
+SEEDERS: list[Callable[[int], object]] = []  # frontends' seeders (mpips.torch: torch.manual_seed)
+
+
 def build_from_factory(
-    factory: Callable[..., Any], data: DatasetInfo, xp: ModuleType, args: dict[str, Any], what: str
+    factory: Callable[..., Any],
+    data: DatasetInfo,
+    xp: ModuleType,
+    args: dict[str, Any],
+    what: str,
+    seed: int = 0,
 ) -> Model:
     """``factory(data, **args)`` checked, with ``xp`` set; ConfigError if it raises or
-    returns something that is not a model."""
+    returns something that is not a model. The frameworks whose frontend is imported are
+    seeded with ``seed`` (model.init_seed) first, so every rank builds the same module."""
+    for seeder in SEEDERS:
+        seeder(seed)
     try:
         model = factory(data, **args)
     except ConfigError:

@@ -99,7 +99,12 @@ def build_model(
             factory.xp = xp
             return check_model(factory, "the model passed to mpips.train")
         return build_from_factory(
-            factory, info, xp, config.args, f"the model factory {factory_name(factory)}"
+            factory,
+            info,
+            xp,
+            config.args,
+            f"the model factory {factory_name(factory)}",
+            config.init_seed,
         )
     if config.kind not in BUILT_IN:
         return build_from_factory(
@@ -108,6 +113,7 @@ def build_model(
             xp,
             config.args,
             f"model.kind = {config.kind!r}",
+            config.init_seed,
         )
     if config.args:
         raise ConfigError(

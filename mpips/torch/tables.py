@@ -1,0 +1,143 @@
+"""A torch module's sparse embeddings as mpips tables: split by rows over the PS tasks, only
+the rows a batch touches pulled and pushed.
+
+``nn.Embedding`` and ``nn.EmbeddingBag`` made with ``sparse=True`` say "few rows a step", so
+they become tables (what ``Model.tables()`` declares). A batch's ids are made unique once
+(``prepare``); mpips pulls those rows of every table, and for the step each table's weight is
+a view of its pulled rows, indexed by the batch's ids renumbered to them. Every pulled row is
+touched, so the gradient of that small weight, dense, is the table's gradient per touched
+row: it accumulates into mpips's push buffer like any other gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..backend import issparse
+from ..errors import DataError
+from ..variables import VariableSpec
+from .binding import Traffic, Views, as_tensor, numpy_dtype
+
+SPARSE_KINDS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+@dataclass
+class SparseInput:
+    """A batch of sparse rows as ``nn.EmbeddingBag`` takes them: ``indices`` (int64, the
+    rows of the tables), ``offsets`` (where each example's ids start) and ``weights`` (each
+    id's value, ``per_sample_weights``); ``rows`` is the number of examples. A module with
+    tables is called as ``module(batch)`` and passes these on to its bags."""
+
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    weights: torch.Tensor
+    rows: int
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def to(self, device: torch.device | None) -> SparseInput:
+        """The batch on ``device`` (a GPU worker's module: copied there, a batch at a time)."""
+        if device is None or self.indices.device == device:
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return SparseInput(move(self.indices), move(self.offsets), move(self.weights), self.rows)
+
+
+def _csr_input(x: Any) -> tuple[SparseInput, np.ndarray]:
+    """A CSR batch as a SparseInput over its unique ids, and those ids (sorted)."""
+    ids, local = np.unique(x.indices, return_inverse=True)
+    batch = SparseInput(
+        torch.from_numpy(local.reshape(-1).astype(np.int64)),
+        torch.from_numpy(np.asarray(x.indptr[:-1], dtype=np.int64)),
+        as_tensor(np.asarray(x.data, dtype=np.float32)),
+        x.shape[0],
+    )
+    return batch, ids
+
+
+class Tables:
+    """The module's sparse embeddings (by variable name) and their binding to pulled rows."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.modules: dict[str, torch.nn.Embedding | torch.nn.EmbeddingBag] = {
+            f"{name}.weight": m
+            for name, m in module.named_modules()
+            if isinstance(m, SPARSE_KINDS) and m.sparse and m.weight.requires_grad
+        }
+        self.params: dict[str, torch.Tensor] = {n: m.weight for n, m in self.modules.items()}
+        self.names = set(self.params)
+        self.initial = {n: p.detach().cpu().numpy() for n, p in self.params.items()}
+        for m in self.modules.values():
+            # the step's weight is the batch's rows, all touched: its gradient is dense
+            m.sparse = False
+        self.num_rows = min((p.shape[0] for p in self.params.values()), default=0)
+        self._values, self._grads = Views(), Views()
+        self._bound: dict[str, torch.Tensor] = {}  # each .grad as bound before backward
+
+    def specs(self) -> list[VariableSpec]:
+        return [VariableSpec(n, tuple(p.shape), numpy_dtype(p, n)) for n, p in self.params.items()]
+
+    def initial_rows(self, table: str, rows: tuple[int, int, int]) -> np.ndarray:
+        """The module's initial values of rows ``range(*rows)`` of ``table``."""
+        return np.ascontiguousarray(self.initial[table][slice(*rows)])
+
+    def prepare(self, x: Any) -> tuple[Any, np.ndarray]:
+        """(the batch over its unique ids, those ids): CSR rows of (id, value) features give a
+        SparseInput; integer arrays of ids give the same array renumbered (nn.Embedding)."""
+        batch: SparseInput | torch.Tensor
+        if issparse(x):
+            batch, ids = _csr_input(x)
+            width = x.shape[1]
+        elif isinstance(x, np.ndarray) and x.dtype.kind in "iu":
+            ids, local = np.unique(x, return_inverse=True)
+            batch, width = (
+                torch.from_numpy(local.reshape(x.shape).astype(np.int64)),
+                int(ids[-1]) + 1,
+            )
+        else:
+            raise DataError(
+                "mpips.torch.Model: a module with sparse embeddings (sparse=True) takes "
+                "sparse (CSR) rows or integer ids; this data is "
+                f"{getattr(x, 'dtype', type(x).__name__)}"
+            )
+        if width > self.num_rows:
+            raise DataError(
+                f"mpips.torch.Model: the data has ids up to {width - 1}; the smallest sparse "
+                f"table has {self.num_rows} rows (every table is indexed by the data's ids)"
+            )
+        return batch, ids
+
+    def bind(self, params: dict[str, Any], grads: dict[str, Any] | None) -> None:
+        """Each table's weight a view of its pulled rows, and (training) its .grad a zeroed
+        view of the rows' push buffer. A worker's first training step lets the module's
+        whole initial tables go (the PS tasks made the rows from theirs)."""
+        if grads is not None:
+            self.initial.clear()
+        for n, p in self.params.items():
+            t = self._values.of(n, params[n], p.data)
+            if t is not None:
+                p.data = t
+            if grads is None:
+                p.grad = None
+                continue
+            t = self._grads.of(n, grads[n], p.grad)
+            if t is not None:
+                p.grad = t
+            g = p.grad
+            assert g is not None
+            self._bound[n] = g
+            g.zero_()
+
+    def collect(self, traffic: Traffic) -> None:
+        """A table gradient torch made anew (not accumulated into the buffer) copied in."""
+        for n, p in self.params.items():
+            g = p.grad
+            if g is not None and g is not self._bound[n]:
+                self._bound[n].copy_(g)
+                traffic.copied_bytes += g.nbytes
+                p.grad = None

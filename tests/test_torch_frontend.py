@@ -1,0 +1,321 @@
+"""mpips.torch: a torch.nn.Module trained by mpips equals PyTorch's own training loop (one
+process step for step; sync W replicas as one process with W x the batch; one async
+worker as one process), its parameters and gradients alias mpips's buffers (no copies a
+step), sparse embeddings move only the rows a batch touches, and a checkpoint exports to a
+file that ``load_state_dict(torch.load(...))`` takes."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import run_mpi, run_py, run_train, under_ci
+from test_optimizers_mpi import read_ckpt
+
+import mpips
+from mpips.data import batches, full_batches, load_split, open_dataset, resolve_path, worker_rows
+from mpips.errors import ConfigError
+from mpips.hooks import Hook
+
+
+def need(module: str):
+    """The framework, or a skip (a failure under CI=true, which installs the extras)."""
+    try:
+        return __import__(module)
+    except ImportError:
+        if under_ci():
+            pytest.fail(f"{module} is not installed: CI installs .[{module}]")
+        pytest.skip(f"{module} is not installed (pip install '.[{module}]')")
+
+
+torch = need("torch")
+mt = pytest.importorskip("mpips.torch")
+
+NET = """
+import torch
+import mpips.torch
+
+
+def net(inputs=64, hidden=16, classes=10):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(inputs, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes)
+    )
+
+
+def build(data, hidden=16):
+    return mpips.torch.Model(
+        net(data.num_inputs, hidden, data.num_classes), torch.nn.CrossEntropyLoss()
+    )
+"""
+
+JOB = """
+[model]
+kind = "net:build"
+[data]
+builtin = "digits"
+[optimizer]
+learning_rate = 0.1
+[train]
+mode = "{mode}"
+steps = {steps}
+batch_size = 16
+seed = 3
+log_every = 0
+[checkpoint]
+dir = "runs/t"
+"""
+
+
+def net(inputs=64, hidden=16, classes=10):
+    """The network of NET, built the same way (seeded)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(inputs, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes)
+    )
+
+
+def write(tmp_path, mode: str, steps: int) -> mpips.Job:
+    (tmp_path / "net.py").write_text(NET)
+    text = JOB.format(mode=mode, steps=steps)
+    (tmp_path / "job.toml").write_text(text)
+    return mpips.parse_job(text)
+
+
+def plain_loop(batches_of_each_step, lr: float):
+    """PyTorch's own loop: SGD on the concatenation of each step's batches."""
+    ref = net()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for xs, ys in batches_of_each_step:
+        opt.zero_grad()
+        x, y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    return {n: p.detach().numpy() for n, p in ref.named_parameters()}
+
+
+def streams(job: mpips.Job, workers: int, steps: int, sync: bool):
+    """The batches each of ``workers`` workers trains on, step by step, as mpips makes them."""
+    info = open_dataset(resolve_path("", "digits"))
+    b, rows = job.train.batch_size, info.rows["train"]
+    per = full_batches(rows, workers, b) if sync else None
+    its = [
+        batches(
+            *load_split(info, "train", worker_rows(rows, workers, k)),
+            b,
+            job.train.seed,
+            k,
+            per_epoch=per,
+        )
+        for k in range(workers)
+    ]
+    for _ in range(steps):
+        parts = [next(it) for it in its]
+        yield [p[1] for p in parts], [p[2] for p in parts]
+
+
+def assert_equal(got: dict, want: dict, rtol=2e-4, atol=2e-6) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=rtol, atol=atol, err_msg=name)
+
+
+# -- one process, in this process ------------------------------------------------------------
+
+
+class Recorder(torch.nn.Module):
+    """The network, recording each training batch it sees."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.seen = inner, []
+
+    def forward(self, x):
+        if self.training:
+            self.seen.append(x.detach().clone())
+        return self.inner(x)
+
+
+class EachStep(Hook):
+    """The variables after every step, and the frontend's binding traffic of each step."""
+
+    def __init__(self, model):
+        self.model, self.values, self.traffic = model, [], []
+
+    def before_step(self, run):
+        self.model.traffic.reset()
+
+    def after_step(self, run, info):
+        t = self.model.traffic
+        self.traffic.append((t.views, t.copied_bytes))
+        self.values.append(run.variables())
+
+
+def one_process(tmp_path, monkeypatch, steps=12, optimizer=""):
+    from mpi4py import MPI
+
+    monkeypatch.chdir(tmp_path)
+    job = write(tmp_path, "sync", steps)
+    if optimizer:
+        job.optimizer.kind = optimizer
+    labels = []
+
+    def loss(outputs, y):
+        if outputs.requires_grad:
+            labels.append(y.clone())
+        return torch.nn.functional.cross_entropy(outputs, y)
+
+    model = mt.Model(Recorder(net()), loss)
+    hook = EachStep(model)
+    result = mpips.train(job, [hook], comm=MPI.COMM_SELF, model=model)
+    return model, hook, labels, result
+
+
+def test_one_process_equals_a_plain_pytorch_loop_step_for_step(tmp_path, monkeypatch):
+    """Same init, same batches, SGD: the variables after every step are PyTorch's."""
+    model, hook, labels, result = one_process(tmp_path, monkeypatch)
+    seen = model.module.seen
+    assert len(seen) == len(labels) == 12 and result.global_step == 12
+    ref = net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(zip(seen, labels, strict=True)):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+        want = {f"inner.{n}": p.detach().numpy() for n, p in ref.named_parameters()}
+        assert_equal(hook.values[step], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_copies_no_parameter_or_gradient(tmp_path, monkeypatch):
+    """After the first step binds them, parameters and .grad are views of mpips's buffers:
+    a step makes no view anew and copies nothing (the traffic the frontend counts)."""
+    model, hook, _, _ = one_process(tmp_path, monkeypatch, steps=6)
+    first, *rest = hook.traffic
+    assert first[0] == 2 * len(model.variables()) and first[1] == 0, first
+    assert rest and set(rest) == {(0, 0)}, hook.traffic
+
+
+def test_gradients_are_said_ready_as_autograd_finishes_them():
+    """ready(name) comes from autograd's post-accumulate hooks, last layer first, once each,
+    with the gradient already final in the push buffer when it is said."""
+    model = mt.Model(net(), torch.nn.CrossEntropyLoss())
+    params = model.initial_values(0)
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 64)).astype(np.float32), rng.integers(0, 10, 8)
+    said = []
+    model.loss_and_grads(
+        params, x, y, grads, lambda name, rows=None: said.append((name, grads[name].copy()))
+    )
+    assert [n for n, _ in said][:2] == ["2.bias", "2.weight"] or [n for n, _ in said][:2] == [
+        "2.weight",
+        "2.bias",
+    ]
+    assert sorted(n for n, _ in said) == sorted(params)
+    for name, at_the_time in said:
+        np.testing.assert_array_equal(at_the_time, grads[name])
+    # and the gradients are PyTorch's
+    ref = net()
+    torch.nn.functional.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+    for n, p in ref.named_parameters():
+        np.testing.assert_allclose(grads[n], p.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_a_parameter_without_a_gradient_is_said_by_name():
+    """A parameter the loss does not use is refused at the first step (not pushed as
+    zeros): one ConfigError naming it and what to do."""
+    module = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 3), "spare": torch.nn.Linear(4, 3)})
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = module
+
+        def forward(self, x):
+            return self.m["used"](x)
+
+    model = mt.Model(Net(), torch.nn.CrossEntropyLoss())
+    params = model.initial_values(0)
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    with pytest.raises(ConfigError, match=r"m\.spare\.weight, m\.spare\.bias got no gradient"):
+        model.loss_and_grads(params, np.ones((2, 4), np.float32), np.array([0, 1]), grads)
+
+
+def test_parameters_that_are_not_float_are_refused():
+    with pytest.raises(ConfigError, match="parameter '0.weight' is torch.bfloat16"):
+        mt.Model(net().to(torch.bfloat16), torch.nn.CrossEntropyLoss())
+
+
+# -- under mpiexec -------------------------------------------------------------------------
+
+
+@pytest.mark.launcher
+def test_sync_replicas_equal_one_process_with_w_times_the_batch(tmp_path):
+    """Two sync replicas (the allreduce overlapping backward) equal PyTorch on the
+    concatenation of their batches."""
+    job = write(tmp_path, "sync", 15)
+    r = run_train(tmp_path, 2, "job.toml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    variables, _, _ = read_ckpt(tmp_path / "runs/t/ckpt-15.json")
+    assert_equal(variables, plain_loop(streams(job, 2, 15, sync=True), 0.1))
+
+
+@pytest.mark.launcher
+def test_one_async_worker_equals_one_process(tmp_path):
+    """1 PS task + 1 worker, async: PyTorch's loop on that worker's batches."""
+    job = write(tmp_path, "async", 15)
+    r = run_train(tmp_path, 2, "job.toml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    variables, _, _ = read_ckpt(tmp_path / "runs/t/ckpt-15.json")
+    assert_equal(variables, plain_loop(streams(job, 1, 15, sync=False), 0.1))
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("mode", ["async", "sync_replicas"])
+def test_export_loads_into_the_module_and_evaluates_as_the_run(tmp_path, mode):
+    """ckpt export to a .pt file: load_state_dict(torch.load(...)) takes it (strict), and
+    the module then gives the run's own test accuracy."""
+    write(tmp_path, mode, 200)
+    r = run_train(tmp_path, 3, "job.toml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    e = run_py(["-m", "mpips", "ckpt", "export", "runs/t", "model.pt"], tmp_path)
+    assert e.returncode == 0, e.stdout + e.stderr
+    module = net()
+    module.load_state_dict(torch.load(tmp_path / "model.pt"))
+    info = open_dataset(resolve_path("", "digits"))
+    x, y = load_split(info, "test")
+    with torch.no_grad():
+        accuracy = float((module(torch.from_numpy(x)).argmax(1).numpy() == y).mean())
+    assert accuracy == pytest.approx(r.result["test_accuracy"], abs=1e-6)
+    assert accuracy > 0.8
+
+
+@pytest.mark.launcher
+def test_a_parameter_without_a_gradient_is_said_once_and_ends_the_job(tmp_path):
+    write(tmp_path, "async", 20)
+    (tmp_path / "net.py").write_text(
+        NET.replace("torch.nn.Linear(hidden, classes)", "torch.nn.Linear(hidden, classes)")
+        + textwrap.dedent(
+            """
+            class Spare(torch.nn.Module):
+                def __init__(self, inner):
+                    super().__init__()
+                    self.inner, self.spare = inner, torch.nn.Linear(2, 2)
+
+                def forward(self, x):
+                    return self.inner(x)
+
+
+            def build_spare(data):
+                return mpips.torch.Model(Spare(net()), torch.nn.CrossEntropyLoss())
+            """
+        )
+    )
+    text = (tmp_path / "job.toml").read_text().replace("net:build", "net:build_spare")
+    (tmp_path / "job.toml").write_text(text)
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml"], tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    said = re.findall(r"spare\.weight, spare\.bias got no gradient", r.stdout + r.stderr)
+    assert len(said) == 1, r.stdout + r.stderr
