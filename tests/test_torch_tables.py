@@ -1,0 +1,178 @@
+"""mpips.torch's sparse tables: an nn.EmbeddingBag(sparse=True) is a table on the PS tasks,
+a step pulls and pushes only the rows its batch touches (their gradients are PyTorch's),
+one hybrid worker equals PyTorch's own loop, and the shipped wide-and-deep matches the
+built-in wide_deep on the CTR data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import ROOT, run_mpi
+from test_ctr_mpi import FEATURES, clothing, small_dataset  # noqa: F401 (a fixture)
+from test_torch_frontend import need
+
+from mpips.checkpoint import Checkpoint
+from mpips.data import batches, load_split, open_dataset
+
+torch = need("torch")
+mt = pytest.importorskip("mpips.torch")
+
+NET = """
+import torch
+from torch import nn
+import mpips.torch
+
+
+class WideDeep(nn.Module):
+    def __init__(self, features, dim=3, hidden=4):
+        super().__init__()
+        self.wide = nn.EmbeddingBag(features, 1, mode="sum", sparse=True)
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.embedding = nn.EmbeddingBag(features, dim, mode="sum", sparse=True)
+        self.deep = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, b):
+        w = self.wide(b.indices, b.offsets, per_sample_weights=b.weights)
+        d = self.deep(self.embedding(b.indices, b.offsets, per_sample_weights=b.weights))
+        return (w + d).squeeze(1) + self.bias
+
+
+def loss(z, y):
+    return nn.functional.binary_cross_entropy_with_logits(z, y.float())
+
+
+def build(data):
+    return mpips.torch.Model(WideDeep(data.num_inputs), loss)
+"""
+
+JOB = """
+[model]
+kind = "net:build"
+partition = "mod"
+init_seed = 4
+[data]
+path = "s.h5"
+[optimizer]
+learning_rate = 0.5
+[train]
+mode = "hybrid"
+steps = 30
+batch_size = 8
+seed = 5
+log_every = 0
+progress = false
+[checkpoint]
+dir = "runs/s"
+"""
+
+
+def namespace():
+    scope: dict = {}
+    exec(compile(NET, "net.py", "exec"), scope)  # (the test's own source text)
+    return scope
+
+
+def whole(x) -> object:
+    """A CSR batch over the tables' own ids, as PyTorch's loop feeds its module."""
+    return mt.SparseInput(
+        torch.from_numpy(x.indices.astype(np.int64)),
+        torch.from_numpy(x.indptr[:-1].astype(np.int64)),
+        torch.from_numpy(x.data.astype(np.float32)),
+        x.shape[0],
+    )
+
+
+def test_a_step_moves_only_the_touched_rows_and_their_gradients_are_pytorchs(tmp_path):
+    small_dataset(tmp_path / "s.h5")
+    x, y = load_split(open_dataset(str(tmp_path / "s.h5")), "train")
+    x, y = x[:8], y[:8]
+    net = namespace()
+    torch.manual_seed(0)
+    model = mt.Model(net["WideDeep"](FEATURES), net["loss"])
+    assert [t.name for t in model.tables()] == ["wide.weight", "embedding.weight"]
+    assert "wide.weight" not in [v.name for v in model.variables()]
+    batch, ids = model.prepare(x)
+    assert list(ids) == sorted(set(x.indices)) and len(ids) < FEATURES
+    params = model.initial_values(0)
+    for t in model.tables():  # the pulled rows: only the batch's ids
+        params[t.name] = model.initial_rows(t.name, (0, FEATURES, 1), 0)[ids]
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    model.loss_and_grads(params, batch, y, grads)
+    for t in model.tables():
+        assert grads[t.name].shape[0] == len(ids)  # one gradient row a touched id, no more
+    torch.manual_seed(0)
+    ref = net["WideDeep"](FEATURES)
+    net["loss"](ref(whole(x)), torch.from_numpy(y)).backward()
+    for name, p in ref.named_parameters():
+        g = p.grad.to_dense().numpy() if p.grad.is_sparse else p.grad.numpy()
+        if name in ("wide.weight", "embedding.weight"):
+            np.testing.assert_allclose(grads[name], g[ids], rtol=1e-5, atol=1e-7)
+            untouched = np.setdiff1d(np.arange(FEATURES), ids)
+            assert not g[untouched].any()  # (what is not pulled has no gradient)
+        else:
+            np.testing.assert_allclose(grads[name], g, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert model.traffic.copied_bytes == 0
+
+
+def test_sparse_tables_need_sparse_or_integer_data():
+    from mpips.errors import DataError
+
+    model = mt.Model(namespace()["WideDeep"](FEATURES), namespace()["loss"])
+    with pytest.raises(DataError, match=r"sparse embeddings \(sparse=True\) takes sparse"):
+        model.prepare(np.ones((2, 3), np.float32))
+
+
+@pytest.mark.launcher
+def test_one_hybrid_worker_equals_pytorchs_loop(tmp_path):
+    """Tables on 2 PS tasks (rows pulled and pushed), the dense part the worker's replica:
+    after 30 SGD steps, PyTorch's loop with whole tables on the same batches."""
+    small_dataset(tmp_path / "s.h5")
+    (tmp_path / "net.py").write_text(NET)
+    (tmp_path / "job.toml").write_text(JOB)
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    variables, _ = Checkpoint(tmp_path / "runs/s/ckpt-30.json").read_all()
+    net = namespace()
+    torch.manual_seed(4)  # model.init_seed: the factory is called after it
+    ref = net["WideDeep"](FEATURES)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x, y = load_split(open_dataset(str(tmp_path / "s.h5")), "train")
+    stream = batches(x, y, 8, 5, 0, per_epoch=len(y) // 8)
+    for _ in range(30):
+        _, bx, by = next(stream)
+        opt.zero_grad()
+        net["loss"](ref(whole(bx)), torch.from_numpy(by)).backward()
+        opt.step()
+    assert sorted(variables) == sorted(n for n, _ in ref.named_parameters())
+    for name, p in ref.named_parameters():
+        np.testing.assert_allclose(variables[name], p.detach().numpy(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.launcher
+def test_the_shipped_pytorch_wide_deep_matches_the_built_in_one(clothing):  # noqa: F811
+    """jobs/torch_ctr_wide_deep.toml (nn.EmbeddingBag tables, hybrid) against the built-in
+    wide_deep in the same mode, steps and data: test AUC within 0.01."""
+    for name in ("torch_ctr_wide_deep.toml", "torch_wide_deep.py", "ctr_wide_deep.toml"):
+        shutil.copy(ROOT / "jobs" / name, clothing / name)
+    text = (clothing / "ctr_wide_deep.toml").read_text()
+    text = text.replace("[train]\n", '[train]\nmode = "hybrid"\n')
+    (clothing / "builtin.toml").write_text(text)
+    auc = {}
+    for job in ("torch_ctr_wide_deep.toml", "builtin.toml"):
+        args = [
+            "--steps",
+            "250",
+            "--no-progress",
+            "--result",
+            "r.json",
+            "--ckpt-dir",
+            f"runs/{job}",
+        ]
+        r = run_mpi(4, ["-m", "mpips", "train", job, *args], cwd=clothing, timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        auc[job] = json.loads((clothing / "r.json").read_text())["test_auc"]
+    assert auc["builtin.toml"] > 0.85, auc
+    assert abs(auc["torch_ctr_wide_deep.toml"] - auc["builtin.toml"]) <= 0.01, auc
