@@ -319,3 +319,25 @@ def test_a_parameter_without_a_gradient_is_said_once_and_ends_the_job(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     said = re.findall(r"spare\.weight, spare\.bias got no gradient", r.stdout + r.stderr)
     assert len(said) == 1, r.stdout + r.stderr
+
+
+def test_the_readme_shows_the_shipped_pytorch_example():
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(import torch\n.*?)```", readme, re.S).group(1)
+    assert code == (ROOT / "jobs/torch_net.py").read_text()
+    assert "mpirun -n 3 python -m mpips train jobs/torch_net.toml" in readme
+
+
+@pytest.mark.launcher
+def test_the_readme_pytorch_example_trains(tmp_path):
+    import shutil
+
+    from conftest import ROOT
+
+    for name in ("torch_net.py", "torch_net.toml"):
+        shutil.copy(ROOT / "jobs" / name, tmp_path / name)
+    r = run_train(tmp_path, 3, "torch_net.toml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.result["global_step"] == 600 and r.result["test_accuracy"] > 0.9, r.result
