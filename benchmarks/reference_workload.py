@@ -6,7 +6,9 @@ Run:  python benchmarks/reference_workload.py [--rounds 3] [--steps 1000]
 MLP 784-512-512-10, ReLU, softmax cross-entropy, float32, batch 128 per worker, SGD lr 0.05,
 on the synthetic set (X ~ N(0,1), labels argmax(X @ W)). The single process runs the same
 numpy model code with one BLAS thread, timed after 20 warm-up steps; the mpips rate is what its
-chief reports (all workers' examples over the slowest worker's loop time, warm-up included).
+chief reports (all workers' examples over the slowest worker's loop time, warm-up included;
+the fused optimizer kernels are loaded at start-up, before the loop's clock starts, so the
+loop is the steady state however short).
 Rounds alternate between the configurations so all see the same machine load. Target: >= 1.6x.
 ``--optimizers sgd,adam`` adds mpips runs with Adam (lr 0.001, applied on the PS) to each round;
 for every stateful optimizer, ``--numpy-rules`` adds a run with the fused kernels off

@@ -38,12 +38,12 @@ from mpi4py import MPI
 from .backend import page_zeros
 from .errors import AlreadyReported, ReplicasDiverged, Stalled
 from .store import (
-    STALL_TIMEOUT,
-    START_TIMEOUT,
     Exposed,
     NodeShared,
     allgather_json,
     stall_limit,
+    stall_timeout,
+    start_timeout,
     wait,
 )
 from .variables import VariableSpec
@@ -636,7 +636,7 @@ def complete(comm: MPI.Comm, request: MPI.Request, what: str) -> None:
 
     def late(waited: float) -> NoReturn:
         raise Stalled(
-            f"{what} did not complete within {STALL_TIMEOUT:.0f} s: a replica "
+            f"{what} did not complete within {stall_timeout():.0f} s: a replica "
             f"is hung? (MPIPS_STALL_TIMEOUT sets the limit); aborting the job"
         )
 
@@ -677,7 +677,7 @@ def stop_from_ps(comm: MPI.Comm) -> int:
 def broadcast(comm: MPI.Comm, arrays: list[np.ndarray], root: int = 0) -> None:
     """Broadcast arrays in place from ``root`` (waiting ranks sleep)."""
     for a in arrays:
-        wait(comm.Ibcast(a, root=root), "the chief's broadcast of the variables", START_TIMEOUT)
+        wait(comm.Ibcast(a, root=root), "the chief's broadcast of the variables", start_timeout())
 
 
 def replica_hash(arrays: list[np.ndarray]) -> int:
@@ -691,7 +691,7 @@ def replica_hash(arrays: list[np.ndarray]) -> int:
 def check_replicas(comm: MPI.Comm, arrays: list[np.ndarray], step: int) -> None:
     """Unless all replicas are bitwise identical, raise on every one: ReplicasDiverged on the
     chief (rank 0 of ``comm``), naming the replicas that differ; AlreadyReported elsewhere."""
-    hashes = allgather_json(comm, replica_hash(arrays), "the replica check", STALL_TIMEOUT)
+    hashes = allgather_json(comm, replica_hash(arrays), "the replica check", stall_timeout())
     if len(set(hashes)) > 1:
         first = hashes[0]
         bad = [task for task, h in enumerate(hashes) if h != first]

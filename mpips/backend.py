@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import standin
+from . import settings, standin
 from .errors import ConfigError
 
 
@@ -32,6 +32,14 @@ def issparse(a: Any) -> bool:
 
 
 BLAS_THREADS_ENV = "MPIPS_BLAS_THREADS"  # a rank's BLAS threads, set by hand (benchmarks)
+# the variables each kind of threaded library reads at load (threadpoolctl's internal_api):
+# a count the user set there wins over the share mpips would give the rank
+LIBRARY_THREAD_VARIABLES = {
+    "openblas": ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"),
+    "mkl": ("MKL_NUM_THREADS", "OMP_NUM_THREADS"),
+    "blis": ("BLIS_NUM_THREADS", "OMP_NUM_THREADS"),
+    "flexiblas": ("FLEXIBLAS_NUM_THREADS", "OMP_NUM_THREADS"),
+}
 
 
 def node_blas_threads(cores: int, ranks: int, ps: int = 0) -> list[int]:
@@ -51,13 +59,18 @@ def node_blas_threads(cores: int, ranks: int, ps: int = 0) -> list[int]:
 
 
 def blas_threads_override() -> int | None:
-    """The threads MPIPS_BLAS_THREADS asks for (None when unset or empty)."""
-    value = os.environ.get(BLAS_THREADS_ENV, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"{BLAS_THREADS_ENV} must be a whole number >= 1, got {value!r}")
-    return int(value)
+    """The threads MPIPS_BLAS_THREADS asks for (None when unset or empty; ConfigError for a
+    bad value)."""
+    return settings.current().blas_threads
+
+
+def user_thread_count(internal_api: str) -> str | None:
+    """The variable that sets the threads of a library of kind ``internal_api`` (openblas,
+    mkl, blis, openmp, ...) where the user set one (``OMP_NUM_THREADS=1``), else None. The
+    library read it when it loaded, so leaving it alone keeps the user's count."""
+    set_here = settings.current().thread_variables
+    names = LIBRARY_THREAD_VARIABLES.get(internal_api, ("OMP_NUM_THREADS",))
+    return next((n for n in names if n in set_here), None)
 
 
 def pin_blas_threads(
@@ -69,19 +82,24 @@ def pin_blas_threads(
     is ``node_blas_threads``'s: 1 for a PS task (``local_worker`` None), else worker number
     ``local_worker`` of the node's workers gets its part of the other cores. Without it,
     every rank gets ``cores // local_size`` (the rule before PS tasks were told apart).
-    MPIPS_BLAS_THREADS, when set, is the share. Default BLAS threading made the reference
-    MLP ~10x slower with 8 ranks on 2 cores.
+    MPIPS_BLAS_THREADS, when set, is the share of every library. Otherwise a library whose
+    own thread count the user set (OPENBLAS_NUM_THREADS, OMP_NUM_THREADS, MKL_NUM_THREADS,
+    ...: user_thread_count) keeps it, and the others get the share. Default BLAS threading
+    made the reference MLP ~10x slower with 8 ranks on 2 cores.
     """
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import ThreadpoolController
 
     threads = blas_threads_override()
+    by_hand = threads is not None
     if threads is None:
         if ps_on_node is None:
             threads = max(1, cpu_count() // max(1, local_size))
         else:
             shares = node_blas_threads(cpu_count(), max(1, local_size), ps_on_node)
             threads = 1 if local_worker is None else shares[ps_on_node + local_worker]
-    threadpool_limits(limits=threads)
+    for library in ThreadpoolController().lib_controllers:
+        if by_hand or user_thread_count(library.internal_api) is None:
+            library.set_num_threads(threads)
     return threads
 
 
@@ -94,7 +112,7 @@ def get_xp(device: str, local_worker: int = 0) -> ModuleType:
     """
     if device == "cpu":
         return np
-    if os.environ.get(standin.ENV, "") == "1":
+    if settings.current().gpu_standin:
         return standin  # the strict stand-in: GPU code paths without a GPU (tests, CI)
     try:
         import cupy

@@ -771,6 +771,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "verbose", False):
         set_verbose(True)
     try:
+        if args.command != "train":  # (train checks them as its first agreed start-up step)
+            from . import settings
+
+            settings.check()
         return args.func(args)
     except MpipsError as e:
         print(f"mpips: error: {e}", file=sys.stderr)

@@ -13,6 +13,7 @@ from typing import Any
 from .errors import ConfigError
 from .files import read_text
 from .schema import check_keys
+from .settings import launch_hint
 
 PS, WORKER = "ps", "worker"
 
@@ -162,13 +163,13 @@ def make_layout(
     if expected_world_size is not None and expected_world_size != world_size:
         raise ConfigError(
             f"{source}: world_size = {expected_world_size}, but the job runs "
-            f"on {world_size} ranks (mpirun -n {expected_world_size}?)"
+            f"on {world_size} ranks ({launch_hint(expected_world_size)}?)"
         )
     least = 1 if sync else 2
     if world_size < least:
         raise ConfigError(
             f"{source}: mpips needs at least 2 ranks (1 ps + 1 worker), got "
-            f"{world_size}; launch with e.g. `mpirun -n 3 python -m mpips train`"
+            f"{world_size}; launch with e.g. `{launch_hint(3)} python -m mpips train`"
         )
     if ps is None:
         ps = 0 if sync else default_num_ps(world_size)

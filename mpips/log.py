@@ -3,17 +3,17 @@
 Two levels, so that a first run prints a handful of lines: ``log`` for what every run says
 (start, progress, warnings, the result), ``detail`` for what one looks at when something is
 off (each rank's pid, each worker's rows and "done" line, per-worker statistics that the
-result file holds anyway). Details are printed when ``MPIPS_VERBOSE`` is set (to anything
-but 0, false, no or off) or after ``set_verbose(True)`` (``-v/--verbose``).
+result file holds anyway). Details are printed when ``MPIPS_VERBOSE=1`` (mpips.settings)
+or after ``set_verbose(True)`` (``-v/--verbose``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-OFF = ("", "0", "false", "no", "off")
-_verbose = os.environ.get("MPIPS_VERBOSE", "").strip().lower() not in OFF
+from . import settings
+
+_verbose: bool | None = None  # set_verbose's word; None: as MPIPS_VERBOSE says
 
 
 def set_verbose(on: bool) -> None:
@@ -28,8 +28,9 @@ def counted(n: int, noun: str) -> str:
 
 
 def verbose() -> bool:
-    """Whether ``detail`` lines are printed."""
-    return _verbose
+    """Whether ``detail`` lines are printed (a line never fails: a bad MPIPS_VERBOSE reads
+    as unset here, and start-up says it)."""
+    return settings.cached().verbose if _verbose is None else _verbose
 
 
 def log(role: object, message: str) -> None:
@@ -40,5 +41,5 @@ def log(role: object, message: str) -> None:
 
 def detail(role: object, message: str) -> None:
     """A line only a verbose run prints (see the module's docstring)."""
-    if _verbose:
+    if verbose():
         log(role, message)

@@ -10,16 +10,16 @@ operations in the same order, so they give the same bits; see ``fused_apply``.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from . import settings
 from .backend import array_module
 from .device_kernels import device_apply, is_cupy
 
@@ -187,12 +187,7 @@ _KERNELS: dict[str, tuple[Callable[..., None], int, int]] = {
 }
 _F32 = np.dtype(np.float32)
 
-_fused_enabled = os.environ.get("MPIPS_FUSED_KERNELS", "1").strip().lower() not in (
-    "0",
-    "false",
-    "no",
-    "off",
-)
+_fused_enabled: bool | None = None  # set_fused_kernels's word; None: MPIPS_FUSED_KERNELS's
 _ready: dict[str, Callable[..., None]] = {}  # compiled for float32 and run once
 # Loading numba costs a process ~0.8 s of CPU (on 2 busy cores, half a small job's start-up).
 # A process starts compiling a kernel only once the numpy rules, applying updates that
@@ -204,14 +199,34 @@ _rule_seconds = [0.0]  # this process's CPU time in those rules (each thread's, 
 _loaders: dict[str, threading.Thread] = {}  # the thread that compiles each kernel
 _failed: set[str] = set()  # kernels that could not be had (numba missing, a failed compile)
 _lock = threading.Lock()
+# A run decides at start-up instead (plan_kernel), so that no compile lands among its steps:
+# the kernel is loaded before the first step where an update costs the numpy rule at least
+# PAYS_PER_UPDATE seconds (the kernel saves ~half of that, or more: numba's ~0.5-0.8 s of
+# CPU to load is back within ~2000 updates), else never in that run. The numpy rules' CPU
+# time per float32 element (1M-element arrays, the 2-vCPU VM, docs/performance.md):
+NUMPY_SECONDS_PER_ELEMENT = {
+    "sgd": 0.8e-9,
+    "momentum": 1.7e-9,
+    "nesterov": 2.0e-9,
+    "adagrad": 2.7e-9,
+    "adam": 5.3e-9,
+    "ftrl": 8.7e-9,
+}
+PAYS_PER_UPDATE = 2e-4
 
 
 def set_fused_kernels(enabled: bool) -> bool:
     """Use the fused kernels (True, the default unless ``MPIPS_FUSED_KERNELS=0``) or always
     the numpy rules (False) in this process; returns the previous setting."""
     global _fused_enabled
-    previous, _fused_enabled = _fused_enabled, enabled
+    previous, _fused_enabled = fused_kernels_on(), enabled
     return previous
+
+
+def fused_kernels_on() -> bool:
+    """Whether the fused kernels are used in this process: set_fused_kernels's word, else
+    MPIPS_FUSED_KERNELS (default 1)."""
+    return settings.cached().fused_kernels if _fused_enabled is None else _fused_enabled
 
 
 def kernel_name(kind: str, hyper: dict[str, Any]) -> str | None:
@@ -242,6 +257,34 @@ def fused_kernel(name: str, wait: bool = True) -> Callable[..., None] | None:
     if wait:
         loader.join()
     return _ready.get(name)
+
+
+def plan_kernel(optimizer: Optimizer, elements: int) -> tuple[Optimizer, str | None]:
+    """At a run's start-up, in a process each of whose updates applies ``optimizer``'s rule
+    to ``elements`` float32 elements on the CPU: the optimizer for the run, and the fused
+    kernel it starts loading now, in the background (await_kernel before the first step),
+    where one update costs the numpy rule at least PAYS_PER_UPDATE seconds. Else no kernel,
+    and the run's optimizer keeps the numpy rules (``numpy_only``): no compile starts among
+    its steps (a kernel this process already has is used; the bits are the same)."""
+    name = kernel_name(optimizer.kind, optimizer.hyper)
+    if name is None or not fused_kernels_on():
+        return optimizer, None
+    if elements * NUMPY_SECONDS_PER_ELEMENT[name] < PAYS_PER_UPDATE:
+        return replace(optimizer, numpy_only=True), None
+    fused_kernel(name, wait=False)
+    return replace(optimizer, numpy_only=False), name
+
+
+def await_kernel(name: str | None, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for plan_kernel's kernel ``name`` (None: none planned) to be
+    loaded; whether it is. A compile slower than that goes on in the background, the numpy
+    rule running meanwhile (never a hang)."""
+    if name is None:
+        return True
+    loader = _loaders.get(name)
+    if loader is not None:
+        loader.join(timeout)
+    return name in _ready
 
 
 def _compile(name: str) -> None:
@@ -290,22 +333,24 @@ def fused_apply(
     lr: float,
     t: int,
     wait: bool = True,
+    load: bool = True,
 ) -> bool | None:
     """``kind``'s rule by its fused kernel, in place, where one fits: True. False (nothing
     done) where the numpy rule must run instead: kernels off or unavailable, arrays that
-    are not C-contiguous float32 numpy arrays of one shape. None (nothing done, the numpy
-    rule runs) where the kernel fits but is not compiled yet (``wait=False``): its compile
-    starts once the numpy rules have taken COMPILE_AFTER seconds (Optimizer.apply counts
-    them). The result is the numpy rule's, bit for bit."""
+    are not C-contiguous float32 numpy arrays of one shape, or (``load=False``) a kernel
+    not loaded yet. None (nothing done, the numpy rule runs) where the kernel fits but is
+    not compiled yet (``wait=False``): its compile starts once the numpy rules have taken
+    COMPILE_AFTER seconds (Optimizer.apply counts them). The result is the numpy rule's,
+    bit for bit."""
     name = kernel_name(kind, hyper)
-    if name is None or not _fused_enabled:
+    if name is None or not fused_kernels_on():
         return False
     arrays = [slots[s] for s in SLOTS[kind]]
     if not _fits(var, grad, arrays):
         return False
     kernel = _ready.get(name)
     if kernel is None:
-        if name in _failed:
+        if name in _failed or not load:
             return False
         if not (wait or _rule_seconds[0] >= COMPILE_AFTER):
             return None  # not worth loading numba yet
@@ -351,6 +396,9 @@ class Optimizer:
 
     kind: str
     hyper: dict[str, Any] = field(default_factory=dict)
+    # a run's start-up found its updates too small for a fused kernel to pay (plan_kernel):
+    # none is loaded while it runs (one this process already has is used)
+    numpy_only: bool = field(default=False, compare=False)
 
     @property
     def slots(self) -> tuple[str, ...]:
@@ -377,12 +425,12 @@ class Optimizer:
         h = self.hyper
         if is_cupy(var):  # a GPU: the rule's cupy kernel
             name = kernel_name(self.kind, h)
-            if name is not None and _fused_enabled:
+            if name is not None and fused_kernels_on():
                 arrays = [slots[s] for s in SLOTS[self.kind]]
                 if device_apply(name, var, grad, arrays, kernel_scalars(self.kind, h, lr, t)):
                     return
         else:
-            fused = fused_apply(self.kind, h, var, grad, slots, lr, t, wait=False)
+            fused = fused_apply(self.kind, h, var, grad, slots, lr, t, False, not self.numpy_only)
             if fused:
                 return
             if fused is None:  # a kernel would fit: the numpy rule's time counts towards it

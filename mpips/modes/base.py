@@ -5,9 +5,9 @@ summaries and the run's result ask it; nothing outside this package compares tra
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from .. import settings
 from ..backend import Device
 from ..data import DatasetInfo
 from ..errors import ConfigError
@@ -19,6 +19,7 @@ from ..optim import Optimizer
 from ..placement import Placement, slot_placement
 from ..placing import job_layout, job_placement
 from ..run import TrainResult
+from ..settings import launch_hint
 from ..startup import Prepared
 from ..store import Cluster, WindowPlan, has_inboxes
 
@@ -51,7 +52,11 @@ class Mode:
 
     def layout(self, job: Job, world_size: int, nodes: list[int] | None = None) -> Layout:
         """The job's rank layout for this mode (one with no PS task holding variables may
-        have no PS task at all)."""
+        have no PS task at all). One process (``single``, the debugging run) has no PS
+        task, whatever the job's [layout] says: its ps and world_size are for a launch
+        with several ranks (training.one_process_note says so)."""
+        if self.single:
+            return Layout(world_size, ())
         return job_layout(job, world_size, nodes, sync=not self.ps_holds_variables)
 
     def store_placement(self, job: Job, model: Any, num_ps: int) -> Placement:
@@ -64,7 +69,8 @@ class Mode:
         if model.tables() and not self.trains_tables:
             raise ConfigError(
                 f"{type(model).__name__} keeps row-partitioned tables on the PS "
-                f'tasks: it trains in mode = "async" or "hybrid" (with mpirun -n 2 or more)'
+                f'tasks: it trains in mode = "async" or "hybrid" (2 ranks or more, e.g. '
+                f"{launch_hint(3)})"
             )
 
     def rank_bytes(
@@ -101,7 +107,7 @@ class Mode:
         per_rank = self.rank_bytes(job, cluster.layout, model, optimizer, info, zero_copy=True)
         need = sum(per_rank[r] for r in cluster.layout.ps_ranks)
         return (
-            os.environ.get("MPIPS_SHARED_MEMORY") != "0"  # (no MPI shared memory wanted)
+            settings.current().shared_memory  # (MPIPS_SHARED_MEMORY=0: none wanted)
             and shared_memory_free(need) >= need * 1.25
         )
 

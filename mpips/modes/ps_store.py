@@ -4,13 +4,12 @@ close the store at the end."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint, preemption
+from .. import checkpoint, preemption, settings
 from ..hooks import PendingSave
 from ..job import Job
 from ..log import log
@@ -19,7 +18,6 @@ from ..placement import imbalance, slot_placement
 from ..run import TrainResult, manifest_meta
 from ..startup import Prepared, table_initial
 from ..store import (
-    STALL_TIMEOUT,
     Apply,
     Cluster,
     RunControl,
@@ -30,6 +28,7 @@ from ..store import (
     publish_start_step,
     serve,
     stall_limit,
+    stall_timeout,
 )
 from ..summaries import job_timeline, ps_summaries
 from .base import Mode
@@ -121,7 +120,7 @@ def sparse_tables(
     and the model's initial values; None (every array whole) without a model or tables, or
     with MPIPS_SPARSE_CHECKPOINTS=0."""
     rows = {e.name: e.rows for e in windows.placement.on_ps(task) if e.table and e.rows}
-    if model is None or not rows or os.environ.get("MPIPS_SPARSE_CHECKPOINTS", "1") == "0":
+    if model is None or not rows or not settings.current().sparse_checkpoints:
         return None
     return checkpoint.SparseTables(rows, job.model.init_seed, table_initial(model, optimizer))
 
@@ -141,6 +140,7 @@ def save_from_ps(
     control, c = RunControl(windows), job.checkpoint
     num_ps = windows.placement.num_ps
     number, asked = control.request_checkpoint(step), time.monotonic()
+    limit = stall_timeout()
     variables, slots = checkpoint.index_of(windows.placement, windows.slots)
     shards = num_ps
     if chief_part is not None:
@@ -151,9 +151,9 @@ def save_from_ps(
 
     def commit(block: bool) -> Path | None:
         if block:
-            control.wait_shards(number, step, STALL_TIMEOUT - (time.monotonic() - asked))
+            control.wait_shards(number, step, limit - (time.monotonic() - asked))
         elif control.shards_missing(number):
-            if time.monotonic() - asked > STALL_TIMEOUT:
+            if time.monotonic() - asked > limit:
                 control.wait_shards(number, step, 0)  # raises, naming the PS tasks
             return None
         return checkpoint.commit(

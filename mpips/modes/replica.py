@@ -11,13 +11,12 @@ once per aggregated step, identically on every replica.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import numpy as np
 
-from .. import preemption
+from .. import preemption, settings
 from ..allreduce import (
     GradientBuckets,
     Update,
@@ -63,7 +62,7 @@ def node_shared(cluster: Cluster, nbytes: int) -> bool:
     shared memory lives there, and a process that runs past its end dies of SIGBUS."""
     if cluster.workers.size == 1:  # one replica: nothing to share (see GradientBuckets)
         return False
-    if not cluster.workers_on_one_node or os.environ.get("MPIPS_SHARED_MEMORY", "1") == "0":
+    if not cluster.workers_on_one_node or not settings.current().shared_memory:
         return False
     free = shared_memory_free(nbytes)
     fits = free >= nbytes * 1.25

@@ -5,15 +5,15 @@ of mpips uses what is exported here and touches no ``MPI.Win``."""
 
 from .client import StoreClient
 from .cluster import (
-    STALL_TIMEOUT,
-    START_TIMEOUT,
     Cluster,
     agreed,
     allgather_json,
     barrier,
     node_of_each_rank,
     stall_limit,
+    stall_timeout,
     start_limit,
+    start_timeout,
     unreachable,
     wait,
     watched_barrier,
@@ -30,13 +30,12 @@ from .window import (
     WindowPlan,
     Windows,
     has_inboxes,
+    updates_in_place,
 )
 
 __all__ = [
     "Apply",
     "NO_MORE_TICKETS",
-    "STALL_TIMEOUT",
-    "START_TIMEOUT",
     "TICKETS",
     "Cluster",
     "Exposed",
@@ -51,11 +50,14 @@ __all__ = [
     "allgather_json",
     "barrier",
     "has_inboxes",
+    "updates_in_place",
     "node_of_each_rank",
     "publish_start_step",
     "serve",
     "stall_limit",
+    "stall_timeout",
     "start_limit",
+    "start_timeout",
     "unreachable",
     "wait",
     "watched_barrier",

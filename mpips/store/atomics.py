@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import ctypes
 import operator
-import os
 from typing import Any
 
 import numpy as np
+
+from .. import settings
 
 SEQ_CST = 5  # __ATOMIC_SEQ_CST
 ENV = "MPIPS_ATOMICS"  # "numba": the fallback, even where libatomic is (tests compare both)
@@ -175,7 +176,7 @@ _backends: dict[str, Any] = {}
 def _backend(name: str | None = None) -> Any:
     """The atomics of this process: libatomic where it loads, else numba (``name``, or
     MPIPS_ATOMICS=numba, asks for numba)."""
-    name = name or ("numba" if os.environ.get(ENV) == "numba" else "libatomic")
+    name = name or settings.current().atomics
     if name not in _backends:
         lib = _libatomic() if name == "libatomic" else None
         ops = _LibAtomic(lib) if lib is not None else None

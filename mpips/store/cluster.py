@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -16,7 +15,7 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from .. import failure
+from .. import failure, settings
 from ..errors import AgreedError, MpipsError, PlacementMismatch, StartTimeout
 from ..layout import Layout, Role
 from ..placement import Placement
@@ -24,13 +23,20 @@ from ..waits import MAX_SLEEP, poll
 
 POLL_SECONDS = MAX_SLEEP
 T = TypeVar("T")
-# every start-up step must be reached by every rank within this many seconds, else the job
-# ends naming the ranks that never arrived (a stuck rank must not hang the others forever)
-START_TIMEOUT = float(os.environ.get("MPIPS_START_TIMEOUT", "300"))
-# a task that makes no progress for this many seconds mid-run, while others wait, is hung
-STALL_TIMEOUT = float(os.environ.get("MPIPS_STALL_TIMEOUT", "600"))
 _ARRIVAL_TAG = 7001  # and 7002 for rank 0's "go"; other point-to-point tags start at 7100
 _TOKEN = np.zeros(1, np.uint8)  # what an arrival sends (alive until the send completes)
+
+
+def start_timeout() -> float:
+    """Seconds within which every rank must reach each start-up step, else the job ends
+    naming the ranks that never arrived (MPIPS_START_TIMEOUT, default 300)."""
+    return settings.current().start_timeout
+
+
+def stall_timeout() -> float:
+    """Seconds a task may make no progress mid-run while others wait for it before it is
+    called hung (MPIPS_STALL_TIMEOUT, default 600)."""
+    return settings.current().stall_timeout
 
 
 def stagger(index: int) -> float:
@@ -41,8 +47,9 @@ def stagger(index: int) -> float:
 
 
 def stall_limit(index: int) -> float:
-    """Seconds waiter ``index`` gives a hung peer: STALL_TIMEOUT, staggered."""
-    return STALL_TIMEOUT + stagger(index)
+    """Seconds waiter ``index`` gives a hung peer: stall_timeout(), staggered. (Asked at
+    every step's wait: the settings as start-up read them.)"""
+    return settings.cached().stall_timeout + stagger(index)
 
 
 def wait(
@@ -77,18 +84,20 @@ def watched_barrier(comm: MPI.Comm, what: str, watchdog: Callable[[], None]) -> 
 
 
 def start_limit(index: int) -> float:
-    """START_TIMEOUT for waiter ``index``, staggered like stall_limit (one waiter says it)."""
-    return START_TIMEOUT + stagger(index)
+    """start_timeout() for waiter ``index``, staggered like stall_limit (one waiter says it)."""
+    return start_timeout() + stagger(index)
 
 
-def check_arrival(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> None:
+def check_arrival(comm: MPI.Comm, what: str, timeout: float | None = None) -> None:
     """A barrier that names the ranks that do not arrive. Every rank reports to rank 0; if
     some never do within ``timeout``, rank 0 names them (StartTimeout, which aborts the job).
     Once all have, rank 0 tells every rank to go on; a rank that hears nothing within
     ``timeout`` + 5 s gives up, naming rank 0 (it may be the one missing).
 
     Called before every blocking start-up collective (communicator split, window creation),
-    which cannot be polled or abandoned: after it, every rank is known to be there."""
+    which cannot be polled or abandoned: after it, every rank is known to be there.
+    ``timeout`` None: start_timeout()."""
+    timeout = start_timeout() if timeout is None else timeout
     if comm.rank != 0:
         comm.Isend(_TOKEN, dest=0, tag=_ARRIVAL_TAG).Free()
         go = np.zeros(1, np.uint8)
@@ -127,7 +136,7 @@ def check_arrival(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> 
         comm.Isend(_TOKEN, dest=r, tag=_ARRIVAL_TAG + 1).Free()
 
 
-def barrier(comm: MPI.Comm, what: str, timeout: float = START_TIMEOUT) -> None:
+def barrier(comm: MPI.Comm, what: str, timeout: float | None = None) -> None:
     """A barrier whose waiting ranks sleep, naming the ranks that do not arrive within
     ``timeout`` s (see check_arrival)."""
     check_arrival(comm, what, timeout)
@@ -137,9 +146,11 @@ def allgather_json(
     comm: MPI.Comm,
     obj: Any,
     what: str = "an exchange between ranks",
-    timeout: float = START_TIMEOUT,
+    timeout: float | None = None,
 ) -> list[Any]:
-    """Allgather JSON-able values (no pickle): bytes via Iallgatherv, waited on with sleeps."""
+    """Allgather JSON-able values (no pickle): bytes via Iallgatherv, waited on with sleeps
+    (``timeout`` None: start_timeout())."""
+    timeout = start_timeout() if timeout is None else timeout
     data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
     counts = np.zeros(comm.size, dtype=np.int64)
     wait(comm.Iallgather(np.array([data.size], dtype=np.int64), counts), what, timeout)
@@ -155,6 +166,8 @@ def agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
     Used for start-up work (reading the job, layout, data, checkpoint) so a problem is
     said once, not once per rank: an MpipsError by its message (exit 2), anything else by
     its traceback (exit 1). Different messages from different ranks are each said once.
+    Its own deadline is MPIPS_START_TIMEOUT's, or the default while a bad value of it is
+    still to be said (the start-up step that checks the settings is one of these).
     """
     result, error = None, None
     try:
@@ -166,8 +179,9 @@ def agreed(comm: MPI.Comm, fn: Callable[[], T]) -> T:
             "unexpected error during start-up:\n" + "".join(traceback.format_exception(e)).rstrip(),
             1,
         ]
-    check_arrival(comm, "start-up")
-    errors = allgather_json(comm, error, "every rank to reach start-up", START_TIMEOUT + 5)
+    limit = settings.lenient().start_timeout
+    check_arrival(comm, "start-up", limit)
+    errors = allgather_json(comm, error, "every rank to reach start-up", limit + 5)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         code = max(c for _, (_, c) in bad)
@@ -190,7 +204,7 @@ def node_of_each_rank(comm: MPI.Comm) -> list[int]:
     group.Free()
     world.Free()
     node.Free()
-    return allgather_json(comm, lowest, "every rank to reach start-up", START_TIMEOUT + 5)
+    return allgather_json(comm, lowest, "every rank to reach start-up", start_timeout() + 5)
 
 
 class Cluster:
@@ -215,7 +229,7 @@ class Cluster:
         wait(
             node.Iallgather(np.array([self.rank, *watcher], np.int64), ranks),
             "the node's ranks",
-            START_TIMEOUT,
+            start_timeout(),
         )
         self.node_ranks: tuple[int, ...] = tuple(int(r) for r in ranks[:, 0])  # world ranks here
         failure.join_watcher(int(ranks[0, 1]), int(ranks[0, 2]), self.rank, str(self.role))

@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from ..errors import Stalled, StartTimeout
 from ..waits import poll
-from .cluster import STALL_TIMEOUT, START_TIMEOUT, unreachable
+from .cluster import stall_timeout, start_timeout, unreachable
 from .window import (
     CKPT_SEQ,
     CKPT_STEP,
@@ -245,9 +245,9 @@ class RunControl:
         written = self.counters.read(SHARDS, self.num_ps)
         return [p for p in range(self.num_ps) if written[p] < number]
 
-    def wait_shards(self, number: int, step: int, timeout: float = STALL_TIMEOUT) -> None:
+    def wait_shards(self, number: int, step: int, timeout: float | None = None) -> None:
         """Chief: sleep until every PS task has written its shard for request ``number``;
-        Stalled naming the ones that did not within ``timeout`` s."""
+        Stalled naming the ones that did not within ``timeout`` s (None: stall_timeout())."""
 
         def late(waited: float) -> NoReturn:
             raise Stalled(
@@ -256,7 +256,8 @@ class RunControl:
                 f"(MPIPS_STALL_TIMEOUT sets the limit); aborting the job"
             )
 
-        poll(lambda: not self.shards_missing(number), timeout, late)
+        limit = stall_timeout() if timeout is None else timeout
+        poll(lambda: not self.shards_missing(number), limit, late)
 
     # -- start and end of the run ------------------------------------------------------------
 
@@ -267,11 +268,11 @@ class RunControl:
         return self._get(READY) != 0
 
     def wait_ready(
-        self, timeout: float = START_TIMEOUT, meanwhile: Callable[[], None] | None = None
+        self, timeout: float | None = None, meanwhile: Callable[[], None] | None = None
     ) -> None:
         """Wait (sleeping) until the chief has initialised or restored the variables;
-        StartTimeout naming the chief after ``timeout`` s (stagger it by the waiter: see
-        start_limit)."""
+        StartTimeout naming the chief after ``timeout`` s (None: start_timeout(); stagger it
+        by the waiter: see start_limit)."""
 
         def late(waited: float) -> NoReturn:
             raise StartTimeout(
@@ -280,7 +281,7 @@ class RunControl:
                 f"(MPIPS_START_TIMEOUT sets the limit)"
             )
 
-        poll(self.is_ready, timeout, late, meanwhile)
+        poll(self.is_ready, start_timeout() if timeout is None else timeout, late, meanwhile)
 
     def end_run(self) -> None:
         """Chief, after its last checkpoint and evaluation: the PS tasks may stop serving."""

@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from ..errors import Stalled
 from ..waits import poll
-from .cluster import STALL_TIMEOUT, stall_limit
+from .cluster import stall_limit, stall_timeout
 from .inbox import MAIL_FLAG, MAIL_LR, MAIL_WORDS, mail_words
 from .window import Windows
 
@@ -145,7 +145,7 @@ class WorkerMail:
             names = ", ".join(f"/job:ps/task:{self.ps_ranks.index(r)} (rank {r})" for r in pending)
             raise Stalled(
                 f"{names} did not apply this worker's update within "
-                f"{STALL_TIMEOUT:.0f} s: hung? (MPIPS_STALL_TIMEOUT sets the "
+                f"{stall_timeout():.0f} s: hung? (MPIPS_STALL_TIMEOUT sets the "
                 f"limit); aborting the job"
             )
 
@@ -176,7 +176,7 @@ class WorkerMail:
         def late(waited: float) -> NoReturn:
             names = ", ".join(f"/job:ps/task:{p} (step {tags[p]})" for p in behind)
             raise Stalled(
-                f"{names} did not aggregate a step within {STALL_TIMEOUT:.0f} s: too few "
+                f"{names} did not aggregate a step within {stall_timeout():.0f} s: too few "
                 f"workers pushing for train.replicas_to_aggregate? (MPIPS_STALL_TIMEOUT sets "
                 f"the limit); aborting the job"
             )

@@ -15,7 +15,7 @@ import time
 
 from ..errors import Stalled
 from ..layout import Layout
-from .cluster import STALL_TIMEOUT, stall_limit
+from .cluster import stall_limit, stall_timeout
 from .control import RunControl
 
 CHECK_SECONDS = 0.5
@@ -69,6 +69,6 @@ class Watchdog:
                 f"/job:worker/task:{t} (rank {self.layout.rank_of('worker', t)})" for t in stuck
             )
             raise Stalled(
-                f"{names} made no update for {STALL_TIMEOUT:.0f} s while the others "
+                f"{names} made no update for {stall_timeout():.0f} s while the others "
                 f"wait: hung? (MPIPS_STALL_TIMEOUT sets the limit); aborting the job"
             )

@@ -17,12 +17,12 @@ PS to make an MPI call, 300-500 us per op instead of ~2 us.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import settings
 from ..layout import Layout
 from ..placement import Placement, views
 from . import atomics
@@ -126,7 +126,7 @@ class Windows(WindowPlan):
         control = words * 8 if comm.rank == layout.ps_ranks[0] else 0
         # on one node the counters are shared memory, moved with the CPU's atomics (control.py);
         # every rank must agree (MPIPS_SHARED_MEMORY is read by each)
-        mine = self.one_node and os.environ.get("MPIPS_SHARED_MEMORY") != "0"
+        mine = self.one_node and settings.current().shared_memory
         self.control_shared = bool(comm.allreduce(int(mine), op=MPI.MIN))
         if self.control_shared:
             self.control = _aligned_shared(comm, control)
