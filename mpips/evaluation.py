@@ -33,6 +33,7 @@ from .job import Job
 from .memory import check_fits
 from .model import Model
 from .nn import build_model
+from .variables import VariableSpec
 
 INPUT_SUFFIXES = (".npy", ".npz", ".h5", ".hdf5")
 
@@ -66,6 +67,13 @@ def restore_model(
             f"{ckpt.directory})"
         ),
     )
+    kept = [
+        VariableSpec(n, tuple(a.shape), a.dtype.name)
+        for n, a in model.state().items()
+        if n in ckpt.variables
+    ]
+    if kept:  # the chief's buffers and frozen parameters, as the run evaluated with them
+        model.load_state(ckpt.read(kept))
     return model, params, ckpt, info
 
 

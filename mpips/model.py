@@ -96,6 +96,23 @@ class Model:
         """The initial ``range(*rows)`` rows of a table (sparse models only)."""
         raise NotImplementedError(f"{type(self).__name__} declares no tables")
 
+    def state(self) -> dict[str, np.ndarray]:
+        """Optional: values the model keeps that are not trained (a framework module's
+        buffers, BatchNorm's running statistics; frozen parameters), by name, as numpy
+        copies. Each worker keeps its own; the chief's are written into every checkpoint
+        under these names (beside the variables) and restored into every worker's model.
+        None by default."""
+        return {}
+
+    def load_state(self, values: dict[str, np.ndarray]) -> None:
+        """Optional: take back state restored from a checkpoint (names as ``state()``)."""
+
+    def fingerprints(self) -> dict[str, int]:
+        """Optional: a checksum of each value the model builds itself on every rank (a
+        framework module's initial parameters and buffers), compared across ranks at
+        start-up: a rank that built another is refused, the first differing name said."""
+        return {}
+
     def checked_initial_values(self, seed: int) -> dict[str, np.ndarray]:
         """``initial_values(seed)`` checked against ``variables()`` (what mpips calls; not
         to override): every declared name and no other, each a numpy array of the declared

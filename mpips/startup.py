@@ -37,6 +37,7 @@ from .optim import Optimizer
 from .placement import Placement, round_robin, slot_placement
 from .store import Cluster, allgather_json
 from .summaries import summary_root
+from .variables import VariableSpec
 
 
 class StartMode(Protocol):
@@ -232,6 +233,7 @@ def prepare(
             prep.model_changed = wrote
     model = prep.model = build_model(job.model, info, xp, job.source, factory)
     model.worker = cluster.role.task if not cluster.is_ps else 0
+    _check_same_model(cluster, model)
     mode.check(job, cluster, model, info)
     _check_memory(job, mode, cluster, model, optimizer, info)
     if cluster.is_ps:
@@ -239,9 +241,50 @@ def prepare(
             prep.local = _ps_fill(job, mode, cluster, model, optimizer, ckpt)
         return prep
     _worker_part(job, cluster, prep, xp)
+    if ckpt is not None:
+        _restore_state(cluster, model, ckpt)
     if cluster.is_chief:
         _chief_part(job, mode, model, optimizer, prep, ckpt)
     return prep
+
+
+def _check_same_model(cluster: Cluster, model: Model) -> None:
+    """Every rank built the same model: a framework module's initial parameters and buffers
+    (its ``fingerprints``) compared across ranks, the first that differs named (a module
+    seeded on one rank only, or loading weights a node does not have, would train the
+    chief's values while other ranks keep their own buffers and frozen parameters)."""
+    if cluster.comm.size == 1:
+        return
+    mine = model.fingerprints()
+    everyone = allgather_json(cluster.comm, mine, "the model check")
+    differ = [n for n in mine if any(f.get(n) != mine[n] for f in everyone)]
+    if differ or any(set(f) != set(mine) for f in everyone):
+        name = differ[0] if differ else "the names of its values"
+        ranks = [r for r, f in enumerate(everyone) if f.get(name) != everyone[0].get(name)]
+        raise ConfigError(
+            f"the model differs across ranks at {name} (rank 0 and rank {ranks[0]} built "
+            f"different values): build it the same on every rank (mpips seeds the framework "
+            f"with model.init_seed before calling the factory; load the same weights "
+            f"everywhere)"
+        )
+
+
+def _restore_state(cluster: Cluster, model: Model, ckpt: checkpoint.Checkpoint) -> None:
+    """A worker's model takes back the state (buffers, frozen parameters) the chief wrote
+    into the checkpoint; values a checkpoint lacks keep the model's own."""
+    kept = model.state()
+    specs = [
+        VariableSpec(n, tuple(a.shape), a.dtype.name)
+        for n, a in kept.items()
+        if n in ckpt.variables
+    ]
+    if not specs:
+        return
+    model.load_state(ckpt.read(specs))
+    detail(
+        cluster.role,
+        f"restored the model's state ({len(specs)} values) from {ckpt.path.name}",
+    )
 
 
 def data_position(

@@ -18,7 +18,7 @@ from ..run import TrainResult
 from ..startup import Prepared
 from ..store import NO_MORE_TICKETS, Cluster
 from .base import Mode
-from .ps_store import close_store, open_store, run_ps
+from .ps_store import close_store, open_store, run_ps, shard_count
 from .store_worker import Staleness, StoreWorker
 
 
@@ -49,7 +49,8 @@ class Async(Mode):
         chief ends the run."""
         windows = open_store(job, self, cluster, optimizer, prep)
         if cluster.is_ps:
-            result = run_ps(job, cluster, windows, optimizer, cluster.layout.num_ps, prep.model)
+            shards = shard_count(cluster.layout.num_ps, prep.model)
+            result = run_ps(job, cluster, windows, optimizer, shards, prep.model)
         else:
             worker = AsyncWorker(job, self, cluster, windows, optimizer, prep, device)
             result = worker.train(hooks)

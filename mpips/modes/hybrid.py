@@ -34,7 +34,7 @@ from ..startup import Prepared
 from ..store import Cluster, StoreClient, Windows, start_limit
 from .base import Mode, replica_bytes
 from .device_replica import DeviceReplica
-from .ps_store import close_store, open_store, run_ps, save_from_ps
+from .ps_store import close_store, open_store, run_ps, save_from_ps, shard_count
 from .replica import Replica
 
 
@@ -85,7 +85,7 @@ class Hybrid(Mode):
         """Every rank: the windows of the tables; PS tasks serve them, workers train as
         synchronous replicas of the dense part until the chief ends the run."""
         windows = open_store(job, self, cluster, optimizer, prep)
-        num_shards = cluster.layout.num_ps + 1  # the PS tasks' tables, the chief's dense part
+        num_shards = shard_count(cluster.layout.num_ps, prep.model, chief_writes=True)
         if cluster.is_ps:
             result = run_ps(job, cluster, windows, optimizer, num_shards, prep.model)
         else:
@@ -185,7 +185,7 @@ class HybridReplica(Replica):
             self.windows,
             self.step_count,
             clocks,
-            (self.host_params(), slots),
+            ({**self.host_params(), **self.model.state()}, slots),  # (and the chief's buffers)
         )
 
 

@@ -68,6 +68,13 @@ def open_store(
     return windows
 
 
+def shard_count(num_ps: int, model: Any, chief_writes: bool = False) -> int:
+    """A checkpoint's shards: one a PS task, and one the chief writes itself where it holds
+    values (``chief_writes``: hybrid's dense part) or the model keeps state (a framework
+    module's buffers: the chief's are checkpointed)."""
+    return num_ps + int(chief_writes or bool(model is not None and model.state()))
+
+
 def run_ps(
     job: Job,
     cluster: Cluster,

@@ -306,7 +306,7 @@ class Replica:
             self.job,
             self.cluster,
             self.step_count,
-            self.host_params(),
+            {**self.host_params(), **self.model.state()},  # (and the chief's buffers)
             flat,
             [self.clock] * self.workers,
         )

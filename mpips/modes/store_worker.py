@@ -180,7 +180,9 @@ class StoreWorker:
         control = self.control
         self.client.settle()  # the chief's own last update is in the checkpoint
         step, clocks = control.global_step(), [int(c) for c in control.clocks()[0]]
-        return save_from_ps(self.job, self.cluster, self.windows, step, clocks)
+        state = self.model.state()  # (the chief's buffers: one more shard, if any)
+        kept: tuple[dict[str, Any], dict[str, Any]] | None = (state, {}) if state else None
+        return save_from_ps(self.job, self.cluster, self.windows, step, clocks, kept)
 
     def _conclude(self, result: TrainResult, gathered: list[Any]) -> None:
         """Chief: who made how many updates, staleness, evaluation; then end the run."""

@@ -30,7 +30,7 @@ from ..run import TrainResult
 from ..startup import Prepared
 from ..store import Apply, Cluster, Windows
 from .base import Mode
-from .ps_store import close_store, open_store, run_ps
+from .ps_store import close_store, open_store, run_ps, shard_count
 from .store_worker import StoreWorker
 
 
@@ -72,8 +72,8 @@ class SyncReplicas(Mode):
             def average(apply: Apply) -> Averager:
                 return Averager(windows, task, apply, optimizer.slots, n)
 
-            num_ps = cluster.layout.num_ps
-            result = run_ps(job, cluster, windows, optimizer, num_ps, prep.model, average)
+            shards = shard_count(cluster.layout.num_ps, prep.model)
+            result = run_ps(job, cluster, windows, optimizer, shards, prep.model, average)
         else:
             worker = ReplicasWorker(job, self, cluster, windows, optimizer, prep, device)
             result = worker.train(hooks)

@@ -8,6 +8,7 @@ neither parameters nor gradients. Nothing here calls MPI.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -121,6 +122,31 @@ class Model(_Model):
 
     def initial_rows(self, table: str, rows: tuple[int, int, int], seed: int) -> np.ndarray:
         return self.table_set.initial_rows(table, rows)
+
+    def _kept(self) -> dict[str, torch.Tensor]:
+        """What the module keeps untrained, by state_dict name: its persistent buffers and
+        frozen parameters."""
+        trained = set(self.binding.params) | self.table_set.names
+        return {n: t for n, t in self.module.state_dict(keep_vars=True).items() if n not in trained}
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Buffers (BatchNorm's running statistics, its batch count) and frozen parameters:
+        the chief's go into checkpoints, so an export is the module's whole state_dict."""
+        return {n: t.detach().cpu().numpy().copy() for n, t in self._kept().items()}
+
+    def load_state(self, values: dict[str, np.ndarray]) -> None:
+        kept = self._kept()
+        with torch.no_grad():
+            for name, value in values.items():
+                if name in kept:
+                    kept[name].copy_(torch.from_numpy(np.asarray(value)))
+
+    def fingerprints(self) -> dict[str, int]:
+        """A crc32 of every parameter and buffer as the factory built it (tables included)."""
+        return {
+            n: zlib.crc32(np.ascontiguousarray(t.detach().cpu().numpy()).reshape(-1).data)
+            for n, t in self.module.state_dict(keep_vars=True).items()
+        }
 
     def prepare(self, x: Any) -> tuple[Any, Any]:  # type: ignore[override]
         """Sparse (CSR) batches: the batch's unique ids, the rows every table pulls."""
