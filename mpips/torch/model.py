@@ -69,8 +69,8 @@ class Model(_Model):
     ``nn.Embedding`` and ``nn.EmbeddingBag`` modules made with ``sparse=True`` are tables
     split by rows over the PS tasks, whose touched rows alone move (their module is then
     called as ``module(SparseInput)``). Frozen parameters and buffers (BatchNorm's running
-    statistics) stay in each process's module: every worker updates its own, the chief's
-    serve evaluation, and none is checkpointed (docs/guide/torch.md)."""
+    statistics) are the model's state: each worker updates its own, the chief's serve
+    evaluation and are checkpointed (docs/guide/torch.md)."""
 
     def __init__(
         self,
