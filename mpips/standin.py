@@ -296,6 +296,15 @@ class ndarray:  # noqa: N801 (cupy's name)
         traffic.to_device(arr, new=False)
         self._a[...] = arr
 
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        """This device memory handed to another framework (``torch.from_dlpack``), shared,
+        as cupy shares its arrays: no copy and no crossing (the stand-in's device memory is
+        host memory, so the tensor is a CPU one)."""
+        return self._a.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._a.__dlpack_device__()
+
     def item(self) -> Any:
         """The one value as a Python scalar: a device-to-host read (the host waits)."""
         _wait()

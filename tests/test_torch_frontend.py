@@ -341,3 +341,61 @@ def test_the_readme_pytorch_example_trains(tmp_path):
     r = run_train(tmp_path, 3, "torch_net.toml")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.result["global_step"] == 600 and r.result["test_accuracy"] > 0.9, r.result
+
+
+class Crossings(Hook):
+    """The stand-in device's host/device traffic and the frontend's, each step."""
+
+    def __init__(self, model):
+        self.model, self.steps, self.values = model, [], None
+
+    def before_step(self, run):
+        from mpips import standin
+
+        standin.traffic.reset()
+        self.model.traffic.reset()
+
+    def after_step(self, run, info):
+        from mpips import standin
+
+        t, f = standin.traffic, self.model.traffic
+        self.steps.append((t.h2d_bytes, t.d2h_bytes, t.allocations, f.views, f.copied_bytes))
+
+    def end(self, run):
+        self.values = run.variables()
+
+
+def test_on_a_gpu_worker_the_module_computes_on_the_devices_arrays(tmp_path, monkeypatch):
+    """train.device = "gpu" on the strict stand-in for cupy: the module's tensors are
+    DLPack views of the device arrays, so after the first step only the batch crosses (the
+    one replica's variables stay on the device), nothing is allocated, nothing is viewed or
+    copied anew; and the variables are the CPU run's."""
+    from mpi4py import MPI
+
+    from mpips import standin
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(standin.ENV, "1")
+    values = {}
+    for device in ("cpu", "gpu"):
+        job = write(tmp_path, "sync", 8)
+        job.train.device, job.checkpoint.dir = device, ""
+        model = mt.Model(net(), torch.nn.CrossEntropyLoss())
+        hook = Crossings(model)
+        mpips.train(job, [hook], comm=MPI.COMM_SELF, model=model)
+        values[device] = hook.values
+    batch = 16 * (64 * 4 + 8)  # float32 rows, int64 labels
+    assert hook.steps[1:] and set(hook.steps[1:]) == {(batch, 0, 0, 0, 0)}, hook.steps
+    assert_equal(values["gpu"], values["cpu"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.launcher
+def test_async_gpu_workers_on_the_stand_in(tmp_path):
+    """1 PS task + 2 GPU workers (the stand-in): pulls staged in, gradients staged out
+    through mpips's own crossings, the module computing on the device arrays."""
+    write(tmp_path, "async", 200)
+    text = (tmp_path / "job.toml").read_text().replace("[train]", '[train]\ndevice = "gpu"')
+    (tmp_path / "job.toml").write_text(text)
+    r = run_train(tmp_path, 3, "job.toml", MPIPS_GPU_STANDIN="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "GPU stand-in" in r.stdout and r.result["test_accuracy"] > 0.7, r.result
