@@ -5,8 +5,9 @@ the rows a batch touches pulled and pushed.
 they become tables (what ``Model.tables()`` declares). A batch's ids are made unique once
 (``prepare``); mpips pulls those rows of every table, and for the step each table's weight is
 a view of its pulled rows, indexed by the batch's ids renumbered to them. Every pulled row is
-touched, so the gradient of that small weight, dense, is the table's gradient per touched
-row: it accumulates into mpips's push buffer like any other gradient.
+touched, so the gradient of that small weight is the table's gradient per touched row:
+PyTorch's sparse backward adds it, in place, into the ``.grad`` that is mpips's push buffer
+(3x faster than the dense backward of a bag, which sorts every id).
 """
 
 from __future__ import annotations
@@ -72,9 +73,6 @@ class Tables:
         self.params: dict[str, torch.Tensor] = {n: m.weight for n, m in self.modules.items()}
         self.names = set(self.params)
         self.initial = {n: p.detach().cpu().numpy() for n, p in self.params.items()}
-        for m in self.modules.values():
-            # the step's weight is the batch's rows, all touched: its gradient is dense
-            m.sparse = False
         self.num_rows = min((p.shape[0] for p in self.params.values()), default=0)
         self._values, self._grads = Views(), Views()
         self._bound: dict[str, torch.Tensor] = {}  # each .grad as bound before backward
