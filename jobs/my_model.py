@@ -40,7 +40,7 @@ class Softmax(mpips.Model):
         p = self.xp.exp(z - z.max(axis=1, keepdims=True))
         return p / p.sum(axis=1, keepdims=True)
 
-    def evaluate(self, params, x, y):         # "loss" required; "accuracy", "auc" reported
+    def evaluate(self, params, x, y):         # any metrics: "accuracy", "loss", "auc" first
         p = self.predict(params, x)
         loss = -self.xp.log(p[self.xp.arange(len(y)), y] + 1e-12).mean()
         return {"loss": float(loss), "accuracy": float((p.argmax(axis=1) == y).mean())}

@@ -121,7 +121,13 @@ def as_run(job: Job, mode: modes.Mode, model: Any = None) -> Job:
     if mode.single:
         job.train.mode, job.train.max_staleness = mode.name, None
         job.layout = dataclasses.replace(
-            job.layout, ps=None, world_size=None, pin={}, partition=[], partition_min_bytes=0
+            job.layout,
+            ps=None,
+            world_size=None,
+            pin={},
+            partition=[],
+            partition_min_bytes=0,
+            pins_take_turns=False,
         )
     if model is not None:
         job.model.kind = factory_name(
