@@ -49,6 +49,17 @@ def under_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def need(module: str):
+    """An optional framework (an extra: torch, jax), or a skip; a failure under CI=true,
+    which installs the extras."""
+    try:
+        return __import__(module)
+    except ImportError:
+        if under_ci():
+            pytest.fail(f"{module} is not installed: CI installs .[{module}]")
+        pytest.skip(f"{module} is not installed (pip install '.[{module}]')")
+
+
 @contextlib.contextmanager
 def small_tmpfs(path: Path, size: str):
     """A tmpfs of ``size`` (e.g. "64k") mounted at ``path`` (created) for a test of a full
@@ -442,3 +453,34 @@ def dense_data_file(path: Path, train: int = 60, test: int = 10, **over) -> str:
             f[k] = v
         f.attrs["num_classes"] = 3
     return str(path)
+
+
+def streams(job, workers: int, steps: int, sync: bool):
+    """The batches each of ``workers`` workers of ``job`` (on the built-in digits) trains on,
+    step by step, as mpips makes them: ([x of each worker], [y of each worker]) a step.
+    ``sync``: every worker makes the same full batches an epoch (sync replicas)."""
+    from mpips.data import (
+        batches,
+        full_batches,
+        load_split,
+        open_dataset,
+        resolve_path,
+        worker_rows,
+    )
+
+    info = open_dataset(resolve_path("", "digits"))
+    b, rows = job.train.batch_size, info.rows["train"]
+    per = full_batches(rows, workers, b) if sync else None
+    its = [
+        batches(
+            *load_split(info, "train", worker_rows(rows, workers, k)),
+            b,
+            job.train.seed,
+            k,
+            per_epoch=per,
+        )
+        for k in range(workers)
+    ]
+    for _ in range(steps):
+        parts = [next(it) for it in its]
+        yield [p[1] for p in parts], [p[2] for p in parts]

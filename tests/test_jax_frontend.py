@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import run_train
+from conftest import need, run_train, streams
 from test_optimizers_mpi import read_ckpt
-from test_torch_frontend import need, streams
 
 import mpips
 from mpips.errors import ConfigError

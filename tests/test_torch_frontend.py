@@ -11,24 +11,13 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import run_mpi, run_py, run_train, under_ci
+from conftest import need, run_mpi, run_py, run_train, streams
 from test_optimizers_mpi import read_ckpt
 
 import mpips
-from mpips.data import batches, full_batches, load_split, open_dataset, resolve_path, worker_rows
+from mpips.data import load_split, open_dataset, resolve_path
 from mpips.errors import ConfigError
 from mpips.hooks import Hook
-
-
-def need(module: str):
-    """The framework, or a skip (a failure under CI=true, which installs the extras)."""
-    try:
-        return __import__(module)
-    except ImportError:
-        if under_ci():
-            pytest.fail(f"{module} is not installed: CI installs .[{module}]")
-        pytest.skip(f"{module} is not installed (pip install '.[{module}]')")
-
 
 torch = need("torch")
 mt = pytest.importorskip("mpips.torch")
@@ -94,26 +83,6 @@ def plain_loop(batches_of_each_step, lr: float):
         torch.nn.functional.cross_entropy(ref(x), y).backward()
         opt.step()
     return {n: p.detach().numpy() for n, p in ref.named_parameters()}
-
-
-def streams(job: mpips.Job, workers: int, steps: int, sync: bool):
-    """The batches each of ``workers`` workers trains on, step by step, as mpips makes them."""
-    info = open_dataset(resolve_path("", "digits"))
-    b, rows = job.train.batch_size, info.rows["train"]
-    per = full_batches(rows, workers, b) if sync else None
-    its = [
-        batches(
-            *load_split(info, "train", worker_rows(rows, workers, k)),
-            b,
-            job.train.seed,
-            k,
-            per_epoch=per,
-        )
-        for k in range(workers)
-    ]
-    for _ in range(steps):
-        parts = [next(it) for it in its]
-        yield [p[1] for p in parts], [p[2] for p in parts]
 
 
 def assert_equal(got: dict, want: dict, rtol=2e-4, atol=2e-6) -> None:

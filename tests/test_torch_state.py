@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import run_mpi, run_py, run_train
+from conftest import need, run_mpi, run_py, run_train
 from test_optimizers_mpi import read_ckpt
-from test_torch_frontend import need
 
 import mpips
 from mpips.data import load_split, open_dataset, resolve_path

@@ -10,9 +10,8 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_mpi
+from conftest import ROOT, need, run_mpi
 from test_ctr_mpi import FEATURES, clothing, small_dataset  # noqa: F401 (a fixture)
-from test_torch_frontend import need
 
 from mpips.checkpoint import Checkpoint
 from mpips.data import batches, load_split, open_dataset
