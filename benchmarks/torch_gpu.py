@@ -8,8 +8,8 @@ Run on a GPU node with torch (a CUDA build) and cupy:
 The reference MLP 784-512-512-10 (ReLU, cross-entropy, float32) on the synthetic reference
 set, SGD lr 0.05. PyTorch: the data on the GPU, random batches gathered there,
 ``torch.optim.SGD``, timed after 50 warm-up steps with a device synchronise at both ends.
-mpips: ``python -m mpips train`` in one process (a single synchronous replica; its data on
-the device), the examples/s its chief reports. Target: mpips >= 0.8x PyTorch.
+mpips: ``mpiexec -n 1 python -m mpips train`` (one process: a single synchronous replica,
+its data on the device), the examples/s its chief reports. Target: mpips >= 0.8x PyTorch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import DEFAULT_DATA, reference_data
+from common import DEFAULT_DATA, mpips_rate, reference_data
 from torch_frontend import MODULE
 
 JOB = """
@@ -61,24 +61,6 @@ def plain_pytorch(x: np.ndarray, y: np.ndarray, steps: int, batch: int) -> float
     return steps * batch / (time.perf_counter() - t0)
 
 
-def mpips_one_process(job: Path, work: Path) -> float:
-    import re
-    import subprocess
-    import sys
-
-    r = subprocess.run(
-        [sys.executable, "-m", "mpips", "train", str(job)],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    m = re.search(r"([0-9]+) examples/s\)", r.stdout)
-    if r.returncode or not m:
-        raise SystemExit(f"mpips run failed:\n{r.stdout}\n{r.stderr}")
-    return float(m.group(1))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -95,7 +77,7 @@ def main() -> None:
         job.write_text(JOB.format(data=args.data, steps=args.steps, batch=args.batch))
         for r in range(args.rounds):
             torch_rates.append(plain_pytorch(x, y, args.steps, args.batch))
-            mpips_rates.append(mpips_one_process(job, work))
+            mpips_rates.append(mpips_rate(1, job, work))  # (one rank: one process)
             print(
                 f"round {r + 1}: PyTorch {torch_rates[-1]:9.0f} | mpips {mpips_rates[-1]:9.0f} "
                 f"examples/s",
