@@ -108,6 +108,8 @@ def check_disk(nbytes: int, path: str | Path, what: str, error: type[MpipsError]
 
 
 SHM_DIR = "/dev/shm"  # where MPI's shared memory lives on Linux
+SHM_SPARE = 1.25  # MPI shared memory is put there only with a quarter of it to spare
+SHM_REMEDY = f"give {SHM_DIR} more: docker run --shm-size, or a bigger {SHM_DIR} on the host"
 
 
 def shared_memory_free(nbytes: int) -> int:
@@ -118,3 +120,9 @@ def shared_memory_free(nbytes: int) -> int:
         return shutil.disk_usage(SHM_DIR).free
     except OSError:
         return nbytes * 2
+
+
+def shared_memory_fits(nbytes: int, free: int) -> bool:
+    """Whether ``free`` bytes of SHM_DIR hold ``nbytes`` of MPI shared memory with SHM_SPARE
+    to spare (for what else the node's processes put there meanwhile)."""
+    return free >= nbytes * SHM_SPARE

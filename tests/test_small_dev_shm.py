@@ -153,12 +153,13 @@ def test_async_under_a_small_dev_shm_copies_from_private_memory_and_says_why(tmp
 @pytest.mark.launcher
 def test_zero_copy_without_room_in_dev_shm_is_refused_in_one_line(tmp_path):
     """train.zero_copy = true reads the PS memory in place, which must be MPI shared memory:
-    with a 68 MB model and about 48 MB free, the job stops at start-up, exit 2, in one line
-    naming /dev/shm's free bytes, the bytes needed and the remedies (it was a SIGBUS)."""
+    with a 68 MB model (65.2 MiB) and about 48 MB free, the job stops at start-up, exit 2,
+    in one line naming /dev/shm's free bytes, the bytes needed and the remedies (it was a
+    SIGBUS)."""
     r = small_shm_train(tmp_path, 4096, train="zero_copy = true")
     assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     lines = [line for line in r.stderr.splitlines() if line.startswith("mpips: error:")]
     assert len(lines) == 1, r.stderr[-2000:]
-    for said in ("/dev/shm has", "MiB free", "train.zero_copy = false", "docker run --shm-size"):
+    for said in ("/dev/shm", "(65.2 MiB and a quarter", "MiB free", "zero_copy = false", "--shm"):
         assert said in lines[0], lines[0]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]

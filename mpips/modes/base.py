@@ -14,7 +14,8 @@ from ..errors import ConfigError
 from ..hooks import Hook, StepInfo
 from ..job import Job
 from ..layout import Layout
-from ..memory import shared_memory_free
+from ..log import detail
+from ..memory import SHM_DIR, human, shared_memory_fits, shared_memory_free
 from ..optim import Optimizer
 from ..placement import Placement, slot_placement
 from ..placing import job_layout, job_placement
@@ -104,12 +105,21 @@ class Mode:
             return job.train.zero_copy
         if not (self.zero_copy_on_one_node and cluster.one_node and job.train.device == "cpu"):
             return False
+        if not settings.current().shared_memory:  # (MPIPS_SHARED_MEMORY=0: none wanted)
+            return False
         per_rank = self.rank_bytes(job, cluster.layout, model, optimizer, info, zero_copy=True)
         need = sum(per_rank[r] for r in cluster.layout.ps_ranks)
-        return (
-            settings.current().shared_memory  # (MPIPS_SHARED_MEMORY=0: none wanted)
-            and shared_memory_free(need) >= need * 1.25
-        )
+        free = shared_memory_free(need)
+        if shared_memory_fits(need, free):
+            return True
+        if cluster.is_chief:
+            detail(
+                cluster.role,
+                f"{self.name}: {SHM_DIR} has {human(free)} free, the PS memory read in place "
+                f"would take {human(need)} (and a quarter to spare): copied pulls instead "
+                f"(train.zero_copy; in a container, give it more: docker run --shm-size)",
+            )
+        return False
 
     def step_note(self, info: StepInfo) -> str:
         """What a step's log line adds after its loss and epoch."""

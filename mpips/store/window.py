@@ -13,26 +13,54 @@ LOCKS_PER_PS int64 words on each PS rank, taken and given back with the CPU's at
 Every rank opens one ``Lock_all`` epoch per window for the whole run and completes each
 operation with ``Flush``: with MPICH a Lock/Unlock per operation waits for the (sleeping)
 PS to make an MPI call, 300-500 us per op instead of ~2 us.
+
+MPICH puts every window a node's ranks allocate in its /dev/shm, copied pulls' too, and a
+process that touches such memory past the end of /dev/shm dies of SIGBUS. Where a node's
+/dev/shm cannot hold its windows with a quarter to spare, the parameter windows of copied
+pulls are in each PS's private memory instead (``Alloc_mem``, ``Win.Create``): MPI then
+moves their bytes only while the PS is inside an MPI call (a thread of its own enters it,
+_Progress), 2-8x slower, so only then. Zero copy reads the PS memory in place and needs
+MPI's shared memory: without room, it is refused at start-up (``plan_memory``).
 """
 
 from __future__ import annotations
 
+import atexit
+import threading
+import time
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import settings
-from ..layout import Layout
+from ..errors import AgreedError
+from ..layout import Layout, Role
+from ..log import log
+from ..memory import (
+    SHM_DIR,
+    SHM_REMEDY,
+    SHM_SPARE,
+    human,
+    shared_memory_fits,
+    shared_memory_free,
+)
 from ..placement import Placement, views
 from . import atomics
-from .cluster import barrier, check_arrival
+from .cluster import allgather_json, barrier, check_arrival
 from .inbox import Inbox, mail_words
 
 # control window on ps task 0: int64 counters, then per PS task the number of the last
 # checkpoint request it wrote its shard for, then a clock and a done flag per worker
 GLOBAL_STEP, TICKETS, READY, STOP, CKPT_SEQ, CKPT_STEP, ENDED, FAILED, SHARDS = range(9)
 LOCKS_PER_PS = 16  # lock words per PS task (stripes.py: word 0 for small pieces and rows)
+# a PS whose window is in private memory enters MPI PROGRESS_CALLS times in a row every
+# PROGRESS_SECONDS, and again at once while they take BUSY times their idle cost (a pull or
+# push under way: each call moves a few KB of it). Measured, a 16 MiB pull by one worker:
+# 0.02 GB/s with one call a wake, 0.23 with eight, 4-5 going on while busy (10-11 from
+# /dev/shm); idle, the thread takes ~8% of a core (_Progress)
+PROGRESS_SECONDS, PROGRESS_CALLS, BUSY = 2e-4, 8, 2.0
+_PROGRESS_TAG = 7102  # never sent: the Iprobe only lets MPI make progress
 
 
 def updates_in_place(placement: Placement, shared: bool) -> bool:
@@ -101,9 +129,12 @@ class Windows(WindowPlan):
         inboxes: bool = False,
         row_capacity: int = 0,
         shared: bool = False,
+        private: bool | None = None,
     ):
         """``shared``: the parameter windows are MPI shared memory (every rank of ``comm``
-        on one node), so a worker can read a PS task's memory in place (``shared_memory``)."""
+        on one node), so a worker can read a PS task's memory in place (``shared_memory``).
+        ``private`` (copied pulls only): the parameter windows in the PS tasks' private
+        memory, not MPI's; None: only where a node's /dev/shm lacks room (plan_memory)."""
         super().__init__(placement, slots, row_capacity)
         self.layout = layout
         self.shared = shared
@@ -113,27 +144,34 @@ class Windows(WindowPlan):
         workers = layout.num_workers
         is_ps = role.job == "ps"
         size = self.window_bytes(role.task, workers, inboxes) if is_ps else 0
-        check_arrival(comm, "window creation")  # Allocate is a blocking collective
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.one_node = node.size == comm.size  # every rank shares this node's memory
-        node.Free()
-        allocate = MPI.Win.Allocate_shared if shared else MPI.Win.Allocate
-        self.params = allocate(size, disp_unit=1, comm=comm)
         mail = mail_words(workers) * 8 if is_ps and inboxes else 0
-        self.mail = MPI.Win.Allocate(mail, disp_unit=8, comm=comm)
         self.clocks_at = SHARDS + layout.num_ps  # index of worker 0's clock
         words = self.clocks_at + 2 * workers
         control = words * 8 if comm.rank == layout.ps_ranks[0] else 0
+        locks = LOCKS_PER_PS * 8 if is_ps else 0
+        check_arrival(comm, "window creation")  # Allocate is a blocking collective
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.one_node = node.size == comm.size  # every rank shares this node's memory
         # on one node the counters are shared memory, moved with the CPU's atomics (control.py);
         # every rank must agree (MPIPS_SHARED_MEMORY is read by each)
         mine = self.one_node and settings.current().shared_memory
         self.control_shared = bool(comm.allreduce(int(mine), op=MPI.MIN))
+        try:
+            if private is None:
+                # what MPICH puts in /dev/shm: the windows but the parameters of copied pulls,
+                # which can go to private memory (the locks exist with zero copy only)
+                must = mail + control + (size + locks if shared else 0)
+                private = _private_params(comm, node, role, must, 0 if shared else size, shared)
+        finally:
+            node.Free()
+        self.params = self._params_window(comm, size, private)
+        self.mail = MPI.Win.Allocate(mail, disp_unit=8, comm=comm)
         if self.control_shared:
             self.control = _aligned_shared(comm, control)
         else:
             self.control = MPI.Win.Allocate(control, disp_unit=8, comm=comm)
         self.control_rank = layout.ps_ranks[0]
-        self.locks = _aligned_shared(comm, LOCKS_PER_PS * 8 if is_ps else 0) if shared else None
+        self.locks = _aligned_shared(comm, locks) if shared else None
         for win in self._wins:
             self.local(win)[:] = 0
             win.Lock_all(MPI.MODE_NOCHECK)
@@ -146,6 +184,18 @@ class Windows(WindowPlan):
             atomics.warm()
         self._open = True
         barrier(comm, "window creation")  # nobody reads a counter before its owner zeroed it
+
+    def _params_window(self, comm: MPI.Intracomm, size: int, private: bool) -> MPI.Win:
+        """The parameter window, ``size`` bytes on this rank: MPI shared memory (zero copy),
+        MPI's memory, or (``private``, copied pulls) this process's own, whose bytes MPI
+        moves only in its MPI calls (_Progress makes them)."""
+        self.private = private and not self.shared
+        self._memory = MPI.Alloc_mem(size) if self.private and size else None
+        self._progress = _Progress(comm, bool(size)) if self.private else None
+        if self.private:
+            return MPI.Win.Create(self._memory, disp_unit=1, comm=comm)
+        allocate = MPI.Win.Allocate_shared if self.shared else MPI.Win.Allocate
+        return allocate(size, disp_unit=1, comm=comm)
 
     @property
     def _wins(self) -> tuple[MPI.Win, ...]:
@@ -202,9 +252,109 @@ class Windows(WindowPlan):
         if not self._open:
             return
         self._open = False
+        if self._progress is not None:
+            self._progress.close()
         for win in self._wins:
             win.Unlock_all()
             win.Free()
+        if self._memory is not None:  # (after the window that exposed it)
+            MPI.Free_mem(self._memory)
+            self._memory = None
+
+
+def plan_memory(nodes: list[list[int]], shared: bool) -> tuple[bool, str]:
+    """Where the windows go, from each rank's ``[must, movable, free]``: the bytes its
+    node's ranks put in /dev/shm in all (``must``: what has to be MPI shared memory;
+    ``movable``: the parameters of copied pulls, which private memory can hold instead) and
+    the bytes free there. Returns whether the parameter windows go to private memory, and
+    why it cannot work at all ('' where it can): a node's /dev/shm lacks room for what must
+    be shared (``shared``: zero copy's parameters among them)."""
+    private = any(not shared_memory_fits(m + v, free) for m, v, free in nodes)
+    short = [(m, free) for m, _, free in nodes if not shared_memory_fits(m, free)]
+    if not short:
+        return private, ""
+    must, free = short[0]
+    if not shared:
+        return private, f"{_short_of('the store counters need', must, free)}: {SHM_REMEDY}"
+    what = "train.zero_copy: the PS memory the workers read in place needs"
+    fix = f"set train.zero_copy = false for copied pulls, or {SHM_REMEDY}"
+    return private, f"{_short_of(what, must, free)}: {fix}"
+
+
+def _short_of(what: str, need: int, free: int) -> str:
+    """``what`` (with its verb) lacks ``need`` bytes in /dev/shm, as every message says it."""
+    return (
+        f"{what} {human(need * SHM_SPARE)} of MPI shared memory in a node's {SHM_DIR} "
+        f"({human(need)} and a quarter to spare), which has {human(free)} free"
+    )
+
+
+def _private_params(
+    comm: MPI.Intracomm, node: MPI.Comm, role: Role, must: int, movable: int, shared: bool
+) -> bool:
+    """Every rank of ``comm`` alike (the windows are created by the same collective):
+    whether the parameter windows go to the PS tasks' private memory, as every node's
+    /dev/shm says (plan_memory); refused on every rank (AgreedError) where nothing can
+    work. The chief says so where they go there (pulls and pushes are slower there). A
+    rank alone on its node puts nothing in /dev/shm."""
+    rows = allgather_json(node, [must, movable], "the /dev/shm check")
+    need = [sum(r[i] for r in rows) if node.size > 1 else 0 for i in (0, 1)]
+    free = shared_memory_free(sum(need))
+    nodes = allgather_json(comm, [*need, free], "the /dev/shm check")
+    private, error = plan_memory(nodes, shared)
+    short = next((n for n in nodes if not shared_memory_fits(n[0] + n[1], n[2])), None)
+    said = short and _short_of("the PS memory needs", short[0] + short[1], short[2])
+    if said and not error and MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        error = f"{said}, and private memory needs MPI_THREAD_MULTIPLE: {SHM_REMEDY}"
+    if error:
+        raise AgreedError(error)
+    if said and role.is_chief:
+        log(
+            role,
+            f"{said}: it is in the PS tasks' private memory instead, where pulls and pushes "
+            f"are several times slower ({SHM_REMEDY})",
+        )
+    return private
+
+
+class _Progress:
+    """Where the parameter windows are in private memory, a PS task's thread that enters
+    MPI every PROGRESS_SECONDS, and on at once while a pull or push is under way (``active``:
+    a rank that holds such memory): MPICH moves the bytes of such a window only in its
+    owner's MPI calls, and a PS waits for the ready flag, and does its chores, in shared
+    memory without one."""
+
+    def __init__(self, comm: MPI.Comm, active: bool):
+        self.comm = comm.Dup()  # (collective)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpips-ps-progress", daemon=True)
+        if active:
+            self._thread.start()
+            atexit.register(self._halt)  # before MPI_Finalize (mpi4py's, registered earlier)
+
+    def _run(self) -> None:
+        idle = min(self._calls() for _ in range(5))  # (no window yet: nothing to move)
+        while not self._closed.is_set():
+            if self._calls() < BUSY * idle:
+                time.sleep(PROGRESS_SECONDS)
+
+    def _calls(self) -> float:
+        """Enter MPI PROGRESS_CALLS times; the seconds it took."""
+        began = time.perf_counter()
+        for _ in range(PROGRESS_CALLS):
+            self.comm.Iprobe(MPI.ANY_SOURCE, _PROGRESS_TAG)
+        return time.perf_counter() - began
+
+    def _halt(self) -> None:
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def close(self) -> None:
+        """Stop the thread and free its communicator (collective)."""
+        self._halt()
+        atexit.unregister(self._halt)
+        self.comm.Free()
 
 
 class Exposed:
