@@ -15,7 +15,10 @@ on the synthetic reference set (60000 x 784, N(0,1)). Every process uses 1 threa
   chief reports (all workers' examples over the slowest worker's loop time, warm-up
   included).
 
-Rounds alternate the four so that all see the same machine load. Targets (on 2 cores): the
+``--jax`` adds mpips with the same MLP written in JAX (jobs/jax_mlp.py: it copies the
+parameters in and the gradients out each step, and XLA keeps its own threads: each rank is
+given one through XLA_FLAGS). Rounds alternate the runs so that all see the same machine
+load. Targets (on 2 cores): the
 module on mpips >= 1.9x one PyTorch process and >= 2x DDP; >= 0.9x mpips's numpy MLP (the
 frontend's cost).
 """
@@ -23,6 +26,7 @@ frontend's cost).
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -64,6 +68,12 @@ log_every = 0
 progress = false
 """
 MODELS = {"torch": 'kind = "reference_module:build"', "numpy": "hidden = [512, 512]"}
+JAX = 'kind = "jax_mlp:build"'
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+XLA_ONE_THREAD = {
+    **ONE_THREAD,
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+}
 
 
 def one_torch_process(x: np.ndarray, y: np.ndarray, steps: int) -> float:
@@ -92,24 +102,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=1000, help="global steps of each mpips run")
     ap.add_argument("--data", default=DEFAULT_DATA)
+    ap.add_argument("--jax", action="store_true", help="also the MLP in JAX on mpips")
     args = ap.parse_args()
     x, y = reference_data(args.data)
+    models = {**MODELS, **({"jax": JAX} if args.jax else {})}
     runs: dict[str, list[float]] = {k: [] for k in ("torch", "ddp", "mpips torch", "mpips numpy")}
+    runs.update({"mpips jax": []} if args.jax else {})
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "reference_module.py").write_text(MODULE)
+        shutil.copy(Path(__file__).resolve().parent.parent / "jobs/jax_mlp.py", work)
         jobs = {}
-        for which, model in MODELS.items():
+        for which, model in models.items():
             jobs[which] = work / f"{which}.toml"
             text = JOB.format(which=which, model=model, data=args.data, steps=args.steps)
             jobs[which].write_text(text)
         for r in range(args.rounds):
             runs["torch"].append(one_torch_process(x, y, args.steps // 2))
             runs["ddp"].append(ddp(Path(args.data), args.steps // 2, 29600 + r, work))
-            for which in MODELS:
-                runs[f"mpips {which}"].append(
-                    mpips_rate(3, jobs[which], work, {"OMP_NUM_THREADS": "1"})
-                )
+            for which in models:
+                env = XLA_ONE_THREAD if which == "jax" else ONE_THREAD
+                runs[f"mpips {which}"].append(mpips_rate(3, jobs[which], work, env))
             print(
                 f"round {r + 1}: " + " | ".join(f"{k} {v[-1]:8.0f}" for k, v in runs.items()),
                 flush=True,
