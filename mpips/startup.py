@@ -70,6 +70,7 @@ class Prepared:
     restored: Path | None = None  # the manifest restored from, if any
     clocks: list[int] | None = None  # restored data position (updates per worker)
     position_lost: str = ""  # why a checkpoint's data position is not restored (if not)
+    fingerprints: dict[str, int] = field(default_factory=dict)  # the model as built here
     model_changed: str = ""  # the restored checkpoint's model, where another model wrote it
     rows: tuple[int, int] = (0, 0)  # worker: its part of the train rows
     train: Part | None = None  # worker: its part of the train rows
@@ -233,7 +234,7 @@ def prepare(
             prep.model_changed = wrote
     model = prep.model = build_model(job.model, info, xp, job.source, factory)
     model.worker = cluster.role.task if not cluster.is_ps else 0
-    _check_same_model(cluster, model)
+    prep.fingerprints = model.fingerprints()  # (as built: compared once every rank is here)
     mode.check(job, cluster, model, info)
     _check_memory(job, mode, cluster, model, optimizer, info)
     if cluster.is_ps:
@@ -248,14 +249,14 @@ def prepare(
     return prep
 
 
-def _check_same_model(cluster: Cluster, model: Model) -> None:
+def check_same_model(cluster: Cluster, mine: dict[str, int]) -> None:
     """Every rank built the same model: a framework module's initial parameters and buffers
-    (its ``fingerprints``) compared across ranks, the first that differs named (a module
-    seeded on one rank only, or loading weights a node does not have, would train the
-    chief's values while other ranks keep their own buffers and frozen parameters)."""
+    (its ``fingerprints``, taken as built) compared across ranks, the first that differs
+    named (a module seeded on one rank only, or loading weights a node does not have, would
+    train the chief's values while other ranks keep their own buffers and frozen
+    parameters). Collective: call it once every rank has prepared (agreed)."""
     if cluster.comm.size == 1:
         return
-    mine = model.fingerprints()
     everyone = allgather_json(cluster.comm, mine, "the model check")
     differ = [n for n in mine if any(f.get(n) != mine[n] for f in everyone)]
     if differ or any(set(f) != set(mine) for f in everyone):

@@ -30,7 +30,7 @@ from .nn import build_model
 from .optim import Optimizer, build_optimizer, unused_settings
 from .run import TrainResult
 from .settings import launch_hint
-from .startup import Prepared, prepare
+from .startup import Prepared, check_same_model, prepare
 from .store import (
     Cluster,
     agreed,
@@ -164,6 +164,7 @@ def _train(
         return prepare(job, mode, cluster, optimizer, device.xp, model, arrays)
 
     prep = agreed(cluster.comm, start)
+    agreed(cluster.comm, lambda: check_same_model(cluster, prep.fingerprints))
     if job.train.zero_copy is None:  # (job: this run's copy) unset: the mode's default here
         mine = agreed(
             cluster.comm, lambda: mode.zero_copy(job, cluster, prep.model, optimizer, prep.info)

@@ -143,3 +143,18 @@ def test_under_mpiexec_equals_jax_on_the_same_batches(tmp_path, mode, ranks, wor
     assert r.returncode == 0, r.stdout + r.stderr
     variables, _, _ = read_ckpt(tmp_path / "runs/j/ckpt-12.json")
     assert_equal(variables, plain_loop(job, workers, 12, sync=mode == "sync")[-1])
+
+
+@pytest.mark.launcher
+def test_the_shipped_jax_mlp_trains(tmp_path):
+    """jobs/jax_mlp.toml as shipped (the reference MLP in JAX on the built-in digits, async,
+    1 PS + 2 workers)."""
+    import shutil
+
+    from conftest import ROOT
+
+    for name in ("jax_mlp.py", "jax_mlp.toml"):
+        shutil.copy(ROOT / "jobs" / name, tmp_path / name)
+    r = run_train(tmp_path, 3, "jax_mlp.toml", timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.result["global_step"] == 600 and r.result["test_accuracy"] > 0.9, r.result

@@ -368,3 +368,30 @@ def test_async_gpu_workers_on_the_stand_in(tmp_path):
     r = run_train(tmp_path, 3, "job.toml", MPIPS_GPU_STANDIN="1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "GPU stand-in" in r.stdout and r.result["test_accuracy"] > 0.7, r.result
+
+
+def test_a_run_starts_from_a_state_dict_the_factory_loads(tmp_path, monkeypatch):
+    """A state_dict loaded in the factory (an export of an earlier run, say) is what the
+    chief writes to the PS tasks: the run's first pull is those values."""
+    from mpi4py import MPI
+
+    monkeypatch.chdir(tmp_path)
+    saved = net().state_dict()
+    for t in saved.values():
+        t.add_(1.0)  # (not what a fresh build makes)
+    torch.save(saved, tmp_path / "start.pt")
+
+    def factory(data):
+        module = net()
+        module.load_state_dict(torch.load(tmp_path / "start.pt"))
+        return mt.Model(module, torch.nn.CrossEntropyLoss())
+
+    class First(Hook):
+        def begin(self, run):
+            self.values = run.variables()
+
+    job = write(tmp_path, "sync", 1)
+    job.checkpoint.dir = ""
+    first = First()
+    mpips.train(job, [first], comm=MPI.COMM_SELF, model=factory)
+    assert_equal(first.values, {n: t.numpy() for n, t in saved.items()}, rtol=0, atol=0)
