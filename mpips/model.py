@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
-from .backend import array_module
 from .errors import AlreadyReported, ConfigError, MpipsError
 from .variables import VariableSpec
 
@@ -218,18 +217,20 @@ def first_loss_and_grads(
     ready: Ready | None = None,
 ) -> tuple[float, str]:
     """The first step's ``loss_and_grads``, its gradient buffers checked: each is filled
-    with NaN before the call, and after it must still be the array mpips handed over (a
-    rebound ``grads[name] = ...`` never reaches the variable: the run would train nothing)
-    with every element written. Returns (loss, what is wrong, '' if nothing); the caller
-    says it once, before anything of the step is pushed. Later steps call loss_and_grads
-    directly: the check costs nothing after the first step.
+    with a marked NaN (UNWRITTEN) before the call, and after it must still be the array
+    mpips handed over (a rebound ``grads[name] = ...`` never reaches the variable: the run
+    would train nothing) with every element written. Returns (loss, what is wrong, '' if
+    nothing); the caller says it once, before anything of the step is pushed. Later steps
+    call loss_and_grads directly: the check costs nothing after the first step.
 
-    NaN survives everything mpips does with a buffer before the check (sync replicas may
-    sum a bucket said ready, or update its variables, while backward goes on), so a NaN
-    left means an element not written (or a NaN gradient with a finite loss: as wrong)."""
+    The mark survives everything mpips does with a buffer before the check (sync replicas
+    may sum a bucket said ready, or update its variables, while backward goes on: a sum
+    with a NaN keeps its bits), and arithmetic never makes it: a NaN gradient the model
+    computed (a diverging run, another worker's update read live) is not the mark, and
+    is left to the loss check."""
     names = [s.name for s in model.variables() + model.tables() if s.name in grads]
     for name in names:
-        grads[name].fill(math.nan)
+        _bits(grads[name]).fill(UNWRITTEN[grads[name].dtype.itemsize])
     given = dict(grads)  # the model's own dict: what it rebinds leaves ``grads`` as it was
     try:
         loss = model.loss_and_grads(params, x, y, given, ready)
@@ -245,16 +246,11 @@ def first_loss_and_grads(
             f"write every gradient in place, grads[{n!r}][...] = ..."
             + (f" (rebound too: {', '.join(rebound[1:])})" if len(rebound) > 1 else "")
         )
-    if not math.isfinite(loss):  # NaN gradients are expected: the loss check says it
+    if not math.isfinite(loss):  # the loss check says it
         return loss, ""
     for n in names:
         g = grads[n]
-        left = _nan_count(g)  # NaN: not written
-        if left and _diverged(model, params):
-            # another worker's diverging update reached the variables while this step read
-            # them (zero copy reads the PS memory as it changes): not the model's mistake;
-            # a later step's loss is not finite, and the loss check says so
-            return loss, ""
+        left = _unwritten_count(g)
         if left:
             extra = [str(k) for k in given if k not in grads]
             return loss, (
@@ -262,7 +258,7 @@ def first_loss_and_grads(
                 + (
                     f"did not write grads[{n!r}]"
                     if left == g.size
-                    else f"left {left} of {g.size} elements of grads[{n!r}] unwritten (or NaN)"
+                    else f"left {left} of {g.size} elements of grads[{n!r}] unwritten"
                 )
                 + f" at the first step: write every element of every gradient in place, "
                 f"grads[{n!r}][...] = ..."
@@ -271,25 +267,24 @@ def first_loss_and_grads(
     return loss, ""
 
 
-NAN_CHUNK = 1 << 22  # elements compared at a time: no temporary the size of a big buffer
+# A quiet NaN with a payload, by item size (float16, 32, 64): what a gradient buffer holds
+# before the first step. Arithmetic gives NaN without it (the default NaN) or carries the
+# payload of a NaN operand, and no operand of a model's gradient holds it.
+UNWRITTEN = {2: 0x7E6D, 4: 0x7FCDA000, 8: 0x7FF9B40000000000}
+CHECK_CHUNK = 1 << 22  # elements compared at a time: no temporary the size of a big buffer
 
 
-def _nan_count(g: Any) -> int:
-    """How many elements of a (numpy or cupy) buffer are NaN, a chunk at a time."""
-    flat = g.reshape(-1)
-    chunks = (flat[i : i + NAN_CHUNK] for i in range(0, flat.size, NAN_CHUNK))
-    return sum(int((c != c).sum()) for c in chunks)
+def _bits(g: Any) -> Any:
+    """A (numpy or cupy) float buffer's elements as unsigned integers of the same size: a
+    view of any layout (writes reach the buffer)."""
+    return g.view(f"uint{8 * g.dtype.itemsize}")
 
 
-def _diverged(model: Model, params: dict[str, Any]) -> bool:
-    """Whether a dense variable holds a value that is not finite (inf or NaN)."""
-    for s in model.variables():
-        if s.name in params:
-            flat = params[s.name].reshape(-1)
-            for i in range(0, flat.size, NAN_CHUNK):
-                if not bool(array_module(flat).isfinite(flat[i : i + NAN_CHUNK]).all()):
-                    return True
-    return False
+def _unwritten_count(g: Any) -> int:
+    """How many elements of a gradient buffer still hold UNWRITTEN, a chunk at a time."""
+    flat, mark = _bits(g).reshape(-1), UNWRITTEN[g.dtype.itemsize]
+    chunks = (flat[i : i + CHECK_CHUNK] for i in range(0, flat.size, CHECK_CHUNK))
+    return sum(int((c == mark).sum()) for c in chunks)
 
 
 def said_once(problem: str, speaker: bool) -> MpipsError:

@@ -12,6 +12,7 @@ from conftest import ROOT, run_train
 from test_ctr_mpi import JOB, small_dataset
 
 import mpips
+from mpips import model as model_api
 from mpips.errors import AlreadyReported, ConfigError
 from mpips.model import check_model, first_loss_and_grads, said_once
 
@@ -224,13 +225,15 @@ def test_first_loss_and_grads_unit():
 
     class Half(my_model.Softmax):
         def loss_and_grads(self, params, x, y, grads, ready=None):
-            loss = super().loss_and_grads(params, x, y, grads)
-            grads["w"][0] = np.nan  # one row left as it was
+            g = {k: np.zeros_like(v) for k, v in grads.items()}
+            loss = super().loss_and_grads(params, x, y, g)
+            grads["b"][...] = g["b"]
+            grads["w"][1:] = g["w"][1:]  # one row left as it was
             return loss
 
     grads = buffers()
     _, problem = first_loss_and_grads(Half(4, 3), params, x, y, grads)
-    assert "left 3 of 12 elements of grads['w'] unwritten (or NaN)" in problem, problem
+    assert "left 3 of 12 elements of grads['w'] unwritten at the first step" in problem, problem
 
     class Typo(my_model.Softmax):
         def loss_and_grads(self, params, x, y, grads, ready=None):
@@ -250,14 +253,31 @@ def test_first_loss_and_grads_unit():
 
     assert first_loss_and_grads(NanLoss(4, 3), params, x, y, buffers())[1] == ""
 
-    class Overtaken(Half):  # another worker's diverging update reached the variables meanwhile
+    class Overtaken(my_model.Softmax):
+        """Another worker's diverging update reached the variables while this step read
+        them (zero copy reads the PS memory live): the loss, computed before, is finite,
+        backward's products overflow, inf - inf is NaN. Written, so not the model's
+        mistake: a later step's loss is not finite, and the loss check says so."""
+
         def loss_and_grads(self, params, x, y, grads, ready=None):
             loss = super().loss_and_grads(params, x, y, grads)
-            params["b"][1] = np.inf  # (zero copy: this worker reads the PS memory live)
+            big = np.full_like(grads["w"], 3e38)
+            with np.errstate(over="ignore", invalid="ignore"):
+                grads["w"][...] = big * 2 - big * 2  # the default NaN, computed
             return loss
 
-    live = {k: v.copy() for k, v in params.items()}
-    assert first_loss_and_grads(Overtaken(4, 3), live, x, y, buffers())[1] == ""
+    grads = buffers()
+    assert first_loss_and_grads(Overtaken(4, 3), params, x, y, grads)[1] == ""
+    assert np.isnan(grads["w"]).all()
+    for dtype in ("float16", "float32", "float64"):  # computed NaN never holds the mark
+        big = np.full(4, np.finfo(dtype).max, dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            made = [big * 2 - big * 2, np.zeros(4, dtype) / 0, np.full(4, np.inf, dtype) * 0]
+            marked = np.zeros(4, dtype)
+            model_api._bits(marked).fill(model_api.UNWRITTEN[marked.itemsize])
+            made.append(marked + 1.0)  # a sum with the mark keeps it: a buffer added into
+        assert [model_api._unwritten_count(m) for m in made] == [0, 0, 0, 4], dtype
+        assert np.isnan(marked).all()
     assert isinstance(said_once("p", True), ConfigError)
     quiet = said_once("p", False)
     assert isinstance(quiet, AlreadyReported) and quiet.exit_code == 2
@@ -325,12 +345,12 @@ def test_a_ctr_model_in_one_process_is_named_with_the_command_to_run_it(tmp_path
 
 
 def test_unwritten_elements_are_counted_across_chunks(monkeypatch):
-    """The first-step check counts NaN a chunk at a time (no buffer-sized temporary): a
-    count that spans chunk boundaries is still exact."""
-    from mpips import model as model_api
-
-    monkeypatch.setattr(model_api, "NAN_CHUNK", 3)
+    """The first-step check counts marked elements a chunk at a time (no buffer-sized
+    temporary): a count that spans chunk boundaries is still exact."""
+    monkeypatch.setattr(model_api, "CHECK_CHUNK", 3)
     g = np.zeros((4, 5), np.float32)
-    g.flat[[0, 2, 3, 7, 19]] = np.nan
-    assert model_api._nan_count(g) == 5
-    assert model_api._nan_count(np.zeros(0, np.float32)) == 0
+    model_api._bits(g).flat[[0, 2, 3, 7, 19]] = model_api.UNWRITTEN[4]
+    g.flat[[4, 5]] = np.nan  # written NaN: not counted
+    assert model_api._unwritten_count(g) == 5
+    assert model_api._unwritten_count(g[:, ::2]) == 4  # any layout: 0, 2, 7, 19
+    assert model_api._unwritten_count(np.zeros(0, np.float32)) == 0

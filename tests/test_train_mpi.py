@@ -164,9 +164,9 @@ FASHION = "/usr/share/datasets/fashion-mnist"
         # the CNN (a model of your own: jobs/cnn.py) to 3500 of its ~7500 steps, 40 s of
         # its 2 minutes on 2 cores: 0.875-0.898 there, 0.90 at the end (docs/guide/models.md)
         ("cnn_fashion_mnist.toml", 0.86, 3500),
-        # PyTorch's MNIST network as it is (jobs/torch_mnist.py), to 1000 of its 4000 steps,
-        # ~80 s on 2 cores: 0.84-0.87 there, 0.91 at the end (docs/performance.md)
-        ("torch_fashion_mnist.toml", 0.83, 1000),
+        # PyTorch's MNIST network as it is (jobs/torch_mnist.py), to 600 of its 4000 steps,
+        # ~60 s on 2 cores: 0.82-0.84 near there, 0.91 at the end (docs/performance.md)
+        ("torch_fashion_mnist.toml", 0.80, 600),
     ],
 )
 def test_fashion_mnist_job_reaches_its_target(tmp_path, job, target, steps):
