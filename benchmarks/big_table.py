@@ -166,7 +166,7 @@ def main() -> None:
     d = Path(args.dir)
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
-    from mpips.ctr_convert import make_zipf
+    from mpips.data.ctr_convert import make_zipf
 
     make_zipf(d / "zipf.h5", rows=args.rows, num_features=args.features, nnz=16)
     F = args.features

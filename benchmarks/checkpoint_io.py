@@ -32,8 +32,8 @@ import h5py
 import numpy as np
 
 from mpips import checkpoint
-from mpips.nn import MLP
-from mpips.variables import VariableSpec
+from mpips.models.mlp import MLP
+from mpips.models.variables import VariableSpec
 
 
 def payloads() -> dict[str, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from common import DEFAULT_DATA, mpips_rate, one_process_rate, reference_data
 
-from mpips.data import load_split, open_dataset
+from mpips.data.batches import load_split, open_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = """

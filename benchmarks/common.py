@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from mpips.convert import make_synthetic
-from mpips.data import load_split, open_dataset
-from mpips.nn import MLP
+from mpips.data.batches import load_split, open_dataset
+from mpips.data.convert import make_synthetic
+from mpips.models.mlp import MLP
 from mpips.optim import Optimizer, fused_kernel, kernel_name
 
 DEFAULT_DATA = str(Path(tempfile.gettempdir()) / "mpips-bench/synthetic.h5")

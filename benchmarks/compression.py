@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from mpi4py import MPI
 
-from mpips.nn import MLP
+from mpips.models.mlp import MLP
 
 
 @numba.njit(cache=True, nogil=True)

@@ -27,9 +27,9 @@ import numpy as np
 from common import mpips_rate
 from threadpoolctl import threadpool_limits
 
-from mpips.data import batches, load_split, open_dataset
+from mpips.data.batches import batches, load_split, open_dataset
 from mpips.job import load_job
-from mpips.nn import build_model
+from mpips.models.mlp import build_model
 from mpips.optim import build_optimizer, learning_rate
 
 ROOT = Path(__file__).resolve().parent.parent

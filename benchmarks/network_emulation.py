@@ -222,9 +222,9 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
-    from mpips.allreduce import GradientBuckets, Update
+    from mpips.allreduce.buckets import GradientBuckets, Update
     from mpips.job import TrainConfig
-    from mpips.nn import MLP
+    from mpips.models.mlp import MLP
     from mpips.optim import Optimizer
 
     comm = MPI.COMM_WORLD
@@ -449,7 +449,7 @@ def result_line(out: str) -> dict:
 
 
 def model_bytes(workload: str) -> int:
-    from mpips.nn import MLP
+    from mpips.models.mlp import MLP
 
     hidden, _, _ = WORKLOADS[workload]
     return sum(s.nbytes for s in MLP([784, *hidden, 10]).variables())

@@ -30,10 +30,10 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips import optim
-from mpips.layout import make_layout
-from mpips.nn import MLP
+from mpips.models.mlp import MLP
 from mpips.optim import Optimizer
-from mpips.placement import round_robin, slot_placement, views
+from mpips.placement.layout import make_layout
+from mpips.placement.table import round_robin, slot_placement, views
 from mpips.store import Cluster, StoreClient, Windows, barrier, serve
 
 comm = MPI.COMM_WORLD

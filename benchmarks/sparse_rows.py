@@ -33,10 +33,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpips.layout import make_layout
-from mpips.placement import place_tables, round_robin
+from mpips.models.variables import VariableSpec
+from mpips.placement.layout import make_layout
+from mpips.placement.table import place_tables, round_robin
 from mpips.store import Cluster, StoreClient, Windows, barrier
-from mpips.variables import VariableSpec
 
 comm = MPI.COMM_WORLD
 ROW_BYTES = 4 * (8 + 1)  # one embedding row plus one wide weight, float32

@@ -21,11 +21,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpips.layout import make_layout
-from mpips.nn import MLP
-from mpips.placement import round_robin
+from mpips.models.mlp import MLP
+from mpips.models.variables import VariableSpec
+from mpips.placement.layout import make_layout
+from mpips.placement.table import round_robin
 from mpips.store import Cluster, StoreClient, Windows, barrier, serve
-from mpips.variables import VariableSpec
 
 comm = MPI.COMM_WORLD
 

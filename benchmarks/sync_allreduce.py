@@ -26,9 +26,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpips.allreduce import GradientBuckets
+from mpips.allreduce.buckets import GradientBuckets
 from mpips.job import TrainConfig
-from mpips.nn import MLP
+from mpips.models.mlp import MLP
 from mpips.optim import Optimizer
 from mpips.store import barrier
 

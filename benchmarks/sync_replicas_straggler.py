@@ -25,7 +25,7 @@ from common import DEFAULT_DATA, mpiexec, reference_data
 SCRIPT = """
 import json, sys, time
 import mpips
-from mpips.nn import MLP
+from mpips.models.mlp import MLP
 
 DELAY = {delay}
 

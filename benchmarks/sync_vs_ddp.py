@@ -48,7 +48,7 @@ rank, steps, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 torch.set_num_threads(1)
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4])
 dist.init_process_group("gloo", rank=rank, world_size=2)
-from mpips.data import load_split, open_dataset
+from mpips.data.batches import load_split, open_dataset
 x, y = load_split(open_dataset(path), "train")
 x, y = torch.from_numpy(x), torch.from_numpy(y)
 torch.manual_seed(0)

@@ -31,7 +31,7 @@ import numpy as np
 from common import DEFAULT_DATA, mpiexec, one_process_rate, reference_data
 
 from mpips.job import OptimizerConfig
-from mpips.nn import MLP
+from mpips.models.mlp import MLP
 from mpips.optim import build_optimizer
 
 BATCH = 16

@@ -6,15 +6,15 @@ A thin public face: load a job, train it (collectively, under mpirun), hook into
 
 from typing import Any
 
-from . import (
-    _starting,  # noqa: F401 (first: `python -m mpips` and Ctrl-C while it starts)
-    layers,
-)
+from .process import interrupt_at_start  # noqa: F401 (first: Ctrl-C while `python -m mpips` starts)
+
+# isort: split
+from . import layers
 from .errors import MpipsError
-from .failure import abort_on_error
-from .hooks import Hook, Run, StepInfo, StopAtLoss, StopAtStep
 from .job import Job, load_job, parse_job
-from .model import Model, Variable
+from .models.contract import Model, Variable
+from .process.failure import abort_on_error
+from .run.hooks import Hook, Run, StepInfo, StopAtLoss, StopAtStep
 
 __version__ = "0.1.0"  # the one place the version is set (setup.cfg reads it)
 __all__ = [

@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from . import __version__
 from .errors import CheckpointError, ConfigError, DataError, MpipsError
-from .files import nearest_existing
 from .job import Job, load_job
-from .log import counted, set_verbose
+from .process.files import nearest_existing
+from .process.log import counted, set_verbose
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
-    from .initial import InitialValues
-    from .layout import Layout
-    from .model import Model
-    from .placement import Placement
+    from .models.contract import Model
+    from .models.initial import InitialValues
+    from .placement.layout import Layout
+    from .placement.table import Placement
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # one per command
 
@@ -324,7 +324,7 @@ def _resolve_job(args: argparse.Namespace) -> Job:
     from dataclasses import replace
 
     from .job import validate
-    from .layout import read_layout_file
+    from .placement.layout import read_layout_file
 
     job = load_job(args.job)
     if args.layout:
@@ -354,7 +354,7 @@ def _check_result_path(path: str | None, job: str | None) -> None:
     import os
     from pathlib import Path
 
-    from .files import refuse_overwriting
+    from .process.files import refuse_overwriting
 
     if path:
         refuse_overwriting(path, [job], ConfigError)
@@ -368,8 +368,8 @@ def _check_result_path(path: str | None, job: str | None) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from .failure import abort_on_error
-    from .preemption import EXIT_PREEMPTED
+    from .process.failure import abort_on_error
+    from .process.preemption import EXIT_PREEMPTED
     from .store import agreed
     from .training import train
 
@@ -382,7 +382,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         job = agreed(MPI.COMM_WORLD, start_up)
         result = train(job)
         if args.result and result.role.is_chief:
-            from .files import atomic_write
+            from .process.files import atomic_write
 
             text = json.dumps(result.to_json(), indent=1)
             atomic_write(args.result, lambda tmp: tmp.write_text(text), "no result written")
@@ -390,8 +390,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .evaluation import evaluate
-    from .files import atomic_write
+    from .process.files import atomic_write
+    from .run.evaluation import evaluate
 
     _check_result_path(args.result, args.job)
     job = _resolve_job(args)
@@ -413,8 +413,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from .evaluation import predict
-    from .files import refuse_overwriting
+    from .process.files import refuse_overwriting
+    from .run.evaluation import predict
 
     refuse_overwriting(args.output, [args.input, args.job], ConfigError)
     job = _resolve_job(args)
@@ -427,12 +427,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
-    from .data import open_data
-    from .layout import block_nodes, check_world, node_indices, ps_imbalance
+    from .data.batches import open_data
+    from .models.mlp import build_model
     from .modes import select
-    from .nn import build_model
     from .optim import unused_settings
-    from .placement import imbalance
+    from .placement.layout import block_nodes, check_world, node_indices, ps_imbalance
+    from .placement.table import imbalance
     from .training import refuse_tables_in_one_process
 
     job = _resolve_job(args)
@@ -545,7 +545,7 @@ def _print_replicas(model: Model, layout: Layout) -> None:
 def cmd_ckpt(args: argparse.Namespace) -> int:
 
     from . import checkpoint
-    from .summaries import validation_at
+    from .run.summaries import validation_at
 
     if args.action == "list":
         if not Path(args.dir).is_dir():
@@ -611,7 +611,7 @@ def _inspect(ckpt: Checkpoint, initial: InitialValues | None) -> int:
     import numpy as np
 
     from . import checkpoint
-    from .variables import VariableSpec
+    from .models.variables import VariableSpec
 
     meta = ckpt.meta
     layout = meta.get("layout", {})
@@ -678,9 +678,9 @@ def _initial_from_job(path: str, model_kind: object = None) -> InitialValues:
     says wrote it, which the job must name too. ConfigError or DataError if it cannot."""
     import numpy as np
 
-    from .data import open_data
-    from .initial import from_model
-    from .nn import build_model
+    from .data.batches import open_data
+    from .models.initial import from_model
+    from .models.mlp import build_model
     from .optim import build_optimizer
 
     job = load_job(path)
@@ -694,7 +694,7 @@ def _initial_from_job(path: str, model_kind: object = None) -> InitialValues:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .plot import plot_run
+    from .run.plot import plot_run
 
     for path in plot_run(args.run_dir, args.out):
         print(f"wrote {path}")
@@ -702,7 +702,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from . import convert, ctr_convert, data
+    from .data import batches as data
+    from .data import convert, ctr_convert
 
     out = Path(args.out)
     _check_data_args(args, out)
@@ -746,7 +747,7 @@ ZIPF_LEAST_ROWS = 10  # zipf holds out rows // 10 test rows: fewer would leave n
 
 def _check_data_args(args: argparse.Namespace, out: Path) -> None:
     """``data``'s sizes and output, before anything is read or generated."""
-    from .files import refuse_overwriting
+    from .process.files import refuse_overwriting
 
     sources = [getattr(args, k, None) for k in ("src", "test_src", "val_src")]
     refuse_overwriting(out, sources, DataError)
@@ -772,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         set_verbose(True)
     try:
         if args.command != "train":  # (train checks them as its first agreed start-up step)
-            from . import settings
+            from .process import settings
 
             settings.check()
         return args.func(args)
@@ -790,8 +791,8 @@ def _failed_in_user_code(command: str, e: Exception) -> int:
     """An exception out of a command run in this process: said as its file and line in the
     user's code and its cause (exit 1), as a training job says it; raised on (a full
     traceback) when verbose, or when no frame is the user's (a bug in mpips)."""
-    from .failure import FULL, in_user_code
-    from .log import verbose
+    from .process.failure import FULL, in_user_code
+    from .process.log import verbose
 
     lead = "" if verbose() else in_user_code(e)
     if not lead:

@@ -2,7 +2,7 @@
 
 Exit codes: 2 bad input (job, layout, data, checkpoint), 1 a failure during the run (a hung or
 dead task, a loss that is not finite, replicas that diverged), 3 stopped early by a signal
-(see preemption.py).
+(see process/preemption.py).
 """
 
 from __future__ import annotations

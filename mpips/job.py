@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .files import read_text
+from .process.files import read_text
 from .schema import check_keys
 
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from .preemption import DUPLICATE_SECONDS
+from .process.preemption import DUPLICATE_SECONDS
 
 PROG = "mpips.launch"
 USAGE = (

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from . import device_kernels
-from .backend import scatter_add, to_host
-from .metrics import accuracy, auc
-from .model import Model, Ready
-from .variables import VariableSpec
+from .device import kernels as device_kernels
+from .device.backend import scatter_add, to_host
+from .models.contract import Model, Ready
+from .models.metrics import accuracy, auc
+from .models.variables import VariableSpec
 
 
 def he_uniform(

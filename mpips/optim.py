@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from . import settings
-from .backend import array_module
-from .device_kernels import device_apply, is_cupy
+from .device.backend import array_module
+from .device.kernels import device_apply, is_cupy
+from .process import settings
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 
@@ -420,7 +420,7 @@ class Optimizer:
         count. C-contiguous float32 numpy arrays go through the fused kernel once it is
         compiled (in the background, once the numpy rules have taken COMPILE_AFTER
         seconds of this process), float32 cupy arrays through the same rule's cupy kernel
-        (device_kernels.py), anything else through the numpy or cupy rule above; all give
+        (device/kernels.py), anything else through the numpy or cupy rule above; all give
         the same bits."""
         h = self.hyper
         if is_cupy(var):  # a GPU: the rule's cupy kernel

@@ -16,21 +16,22 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import checkpoint, modes, optim, preemption, settings
-from .backend import Device, pin_blas_threads
-from .data import open_data
+from . import checkpoint, modes, optim
+from .data.batches import open_data
+from .device.backend import Device, pin_blas_threads
 from .errors import ConfigError, ExitDuringTraining
-from .failure import set_role
-from .hooks import Hook
 from .job import Job
-from .layout import node_indices, ps_imbalance
-from .log import detail, log
-from .model import Model, factory_name
-from .nn import build_model
+from .models.contract import Model, factory_name
+from .models.mlp import build_model
 from .optim import Optimizer, build_optimizer, unused_settings
-from .run import TrainResult
-from .settings import launch_hint
-from .startup import Prepared, check_same_model, prepare
+from .placement.layout import node_indices, ps_imbalance
+from .process import preemption, settings
+from .process.failure import set_role
+from .process.log import detail, log
+from .process.settings import launch_hint
+from .run.hooks import Hook
+from .run.session import TrainResult
+from .run.startup import Prepared, check_same_model, prepare
 from .store import (
     Cluster,
     agreed,
@@ -88,7 +89,7 @@ def _collective_train(
         warnings = [spread] if spread else []
         for warning in warnings + unused_settings(job.optimizer) + settings.unknown():
             log(cluster.role, f"warning: {warning}")
-    # which process plays which task (a rank killed outright is named by failure.py's watcher)
+    # which process plays which task (a rank killed outright is named by the failure watcher)
     node = node_indices(nodes)
     detail(
         cluster.role,

@@ -197,7 +197,7 @@ def pytest_runtest_logreport(report):
         )
         sys.stderr.flush()
         time.sleep(0.5)  # MPI_Abort tears the launcher's stdio down: let the words out first
-        from mpips.failure import ABORT, leaving
+        from mpips.process.failure import ABORT, leaving
 
         leaving(ABORT)  # this rank speaks for itself: the node's watcher names nobody
         MPI.COMM_WORLD.Abort(1)
@@ -459,7 +459,7 @@ def streams(job, workers: int, steps: int, sync: bool):
     """The batches each of ``workers`` workers of ``job`` (on the built-in digits) trains on,
     step by step, as mpips makes them: ([x of each worker], [y of each worker]) a step.
     ``sync``: every worker makes the same full batches an epoch (sync replicas)."""
-    from mpips.data import (
+    from mpips.data.batches import (
         batches,
         full_batches,
         load_split,

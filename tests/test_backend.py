@@ -6,9 +6,9 @@ import types
 import numpy as np
 import pytest
 
-from mpips.backend import get_xp
+from mpips.device.backend import get_xp
 from mpips.errors import ConfigError
-from mpips.layout import make_layout
+from mpips.placement.layout import make_layout
 
 
 def fake_cupy(count=None, error=None):
@@ -82,7 +82,7 @@ def test_each_worker_of_a_node_gets_its_own_gpu(monkeypatch):
 
 
 def test_device_on_the_cpu_hands_back_the_same_arrays():
-    from mpips.backend import Device
+    from mpips.device.backend import Device
 
     device = Device()
     host = {"w": np.ones(3, np.float32)}
@@ -96,8 +96,8 @@ def test_device_stages_through_buffers_kept_from_step_to_step():
     """On a device (the stand-in for cupy: values reachable only through set and get),
     variables go through one buffer per name and shape, gradients come back through
     another; each made once."""
-    from mpips import standin
-    from mpips.backend import Device
+    from mpips.device import standin
+    from mpips.device.backend import Device
 
     device = Device(standin)
     host = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
@@ -124,8 +124,8 @@ def test_rows_that_vary_from_step_to_step_reuse_one_buffer_grown_twice():
     """A CTR batch's table rows (a row count of its own each step): a view of the first
     rows of one kept device buffer, made again only for more rows than it has, then with
     twice as many; the values are those of the host rows each time."""
-    from mpips import standin
-    from mpips.backend import Device
+    from mpips.device import standin
+    from mpips.device.backend import Device
 
     device = Device(standin)
     made = []
@@ -152,8 +152,8 @@ def test_page_aligned_buffers_lock_beside_locked_neighbours():
     range that shares a page with a locked one)."""
     import warnings
 
-    from mpips import standin
-    from mpips.backend import PAGE, Device, _page_runs, page_aligned
+    from mpips.device import standin
+    from mpips.device.backend import PAGE, Device, _page_runs, page_aligned
 
     device = Device(standin)
     small = [np.zeros(10, np.float32) for _ in range(64)]  # heap neighbours, locked
@@ -179,8 +179,8 @@ def test_page_aligned_buffers_lock_beside_locked_neighbours():
 
 
 def test_device_pins_host_buffers_once_and_releases_them():
-    from mpips import standin
-    from mpips.backend import Device, page_zeros
+    from mpips.device import standin
+    from mpips.device.backend import Device, page_zeros
 
     device = Device(standin)
     a, b = page_zeros(1000, np.float32), page_zeros(10, np.float32)
@@ -201,8 +201,8 @@ def test_one_replica_on_a_device_gives_backward_no_ready_callback():
     backward, which then writes each kernel whole; nor do gradients bound for host buffers
     with nothing to tell (buckets in shared memory: they are copied at the end); gradients
     a reduction waits for do."""
-    from mpips import standin
-    from mpips.backend import Device
+    from mpips.device import standin
+    from mpips.device.backend import Device
 
     device = Device(standin)
     grads = {"k": standin.zeros((4, 3), np.float32)}
@@ -221,8 +221,8 @@ def test_pinning_never_locks_a_page_that_other_arrays_lie_on():
     (cudaErrorInvalidValue, an async GPU worker at its second epoch on an H100). The
     stand-in refuses such a copy as CUDA does, and pin() locks only buffers whose pages
     are their own (page_zeros), leaving others pageable with a warning."""
-    from mpips import standin
-    from mpips.backend import PAGE, Device, owns_pages, page_zeros
+    from mpips.device import standin
+    from mpips.device.backend import PAGE, Device, owns_pages, page_zeros
 
     heap = np.zeros(10, np.float32)  # (a small numpy array: its page holds other memory)
     assert not owns_pages(heap) and owns_pages(page_zeros(10, np.float32))
@@ -248,7 +248,7 @@ def test_pinning_never_locks_a_page_that_other_arrays_lie_on():
 def test_scatter_add_sums_repeated_indices_with_either_array_module(monkeypatch):
     """numpy: np.add.at; another array module (cupy): cupyx.scatter_add, here a stand-in
     that records its call (the layers never ask which module they have)."""
-    from mpips.backend import scatter_add
+    from mpips.device.backend import scatter_add
 
     target = np.zeros((3, 2), np.float32)
     scatter_add(np, target, np.array([0, 2, 0]), np.ones((3, 2), np.float32))
@@ -266,7 +266,7 @@ def test_every_core_goes_to_a_rank_and_every_rank_gets_one():
     """The node's cores split over its ranks: the total is the cores (the ranks when there
     are more ranks than cores), no rank below 1, a PS task 1, workers within 1 of each other
     and the first ones taking the remainder."""
-    from mpips.backend import node_blas_threads
+    from mpips.device.backend import node_blas_threads
 
     for cores in range(1, 70):
         for ranks in (1, 2, 3, 5, 8, 9, 16, 17, 33):
@@ -285,7 +285,7 @@ def test_every_core_goes_to_a_rank_and_every_rank_gets_one():
 
 def test_the_16_core_node_layouts():
     """The reference node: 1 PS + 8 workers used 9 of 16 cores (16 // 9 each); now 16."""
-    from mpips.backend import node_blas_threads
+    from mpips.device.backend import node_blas_threads
 
     assert node_blas_threads(16, 9, 1) == [1] + [2] * 7 + [1]
     assert node_blas_threads(16, 5, 1) == [1, 4, 4, 4, 3]
@@ -316,7 +316,7 @@ def test_pin_blas_threads_sets_this_ranks_share(monkeypatch, blas_limit_restored
     """The share reaches the BLAS library: worker 7 of 1 PS + 8 on 16 cores gets 1, worker 0
     gets 2, the PS 1; without the node's PS count, the old even split; MPIPS_BLAS_THREADS
     wins over both, and a bad value is one readable error."""
-    from mpips import backend
+    from mpips.device import backend
 
     monkeypatch.setattr(backend, "cpu_count", lambda: 16)
     monkeypatch.delenv(backend.BLAS_THREADS_ENV, raising=False)

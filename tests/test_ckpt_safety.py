@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 from conftest import BackgroundJob, clean_env, run_mpi, run_py, small_tmpfs, stop_launcher
 
-from mpips import checkpoint, files, initial
+from mpips import checkpoint
 from mpips.checkpoint import Checkpoint, writing
+from mpips.data.hdf5 import plain_attrs
 from mpips.errors import CheckpointError
-from mpips.hdf5 import plain_attrs
-from mpips.variables import VariableSpec
+from mpips.models import initial
+from mpips.models.variables import VariableSpec
+from mpips.process import files
 
 W = {"w": np.arange(8, dtype=np.float32).reshape(2, 4)}
 
@@ -110,8 +112,8 @@ def test_the_run_a_process_writes_for_tags_its_shards_and_manifests(tmp_path):
 def sparse_checkpoint(d, meta):
     """A checkpoint whose embedding is stored sparsely with base "initial": its untouched
     rows are the model's initial values, which only a model can compute."""
-    from mpips.ctr import EMBEDDING, WideDeep
     from mpips.job import OptimizerConfig
+    from mpips.models.ctr import EMBEDDING, WideDeep
     from mpips.optim import build_optimizer
 
     model = WideDeep(30_000, [2], embedding_dim=4)
@@ -160,7 +162,7 @@ def test_reading_a_checkpoint_never_imports_the_model_its_manifest_names(tmp_pat
 def test_a_flipped_byte_in_a_sparse_part_is_refused(tmp_path, dataset, said):
     """A sparse part's row index (read whole when it is checked) and its stored rows (when
     all are read) are checked against their crc32s, naming the shard and the table."""
-    from mpips.ctr import EMBEDDING
+    from mpips.models.ctr import EMBEDDING
 
     d = tmp_path / "ck"
     model, opt, table = sparse_checkpoint(d, {})
@@ -301,9 +303,9 @@ def test_a_run_whose_checkpoint_does_not_fit_stops_with_one_message(tmp_path, sm
 def digits_checkpoint(d, nan=False):
     """A checkpoint of the default job's model at its initial values (``nan``: one NaN in
     dense_0/kernel, as no mpips run writes it)."""
-    from mpips.data import open_data
+    from mpips.data.batches import open_data
     from mpips.job import load_job
-    from mpips.nn import build_model
+    from mpips.models.mlp import build_model
 
     job = load_job(None)
     params = build_model(job.model, open_data(job.data)).initial_values(0)

@@ -165,7 +165,7 @@ def test_data_digits_needs_nothing_beyond_the_package(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "1437 train + 360 test rows, 64 inputs, 10 classes" in r.stdout
-    from mpips import data
+    from mpips.data import batches as data
 
     with h5py.File(tmp_path / "d.h5") as f, h5py.File(data.resolve_path("", "digits")) as g:
         for key in ("train/x", "train/y", "test/x", "test/y"):

@@ -11,8 +11,27 @@ from test_structure import ROOT, modules
 
 LONGEST = 70  # lines, from ``def`` to the function's last line
 MECHANISM = ("mpips.store", "mpips.allreduce")
-POLICY = ("mpips.optim", "mpips.job", "mpips.schema", "mpips.modes", "mpips.placing")
+POLICY = ("mpips.optim", "mpips.job", "mpips.schema", "mpips.modes", "mpips.placement.plan")
 MAY_NAME_MODES = ("mpips.modes", "mpips.job", "mpips.schema")
+# The wings, lowest first: a module imports its own wing and the wings below, never one
+# above (the file list shows the architecture; docs/guide/how-it-works.md walks it).
+WINGS = (
+    ("errors", ("mpips.errors",)),
+    ("process", ("mpips.process",)),
+    ("config", ("mpips.schema", "mpips.job")),
+    ("device", ("mpips.device",)),
+    ("data", ("mpips.data",)),
+    ("models", ("mpips.models", "mpips.layers")),
+    ("placement", ("mpips.placement",)),
+    ("optim", ("mpips.optim",)),
+    ("mechanism", ("mpips.store", "mpips.allreduce")),
+    ("checkpoint", ("mpips.checkpoint",)),
+    ("frontends", ("mpips.torch", "mpips.jax")),
+    ("run", ("mpips.run",)),
+    ("modes", ("mpips.modes",)),
+    ("entry", ("mpips.training", "mpips.cli", "mpips.launch", "mpips.__main__", "mpips")),
+)
+TOP_LEVEL_MOST = 15  # modules directly in mpips/ (wings are packages)
 
 
 def long_functions(tree: ast.Module, limit: int = LONGEST) -> list[tuple[str, int]]:
@@ -92,12 +111,57 @@ def test_mechanism_imports_no_policy():
     """The store and the allreduce move bytes: no optimizer, job, placement policy or mode."""
     mods = modules()
     mechanism = [n for n in mods if n.startswith(MECHANISM)]
-    assert {"mpips.store.client", "mpips.allreduce"} <= set(mechanism)
+    assert {"mpips.store.client", "mpips.allreduce.buckets"} <= set(mechanism)
     reach = {
         n: sorted(i for i in all_imports(n, mods[n], set(mods)) if i.startswith(POLICY))
         for n in mechanism
     }
     assert not {n: r for n, r in reach.items() if r}
+
+
+def wing_of(name: str) -> int:
+    """The index in WINGS of the wing a module belongs to (the longest prefix wins)."""
+    found = [
+        (len(p), i)
+        for i, (_, prefixes) in enumerate(WINGS)
+        for p in prefixes
+        if name == p or name.startswith(p + ".")
+    ]
+    assert found, f"{name} is in no wing: add it to WINGS"
+    return max(found)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Imports from a module to one in a higher wing."""
+    up = {n: sorted(i for i in deps if wing_of(i) > wing_of(n)) for n, deps in graph.items()}
+    return {n: u for n, u in up.items() if u}
+
+
+def test_wings_import_only_the_wings_below():
+    mods = modules()
+    graph = {n: all_imports(n, t, set(mods)) for n, t in mods.items()}
+    assert not upward_imports(graph)
+    assert upward_imports({"mpips.store.client": {"mpips.modes.sync", "mpips.errors"}}) == {
+        "mpips.store.client": ["mpips.modes.sync"]
+    }
+    assert wing_of("mpips") == wing_of("mpips.cli") and wing_of("mpips.layers") == 5
+    top = sorted(n for n in mods if n.count(".") == 1 and not (ROOT / n[6:]).is_dir())
+    assert len(top) <= TOP_LEVEL_MOST, top
+
+
+def test_every_module_is_mapped_to_its_tests():
+    """tests/README.md names, for every module with code, the test files that exercise it,
+    and every file it names exists."""
+    rows = {}
+    for line in (ROOT.parent / "tests/README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`mpips"):
+            rows[cells[0].split("`")[1]] = [t.strip() for t in cells[1].split(",")]
+    coded = {n for n, t in modules().items() if any(not isinstance(s, ast.Expr) for s in t.body)}
+    assert not coded - set(rows), f"modules missing in tests/README.md: {sorted(coded - set(rows))}"
+    assert not set(rows) - coded, f"no such module: {sorted(set(rows) - coded)}"
+    missing = {t for ts in rows.values() for t in ts if not (ROOT.parent / "tests" / t).exists()}
+    assert not missing, f"tests/README.md names files that do not exist: {sorted(missing)}"
 
 
 def mode_reads(tree: ast.Module) -> list[int]:

@@ -11,8 +11,10 @@ import pytest
 from mpi4py import MPI
 
 import mpips
-from mpips import convert, data, evaluation
+from mpips.data import batches as data
+from mpips.data import convert
 from mpips.errors import DataError
+from mpips.run import evaluation
 
 
 def recorded(path):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from conftest import run_py
 
-from mpips import ctr_convert, data, sparse
+from mpips.data import batches as data
+from mpips.data import ctr_convert, sparse
 from mpips.errors import DataError
 from mpips.job import DataConfig
 
@@ -71,7 +72,7 @@ def test_the_criteo_converter_from_the_command_line(tmp_path):
 
 CONVERT_RSS = """
 import resource, sys
-from mpips import ctr_convert
+from mpips.data import ctr_convert
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 ctr_convert.convert_libsvm(sys.argv[2], sys.argv[1])
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
@@ -139,7 +140,7 @@ def test_a_streamed_sparse_part_visits_every_row_once_an_epoch_and_resumes(tmp_p
 
 STREAM_RSS = """
 import resource, sys
-from mpips import data
+from mpips.data import batches as data
 from mpips.job import DataConfig
 info = data.open_data(DataConfig(path=sys.argv[1]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -186,10 +187,10 @@ def test_a_ctr_job_streams_its_parts_and_learns(tmp_path):
 def test_a_fresh_table_partition_is_filled_a_chunk_of_rows_at_a_time(monkeypatch):
     """A PS writes its partition's initial rows (and slots) into its window in chunks; the
     result equals the partition made whole, for both partition rules."""
-    from mpips import startup
-    from mpips.ctr import EMBEDDING, WideDeep
     from mpips.job import OptimizerConfig
+    from mpips.models.ctr import EMBEDDING, WideDeep
     from mpips.optim import build_optimizer
+    from mpips.run import startup
 
     monkeypatch.setattr(startup, "FILL_ELEMENTS", 40)  # 5 rows of 8 a chunk
     model = WideDeep(1000, [4], embedding_dim=8)

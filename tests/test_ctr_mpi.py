@@ -9,11 +9,11 @@ import pytest
 import scipy.sparse as sp
 from conftest import ROOT, run_mpi, run_py, under_ci
 
-from mpips import sparse
 from mpips.checkpoint import Checkpoint
-from mpips.data import batches, load_split, open_dataset
+from mpips.data import sparse
+from mpips.data.batches import batches, load_split, open_dataset
 from mpips.job import parse_job
-from mpips.nn import build_model
+from mpips.models.mlp import build_model
 from mpips.optim import build_optimizer, learning_rate
 
 pytestmark = pytest.mark.launcher

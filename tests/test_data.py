@@ -6,7 +6,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mpips import convert, data
+from mpips.data import batches as data
+from mpips.data import convert
 from mpips.errors import DataError
 
 

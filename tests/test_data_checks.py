@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from conftest import ROOT, run_py, run_train
 
-from mpips import convert, data, sparse
-from mpips.ctr_convert import convert_libsvm
+from mpips.data import batches as data
+from mpips.data import convert, sparse
+from mpips.data.ctr_convert import convert_libsvm
 from mpips.errors import ConfigError, DataError
 from mpips.job import DataConfig, Job, parse_job
 

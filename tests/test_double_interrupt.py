@@ -24,7 +24,7 @@ import pytest
 from conftest import clean_env, mpiexec_path, run_py, under_ci
 
 from mpips.launch import DROPPED
-from mpips.preemption import DUPLICATE_SECONDS
+from mpips.process.preemption import DUPLICATE_SECONDS
 
 TWICE = 0.05  # s between the two presses: well inside "within 0.2 s"
 

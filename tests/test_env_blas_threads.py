@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import ROOT, clean_env
 
-from mpips import backend
+from mpips.device import backend
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ def test_eval_of_the_final_checkpoint_matches_the_runs_own_evaluation(trained, j
 
 
 def test_predict_writes_probabilities_that_agree_with_eval(trained):
-    from mpips.data import open_dataset, resolve_path
+    from mpips.data.batches import open_dataset, resolve_path
 
     info = open_dataset(resolve_path("", "digits"))
     with h5py.File(info.path) as f:

@@ -10,8 +10,8 @@ import pytest
 from mpi4py import MPI
 
 import mpips
-from mpips import evaluation
 from mpips.errors import ConfigError
+from mpips.run import evaluation
 
 
 def test_a_checkpoint_evaluates_to_the_runs_own_metrics_and_predicts_the_same(tmp_path):

@@ -1,4 +1,4 @@
-"""The node's watcher (mpips/failure.py) names a rank that died without a word, and nobody
+"""The node's watcher (mpips/process/failure.py) names a rank that died without a word, and nobody
 when the launcher ends the ranks itself. (kill -9 in a real job: test_train_mpi.py.)"""
 
 import os
@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import clean_env, run_mpi
 
-from mpips import failure
+from mpips.process import failure
 
 pytestmark = pytest.mark.launcher
 
@@ -18,7 +18,7 @@ ABORTS = """
 import os, time
 from mpi4py import MPI
 from mpips.store import Cluster
-from mpips.layout import Layout
+from mpips.placement.layout import Layout
 comm = MPI.COMM_WORLD
 cluster = Cluster(comm, Layout(comm.size, (0,)))
 comm.Barrier()
@@ -40,7 +40,7 @@ def test_a_raw_mpi_abort_is_not_taken_for_a_death(tmp_path):
 
 FAKE_RANK = """
 import signal, sys, time
-from mpips import failure
+from mpips.process import failure
 pid, token, rank, ended = map(int, sys.argv[1:5])
 if ended:  # a SIGTERM sent to it stays pending: as if the launcher were ending it
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from mpips.errors import ConfigError
 from mpips.job import Job, parse_job
-from mpips.layout import make_layout
+from mpips.placement.layout import make_layout
 
 SECTIONS = {
     f.name: [g.name for g in dataclasses.fields(f.default_factory())]

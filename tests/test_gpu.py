@@ -9,8 +9,8 @@ import pytest
 from mpi4py import MPI
 
 import mpips
-from mpips.hooks import Hook
 from mpips.optim import Optimizer, set_fused_kernels
+from mpips.run.hooks import Hook
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +28,7 @@ RULES = [
 def test_each_fused_gpu_kernel_gives_the_numpy_rules_bits(kind, hyper):
     import cupy
 
-    from mpips import device_kernels
+    from mpips.device import kernels as device_kernels
 
     rng = np.random.default_rng(0)
     optimizer = Optimizer(kind, hyper)
@@ -56,7 +56,7 @@ def test_the_fused_softmax_loss_gives_the_array_versions_values():
     launches): the same values as numpy's, to float32 rounding."""
     import cupy
 
-    from mpips import device_kernels
+    from mpips.device import kernels as device_kernels
     from mpips.layers import softmax_cross_entropy
 
     rng = np.random.default_rng(0)
@@ -72,7 +72,7 @@ def test_the_fused_softmax_loss_gives_the_array_versions_values():
 def test_a_gpu_worker_names_its_gpu():
     import cupy
 
-    from mpips.backend import Device
+    from mpips.device.backend import Device
 
     described = Device.select("gpu").describe()
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()

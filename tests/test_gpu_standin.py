@@ -1,4 +1,4 @@
-"""The GPU path without a GPU: ``mpips.standin``, a strict stand-in for cupy, fails wherever
+"""The GPU path without a GPU: ``mpips.device.standin``, a strict stand-in for cupy, fails wherever
 cupy would (host and device arrays mixed, implicit conversions) and counts every crossing;
 one process trains on it exactly as on the CPU, moving each byte of a step once and making no
 buffer after its first step. (Every mode on it under MPI: test_modes_mpi.py.)"""
@@ -15,11 +15,11 @@ from mpi4py import MPI
 from test_layers import CASES
 
 import mpips
-from mpips import standin as sx
-from mpips.backend import Device, array_module, get_xp, scatter_add, to_host
-from mpips.hooks import Hook
+from mpips.device import standin as sx
+from mpips.device.backend import Device, array_module, get_xp, scatter_add, to_host
 from mpips.layers import Sequential
 from mpips.optim import clip_by_global_norm
+from mpips.run.hooks import Hook
 
 
 def test_the_standin_refuses_host_arrays_wherever_cupy_does():
@@ -211,7 +211,7 @@ def test_one_process_on_a_device_gives_backward_no_ready_callback(monkeypatch, t
     """Alone on a GPU the gradients stay on the device: backward gets no ``ready`` (with
     one, the MLP wrote each kernel's gradient in blocks of rows: ~90 matrix-product
     launches a step on the wide MLP, measured on an H100)."""
-    from mpips.nn import MLP
+    from mpips.models.mlp import MLP
 
     given = []
     original = MLP.loss_and_grads
@@ -246,11 +246,11 @@ def test_which_parts_go_to_the_device(monkeypatch):
 
     import scipy.sparse as sp
 
-    from mpips.data import InMemoryPart
+    from mpips.data.batches import InMemoryPart
     from mpips.errors import ConfigError
-    from mpips.model import Model
-    from mpips.startup import _on_device
-    from mpips.variables import VariableSpec
+    from mpips.models.contract import Model
+    from mpips.models.variables import VariableSpec
+    from mpips.run.startup import _on_device
 
     class Tables(Model):
         def tables(self):
@@ -326,7 +326,7 @@ def test_the_fused_softmax_loss_compiled_as_c_gives_the_array_versions_values(tm
     import shutil
     import subprocess
 
-    from mpips.device_kernels import SOFTMAX_XENT
+    from mpips.device.kernels import SOFTMAX_XENT
     from mpips.layers import softmax_cross_entropy
 
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -365,7 +365,7 @@ def test_a_fused_loss_that_fails_falls_back_to_the_array_version_once(monkeypatc
     """If the fused softmax kernel cannot be compiled or loaded (here: no cupy to compile
     it with), the loss is the array version's, said once, and the kernel is not tried
     again."""
-    from mpips import device_kernels
+    from mpips.device import kernels as device_kernels
     from mpips.layers import softmax_cross_entropy
 
     rng = np.random.default_rng(0)
@@ -393,7 +393,7 @@ def test_the_gpu_kernels_loop_bodies_compiled_as_c_give_the_numpy_rules_bits(tmp
 
     from test_gpu import RULES
 
-    from mpips import device_kernels
+    from mpips.device import kernels as device_kernels
     from mpips.optim import Optimizer, kernel_name, kernel_scalars, set_fused_kernels
 
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -530,9 +530,9 @@ def delayed_sgd(text: str, steps: int, fresh) -> dict[str, np.ndarray]:
     """One worker's SGD on OVERLAP_JOB's data and model in one process: step ``k`` takes its
     gradient at the variables as they are (``fresh(k)``) or as they were one update earlier
     (pulled during the last backward)."""
-    from mpips.data import batches, load_split, open_dataset, resolve_path
+    from mpips.data.batches import batches, load_split, open_dataset, resolve_path
     from mpips.job import parse_job
-    from mpips.nn import MLP
+    from mpips.models.mlp import MLP
     from mpips.optim import build_optimizer
 
     job = parse_job(text)

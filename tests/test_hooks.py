@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import run_mpi
 
-from mpips.hooks import CheckpointSaver, PendingSave, Run, StepInfo, StopAtLoss
-from mpips.layout import Role
+from mpips.placement.layout import Role
+from mpips.run.hooks import CheckpointSaver, PendingSave, Run, StepInfo, StopAtLoss
 
 
 @dataclass

@@ -12,7 +12,7 @@ from conftest import ROOT, dense_data_file, run_py
 from mpips.cli import main
 from mpips.errors import DataError
 from mpips.job import DataConfig
-from mpips.layout import MAX_WORLD_SIZE, make_layout
+from mpips.placement.layout import MAX_WORLD_SIZE, make_layout
 
 JOB = (
     '[data]\npath = "{data}"\n[train]\nsteps = 20\nprogress = false\n'
@@ -111,7 +111,7 @@ def test_npz_data_with_no_inputs_a_row_is_refused(tmp_path, capsys):
     y = np.arange(20) % 3
     path = str(tmp_path / "z.npz")
     np.savez(path, x_train=np.zeros((20, 0)), y_train=y, x_test=np.zeros((5, 0)), y_test=y[:5])
-    from mpips.data import open_data
+    from mpips.data.batches import open_data
 
     with pytest.raises(DataError, match=r"z\.npz: array 'x_train' has shape \[20, 0\]"):
         open_data(DataConfig(path=path))
@@ -137,8 +137,8 @@ def test_an_empty_split_of_a_sparse_file_or_of_arrays_is_refused(tmp_path, capsy
     import h5py
     import scipy.sparse as sp
 
-    from mpips.data import open_dataset
-    from mpips.sparse import write_csr_chunks
+    from mpips.data.batches import open_dataset
+    from mpips.data.sparse import write_csr_chunks
 
     x, y = sp.csr_matrix(np.eye(4, 6, dtype=np.float32)), np.array([0, 1, 0, 1], np.int8)
     write_csr_chunks(tmp_path / "s.h5", [("train", x, y), ("test", x, y)], num_features=6)
@@ -238,7 +238,7 @@ def _run_dir(tmp_path, *extra: str):
 
 def test_plot_skips_a_line_nested_too_deep_and_says_how_many_it_skipped(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from mpips.summaries import validation_at
+    from mpips.run.summaries import validation_at
 
     nested = "[" * 100_000 + "]" * 100_000  # RecursionError in json.loads
     d = _run_dir(tmp_path, nested, "garbage", '{"name": "loss"')

@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 from conftest import dense_data_file, run_py
 
-from mpips import checkpoint, data, sparse
+from mpips import checkpoint
 from mpips.checkpoint import Entry, Part
+from mpips.data import batches as data
+from mpips.data import sparse
 from mpips.errors import CheckpointError, ConfigError, DataError, NonFinite
 from mpips.job import DataConfig
-from mpips.layout import read_layout_file
-from mpips.memory import ABSURD_BYTES, available_bytes
-from mpips.variables import VariableSpec
+from mpips.models.variables import VariableSpec
+from mpips.placement.layout import read_layout_file
+from mpips.process.memory import ABSURD_BYTES, available_bytes
 
 SECRET = b"the user's private file: \x00\x01\x02\x03" * 4
 
@@ -207,7 +209,7 @@ def test_indptr_that_decreases_is_found_at_open(tmp_path, monkeypatch):
 def test_a_shard_read_that_does_not_fit_in_memory_is_refused(tmp_path, monkeypatch):
     path = dense_file(tmp_path / "d.h5")
     info = data.open_dataset(path)
-    monkeypatch.setattr("mpips.memory.available_bytes", lambda: 100)
+    monkeypatch.setattr("mpips.process.memory.available_bytes", lambda: 100)
     with pytest.raises(DataError, match="needs .* more than the 100 B of memory available"):
         data.load_split(info, "train")
 

@@ -17,8 +17,8 @@ from mpips import checkpoint
 from mpips.checkpoint import Checkpoint, checksum
 from mpips.errors import CheckpointError
 from mpips.job import parse_job
-from mpips.startup import data_position
-from mpips.variables import VariableSpec
+from mpips.models.variables import VariableSpec
+from mpips.run.startup import data_position
 
 DIGITS_JOB = """
 [model]
@@ -278,7 +278,7 @@ def test_damaged_bytes_in_a_shard_are_one_message_naming_it(tmp_path):
 
 @pytest.mark.launcher
 def test_damaged_bytes_in_a_data_file_are_one_message_naming_it(tmp_path):
-    from mpips.convert import write_dataset
+    from mpips.data.convert import write_dataset
 
     rng = np.random.default_rng(0)
     split = [

@@ -13,10 +13,10 @@ from conftest import RESULT, BackgroundJob, read_result, run_mpi
 from test_ctr_mpi import JOB, small_dataset
 
 from mpips.checkpoint import Checkpoint
-from mpips.data import batches, full_batches, load_split, open_dataset, worker_rows
+from mpips.data.batches import batches, full_batches, load_split, open_dataset, worker_rows
 from mpips.errors import ConfigError
 from mpips.job import parse_job
-from mpips.nn import build_model
+from mpips.models.mlp import build_model
 from mpips.optim import build_optimizer, learning_rate
 
 pytestmark = pytest.mark.launcher
@@ -119,7 +119,7 @@ def test_hybrid_needs_tables_and_no_clip_norm(tmp_path):
 
 NAN_ON_WORKER_1 = """
 import mpips
-from mpips import ctr
+from mpips.models import ctr
 from mpips.store import StoreClient
 
 real_loss, real_push = ctr.WideDeep.loss_and_grads, StoreClient.push

@@ -11,7 +11,7 @@ from test_optimizers_mpi import read_ckpt
 
 import mpips
 from mpips.errors import ConfigError
-from mpips.hooks import Hook
+from mpips.run.hooks import Hook
 
 jax = need("jax")
 jnp = pytest.importorskip("jax.numpy")

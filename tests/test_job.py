@@ -5,8 +5,8 @@ import pytest
 
 from mpips.errors import ConfigError
 from mpips.job import load_job, parse_job
-from mpips.model import import_factory
-from mpips.placing import job_layout
+from mpips.models.contract import import_factory
+from mpips.placement.plan import job_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -165,7 +165,7 @@ def test_dropout_is_seeded_by_worker_and_step_and_off_in_evaluation():
 
 
 def test_a_small_cnn_learns_the_digits_in_one_process():
-    from mpips.data import load_split, open_dataset, resolve_path
+    from mpips.data.batches import load_split, open_dataset, resolve_path
 
     info = open_dataset(resolve_path("", "digits"))
     x, y = load_split(info, "train")

@@ -1,7 +1,7 @@
 import pytest
 
 from mpips.errors import ConfigError
-from mpips.layout import make_layout, read_layout_file
+from mpips.placement.layout import make_layout, read_layout_file
 
 
 @pytest.mark.parametrize("world,ps,workers", [(8, 2, 6), (3, 1, 2), (2, 1, 1), (16, 4, 12)])
@@ -58,7 +58,7 @@ def test_layout_file(tmp_path):
 
 
 def test_one_ps_per_node():
-    from mpips.layout import block_nodes
+    from mpips.placement.layout import block_nodes
 
     assert block_nodes(8, 2) == [0, 0, 0, 0, 4, 4, 4, 4]
     assert make_layout(8, "per_node", nodes=block_nodes(8, 2)).ps_ranks == (0, 4)

@@ -12,14 +12,14 @@ from conftest import ROOT, run_train
 from test_ctr_mpi import JOB, small_dataset
 
 import mpips
-from mpips import model as model_api
 from mpips.errors import AlreadyReported, ConfigError
-from mpips.model import check_model, first_loss_and_grads, said_once
+from mpips.models import contract as model_api
+from mpips.models.contract import check_model, first_loss_and_grads, said_once
 
 MISTAKES = """
 import numpy as np
 import mpips
-from mpips.ctr import WideDeep
+from mpips.models.ctr import WideDeep
 import my_model
 
 

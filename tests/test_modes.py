@@ -9,7 +9,7 @@ import pytest
 
 import mpips
 from mpips import modes
-from mpips.hooks import StepInfo
+from mpips.run.hooks import StepInfo
 
 MODES = ["async", "sync", "sync_replicas", "hybrid"]
 

@@ -19,10 +19,12 @@ from test_sync_mpi import write_job as sync_job
 from test_sync_replicas import JOB as REPLICAS_JOB
 
 import mpips
-from mpips import layers, log, standin
+from mpips import layers
+from mpips.device import standin
 from mpips.errors import MpipsError
-from mpips.hooks import Hook
 from mpips.job import load_job
+from mpips.process import log
+from mpips.run.hooks import Hook
 from mpips.store import node_of_each_rank
 
 pytestmark = pytest.mark.mpi(ranks=3)
@@ -50,7 +52,7 @@ def shared(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture(params=["cpu", "standin"])
 def device(request, monkeypatch) -> str:
-    """Where the workers compute: numpy, or the strict stand-in for cupy (mpips.standin:
+    """Where the workers compute: numpy, or the strict stand-in for cupy (mpips.device.standin:
     train.device = "gpu" without a GPU; a host array reaching a device one raises)."""
     if request.param == "standin":
         monkeypatch.setenv(standin.ENV, "1")

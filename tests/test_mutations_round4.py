@@ -19,14 +19,15 @@ import numpy as np
 import pytest
 from conftest import clean_env, mpiexec_path, run_py
 
-from mpips import checkpoint, data
+from mpips import checkpoint
 from mpips.checkpoint import Checkpoint, checksum
 from mpips.cli import main
+from mpips.data import batches as data
+from mpips.data.hdf5 import plain_attrs
 from mpips.errors import CheckpointError, ConfigError, DataError
-from mpips.files import TEXT_LIMIT
-from mpips.hdf5 import plain_attrs
 from mpips.job import DataConfig, load_job, parse_job
-from mpips.layout import read_layout_file
+from mpips.placement.layout import read_layout_file
+from mpips.process.files import TEXT_LIMIT
 
 W = {"w": np.arange(8, dtype=np.float32).reshape(2, 4)}
 
@@ -148,7 +149,7 @@ def test_ps_memory_larger_than_dev_shm_is_no_sigbus(tmp_path):
 
 RESTORE = """
 import os, signal, threading, time
-from mpips import preemption
+from mpips.process import preemption
 seen = []
 signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))  # the caller's own handler
 previous = preemption.install()
@@ -269,7 +270,7 @@ def test_job_layout_and_manifest_readers_refuse_a_file_over_the_text_limit(tmp_p
 def test_a_data_position_is_not_resumed_on_fewer_workers_than_wrote_it(tmp_path):
     """Only more workers was tested: 3 workers' batch counts given to 2 workers would skip
     batches of parts that are no longer theirs."""
-    from mpips.startup import data_position
+    from mpips.run.startup import data_position
 
     job = parse_job("[train]\nsteps = 5\nbatch_size = 7\nseed = 3\n")
     w = {"w": np.ones(2, np.float32)}

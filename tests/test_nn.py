@@ -1,6 +1,6 @@
 import numpy as np
 
-from mpips.nn import MLP
+from mpips.models.mlp import MLP
 from mpips.optim import apply_sgd
 
 
@@ -44,8 +44,8 @@ def test_sgd_steps_reduce_loss():
 def test_the_mlp_reports_auc_on_two_classes():
     """A binary dense task gets the AUC of the second class's logit margin (like the CTR
     models), and none with more classes."""
-    from mpips.metrics import auc
-    from mpips.nn import MLP
+    from mpips.models.metrics import auc
+    from mpips.models.mlp import MLP
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((200, 5)).astype(np.float32)
@@ -107,7 +107,8 @@ def test_on_a_device_backward_writes_each_kernel_whole(monkeypatch):
     costing more than the overlap gains (cupy: ~65 us of host time a launch; the wide
     MLP had ~90 a step): a kernel's gradient is written and said ready whole, the bias
     first, and equals the host's."""
-    from mpips import layers, standin
+    from mpips import layers
+    from mpips.device import standin
 
     monkeypatch.setattr(layers, "BLOCK_BYTES", 1024)
     _, params, x, y, want = _small_mlp_and_grads()
@@ -138,8 +139,8 @@ def test_buckets_cut_a_big_matrix_between_rows():
     variable is one view over its rows."""
     from mpi4py import MPI
 
-    from mpips.allreduce import GradientBuckets
-    from mpips.variables import VariableSpec
+    from mpips.allreduce.buckets import GradientBuckets
+    from mpips.models.variables import VariableSpec
 
     specs = [VariableSpec("w", (50, 32)), VariableSpec("v", (600,)), VariableSpec("u", (3, 4))]
     buckets = GradientBuckets(MPI.COMM_SELF, specs, bucket_bytes=2048)
@@ -165,9 +166,9 @@ def test_one_replica_updates_its_gradients_where_they_lie():
     they are, clipped, with the loss as the mean loss; a vote to stop applies nothing."""
     from mpi4py import MPI
 
-    from mpips.allreduce import GradientBuckets
+    from mpips.allreduce.buckets import GradientBuckets
+    from mpips.models.variables import VariableSpec
     from mpips.optim import global_norm_clip
-    from mpips.variables import VariableSpec
 
     specs = [VariableSpec("w", (50, 32)), VariableSpec("v", (600,))]
     buckets = GradientBuckets(MPI.COMM_SELF, specs, bucket_bytes=2048, shared=True)

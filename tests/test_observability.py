@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 from conftest import run_py, run_train
 
-from mpips.hooks import ProgressBar, Run, StepInfo
+from mpips.run.hooks import ProgressBar, Run, StepInfo
 
 JOB = """
 [data]
@@ -272,8 +272,8 @@ def test_progress_is_plain_lines_with_an_eta_when_not_on_a_terminal(capsys):
 def test_a_torn_metrics_line_is_skipped_by_plot_and_not_glued_to_the_next(tmp_path):
     """A run killed mid-write leaves half a line; the resumed run starts on a new line, and
     `mpips plot` skips the torn one and says so."""
-    from mpips.plot import read_metrics
-    from mpips.summaries import Summaries
+    from mpips.run.plot import read_metrics
+    from mpips.run.summaries import Summaries
 
     folder = tmp_path / "worker-0"
     folder.mkdir()

@@ -14,7 +14,7 @@ import pytest
 from conftest import clean_env
 
 from mpips.errors import ConfigError
-from mpips.layout import make_layout
+from mpips.placement.layout import make_layout
 
 LAYOUT = "ps = 1\nworld_size = 3\n"
 JOB = """

@@ -6,9 +6,9 @@ import pytest
 from conftest import read_result, run_mpi
 
 from mpips.checkpoint import Checkpoint
-from mpips.data import batches, load_split, open_dataset, resolve_path
+from mpips.data.batches import batches, load_split, open_dataset, resolve_path
 from mpips.job import parse_job
-from mpips.nn import MLP
+from mpips.models.mlp import MLP
 from mpips.optim import build_optimizer, clip_by_global_norm, learning_rate
 
 pytestmark = pytest.mark.launcher

@@ -11,7 +11,7 @@ import pytest
 from conftest import clean_env, run_mpi
 
 import mpips
-from mpips import data
+from mpips.data import batches as data
 from mpips.errors import ConfigError, DataError
 from mpips.job import DataConfig
 
@@ -157,7 +157,7 @@ def test_a_bad_label_in_a_streamed_chunk_is_a_data_error(tmp_path):
 
 STREAM_RSS = """
 import resource, sys, numpy as np
-from mpips import data
+from mpips.data import batches as data
 from mpips.job import DataConfig
 info = data.open_data(DataConfig(path=sys.argv[1]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -200,7 +200,7 @@ OWN_ARRAYS = """
 import json, sys
 import numpy as np
 import mpips
-from mpips import data
+from mpips.data import batches as data
 with mpips.abort_on_error():
     info = data.open_dataset(data.resolve_path("", "digits"))
     (x, y), (xt, yt) = data.load_split(info, "train"), data.load_split(info, "test")

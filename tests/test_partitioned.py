@@ -9,8 +9,8 @@ from test_optimizers_mpi import assert_same_checkpoints, read_ckpt, reference, w
 
 from mpips.errors import ConfigError
 from mpips.job import parse_job
-from mpips.placement import imbalance, round_robin
-from mpips.variables import VariableSpec
+from mpips.models.variables import VariableSpec
+from mpips.placement.table import imbalance, round_robin
 
 SPECS = [
     VariableSpec("k0", (784, 256)),
@@ -21,7 +21,7 @@ SPECS = [
 
 
 def placement_of(layout: str, num_ps: int, specs=SPECS):
-    from mpips.placing import job_placement
+    from mpips.placement.plan import job_placement
 
     return job_placement(parse_job(f"[train]\nsteps = 1\n[layout]\n{layout}\n"), specs, num_ps)
 

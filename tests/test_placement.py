@@ -1,8 +1,8 @@
 import pytest
 
-from mpips.nn import MLP
-from mpips.placement import ALIGN, greedy_by_bytes, round_robin
-from mpips.variables import VariableSpec
+from mpips.models.mlp import MLP
+from mpips.models.variables import VariableSpec
+from mpips.placement.table import ALIGN, greedy_by_bytes, round_robin
 
 
 def specs(n):
@@ -52,7 +52,7 @@ def test_duplicate_names_rejected():
 
 
 def test_pinned_variables_go_to_their_ps_task_and_the_rest_follow_the_rule():
-    from mpips.placement import greedy_by_bytes, round_robin
+    from mpips.placement.table import greedy_by_bytes, round_robin
 
     specs = [VariableSpec(f"v{i}", (10 * (i + 1),)) for i in range(5)]
     rr = round_robin(specs, 2, {"v1": 1, "v2": 1})
@@ -93,7 +93,7 @@ def test_by_default_a_pin_takes_no_turn_and_the_job_key_gives_tf1s_rule():
     0, 1, 0; mpips's default gives b the first free turn: 0, 0, 1. With an even number of
     pins ahead (a, b pinned to ps:0, then c, d) both rules give 0, 0, 0, 1."""
     import mpips
-    from mpips.placing import job_placement
+    from mpips.placement.plan import job_placement
 
     def tasks(variables, pins, turns=""):
         job = mpips.parse_job(f"[train]\nsteps = 1\n[layout]\n{turns}[layout.pin]\n{pins}")
@@ -119,7 +119,7 @@ def test_greedy_with_pins_taking_turns_counts_a_pin_where_tf1s_strategy_did():
 def test_pins_from_the_job_are_checked():
     import mpips
     from mpips.errors import ConfigError
-    from mpips.placing import job_placement
+    from mpips.placement.plan import job_placement
 
     specs = [VariableSpec("w", (4, 4)), VariableSpec("b", (4,))]
     base = '[data]\nbuiltin = "digits"\n[train]\nsteps = 1\n[layout.pin]\n'
@@ -132,7 +132,7 @@ def test_pins_from_the_job_are_checked():
 
 
 def test_an_unbalanced_placement_is_named_with_what_would_fix_it():
-    from mpips.placement import greedy_by_bytes, imbalance, round_robin
+    from mpips.placement.table import greedy_by_bytes, imbalance, round_robin
 
     fmnist = [
         VariableSpec("k0", (784, 256)),
@@ -174,24 +174,22 @@ def test_a_job_with_pins_trains_and_places_them(tmp_path):
 
 
 def test_the_model_api_does_not_depend_on_ps_sharding():
-    """mpips.Variable is VariableSpec from variables.py, which model.py imports; neither
-    reaches placement (where each variable lives on the PS tasks)."""
+    """mpips.Variable is VariableSpec from models/variables.py, which models/contract.py
+    imports; neither reaches placement (where each variable lives on the PS tasks)."""
     import ast
     from pathlib import Path
 
-    import mpips.variables
+    import mpips.models.variables
 
-    assert mpips.Variable is mpips.variables.VariableSpec
-    for name in ("model.py", "variables.py"):
+    assert mpips.Variable is mpips.models.variables.VariableSpec
+    for name in ("models/contract.py", "models/variables.py"):
         tree = ast.parse((Path(mpips.__file__).parent / name).read_text())
-        imported = {  # from .placement, from mpips.placement, import mpips.placement
-            (n.module or "").rpartition(".")[2]
+        imported = {  # from ..placement.table, import mpips.placement.table: every part
+            part
             for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom)
-        } | {
-            a.name.rpartition(".")[2]
-            for n in ast.walk(tree)
-            if isinstance(n, ast.Import)
-            for a in n.names
+            if isinstance(n, ast.ImportFrom | ast.Import)
+            for m in ([n.module or ""] if isinstance(n, ast.ImportFrom) else [])
+            + [a.name for a in n.names]
+            for part in m.split(".")
         }
-        assert not imported & {"placement", "placing"}, (name, imported)
+        assert "placement" not in imported, (name, imported)

@@ -13,8 +13,8 @@ from conftest import run_train
 
 pytest.importorskip("matplotlib")
 
-from mpips import plot  # noqa: E402
-from mpips.summaries import EXAMPLES_PER_SEC, LOSS, STEPS_PER_SEC  # noqa: E402
+from mpips.run import plot  # noqa: E402
+from mpips.run.summaries import EXAMPLES_PER_SEC, LOSS, STEPS_PER_SEC  # noqa: E402
 
 JOB = """
 [model]

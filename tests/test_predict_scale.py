@@ -10,8 +10,9 @@ from conftest import run_py
 from mpi4py import MPI
 
 import mpips
-from mpips import data, evaluation
+from mpips.data import batches as data
 from mpips.errors import DataError
+from mpips.run import evaluation
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Every MPIPS_* variable is read and checked in one place (mpips.settings), at start-up: a
+"""Every MPIPS_* variable is read and checked in one place (mpips.process.settings), at start-up: a
 bad value is one line naming the variable, the values it takes and its default, exit 2 on
 every rank, no traceback (issue 43, item 4: ``float()`` at import printed a traceback on
 every rank, -1 aborted a healthy job after ~2 s, NaN was taken silently)."""
@@ -11,8 +11,8 @@ import sys
 import pytest
 from conftest import clean_env
 
-from mpips import settings
 from mpips.errors import ConfigError
+from mpips.process import settings
 
 
 def read(**env: str) -> settings.Settings:
@@ -84,7 +84,7 @@ def test_nothing_is_read_at_import():
     """Importing mpips (and the modules that used to read at import) reads no variable: a
     bad value cannot fail an import, only the start-up check."""
     code = (
-        "import mpips, mpips.training, mpips.log, mpips.optim, mpips.store\n"
+        "import mpips, mpips.training, mpips.process.log, mpips.optim, mpips.store\n"
         "from mpips import settings\n"
         "assert not settings._cache, settings._cache\n"
         "print('ok')\n"

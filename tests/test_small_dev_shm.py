@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import clean_env, mpiexec_path, run_mpi, under_ci
 
-from mpips.memory import SHM_SPARE
+from mpips.process.memory import SHM_SPARE
 from mpips.store.window import plan_memory
 
 MB = 1 << 20
@@ -78,10 +78,10 @@ import sys
 import time
 import numpy as np
 from mpi4py import MPI
-from mpips.layout import make_layout
-from mpips.placement import round_robin
+from mpips.placement.layout import make_layout
+from mpips.placement.table import round_robin
 from mpips.store import Cluster, StoreClient, Windows, barrier
-from mpips.variables import VariableSpec
+from mpips.models.variables import VariableSpec
 
 comm = MPI.COMM_WORLD
 cluster = Cluster(comm, make_layout(comm.size, 1))

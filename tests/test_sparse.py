@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from mpips import ctr_convert, sparse
-from mpips.ctr import EMBEDDING, WIDE, WideDeep
-from mpips.data import open_dataset
+from mpips.data import ctr_convert, sparse
+from mpips.data.batches import open_dataset
 from mpips.errors import DataError
-from mpips.metrics import auc
-from mpips.placement import owner_and_row, partition_rows, place_tables, round_robin
-from mpips.variables import VariableSpec
+from mpips.models.ctr import EMBEDDING, WIDE, WideDeep
+from mpips.models.metrics import auc
+from mpips.models.variables import VariableSpec
+from mpips.placement.table import owner_and_row, partition_rows, place_tables, round_robin
 
 
 @pytest.mark.parametrize("rule", ["mod", "div"])

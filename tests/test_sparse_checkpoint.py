@@ -15,14 +15,15 @@ import pytest
 from conftest import run_mpi, run_py
 from test_ctr_mpi import small_dataset
 
-from mpips import checkpoint, initial
+from mpips import checkpoint
 from mpips.checkpoint import Checkpoint
-from mpips.ctr import EMBEDDING, WIDE, WideDeep
+from mpips.data.hdf5 import plain_attrs
 from mpips.errors import CheckpointError
-from mpips.hdf5 import plain_attrs
 from mpips.job import OptimizerConfig, load_job
+from mpips.models import initial
+from mpips.models.ctr import EMBEDDING, WIDE, WideDeep
+from mpips.models.variables import VariableSpec
 from mpips.optim import build_optimizer
-from mpips.variables import VariableSpec
 
 FEATURES = 100_000  # a table of 100k rows, of which a run touches under 1%
 JOB = """
@@ -69,8 +70,8 @@ def shard_bytes(manifest):
 
 def model_initial(d):
     """The initial values of the job's tables and slots, from its model and optimizer."""
-    from mpips.data import open_data
-    from mpips.nn import build_model
+    from mpips.data.batches import open_data
+    from mpips.models.mlp import build_model
 
     job = load_job(d / "job.toml")
     model = build_model(job.model, open_data(job.data))

@@ -16,7 +16,7 @@ from conftest import BackgroundJob, run_mpi, run_py
 from mpips import checkpoint, modes
 from mpips.errors import ConfigError
 from mpips.job import parse_job
-from mpips.run import loss_not_finite
+from mpips.run.session import loss_not_finite
 
 pytestmark = pytest.mark.launcher
 
@@ -197,7 +197,7 @@ def test_ctrl_c_checkpoints_and_exits_3_like_sigterm(tmp_path):
 
 TWICE = """
 import os, signal, sys, time
-from mpips import preemption
+from mpips.process import preemption
 preemption.install()
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.05)
@@ -214,7 +214,7 @@ STUCK = """
 import os, signal, threading, time
 import numpy as np
 from mpi4py import MPI
-from mpips import preemption
+from mpips.process import preemption
 preemption.install()
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.05)
@@ -249,7 +249,7 @@ def test_a_repeated_signal_is_one_request_and_a_later_one_ends_the_process(tmp_p
 NOTEBOOK = """
 import os, signal, time
 import mpips
-from mpips import preemption
+from mpips.process import preemption
 before = {s: signal.getsignal(s) for s in preemption.SIGNALS}
 
 class CtrlC(mpips.Hook):

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from mpips.errors import AgreedError, MpipsError
-from mpips.layout import make_layout
+from mpips.models.variables import VariableSpec
 from mpips.optim import Optimizer
-from mpips.placement import round_robin
-from mpips.variables import VariableSpec
+from mpips.placement.layout import make_layout
+from mpips.placement.table import round_robin
 
 pytestmark = pytest.mark.mpi(ranks=3)
 
@@ -47,7 +47,7 @@ class Store:
     def __init__(self, specs=SPECS, optimizer=None, shared=False, apply=None):
         from mpi4py import MPI
 
-        from mpips.placement import slot_placement
+        from mpips.placement.table import slot_placement
         from mpips.store import Cluster, StoreClient, Windows
 
         if shared:
@@ -550,7 +550,7 @@ def test_table_rows_come_from_and_go_to_their_owners(rule, shared):
     the rows in the PS's memory, 50 times, at once: no update is lost."""
     from mpi4py import MPI
 
-    from mpips.placement import partition_rows, place_tables
+    from mpips.placement.table import partition_rows, place_tables
     from mpips.store import Cluster, StoreClient, Windows, barrier
 
     if shared:
@@ -662,7 +662,7 @@ def test_a_big_bucket_is_reduced_while_backward_makes_no_mpi_call():
     product): a thread enters MPI meanwhile. This replica's part gets the mean gradient."""
     from mpi4py import MPI
 
-    from mpips.allreduce import PUMP_BYTES, GradientBuckets
+    from mpips.allreduce.buckets import PUMP_BYTES, GradientBuckets
 
     comm = MPI.COMM_WORLD
     n = 2 * PUMP_BYTES // 4
@@ -686,7 +686,7 @@ def test_a_matrix_cut_over_buckets_is_reduced_as_its_rows_are_written():
     start a bucket that holds all of it. Every row gets its mean."""
     from mpi4py import MPI
 
-    from mpips.allreduce import GradientBuckets
+    from mpips.allreduce.buckets import GradientBuckets
 
     comm = MPI.COMM_WORLD
     rows, cols = 64, 256  # 1 KiB a row
@@ -730,7 +730,7 @@ def test_a_step_is_updated_during_backward_once_the_replicas_agree():
     before backward ends. A vote on one replica leaves every variable as it was, on all."""
     from mpi4py import MPI
 
-    from mpips.allreduce import GradientBuckets
+    from mpips.allreduce.buckets import GradientBuckets
 
     comm = MPI.COMM_WORLD
     rows, cols = 64, 256  # 1 KiB a row: 16 rows a bucket

@@ -13,8 +13,8 @@ import time
 import pytest
 from conftest import BackgroundJob, small_tmpfs
 
-from mpips import summaries
-from mpips.summaries import MetricsWriter
+from mpips.run import summaries
+from mpips.run.summaries import MetricsWriter
 
 WORKER = "/job:worker/task:0"
 
@@ -168,7 +168,7 @@ def test_a_full_summary_disk_lets_training_go_on_and_a_sigterm_checkpoint(tmp_pa
 
 def test_a_timeline_that_cannot_be_written_is_a_warning(tmp_path, capsys):
     """The timeline is a trace: a run's end does not fail on it."""
-    from mpips.timeline import Timeline
+    from mpips.run.timeline import Timeline
 
     (tmp_path / "afile").write_text("not a directory")
     timeline = Timeline(tmp_path / "afile", "worker", 0)

@@ -5,7 +5,7 @@ loss curve and a staleness histogram worth looking at."""
 import pytest
 from conftest import run_py, run_train
 
-from mpips.plot import read_metrics
+from mpips.run.plot import read_metrics
 
 # the default job (digits, 3 workers here), with a staleness bound: on a loaded 2-core
 # machine an unbounded chief can be starved to a handful of updates, and a chief that makes

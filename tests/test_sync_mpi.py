@@ -13,9 +13,9 @@ import pytest
 from conftest import clean_env, mpiexec_path, run_mpi, run_train
 from test_optimizers_mpi import read_ckpt
 
-from mpips.data import batches, load_split, open_dataset, resolve_path, worker_rows
+from mpips.data.batches import batches, load_split, open_dataset, resolve_path, worker_rows
 from mpips.job import parse_job
-from mpips.nn import MLP
+from mpips.models.mlp import MLP
 from mpips.optim import build_optimizer, clip_by_global_norm, learning_rate
 
 pytestmark = pytest.mark.launcher

@@ -54,7 +54,7 @@ def test_without_backup_workers_it_equals_allreduce_sync_mode(tmp_path, optimize
 SLOWED = """
 import json, time
 import mpips
-from mpips.nn import MLP
+from mpips.models.mlp import MLP
 
 class SlowOnTask2(MLP):  # worker task 2 computes slowly: a straggler
     def loss_and_grads(self, *args, **kwargs):

@@ -15,9 +15,9 @@ from conftest import need, run_mpi, run_py, run_train, streams
 from test_optimizers_mpi import read_ckpt
 
 import mpips
-from mpips.data import load_split, open_dataset, resolve_path
+from mpips.data.batches import load_split, open_dataset, resolve_path
 from mpips.errors import ConfigError
-from mpips.hooks import Hook
+from mpips.run.hooks import Hook
 
 torch = need("torch")
 mt = pytest.importorskip("mpips.torch")
@@ -319,13 +319,13 @@ class Crossings(Hook):
         self.model, self.steps, self.values = model, [], None
 
     def before_step(self, run):
-        from mpips import standin
+        from mpips.device import standin
 
         standin.traffic.reset()
         self.model.traffic.reset()
 
     def after_step(self, run, info):
-        from mpips import standin
+        from mpips.device import standin
 
         t, f = standin.traffic, self.model.traffic
         self.steps.append((t.h2d_bytes, t.d2h_bytes, t.allocations, f.views, f.copied_bytes))
@@ -341,7 +341,7 @@ def test_on_a_gpu_worker_the_module_computes_on_the_devices_arrays(tmp_path, mon
     copied anew; and the variables are the CPU run's."""
     from mpi4py import MPI
 
-    from mpips import standin
+    from mpips.device import standin
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(standin.ENV, "1")

@@ -11,7 +11,7 @@ from conftest import need, run_mpi, run_py, run_train
 from test_optimizers_mpi import read_ckpt
 
 import mpips
-from mpips.data import load_split, open_dataset, resolve_path
+from mpips.data.batches import load_split, open_dataset, resolve_path
 
 torch = need("torch")
 mt = pytest.importorskip("mpips.torch")
@@ -124,7 +124,7 @@ def test_a_module_built_differently_on_one_rank_is_refused_by_name(tmp_path):
 
 def test_a_seeded_factory_builds_the_same_module_everywhere(tmp_path, monkeypatch):
     """mpips seeds torch with model.init_seed before the factory: two builds agree."""
-    from mpips.nn import build_model
+    from mpips.models.mlp import build_model
 
     write(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

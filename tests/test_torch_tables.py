@@ -14,7 +14,7 @@ from conftest import ROOT, need, run_mpi
 from test_ctr_mpi import FEATURES, clothing, small_dataset  # noqa: F401 (a fixture)
 
 from mpips.checkpoint import Checkpoint
-from mpips.data import batches, load_split, open_dataset
+from mpips.data.batches import batches, load_split, open_dataset
 
 torch = need("torch")
 mt = pytest.importorskip("mpips.torch")

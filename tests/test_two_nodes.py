@@ -24,7 +24,7 @@ from test_zero_copy import assert_reference, zero_copy_job
 
 from mpips.checkpoint import Checkpoint
 from mpips.cli import main
-from mpips.layout import block_nodes, node_indices, ps_imbalance
+from mpips.placement.layout import block_nodes, node_indices, ps_imbalance
 
 launcher = pytest.mark.launcher
 TWO = (2, 2)  # ranks per node: 2 + 2

@@ -14,9 +14,10 @@ import pytest
 from conftest import ROOT, clean_env, dense_data_file, run_mpi, run_train
 
 import mpips
-from mpips import data, failure
+from mpips.data import batches as data
 from mpips.errors import ConfigError, DataError
-from mpips.model import build_from_factory, first_loss_and_grads, import_factory
+from mpips.models.contract import build_from_factory, first_loss_and_grads, import_factory
+from mpips.process import failure
 
 
 class Info:

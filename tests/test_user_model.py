@@ -13,7 +13,7 @@ from conftest import ROOT, run_mpi, run_py, run_train
 
 import mpips
 from mpips.errors import ConfigError
-from mpips.model import build_from_factory, check_model, import_factory
+from mpips.models.contract import build_from_factory, check_model, import_factory
 
 
 class Info:
@@ -58,8 +58,8 @@ def test_a_factory_that_is_not_a_model_is_one_clear_error(tmp_path, monkeypatch)
 
 
 def test_the_built_in_models_are_models():
-    from mpips.ctr import WideDeep
-    from mpips.nn import MLP
+    from mpips.models.ctr import WideDeep
+    from mpips.models.mlp import MLP
 
     check_model(MLP([4, 8, 3]), "mlp")
     check_model(WideDeep(100, [8]), "wide_deep")
@@ -72,8 +72,8 @@ def test_the_job_file_names_a_model_of_your_own():
     with pytest.raises(ConfigError, match="model.kind: 'pkg.mod' is not"):
         mpips.parse_job(data + '[model]\nkind = "pkg.mod"\n')
     with pytest.raises(ConfigError, match="model.args: only for a model of your own"):
-        from mpips.data import open_dataset, resolve_path
-        from mpips.nn import build_model
+        from mpips.data.batches import open_dataset, resolve_path
+        from mpips.models.mlp import build_model
 
         job = mpips.parse_job(data + '[model]\nkind = "mlp"\n[model.args]\nwidth = 3\n')
         build_model(job.model, open_dataset(resolve_path("", "digits")))
@@ -311,7 +311,7 @@ def test_validation_every_n_steps_by_the_chief(tmp_path, mode):
     high), at steps 100, 200, 300, and the result lists each evaluation."""
     import h5py
 
-    from mpips.data import resolve_path
+    from mpips.data.batches import resolve_path
 
     shutil.copy(resolve_path("", "digits"), tmp_path / "d.h5")
     with h5py.File(tmp_path / "d.h5", "a") as f:

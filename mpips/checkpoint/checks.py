@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError, NonFinite
-from ..files import temporary_name
+from ..process.files import temporary_name
 
 
 def count_non_finite(a: np.ndarray) -> int:

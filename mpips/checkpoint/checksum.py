@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator
 import h5py
 import numpy as np
 
+from ..data.hdf5 import plain_attrs
 from ..errors import CheckpointError
-from ..hdf5 import plain_attrs
-from ..initial import CHUNK_ELEMENTS, row_chunks
+from ..models.initial import CHUNK_ELEMENTS, row_chunks
 
 CHECKSUM = "checksum"  # the shard's attribute: the checksum its datasets carry
 CRC32 = "crc32"  # a dataset's attribute (and CHECKSUM's value): the crc32 of its bytes

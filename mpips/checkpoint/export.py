@@ -6,9 +6,9 @@ from pathlib import Path
 
 import h5py
 
-from ..files import atomic_write
-from ..hdf5 import fixed_text
-from ..initial import InitialValues
+from ..data.hdf5 import fixed_text
+from ..models.initial import InitialValues
+from ..process.files import atomic_write
 from .format import h5_path
 from .reading import Checkpoint
 

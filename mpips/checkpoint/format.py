@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..files import MANIFEST_FILE, SHARD_FILE  # noqa: F401 (reserved there for checkpoints)
+from ..process.files import MANIFEST_FILE, SHARD_FILE  # noqa: F401 (reserved there for checkpoints)
 
 FORMAT = "mpips-checkpoint-2"
 TEMPORARY_FILE = re.compile(r"^\.ckpt-\d+\..*\.tmp-")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..files import LOCK_FILE, os_reason  # (LOCK_FILE: in a checkpoint directory, held by
+from ..process.files import LOCK_FILE, os_reason  # (LOCK_FILE: in a checkpoint directory, held by
 
 # the run that writes there; reserved in files.py, so no other output takes its name)
 HOLDER_BYTES = 4096  # what the lock file says of its holder: a short JSON object

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..memory import ABSURD_BYTES, human
-from ..placement import Placement
+from ..placement.table import Placement
+from ..process.memory import ABSURD_BYTES, human
 from .format import MAX_SHARDS, NUMBER_KINDS, Entry, Part
 
 # the largest integer a manifest may hold (steps, update counts, shapes, rows, the data's

@@ -16,12 +16,12 @@ from typing import Any
 import h5py
 import numpy as np
 
+from ..data.hdf5 import Damaged, h5py_errors, open_plain, plain_attrs
 from ..errors import CheckpointError
-from ..files import TEXT_LIMIT, read_text
-from ..hdf5 import Damaged, h5py_errors, open_plain, plain_attrs
-from ..initial import CHUNK_ELEMENTS, InitialValues, row_chunks
-from ..memory import check_fits
-from ..variables import VariableSpec
+from ..models.initial import CHUNK_ELEMENTS, InitialValues, row_chunks
+from ..models.variables import VariableSpec
+from ..process.files import TEXT_LIMIT, read_text
+from ..process.memory import check_fits
 from .checks import count_non_finite
 from .checksum import CHECKSUM, CRC32, crc32, recorded
 from .format import (

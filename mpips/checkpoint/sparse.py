@@ -16,10 +16,10 @@ from typing import Any
 import h5py
 import numpy as np
 
+from ..data.hdf5 import fixed_text, plain_attrs
 from ..errors import CheckpointError
-from ..hdf5 import fixed_text, plain_attrs
-from ..initial import InitialValues, row_chunks
-from ..memory import check_fits
+from ..models.initial import InitialValues, row_chunks
+from ..process.memory import check_fits
 from .checksum import crc32, recorded, write_array, write_checked
 from .format import NUMBER_KINDS, SPARSE, Entry, Part, Rows, h5_path
 

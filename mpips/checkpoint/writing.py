@@ -10,9 +10,9 @@ from typing import Any
 import h5py
 import numpy as np
 
+from ..data.hdf5 import H5PY_ERRORS, fixed_text, open_plain, plain_attrs, reason
 from ..errors import CheckpointError
-from ..files import TEXT_LIMIT, atomic_write
-from ..hdf5 import H5PY_ERRORS, fixed_text, open_plain, plain_attrs, reason
+from ..process.files import TEXT_LIMIT, atomic_write
 from .checks import check_finite
 from .checksum import CHECKSUM, CRC32, write_array
 from .format import FORMAT, RUN, SHARDS, Entry, h5_path, manifest_name, shard_name, text_attr

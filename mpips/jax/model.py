@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
-from ..model import Model as _Model
-from ..model import Ready
-from ..variables import VariableSpec
+from ..models.contract import Model as _Model
+from ..models.contract import Ready
+from ..models.variables import VariableSpec
 
 FLOATS = ("float16", "float32", "float64")
 

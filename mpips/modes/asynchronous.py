@@ -8,14 +8,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .. import preemption
-from ..backend import Device
-from ..hooks import Hook, StepInfo
+from ..device.backend import Device
 from ..job import Job
-from ..log import detail, log
 from ..optim import Optimizer, clip_by_global_norm, learning_rate, sgd_deltas
-from ..run import TrainResult
-from ..startup import Prepared
+from ..process import preemption
+from ..process.log import detail, log
+from ..run.hooks import Hook, StepInfo
+from ..run.session import TrainResult
+from ..run.startup import Prepared
 from ..store import NO_MORE_TICKETS, Cluster
 from .base import Mode
 from .ps_store import close_store, open_store, run_ps, shard_count

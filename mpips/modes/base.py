@@ -7,21 +7,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import settings
-from ..backend import Device
-from ..data import DatasetInfo
+from ..data.batches import DatasetInfo
+from ..device.backend import Device
 from ..errors import ConfigError
-from ..hooks import Hook, StepInfo
 from ..job import Job
-from ..layout import Layout
-from ..log import detail
-from ..memory import SHM_DIR, human, shared_memory_fits, shared_memory_free
 from ..optim import Optimizer
-from ..placement import Placement, slot_placement
-from ..placing import job_layout, job_placement
-from ..run import TrainResult
-from ..settings import launch_hint
-from ..startup import Prepared
+from ..placement.layout import Layout
+from ..placement.plan import job_layout, job_placement
+from ..placement.table import Placement, slot_placement
+from ..process import settings
+from ..process.log import detail
+from ..process.memory import SHM_DIR, human, shared_memory_fits, shared_memory_free
+from ..process.settings import launch_hint
+from ..run.hooks import Hook, StepInfo
+from ..run.session import TrainResult
+from ..run.startup import Prepared
 from ..store import Cluster, WindowPlan, has_inboxes
 
 

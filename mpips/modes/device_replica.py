@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from ..allreduce import Update, broadcast
-from ..backend import Device, StagedGradients
-from ..hooks import Hook
+from ..allreduce.buckets import Update, broadcast
+from ..device.backend import Device, StagedGradients
 from ..job import Job
+from ..models.variables import VariableSpec
 from ..optim import Optimizer, clip_by_global_norm
-from ..run import TrainResult
-from ..startup import Prepared
+from ..run.hooks import Hook
+from ..run.session import TrainResult
+from ..run.startup import Prepared
 from ..store import Cluster
-from ..variables import VariableSpec
 from .base import Mode
 from .replica import Replica
 

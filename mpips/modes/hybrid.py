@@ -21,16 +21,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import preemption
-from ..backend import Device, StagedGradients
-from ..data import DatasetInfo
+from ..data.batches import DatasetInfo
+from ..device.backend import Device, StagedGradients
 from ..errors import ConfigError
-from ..hooks import Hook, PendingSave, StepInfo
 from ..job import Job
-from ..layout import Layout
 from ..optim import Optimizer, sgd_deltas
-from ..run import TrainResult, evaluate_on, report
-from ..startup import Prepared
+from ..placement.layout import Layout
+from ..process import preemption
+from ..run.hooks import Hook, PendingSave, StepInfo
+from ..run.session import TrainResult, evaluate_on, report
+from ..run.startup import Prepared
 from ..store import Cluster, StoreClient, Windows, start_limit
 from .base import Mode, replica_bytes
 from .device_replica import DeviceReplica

@@ -9,14 +9,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint, preemption, settings
-from ..hooks import PendingSave
+from .. import checkpoint
 from ..job import Job
-from ..log import log
 from ..optim import Optimizer
-from ..placement import imbalance, slot_placement
-from ..run import TrainResult, manifest_meta
-from ..startup import Prepared, table_initial
+from ..placement.table import imbalance, slot_placement
+from ..process import preemption, settings
+from ..process.log import log
+from ..run.hooks import PendingSave
+from ..run.session import TrainResult, manifest_meta
+from ..run.startup import Prepared, table_initial
+from ..run.summaries import job_timeline, ps_summaries
 from ..store import (
     Apply,
     Cluster,
@@ -30,7 +32,6 @@ from ..store import (
     stall_limit,
     stall_timeout,
 )
-from ..summaries import job_timeline, ps_summaries
 from .base import Mode
 
 

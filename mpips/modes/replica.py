@@ -16,8 +16,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .. import preemption, settings
-from ..allreduce import (
+from ..allreduce.buckets import (
     GradientBuckets,
     Update,
     agree_max,
@@ -26,16 +25,18 @@ from ..allreduce import (
     replica_hash,
     stop_from_ps,
 )
-from ..backend import Device, StagedGradients
-from ..data import full_batches
+from ..data.batches import full_batches
+from ..device.backend import Device, StagedGradients
 from ..errors import AgreedError, AlreadyReported, NonFinite
-from ..hooks import Hook, PendingSave, Run, StepInfo
 from ..job import Job
-from ..log import detail, log
-from ..memory import SHM_DIR, shared_memory_free
-from ..model import first_loss_and_grads, said_once
+from ..models.contract import first_loss_and_grads, said_once
+from ..models.variables import VariableSpec
 from ..optim import Optimizer, global_norm_clip, learning_rate
-from ..run import (
+from ..process import preemption, settings
+from ..process.log import detail, log
+from ..process.memory import SHM_DIR, shared_memory_free
+from ..run.hooks import Hook, PendingSave, Run, StepInfo
+from ..run.session import (
     Session,
     TrainResult,
     evaluate_on,
@@ -48,10 +49,9 @@ from ..run import (
     say_restored,
     target_steps,
 )
-from ..startup import Prepared
+from ..run.startup import Prepared
+from ..run.summaries import job_timeline
 from ..store import Cluster
-from ..summaries import job_timeline
-from ..variables import VariableSpec
 from .base import Mode
 
 

@@ -9,15 +9,15 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..backend import Device
-from ..data import epoch_batches
+from ..data.batches import epoch_batches
+from ..device.backend import Device
 from ..errors import AlreadyReported, NonFinite
-from ..hooks import Hook, PendingSave, Run, StepInfo
 from ..job import Job
-from ..log import detail, log
-from ..model import first_loss_and_grads, said_once
+from ..models.contract import first_loss_and_grads, said_once
 from ..optim import Optimizer
-from ..run import (
+from ..process.log import detail, log
+from ..run.hooks import Hook, PendingSave, Run, StepInfo
+from ..run.session import (
     Session,
     TrainResult,
     evaluate_on,
@@ -29,9 +29,9 @@ from ..run import (
     say_restored,
     target_steps,
 )
-from ..startup import Prepared
+from ..run.startup import Prepared
+from ..run.summaries import job_timeline
 from ..store import Cluster, StoreClient, Watchdog, Windows, start_limit, watched_barrier
-from ..summaries import job_timeline
 from .base import Mode
 from .ps_store import save_from_ps
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import preemption
-from ..allreduce import agree_max, forward_stop, idle_until_end
-from ..backend import Device
-from ..data import DatasetInfo
-from ..hooks import Hook, StepInfo
+from ..allreduce.buckets import agree_max, forward_stop, idle_until_end
+from ..data.batches import DatasetInfo
+from ..device.backend import Device
 from ..job import Job
-from ..layout import Layout
 from ..optim import Optimizer
-from ..placing import job_placement
-from ..run import TrainResult
-from ..startup import Prepared
+from ..placement.layout import Layout
+from ..placement.plan import job_placement
+from ..process import preemption
+from ..run.hooks import Hook, StepInfo
+from ..run.session import TrainResult
+from ..run.startup import Prepared
 from ..store import Cluster
 from .base import Mode, replica_bytes
 from .device_replica import DeviceReplica

@@ -17,17 +17,17 @@ from typing import Any
 
 import numpy as np
 
-from .. import preemption
-from ..backend import Device
-from ..data import DatasetInfo, full_batches
+from ..data.batches import DatasetInfo, full_batches
+from ..device.backend import Device
 from ..errors import ConfigError, DataError
-from ..hooks import Hook, StepInfo
 from ..job import Job
-from ..layout import Layout
-from ..log import log
 from ..optim import Optimizer, learning_rate
-from ..run import TrainResult
-from ..startup import Prepared
+from ..placement.layout import Layout
+from ..process import preemption
+from ..process.log import log
+from ..run.hooks import Hook, StepInfo
+from ..run.session import TrainResult
+from ..run.startup import Prepared
 from ..store import Apply, Cluster, Windows
 from .base import Mode
 from .ps_store import close_store, open_store, run_ps, shard_count

@@ -23,15 +23,7 @@ from .mailbox import publish_start_step
 from .rules import Apply
 from .server import StepPolicy, serve
 from .watchdog import Watchdog
-from .window import (
-    TICKETS,
-    Exposed,
-    NodeShared,
-    WindowPlan,
-    Windows,
-    has_inboxes,
-    updates_in_place,
-)
+from .window import TICKETS, Exposed, NodeShared, WindowPlan, Windows, has_inboxes, updates_in_place
 
 __all__ = [
     "Apply",

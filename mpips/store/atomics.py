@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import settings
+from ..process import settings
 
 SEQ_CST = 5  # __ATOMIC_SEQ_CST
 ENV = "MPIPS_ATOMICS"  # "numba": the fallback, even where libatomic is (tests compare both)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import grown, page_aligned, page_zeros
-from ..placement import Placed, Placement, owner_and_row, views
+from ..device.backend import grown, page_aligned, page_zeros
+from ..placement.table import Placed, Placement, owner_and_row, views
 from .control import RunControl
 from .mailbox import WorkerMail
 from .rules import Apply

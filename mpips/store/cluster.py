@@ -15,11 +15,11 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from .. import failure, settings
 from ..errors import AgreedError, MpipsError, PlacementMismatch, StartTimeout
-from ..layout import Layout, Role
-from ..placement import Placement
-from ..waits import MAX_SLEEP, poll
+from ..placement.layout import Layout, Role
+from ..placement.table import Placement
+from ..process import failure, settings
+from ..process.waits import MAX_SLEEP, poll
 
 POLL_SECONDS = MAX_SLEEP
 T = TypeVar("T")

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import Stalled, StartTimeout
-from ..waits import poll
+from ..process.waits import poll
 from .cluster import stall_timeout, start_timeout, unreachable
 from .window import (
     CKPT_SEQ,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..placement import Placed, Placement, align, views
+from ..placement.table import Placed, Placement, align, views
 
 MAIL_FLAG, MAIL_LR, MAIL_WORDS = 0, 1, 2  # a worker's words in a PS's mail window
 

@@ -34,7 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import Stalled
-from ..waits import poll
+from ..process.waits import poll
 from .cluster import stall_limit, stall_timeout
 from .inbox import MAIL_FLAG, MAIL_LR, MAIL_WORDS, mail_words
 from .window import Windows

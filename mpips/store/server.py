@@ -28,8 +28,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import AlreadyReported, NonFinite
-from ..log import log
-from ..waits import poll
+from ..process.log import log
+from ..process.waits import poll
 from .cluster import POLL_SECONDS, Cluster, start_limit, unreachable
 from .control import RunControl
 from .mailbox import PsMail

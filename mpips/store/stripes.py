@@ -28,7 +28,7 @@ from functools import partial
 import numpy as np
 
 from ..errors import Stalled
-from ..waits import MIN_SLEEP
+from ..process.waits import MIN_SLEEP
 from .atomics import Words
 from .cluster import stall_limit
 from .rules import Apply, apply_rows

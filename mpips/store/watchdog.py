@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from ..errors import Stalled
-from ..layout import Layout
+from ..placement.layout import Layout
 from .cluster import stall_limit, stall_timeout
 from .control import RunControl
 

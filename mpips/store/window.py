@@ -33,11 +33,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import settings
 from ..errors import AgreedError
-from ..layout import Layout, Role
-from ..log import log
-from ..memory import (
+from ..placement.layout import Layout, Role
+from ..placement.table import Placement, views
+from ..process import settings
+from ..process.log import log
+from ..process.memory import (
     SHM_DIR,
     SHM_REMEDY,
     SHM_SPARE,
@@ -45,7 +46,6 @@ from ..memory import (
     shared_memory_fits,
     shared_memory_free,
 )
-from ..placement import Placement, views
 from . import atomics
 from .cluster import allgather_json, barrier, check_arrival
 from .inbox import Inbox, mail_words

@@ -8,7 +8,7 @@ command and checkpoint treats it like a native model (docs/guide/torch.md). Need
 
 import torch
 
-from ..model import SEEDERS
+from ..models.contract import SEEDERS
 from .binding import Traffic
 from .model import Model, accuracy, binary_accuracy, binary_auc
 from .tables import SparseInput

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint
-from ..files import atomic_write
-from ..initial import InitialValues
+from ..models.initial import InitialValues
+from ..process.files import atomic_write
 
 SUFFIXES = (".pt", ".pth")
 

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..log import log
-from ..metrics import auc
-from ..model import Model as _Model
-from ..model import Ready
-from ..variables import VariableSpec
+from ..models.contract import Model as _Model
+from ..models.contract import Ready
+from ..models.metrics import auc
+from ..models.variables import VariableSpec
+from ..process.log import log
 from .binding import Binding, Traffic, as_tensor, numpy_dtype
 from .tables import SparseInput, Tables
 

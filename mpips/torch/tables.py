@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..backend import issparse
+from ..device.backend import issparse
 from ..errors import DataError
-from ..variables import VariableSpec
+from ..models.variables import VariableSpec
 from .binding import Traffic, Views, as_tensor, numpy_dtype
 
 SPARSE_KINDS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
