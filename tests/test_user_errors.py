@@ -91,7 +91,10 @@ def test_the_users_frame_is_found_under_numpy_and_the_layers(user_modules):
     assert failure.user_frame(e.value) is None and failure.in_user_code(e.value) == ""
     for path, whose in (
         (data.__file__, "mpips"),
-        (str(Path(data.__file__).parent / "layers.py"), "library"),  # what models call
+        (str(Path(mpips.__file__).parent / "layers.py"), "library"),  # what models call
+        (str(Path(mpips.__file__).parent / "models/mlp.py"), "library"),
+        (str(Path(mpips.__file__).parent / "models/contract.py"), "mpips"),
+        (str(Path(mpips.__file__).parent / "process/failure.py"), "mpips"),
         (np.__file__, "library"),
         (gzip.__file__, "library"),
         ("<frozen importlib._bootstrap>", "library"),

@@ -134,14 +134,14 @@ def _whose(filename: str) -> str:
         return "library"
     path = Path(filename).resolve()
     if path.is_relative_to(_PACKAGE):
-        return "library" if path.name in MODEL_API else "mpips"
+        return "library" if path.relative_to(_PACKAGE).as_posix() in MODEL_API else "mpips"
     if {"site-packages", "dist-packages"} & set(path.parts):
         return "library"
     return "library" if any(path.is_relative_to(d) for d in _library_dirs()) else "user"
 
 
-_PACKAGE = Path(__file__).resolve().parent
-MODEL_API = ("layers.py", "nn.py", "backend.py")  # what a model's own code calls, as numpy
+_PACKAGE = Path(__file__).resolve().parents[1]  # mpips/
+MODEL_API = ("layers.py", "models/mlp.py", "device/backend.py")  # what models call, as numpy
 
 
 def _library_dirs() -> list[Path]:
@@ -275,7 +275,7 @@ def start_watcher() -> tuple[int, int]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
             listener.bind(_address(os.getpid(), token))
             listener.listen(socket.SOMAXCONN)  # every rank of a big node at once
-            package = str(Path(__file__).resolve().parent)
+            package = str(Path(__file__).resolve().parents[1])  # mpips/
             code = (  # mpips.process.failure alone: the package (numpy, the models) is not needed
                 "import sys, types; p = types.ModuleType('mpips'); p.__path__ = [sys.argv[1]]; "
                 "sys.modules['mpips'] = p; "
