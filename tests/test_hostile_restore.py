@@ -200,7 +200,8 @@ FLIP_SCRIPT = r"""
 import json, sys, traceback, warnings
 from pathlib import Path
 warnings.simplefilter("ignore")
-from mpips import checkpoint, data
+from mpips import checkpoint
+from mpips.data import batches as data
 from mpips.errors import MpipsError
 
 kind, target, offsets = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])

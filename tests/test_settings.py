@@ -85,7 +85,7 @@ def test_nothing_is_read_at_import():
     bad value cannot fail an import, only the start-up check."""
     code = (
         "import mpips, mpips.training, mpips.process.log, mpips.optim, mpips.store\n"
-        "from mpips import settings\n"
+        "from mpips.process import settings\n"
         "assert not settings._cache, settings._cache\n"
         "print('ok')\n"
     )
