@@ -35,7 +35,9 @@ class Tf1Test(mpips.Model):
     \"\"\"get_workers() of TF's test: v0 = 0.0 on ps:0, v1 = 1.0 and v_sparse = [[3], [4]] on
     ps:1; worker k's gradients are 0.1 + 0.2k, 0.9 + 0.2k and row 1 of v_sparse 0.1 + 0.2k.
     Worker 1's first gradient is held until global step 1 is done, worker 2's second until
-    global step 2 is: TF's "worker 0 and worker 2 finished first", then workers 0 and 1.\"\"\"
+    global step 2 is: TF's "worker 0 and worker 2 finished first", then workers 0 and 1.
+    Worker 0's first waits until worker 1 has read the step-0 variables (a worker that
+    starts late on a busy machine would read step 1's and count for step 2).\"\"\"
 
     calls = 0
 
@@ -49,7 +51,11 @@ class Tf1Test(mpips.Model):
 
     def loss_and_grads(self, params, x, y, grads, ready=None):
         self.calls += 1
-        held = {(1, 1): "step-1", (2, 2): "step-2"}.get((self.worker, self.calls))
+        if (self.worker, self.calls) == (1, 1):
+            Path("worker-1-read-step-0").write_text("")
+        held = {(0, 1): "worker-1-read-step-0", (1, 1): "step-1", (2, 2): "step-2"}.get(
+            (self.worker, self.calls)
+        )
         if held:
             wait_for(held)
         k = self.worker
