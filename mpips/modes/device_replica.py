@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..allreduce.buckets import Update, broadcast
+from ..allreduce import Update, broadcast
 from ..device.backend import Device, StagedGradients
 from ..job import Job
 from ..models.variables import VariableSpec

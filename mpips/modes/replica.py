@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..allreduce.buckets import (
+from ..allreduce import (
     GradientBuckets,
     Update,
     agree_max,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..allreduce.buckets import agree_max, forward_stop, idle_until_end
+from ..allreduce import agree_max, forward_stop, idle_until_end
 from ..data.batches import DatasetInfo
 from ..device.backend import Device
 from ..job import Job
