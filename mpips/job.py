@@ -29,6 +29,8 @@ from .errors import ConfigError
 from .process.files import read_text
 from .schema import check_keys
 
+TABLE_KINDS = ("logreg", "wide_deep")  # the built-in models with row-partitioned tables
+
 
 @dataclass
 class ModelConfig:
@@ -284,7 +286,7 @@ def validate(job: Job) -> Job:
     _check_finite(job)
     _check_model_kind(job.model.kind)
     _check_ranges(job)
-    _check_mode(job)
+    _check_device(job)
     if job.train.max_staleness is not None and job.train.max_staleness < 0:
         raise ConfigError(f"train.max_staleness: must be >= 0, got {job.train.max_staleness}")
     if job.optimizer.kind == "ftrl" and job.optimizer.initial_accumulator_value <= 0:
@@ -360,76 +362,13 @@ def _check_ranges(job: Job) -> None:
             raise ConfigError(f"{key}: must be in [0, 1), got {value!r}")
 
 
-def _check_mode(job: Job) -> None:
-    """What train.mode rules out: devices, models and settings another mode has."""
-    if job.train.mode == "sync" and job.model.kind in ("logreg", "wide_deep"):
-        raise ConfigError(
-            f"model.kind: {job.model.kind!r} keeps its tables on the PS tasks; "
-            f'it trains in mode = "async"'
-        )
-    if job.train.mode != "async" and job.train.max_staleness is not None:
-        raise ConfigError('train.max_staleness: only for mode = "async" (sync is lock-step)')
-    if job.train.replicas_to_aggregate and job.train.mode != "sync_replicas":
-        raise ConfigError('train.replicas_to_aggregate: only for mode = "sync_replicas"')
-    if job.train.mode == "sync_replicas":
-        _check_sync_replicas(job)
-    if job.train.zero_copy and job.train.mode != "async":
-        raise ConfigError(
-            f'train.zero_copy: only for mode = "async" (mode = "{job.train.mode}" reads '
-            f"consistent copies of the variables)"
-        )
-    if job.train.overlap_pull:
-        _check_overlap_pull(job)
+def _check_device(job: Job) -> None:
+    """What train.device rules out (the mode's own rules are the mode's: Mode.check_job)."""
     if job.data.on_device and (job.train.device == "cpu" or job.data.chunk_rows):
         raise ConfigError(
             'data.on_device: only for train.device = "gpu" with a part read whole (not '
             "with data.chunk_rows: a streamed part is never whole)"
         )
-    if job.train.mode == "hybrid" and job.optimizer.clip_norm:
-        raise ConfigError(
-            'optimizer.clip_norm: not with mode = "hybrid" (the dense mean and the table '
-            "rows are applied in different places)"
-        )
-
-
-def _check_overlap_pull(job: Job) -> None:
-    """What train.overlap_pull (the next pull during backward) does not go with."""
-    if job.train.mode != "async" or job.train.device == "cpu":
-        raise ConfigError(
-            'train.overlap_pull: only for mode = "async" with device = "gpu" (it overlaps the '
-            "host's next pull with the device's backward)"
-        )
-    if job.train.max_staleness is not None:
-        raise ConfigError(
-            "train.overlap_pull: not with train.max_staleness (variables pulled a step ahead "
-            "miss the worker's own last update, which the bound counts)"
-        )
-    if job.model.kind in ("logreg", "wide_deep"):
-        raise ConfigError(
-            f"train.overlap_pull: model.kind = {job.model.kind!r} pulls the rows of each "
-            f"batch's ids, which the next batch only tells"
-        )
-    if job.train.zero_copy:
-        raise ConfigError(
-            "train.overlap_pull: nothing to pull ahead with train.zero_copy (the device copies "
-            "straight from the PS memory)"
-        )
-
-
-def _check_sync_replicas(job: Job) -> None:
-    """What mode = "sync_replicas" (SyncReplicasOptimizer through the PS) does not take."""
-    if not job.train.steps:
-        raise ConfigError(
-            'train.steps: mode = "sync_replicas" ends at a step target (give '
-            "train.steps; each worker cycles through its part of the data)"
-        )
-    if job.optimizer.clip_norm:
-        raise ConfigError(
-            'optimizer.clip_norm: not with mode = "sync_replicas" (each PS '
-            "applies the mean of its own variables' gradients)"
-        )
-    if job.model.kind in ("logreg", "wide_deep"):
-        raise ConfigError('train.mode = "sync_replicas": dense models only, for now')
 
 
 def _check_data(d: DataConfig) -> None:

@@ -77,7 +77,7 @@ def _collective_train(
 ) -> TrainResult:
     """train() once the signals are caught."""
     agreed(comm, settings.check)  # first: every later wait's deadline is one of them
-    mode = modes.select(job, comm.size)
+    mode = agreed(comm, lambda: modes.select(job, comm.size))  # (its rules: one message)
     note = one_process_note(job) if mode.single else ""
     job = as_run(job, mode, model)
     nodes = node_of_each_rank(comm)
@@ -189,7 +189,7 @@ def _train(
         ps_on_node=ps_here,
         local_worker=None if cluster.is_ps else cluster.local_worker_index,
     )
-    return mode.train(job, cluster, optimizer, prep, hooks, device)
+    return mode.train(modes.RunContext(job, mode, cluster, optimizer, prep, device, hooks))
 
 
 def _await_kernel(cluster: Cluster, kernel: str | None, elements: int) -> None:

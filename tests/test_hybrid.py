@@ -17,6 +17,7 @@ from mpips.data.batches import batches, full_batches, load_split, open_dataset, 
 from mpips.errors import ConfigError
 from mpips.job import parse_job
 from mpips.models.mlp import build_model
+from mpips.modes import check_job
 from mpips.optim import build_optimizer, learning_rate
 
 pytestmark = pytest.mark.launcher
@@ -109,7 +110,7 @@ def test_a_hybrid_checkpoint_resumes_on_another_ps_count(tmp_path):
 
 def test_hybrid_needs_tables_and_no_clip_norm(tmp_path):
     with pytest.raises(ConfigError, match='optimizer.clip_norm: not with mode = "hybrid"'):
-        parse_job('[optimizer]\nclip_norm = 1.0\n[train]\nmode = "hybrid"\nsteps = 5\n')
+        check_job(parse_job('[optimizer]\nclip_norm = 1.0\n[train]\nmode = "hybrid"\nsteps = 5\n'))
     (tmp_path / "job.toml").write_text(
         '[data]\nbuiltin = "digits"\n[train]\nmode = "hybrid"\nsteps = 5\n'
     )

@@ -6,6 +6,7 @@ import pytest
 from mpips.errors import ConfigError
 from mpips.job import load_job, parse_job
 from mpips.models.contract import import_factory
+from mpips.modes import check_job, select
 from mpips.placement.plan import job_layout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,8 +92,22 @@ MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
     ],
 )
 def test_job_errors_name_the_key(text, message):
+    """A job file's errors; the mode's rules (train.overlap_pull's) are its mode's
+    (mpips.modes.check_job: what every rank agrees on at the start of a run)."""
     with pytest.raises(ConfigError, match=message):
-        parse_job(text, "job.toml")
+        check_job(parse_job(text, "job.toml"))
+
+
+def test_the_file_checks_types_and_ranges_the_mode_its_own_rules():
+    """job.py takes a setting of another mode; its mode refuses it, the mode a job trains in
+    (select) checks it before anything runs."""
+    text = '[data]\nbuiltin = "digits"\n[train]\nmode = "sync"\nsteps = 5\nmax_staleness = 2\n'
+    job = parse_job(text)
+    for refuse in (check_job, lambda j: select(j, 3), lambda j: select(j, 1)):
+        with pytest.raises(ConfigError, match='max_staleness: only for mode = "async"'):
+            refuse(job)
+    job.train.max_staleness = None
+    assert select(job, 3).name == "sync"
 
 
 @pytest.mark.parametrize(

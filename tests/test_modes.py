@@ -85,7 +85,7 @@ def test_the_sync_replicas_average_is_applied_once_a_step_has_its_gradients():
     """The policy the store hands each gradient of a step to (store.StepPolicy)."""
     import numpy as np
 
-    from mpips.modes.sync_replicas import Averager
+    from mpips.modes.engines.replicas_worker import Averager
 
     var = np.zeros(3)
 

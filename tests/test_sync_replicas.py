@@ -12,6 +12,7 @@ from conftest import run_mpi, run_train
 import mpips
 from mpips import checkpoint
 from mpips.errors import ConfigError
+from mpips.modes import check_job
 
 pytestmark = pytest.mark.launcher
 
@@ -113,12 +114,14 @@ def test_without_a_backup_the_straggler_sets_the_pace(tmp_path):
 def test_sync_replicas_settings_are_checked(tmp_path):
     base = '[data]\nbuiltin = "digits"\n'
     with pytest.raises(ConfigError, match='only for mode = "sync_replicas"'):
-        mpips.parse_job(base + "[train]\nsteps = 5\nreplicas_to_aggregate = 2\n")
+        check_job(mpips.parse_job(base + "[train]\nsteps = 5\nreplicas_to_aggregate = 2\n"))
     with pytest.raises(ConfigError, match="ends at a step target"):
-        mpips.parse_job(base + '[train]\nmode = "sync_replicas"\nepochs = 2\n')
+        check_job(mpips.parse_job(base + '[train]\nmode = "sync_replicas"\nepochs = 2\n'))
     with pytest.raises(ConfigError, match="clip_norm"):
-        mpips.parse_job(
-            base + '[optimizer]\nclip_norm = 1.0\n[train]\nmode = "sync_replicas"\nsteps = 5\n'
+        check_job(
+            mpips.parse_job(
+                base + '[optimizer]\nclip_norm = 1.0\n[train]\nmode = "sync_replicas"\nsteps = 5\n'
+            )
         )
     (tmp_path / "job.toml").write_text(
         base + '[train]\nmode = "sync_replicas"\nsteps = 5\nreplicas_to_aggregate = 3\n'

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_mpi
 
 from mpips import checkpoint
-from mpips.modes.sync_replicas import common_step
+from mpips.modes.engines.replicas_worker import common_step
 
 REPLAY = """
 import json, time

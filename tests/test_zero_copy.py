@@ -10,6 +10,7 @@ from test_optimizers_mpi import CASES, read_ckpt, reference, write_job
 
 from mpips.errors import ConfigError
 from mpips.job import parse_job
+from mpips.modes import check_job
 
 pytestmark = pytest.mark.launcher
 
@@ -78,4 +79,4 @@ def test_zero_copy_workers_learn_as_well(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "sync_replicas", "hybrid"])
 def test_zero_copy_is_for_async_mode(mode):
     with pytest.raises(ConfigError, match='train.zero_copy: only for mode = "async"'):
-        parse_job(f'[train]\nmode = "{mode}"\nsteps = 5\nzero_copy = true\n')
+        check_job(parse_job(f'[train]\nmode = "{mode}"\nsteps = 5\nzero_copy = true\n'))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..job import Job
 from .asynchronous import Async
-from .base import Mode
+from .base import Mode, RunContext
 from .hybrid import Hybrid
 from .sync import Sync
 from .sync_replicas import SyncReplicas
@@ -13,14 +13,32 @@ from .sync_replicas import SyncReplicas
 MODES: dict[str, type[Mode]] = {m.name: m for m in (Async, Sync, SyncReplicas, Hybrid)}
 
 
+def check_job(job: Job) -> Job:
+    """``job`` as its mode takes it: the mode's own rules (Mode.check_job); returns it."""
+    MODES[job.train.mode].check_job(job)
+    return job
+
+
 def select(job: Job, world_size: int) -> Mode:
-    """The mode ``job`` trains in on ``world_size`` ranks: its train.mode, except on one
-    process (no mpirun), which trains as a single synchronous replica (``Mode.single``,
-    set when train.mode said otherwise). The Job is left as it is."""
+    """The mode ``job`` trains in on ``world_size`` ranks, the rules of its train.mode
+    checked (check_job): that mode, except on one process (no mpirun), which trains as a
+    single synchronous replica (``Mode.single``, set when train.mode said otherwise). The
+    Job is left as it is."""
+    check_job(job)
     if world_size == 1 and job.train.mode != Sync.name:
         return Sync(single=True)
     kind = MODES[job.train.mode]
     return kind(job.train.max_staleness if kind.has_staleness else None)
 
 
-__all__ = ["MODES", "Async", "Hybrid", "Mode", "Sync", "SyncReplicas", "select"]
+__all__ = [
+    "MODES",
+    "Async",
+    "Hybrid",
+    "Mode",
+    "RunContext",
+    "check_job",
+    "Sync",
+    "SyncReplicas",
+    "select",
+]

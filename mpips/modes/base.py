@@ -5,14 +5,15 @@ summaries and the run's result ask it; nothing outside this package compares tra
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..data.batches import DatasetInfo
 from ..device.backend import Device
 from ..errors import ConfigError
-from ..job import Job
+from ..job import Job, OptimizerConfig, TrainConfig
 from ..optim import Optimizer
-from ..placement.layout import Layout
+from ..placement.layout import Layout, Role
 from ..placement.plan import job_layout, job_placement
 from ..placement.table import Placement, slot_placement
 from ..process import settings
@@ -39,6 +40,7 @@ class Mode:
     aggregates = False  # sync_replicas: every gradient goes to a PS inbox and is averaged
     trains_tables = False  # async, hybrid: a model with row-partitioned tables trains here
     takes_clip_norm = False  # async, sync: optimizer.clip_norm is honoured
+    no_clip_norm = ""  # where it is not: why (said when a job sets it)
     chief_speaks_for_all = True  # every worker makes the same step: the chief logs it once
     has_staleness = False  # async: steps are made from stale pulls (lead, delay)
     zero_copy_on_one_node = False  # async: train.zero_copy unset means on, on one node
@@ -46,6 +48,28 @@ class Mode:
     def __init__(self, max_staleness: int | None = None, single: bool = False):
         self.max_staleness = max_staleness
         self.single = single
+
+    @classmethod
+    def check_job(cls, job: Job) -> None:
+        """What this mode refuses in a job before anything runs: the settings of other modes
+        (job.py checks a job file's types and ranges; the mode, its own rules)."""
+        t, name = job.train, cls.name
+        if t.max_staleness is not None and not cls.has_staleness:
+            raise ConfigError('train.max_staleness: only for mode = "async" (sync is lock-step)')
+        if t.replicas_to_aggregate and not cls.aggregates:
+            raise ConfigError('train.replicas_to_aggregate: only for mode = "sync_replicas"')
+        if t.zero_copy and not cls.zero_copy_on_one_node:
+            raise ConfigError(
+                f'train.zero_copy: only for mode = "async" (mode = "{name}" reads '
+                f"consistent copies of the variables)"
+            )
+        if t.overlap_pull and (not cls.has_staleness or t.device == "cpu"):
+            raise ConfigError(
+                'train.overlap_pull: only for mode = "async" with device = "gpu" (it overlaps '
+                "the host's next pull with the device's backward)"
+            )
+        if job.optimizer.clip_norm and not cls.takes_clip_norm:
+            raise ConfigError(f'optimizer.clip_norm: not with mode = "{name}" ({cls.no_clip_norm})')
 
     def ps_applies(self, stateful: bool) -> bool:
         """Whether a PS task applies the updates itself (then it needs inboxes)."""
@@ -125,17 +149,43 @@ class Mode:
         """What a step's log line adds after its loss and epoch."""
         raise NotImplementedError
 
-    def train(
-        self,
-        job: Job,
-        cluster: Cluster,
-        optimizer: Optimizer,
-        prep: Prepared,
-        hooks: list[Hook],
-        device: Device,
-    ) -> TrainResult:
-        """Every rank of the world: train ``prep.model`` as this mode does (collective)."""
+    def train(self, ctx: RunContext) -> TrainResult:
+        """Every rank of the world: train ``ctx.model`` as this mode does (collective)."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """One rank's run, built once at start-up (``mpips.training``) and handed to the mode
+    and to every engine it starts: the job (this run's copy), its mode, where the rank
+    stands in the cluster, the optimizer, what start-up prepared, the device it computes
+    on and the hooks a worker's loop runs."""
+
+    job: Job
+    mode: Mode
+    cluster: Cluster
+    optimizer: Optimizer
+    prep: Prepared
+    device: Device
+    hooks: list[Hook] = field(default_factory=list)
+
+    @property
+    def model(self) -> Any:
+        return self.prep.model
+
+    @property
+    def role(self) -> Role:
+        return self.cluster.role
+
+    @property
+    def tc(self) -> TrainConfig:
+        """The job's [train] table."""
+        return self.job.train
+
+    @property
+    def oc(self) -> OptimizerConfig:
+        """The job's [optimizer] table."""
+        return self.job.optimizer
 
 
 def replica_bytes(model: Any, optimizer: Optimizer) -> int:

@@ -22,20 +22,17 @@ from __future__ import annotations
 from typing import Any
 
 from ..data.batches import DatasetInfo
-from ..device.backend import Device, StagedGradients
 from ..errors import ConfigError
 from ..job import Job
-from ..optim import Optimizer, sgd_deltas
+from ..optim import Optimizer
 from ..placement.layout import Layout
-from ..process import preemption
-from ..run.hooks import Hook, PendingSave, StepInfo
-from ..run.session import TrainResult, evaluate_on, report
-from ..run.startup import Prepared
-from ..store import Cluster, StoreClient, Windows, start_limit
-from .base import Mode, replica_bytes
-from .device_replica import DeviceReplica
-from .ps_store import close_store, open_store, run_ps, save_from_ps, shard_count
-from .replica import Replica
+from ..run.hooks import StepInfo
+from ..run.session import TrainResult
+from ..store import Cluster
+from .base import Mode, RunContext, replica_bytes
+from .engines.ps import close_store, open_store, run_ps, shard_count
+from .engines.replica import Replica
+from .engines.replica_rows import TableRows
 
 
 class Hybrid(Mode):
@@ -46,6 +43,7 @@ class Hybrid(Mode):
     dense_on_ps = False
     chief_holds_dense = True
     trains_tables = True
+    no_clip_norm = "the dense mean and the table rows are applied in different places"
 
     def check(self, job: Job, cluster: Cluster, model: Any, info: DatasetInfo) -> None:
         if not model.tables():
@@ -73,134 +71,14 @@ class Hybrid(Mode):
     def step_note(self, info: StepInfo) -> str:
         return f"(update {info.local_updates} of this worker, pulled {info.delay} steps earlier)"
 
-    def train(
-        self,
-        job: Job,
-        cluster: Cluster,
-        optimizer: Optimizer,
-        prep: Prepared,
-        hooks: list[Hook],
-        device: Device,
-    ) -> TrainResult:
+    def train(self, ctx: RunContext) -> TrainResult:
         """Every rank: the windows of the tables; PS tasks serve them, workers train as
-        synchronous replicas of the dense part until the chief ends the run."""
-        windows = open_store(job, self, cluster, optimizer, prep)
-        num_shards = shard_count(cluster.layout.num_ps, prep.model, chief_writes=True)
+        synchronous replicas of the dense part (pulling and pushing their batches' rows:
+        engines/replica_rows.py) until the chief ends the run."""
+        windows, cluster = open_store(ctx), ctx.cluster
+        num_shards = shard_count(cluster.layout.num_ps, ctx.model, chief_writes=True)
         if cluster.is_ps:
-            result = run_ps(job, cluster, windows, optimizer, num_shards, prep.model)
+            result = run_ps(ctx, windows, num_shards)
         else:
-            kind = HybridReplica if device.on_host else DeviceHybridReplica
-            replica = kind(job, self, cluster, optimizer, prep, device, windows)
-            result = replica.train(hooks)
+            result = Replica(ctx, TableRows(ctx, windows)).train()
         return close_store(cluster, windows, result)
-
-
-class HybridReplica(Replica):
-    """A synchronous replica of the dense variables that pulls and pushes table rows."""
-
-    def __init__(
-        self,
-        job: Job,
-        mode: Mode,
-        cluster: Cluster,
-        optimizer: Optimizer,
-        prep: Prepared,
-        device: Device,
-        windows: Windows,
-    ):
-        super().__init__(job, mode, cluster, optimizer, prep, device)
-        self.windows = windows
-        self.vote_after_compute = True  # the dense update is shared after the pushes
-        self.client = StoreClient(windows, self.role.task, optimizer.stateful)
-        self.client.on_new_buffers = device.pin  # (a GPU copies the rows from locked pages)
-        self.control = self.client.control
-
-    def train(self, extra_hooks: list[Hook]) -> TrainResult:
-        result = super().train(extra_hooks)
-        self.control.publish_clock(self.role.task, self.clock, done=True)
-        if self.cluster.is_chief:
-            self.control.end_run()  # after the last checkpoint and evaluation: PS tasks stop
-        return result
-
-    def _start(self) -> int:
-        """The PS tasks hold their tables (restored or fresh): the chief sets the counters
-        and raises ready, the others wait for it; then the dense part is broadcast."""
-        control = self.control
-        if self.cluster.is_chief:
-            control.set_counters(self.prep.start_step)
-            control.raise_ready()
-        else:
-            control.wait_ready(start_limit(self.role.task))
-        return super()._start()
-
-    def _inputs(self, x: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-        x, ids = self.model.prepare(x)
-        rows = self.client.pull(ids, step=True)
-        return x, {**self.params, **rows}, {**self.grads, **self.client.gradients()}
-
-    def _signal(self) -> int:
-        """Its own signal, or one any task (a PS task included) set in the control window.
-        Its own is set there too: every task, the PS ones included, reads the run's stop
-        signal from the window at the end (and exits 3 by it)."""
-        own = preemption.requested()
-        if own and not self.control.stop_signal():
-            self.control.request_stop(own)
-        return own or self.control.stop_signal()
-
-    def _push_rows(self, grads: dict[str, Any], lr: float) -> None:
-        """This worker's gradient rows (deltas for SGD) to the PS tasks, applied there before
-        this returns (and so before the dense update is shared, and before any replica's
-        next pull); the step's clock, for the PS tasks' watchdogs."""
-        if not self.optimizer.stateful:
-            sgd_deltas([grads[table] for table in self.client.tables], lr)
-        self.client.push(lr)
-        self.control.publish_clock(self.role.task, self.clock + 1)
-
-    def _validate(self) -> dict[str, float]:
-        assert self.prep.val is not None
-        return self._evaluate(self.prep.val)
-
-    def _evaluate(self, split: tuple[Any, Any]) -> dict[str, float]:
-        x, ids = self.model.prepare(split[0])
-        return evaluate_on(
-            self.model, self.device, {**self.live, **self.client.pull(ids)}, (x, split[1])
-        )
-
-    def _report(self, result: TrainResult, gathered: list[Any]) -> None:
-        assert self.prep.test is not None
-        x, ids = self.model.prepare(self.prep.test[0])
-        params = {**self.live, **self.client.pull(ids)}
-        report(
-            self.cluster, self.model, self.device, params, (x, self.prep.test[1]), result, gathered
-        )
-
-    def save(self) -> PendingSave:
-        """Ask every PS task for its shard of the tables, write the dense variables and
-        their slots as one more shard, and commit once all are written."""
-        slots = self.whole_slots()
-        clocks = [self.clock] * self.workers
-        return save_from_ps(
-            self.job,
-            self.cluster,
-            self.windows,
-            self.step_count,
-            clocks,
-            ({**self.host_params(), **self.model.state()}, slots),  # (and the chief's buffers)
-        )
-
-
-class DeviceHybridReplica(HybridReplica, DeviceReplica):
-    """Hybrid mode on a GPU: the dense variables and their slots on the device (as a sync
-    replica's there); the batch's table rows pulled into (kept, page-locked) host buffers
-    and copied in, their gradients copied out (with the dense ones, each as backward says
-    it is ready) and pushed from the host."""
-
-    def _on_device(
-        self, x: Any, y: Any, params: dict[str, Any], host_grads: dict[str, Any]
-    ) -> tuple[Any, Any, dict[str, Any], dict[str, Any], StagedGradients]:
-        device = self.device
-        rows = [name for name in params if name not in self.live]
-        x, y = device.to_device(x, "x"), device.to_device(y, "y")
-        params = {**self.live, **device.stage_in({n: params[n] for n in rows})}
-        grads = {**self.device_grads, **device.mirrors({n: host_grads[n] for n in rows})}
-        return x, y, params, grads, device.staged(grads, host_grads)

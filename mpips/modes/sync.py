@@ -1,5 +1,5 @@
 """Synchronous replicas (``train.mode = "sync"``): every worker holds every variable and the
-replicas apply the mean gradient of each step together (replica.py): no PS, no counter, no
+replicas apply the mean gradient of each step together (engines/replica.py): no PS, no counter, no
 chief that can run ahead. PS ranks, if the layout has any, hold nothing in this mode and
 sleep (passing on a preemption signal they receive). One process (no mpirun) trains in this
 mode, as a single replica, whatever train.mode says."""
@@ -10,19 +10,18 @@ from typing import Any
 
 from ..allreduce import agree_max, forward_stop, idle_until_end
 from ..data.batches import DatasetInfo
-from ..device.backend import Device
-from ..job import Job
+from ..errors import ConfigError
+from ..job import TABLE_KINDS, Job
 from ..optim import Optimizer
 from ..placement.layout import Layout
 from ..placement.plan import job_placement
 from ..process import preemption
-from ..run.hooks import Hook, StepInfo
+from ..run.hooks import StepInfo
 from ..run.session import TrainResult
-from ..run.startup import Prepared
 from ..store import Cluster
-from .base import Mode, replica_bytes
-from .device_replica import DeviceReplica
-from .replica import Replica
+from .base import Mode, RunContext, replica_bytes
+from .engines.replica import Replica
+from .engines.replica_rows import DenseOnly
 
 
 class Sync(Mode):
@@ -32,6 +31,15 @@ class Sync(Mode):
     ps_holds_variables = False
     chief_holds_dense = True
     takes_clip_norm = True
+
+    @classmethod
+    def check_job(cls, job: Job) -> None:
+        super().check_job(job)
+        if job.model.kind in TABLE_KINDS:
+            raise ConfigError(
+                f"model.kind: {job.model.kind!r} keeps its tables on the PS tasks; "
+                f'it trains in mode = "async"'
+            )
 
     def rank_bytes(
         self,
@@ -48,27 +56,19 @@ class Sync(Mode):
     def step_note(self, info: StepInfo) -> str:
         return "(mean over all replicas' batches)"
 
-    def train(
-        self,
-        job: Job,
-        cluster: Cluster,
-        optimizer: Optimizer,
-        prep: Prepared,
-        hooks: list[Hook],
-        device: Device,
-    ) -> TrainResult:
+    def train(self, ctx: RunContext) -> TrainResult:
         """Train as synchronous replicas on the workers (collective over the world).
 
         PS ranks, if the layout names any, hold nothing: they wait for the end of the run,
         passing a preemption signal they receive to the chief. At the end every rank agrees
         on the signal that stopped the run (if any), so every rank exits with the same code.
         """
-        specs = prep.model.variables()
-        cluster.check_placement(job_placement(job, specs, 1))  # same variables on every rank
+        cluster = ctx.cluster
+        specs = ctx.model.variables()
+        cluster.check_placement(job_placement(ctx.job, specs, 1))  # same variables on every rank
         if cluster.is_ps:
             return _idle_ps(cluster)
-        replica = Replica if device.on_host else DeviceReplica  # (a GPU: variables on it)
-        result = replica(job, self, cluster, optimizer, prep, device).train(hooks)
+        result = Replica(ctx, DenseOnly(ctx)).train()
         # every rank, PS included, learns the signal that stopped the run: the same exit code
         result.stopped_by = agree_max(
             cluster.comm, [result.stopped_by or preemption.requested()], "the end of the run"

@@ -4,8 +4,8 @@ Each task records complete events (start, duration) of its phases: a worker's wa
 ticket and for the slowest worker, pull, compute, push; a sync replica's compute, agreement
 and reduce and update; a PS task's optimizer applies and checkpoint writes. At the end it
 writes ``<summary.dir>/timeline/<job>-<task>.json``; ``python -m mpips plot`` merges them into
-one Chrome trace (``timeline.json``: open it in Perfetto or chrome://tracing). When off, the
-training loop does not call it at all.
+one Chrome trace (``timeline.json``: open it in Perfetto or chrome://tracing). When off, a
+step's ``Phases`` marks cost one test each and nothing is recorded.
 """
 
 from __future__ import annotations
@@ -127,3 +127,22 @@ def merge(run_dir: str | Path) -> Path | None:
         lambda tmp: tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})),
     )
     return out
+
+
+class Phases:
+    """A step's phases on a task's timeline, one after another: ``mark(name)`` ends the phase
+    that began at the previous mark (or at ``begin``). Without a timeline (the default) a
+    mark is one test, so a step function marks its phases unconditionally."""
+
+    def __init__(self, timeline: Timeline | None):
+        self.timeline = timeline
+        self.t = 0.0
+
+    def begin(self) -> None:
+        if self.timeline is not None:
+            self.t = time.perf_counter()
+
+    def mark(self, name: str, when: bool = True) -> None:
+        """Phase ``name`` ends now (when ``when``: else the next mark's phase includes it)."""
+        if self.timeline is not None and when:
+            self.t = self.timeline.span(name, self.t)

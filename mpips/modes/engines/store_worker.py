@@ -1,6 +1,7 @@
-"""A worker task of the modes whose PS tasks hold the variables (async, sync_replicas): the
-chief initialises or restores the variables, raises ready, commits checkpoints and
-evaluates at the end; every worker trains on its part of the data until the run ends."""
+"""The worker engine of the modes whose PS tasks hold the variables (async, sync_replicas):
+the chief initialises or restores the variables, raises ready, commits checkpoints and
+evaluates at the end; every worker trains on its part of the data until the run ends. How
+a worker makes one step is the mode's (async_worker.py, replicas_worker.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,12 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..data.batches import epoch_batches
-from ..device.backend import Device
-from ..errors import AlreadyReported, NonFinite
-from ..job import Job
-from ..models.contract import first_loss_and_grads, said_once
-from ..optim import Optimizer
-from ..process.log import detail, log
-from ..run.hooks import Hook, PendingSave, Run, StepInfo
-from ..run.session import (
+from ...data.batches import epoch_batches
+from ...errors import AlreadyReported, NonFinite
+from ...models.contract import first_loss_and_grads, said_once
+from ...process.log import detail, log
+from ...run.hooks import Hook, PendingSave, Run, StepInfo
+from ...run.session import (
     Session,
     TrainResult,
     evaluate_on,
@@ -29,31 +27,28 @@ from ..run.session import (
     say_restored,
     target_steps,
 )
-from ..run.startup import Prepared
-from ..run.summaries import job_timeline
-from ..store import Cluster, StoreClient, Watchdog, Windows, start_limit, watched_barrier
-from .base import Mode
-from .ps_store import save_from_ps
+from ...run.summaries import job_timeline
+from ...store import StoreClient, Watchdog, Windows, start_limit, watched_barrier
+from ..base import RunContext
+from .ps import save_from_ps
 
 
 class StoreWorker:
     """One worker task of a mode whose PS tasks hold the variables (async, sync_replicas):
     the run's start, end and checkpoints; the mode's subclass says how a worker ``step``s."""
 
-    def __init__(
-        self,
-        job: Job,
-        mode: Mode,
-        cluster: Cluster,
-        windows: Windows,
-        optimizer: Optimizer,
-        prep: Prepared,
-        device: Device,
-    ):
-        self.job, self.mode, self.cluster, self.windows = job, mode, cluster, windows
-        self.model, self.optimizer, self.prep, self.device = prep.model, optimizer, prep, device
-        self.role, self.tc, self.oc = cluster.role, job.train, job.optimizer
-        stateful = mode.ps_applies(optimizer.stateful)
+    def __init__(self, ctx: RunContext, windows: Windows):
+        self.ctx, self.windows = ctx, windows
+        self.job, self.mode, self.cluster, self.optimizer = (
+            ctx.job,
+            ctx.mode,
+            ctx.cluster,
+            ctx.optimizer,
+        )
+        self.model, self.prep, self.device = ctx.model, ctx.prep, ctx.device
+        self.role, self.tc, self.oc = ctx.role, ctx.tc, ctx.oc
+        optimizer, device = ctx.optimizer, ctx.device
+        stateful = ctx.mode.ps_applies(optimizer.stateful)
         self.client = StoreClient(
             windows, self.role.task, stateful, optimizer.apply, optimizer.slots
         )
@@ -61,14 +56,14 @@ class StoreWorker:
         device.pin(self.client.host_buffers())  # a GPU's copies run from page-locked memory
         self.client.on_new_buffers = device.pin  # (so do a CTR table's rows, kept)
         self.stats = Staleness()
-        self.watchdog = Watchdog(self.control, cluster.layout, self.role.task)
-        self.timeline = job_timeline(job, "worker", self.role.task)
+        self.watchdog = Watchdog(self.control, ctx.cluster.layout, self.role.task)
+        self.timeline = job_timeline(ctx.job, "worker", self.role.task)
         self.clock = 0  # batches of this worker's part used (its data position)
         self.updates = 0
 
-    def train(self, extra_hooks: list[Hook]) -> TrainResult:
+    def train(self) -> TrainResult:
         try:
-            return self._train(extra_hooks)
+            return self._train(self.ctx.hooks)
         finally:  # (page-locked buffers released whatever happened: the process may go on)
             self.device.unpin()
 
@@ -182,7 +177,7 @@ class StoreWorker:
         step, clocks = control.global_step(), [int(c) for c in control.clocks()[0]]
         state = self.model.state()  # (the chief's buffers: one more shard, if any)
         kept: tuple[dict[str, Any], dict[str, Any]] | None = (state, {}) if state else None
-        return save_from_ps(self.job, self.cluster, self.windows, step, clocks, kept)
+        return save_from_ps(self.ctx, self.windows, step, clocks, kept)
 
     def _conclude(self, result: TrainResult, gathered: list[Any]) -> None:
         """Chief: who made how many updates, staleness, evaluation; then end the run."""

@@ -1,6 +1,6 @@
-"""The PS tasks' store as the modes that keep variables there use it (async, sync_replicas,
-hybrid): open the windows, serve on a PS task, ask the PS tasks for a checkpoint's shards,
-close the store at the end."""
+"""The PS engine, and the PS tasks' store as the modes that keep variables there use it
+(async, sync_replicas, hybrid): open the windows, serve on a PS task, ask the PS tasks for
+a checkpoint's shards, close the store at the end."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint
-from ..job import Job
-from ..optim import Optimizer
-from ..placement.table import imbalance, slot_placement
-from ..process import preemption, settings
-from ..process.log import log
-from ..run.hooks import PendingSave
-from ..run.session import TrainResult, manifest_meta
-from ..run.startup import Prepared, table_initial
-from ..run.summaries import job_timeline, ps_summaries
-from ..store import (
+from ... import checkpoint
+from ...job import Job
+from ...optim import Optimizer
+from ...placement.table import imbalance, slot_placement
+from ...process import preemption, settings
+from ...process.log import log
+from ...run.hooks import PendingSave
+from ...run.session import TrainResult, manifest_meta
+from ...run.startup import table_initial
+from ...run.summaries import job_timeline, ps_summaries
+from ...store import (
     Apply,
     Cluster,
     RunControl,
@@ -32,14 +32,13 @@ from ..store import (
     stall_limit,
     stall_timeout,
 )
-from .base import Mode
+from ..base import RunContext
 
 
-def open_store(
-    job: Job, mode: Mode, cluster: Cluster, optimizer: Optimizer, prep: Prepared
-) -> Windows:
+def open_store(ctx: RunContext) -> Windows:
     """Every rank: the windows of what the PS tasks hold (Mode.store_placement), each PS
     task's memory filled (restored state, fresh table partitions), up to the start barrier."""
+    job, mode, cluster, optimizer, prep = ctx.job, ctx.mode, ctx.cluster, ctx.optimizer, ctx.prep
     placement = mode.store_placement(job, prep.model, cluster.layout.num_ps)
     # zero copy: the workers apply their updates in PS memory (store/stripes.py), else a
     # PS task applies those of stateful optimizers and sync_replicas
@@ -77,19 +76,17 @@ def shard_count(num_ps: int, model: Any, chief_writes: bool = False) -> int:
 
 
 def run_ps(
-    job: Job,
-    cluster: Cluster,
+    ctx: RunContext,
     windows: Windows,
-    optimizer: Optimizer,
     num_shards: int,
-    model: Any = None,
     aggregate: Callable[[Apply], StepPolicy] | None = None,
 ) -> TrainResult:
     """A PS task: serve until the chief ends the run (applying updates itself for stateful
     optimizers and sync_replicas), writing its checkpoint shard (one of ``num_shards``)
-    when asked: its table partitions sparsely where that pays (with ``model``, whose
-    initial rows the untouched ones are). ``aggregate(apply)``: sync_replicas' policy for
-    the gradients posted for a step (store.serve), given the rule it applies them with."""
+    when asked: its table partitions sparsely where that pays (the model's initial rows
+    are the untouched ones). ``aggregate(apply)``: sync_replicas' policy for the gradients
+    posted for a step (store.serve), given the rule it applies them with."""
+    job, cluster, optimizer, model = ctx.job, ctx.cluster, ctx.optimizer, ctx.model
     task = cluster.role.task
     tables = sparse_tables(job, windows, task, model, optimizer)
 
@@ -134,8 +131,7 @@ def sparse_tables(
 
 
 def save_from_ps(
-    job: Job,
-    cluster: Cluster,
+    ctx: RunContext,
     windows: Windows,
     step: int,
     clocks: list[int],
@@ -145,6 +141,7 @@ def save_from_ps(
     while the chief trains on); ``chief_part`` (variables, slots): what the chief holds
     itself, written now as one more shard (hybrid mode's dense part). The manifest is
     committed once every shard is written (PendingSave.commit)."""
+    job, cluster = ctx.job, ctx.cluster
     control, c = RunControl(windows), job.checkpoint
     num_ps = windows.placement.num_ps
     number, asked = control.request_checkpoint(step), time.monotonic()
