@@ -96,8 +96,7 @@ def fastmath(opt: Optimizer):
     square root where LLVM likes): not the same bits, a bound for the shipped kernels."""
     import numba
 
-    name = optim.kernel_name(opt.kind, opt.hyper)
-    kernel = numba.njit(optim._KERNELS[name][0], fastmath=True, error_model="numpy")
+    kernel = numba.njit(opt.rule.loop, fastmath=True, error_model="numpy")
 
     def apply(var, grad, slots, lr, t):
         arrays = [a.reshape(-1) for a in (var, grad, *(slots[s] for s in opt.slots))]

@@ -383,7 +383,7 @@ def test_a_fused_loss_that_fails_falls_back_to_the_array_version_once(monkeypatc
 
 
 def test_the_gpu_kernels_loop_bodies_compiled_as_c_give_the_numpy_rules_bits(tmp_path):
-    """The CUDA kernels of device_kernels.py cannot run without a GPU, but their loop bodies
+    """The rules' CUDA kernels (Rule.cuda) cannot run without a GPU, but their loop bodies
     are plain C: compiled here with a C compiler (no contraction into fused multiply-adds,
     as --fmad=false on the GPU) and run over the same arrays, each must give the numpy
     rule's bits (a wrong operator, order or slot fails)."""
@@ -393,14 +393,15 @@ def test_the_gpu_kernels_loop_bodies_compiled_as_c_give_the_numpy_rules_bits(tmp
 
     from test_gpu import RULES
 
-    from mpips.device import kernels as device_kernels
+    from mpips import optim
     from mpips.optim import Optimizer, kernel_name, kernel_scalars, set_fused_kernels
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
     source = ["#include <math.h>"]
-    for name, (scalars, outputs, body) in device_kernels._RULES.items():
+    for rule in optim.RULES:
+        name, (scalars, outputs, body) = rule.name, rule.cuda
         names = [p.split()[1] for p in scalars.split(",")]
         outs = ["var"] + [p.split()[1] for p in outputs.split(",") if p.strip()]
         args = ", ".join(

@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 import mpips
 from mpips import optim
+from mpips.optim import fused
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -25,19 +26,15 @@ class KernelWatch(mpips.Hook):
         self.loading: list[bool] = []
 
     def after_step(self, run, info):
-        self.ready.append("adam" in optim._ready)
-        self.loading.append("adam" in optim._loaders)
+        self.ready.append("adam" in fused.KERNELS.ready)
+        self.loading.append("adam" in fused.KERNELS.loaders)
 
 
 @pytest.fixture
 def no_kernel_yet(monkeypatch):
     """This process as if it had never loaded a kernel (the state is put back after)."""
     pytest.importorskip("numba")
-    monkeypatch.setattr(optim, "_ready", {})
-    monkeypatch.setattr(optim, "_loaders", {})
-    monkeypatch.setattr(optim, "_failed", set())
-    monkeypatch.setattr(optim, "_rule_seconds", [0.0])
-    monkeypatch.setattr(optim, "_fused_enabled", optim._fused_enabled)  # (put back after)
+    monkeypatch.setattr(fused, "KERNELS", fused.FusedKernels())  # (the old one put back after)
     optim.set_fused_kernels(True)
 
 
@@ -64,15 +61,15 @@ def test_a_small_update_never_loads_a_kernel_mid_run(monkeypatch, tmp_path, no_k
     """64-16-10: 1.2k elements, ~6 us an update: the numpy rules all along, even once they
     have cost more than COMPILE_AFTER (set to 0 here: the old code began loading at the
     second step)."""
-    monkeypatch.setattr(optim, "COMPILE_AFTER", 0.0)
+    monkeypatch.setattr(fused, "COMPILE_AFTER", 0.0)
     watch = one_process(monkeypatch, tmp_path, 16, 6)
-    assert watch.loading == [False] * 6 and "adam" not in optim._loaders
+    assert watch.loading == [False] * 6 and "adam" not in fused.KERNELS.loaders
 
 
 def test_plan_kernel_weighs_one_update_of_the_numpy_rule(no_kernel_yet, monkeypatch):
     adam = optim.Optimizer("adam", {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8})
     least = int(np.ceil(optim.PAYS_PER_UPDATE / optim.NUMPY_SECONDS_PER_ELEMENT["adam"]))
-    monkeypatch.setattr(optim, "fused_kernel", lambda name, wait=True: None)  # (no load)
+    monkeypatch.setattr(fused, "fused_kernel", lambda name, wait=True: None)  # (no load)
     run, kernel = optim.plan_kernel(adam, least - 1)
     assert kernel is None and run.numpy_only and run == adam
     run, kernel = optim.plan_kernel(adam, least)
@@ -85,15 +82,15 @@ def test_plan_kernel_weighs_one_update_of_the_numpy_rule(no_kernel_yet, monkeypa
 
 def test_a_numpy_only_optimizer_starts_no_compile(no_kernel_yet, monkeypatch):
     """However long its numpy rules take; and one this process has is used all the same."""
-    monkeypatch.setattr(optim, "COMPILE_AFTER", 0.0)
+    monkeypatch.setattr(fused, "COMPILE_AFTER", 0.0)
     numpy_only = optim.Optimizer("sgd", numpy_only=True)
     var, grad = np.ones(4, np.float32), np.full(4, 2, np.float32)
     for t in range(1, 4):
         numpy_only.apply(var, grad, {}, 0.5, t)
-    assert var.tolist() == [-2.0] * 4 and not optim._loaders
+    assert var.tolist() == [-2.0] * 4 and not fused.KERNELS.loaders
     optim.fused_kernel("sgd")  # loaded by someone else (another run in this process)
     calls = []
-    kernel = optim._ready["sgd"]
-    monkeypatch.setitem(optim._ready, "sgd", lambda *a: calls.append(a) or kernel(*a))
+    kernel = fused.KERNELS.ready["sgd"]
+    monkeypatch.setitem(fused.KERNELS.ready, "sgd", lambda *a: calls.append(a) or kernel(*a))
     numpy_only.apply(var, grad, {}, 0.5, 4)
     assert len(calls) == 1 and var.tolist() == [-3.0] * 4

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mpips import optim
-from mpips.optim import Optimizer, clip_by_global_norm, learning_rate
+from mpips.optim import Optimizer, clip_by_global_norm, fused, learning_rate
 
 RNG = np.random.default_rng(0)
 GRADS = [RNG.standard_normal(5) for _ in range(4)]
@@ -176,7 +176,7 @@ def test_optimizer_apply_goes_through_the_kernel_once_it_is_compiled(monkeypatch
     kernel = optim.fused_kernel("adam")  # compiled (or loaded from the cache) here
     assert kernel is not None
     calls = []
-    monkeypatch.setitem(optim._ready, "adam", lambda *a: calls.append(a) or kernel(*a))
+    monkeypatch.setitem(fused.KERNELS.ready, "adam", lambda *a: calls.append(a) or kernel(*a))
     var, slots, grads = random_state(opt, (5, 3))
     opt.apply(var, grads[0], slots, 0.1, 1)
     assert len(calls) == 1 and calls[0][0].base is var  # in place, through a flat view
@@ -187,8 +187,8 @@ def test_first_updates_run_the_numpy_rule_while_the_kernel_compiles(monkeypatch)
     release = threading.Event()
     compiling = threading.Thread(target=release.wait)  # a compile that takes its time
     compiling.start()
-    monkeypatch.setattr(optim, "_ready", {})
-    monkeypatch.setattr(optim, "_loaders", {"adam": compiling})
+    monkeypatch.setattr(fused, "KERNELS", fused.FusedKernels())
+    fused.KERNELS.loaders["adam"] = compiling
     try:
         var, slots, grads = random_state(opt, (8, 6))
         want, want_slots = var.copy(), {k: v.copy() for k, v in slots.items()}
@@ -211,16 +211,13 @@ def test_the_kernel_compiles_only_once_the_numpy_rule_has_cost_as_much(monkeypat
     optim.fused_kernel("sgd")  # (in the cache: the compile below is a load)
     started = []
     real = optim.fused_kernel
-    monkeypatch.setattr(optim, "_ready", {})
-    monkeypatch.setattr(optim, "_loaders", {})
-    monkeypatch.setattr(optim, "_rule_seconds", [0.0])
-    monkeypatch.setattr(optim, "_failed", set())
+    monkeypatch.setattr(fused, "KERNELS", fused.FusedKernels())
     monkeypatch.setattr(
-        optim, "fused_kernel", lambda name, wait=True: started.append(name) or real(name, wait)
+        fused, "fused_kernel", lambda name, wait=True: started.append(name) or real(name, wait)
     )
     ticks = iter(range(1000))  # each numpy rule "takes" a little over a tenth of COMPILE_AFTER
     clock = SimpleNamespace(thread_time=lambda: next(ticks) * optim.COMPILE_AFTER / 9.5)
-    monkeypatch.setattr(optim, "time", clock)
+    monkeypatch.setattr(fused, "time", clock)
     opt = Optimizer("sgd", {})
     var, grad = np.ones(4, np.float32), np.full(4, 2, np.float32)
     wide, wide_grad = var.astype(np.float64), grad.astype(np.float64)
@@ -230,10 +227,10 @@ def test_the_kernel_compiles_only_once_the_numpy_rule_has_cost_as_much(monkeypat
     assert started == [] and var.tolist() == wide.tolist() == [-9.0] * 4  # the numpy rule
     opt.apply(var, grad, {}, 0.5, 11)  # due: the compile starts (in the background)
     assert started == ["sgd"] and var.tolist() == [-10.0] * 4
-    optim._loaders["sgd"].join()
+    fused.KERNELS.loaders["sgd"].join()
     calls = []
-    kernel = optim._ready["sgd"]
-    monkeypatch.setitem(optim._ready, "sgd", lambda *a: calls.append(a) or kernel(*a))
+    kernel = fused.KERNELS.ready["sgd"]
+    monkeypatch.setitem(fused.KERNELS.ready, "sgd", lambda *a: calls.append(a) or kernel(*a))
     opt.apply(var, grad, {}, 0.5, 12)
     assert len(calls) == 1 and var.tolist() == [-11.0] * 4
 
@@ -293,12 +290,10 @@ def test_numpy_rule_runs_where_no_kernel_fits(monkeypatch, why):
     elif why == "shapes differ":
         grad = grad.reshape(6, 8)
     elif why == "kernels off":
-        monkeypatch.setattr(optim, "_fused_enabled", False)
+        monkeypatch.setattr(fused.KERNELS, "enabled", False)
     else:  # numba cannot be imported: the kernel never becomes ready, with one warning
         monkeypatch.setitem(sys.modules, "numba", None)
-        monkeypatch.setattr(optim, "_ready", {})
-        monkeypatch.setattr(optim, "_loaders", {})
-        monkeypatch.setattr(optim, "_failed", set())
+        monkeypatch.setattr(fused, "KERNELS", fused.FusedKernels())
         with pytest.warns(UserWarning, match="numba is not available"):
             assert optim.fused_kernel("adam") is None
     before = var.copy()
