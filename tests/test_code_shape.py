@@ -32,6 +32,9 @@ WINGS = (
     ("entry", ("mpips.training", "mpips.cli", "mpips.launch", "mpips.__main__", "mpips")),
 )
 TOP_LEVEL_MOST = 15  # modules directly in mpips/ (wings are packages)
+OVERRIDE_POINTS_MOST = 4  # a class's methods that a subclass overrides (engines compose)
+# the contracts users implement (a model, a layer, a hook): their methods are the API
+PUBLIC_CONTRACTS = ("mpips.models.contract.Model", "mpips.layers.Layer", "mpips.run.hooks.Hook")
 
 
 def long_functions(tree: ast.Module, limit: int = LONGEST) -> list[tuple[str, int]]:
@@ -47,6 +50,91 @@ def test_no_function_is_over_70_lines():
     found = {n: f for n, t in modules().items() if (f := long_functions(t))}
     assert not found, f"functions over {LONGEST} lines: {found}"
     assert long_functions(ast.parse("def f():\n" + "    x = 1\n" * LONGEST)) == [("f", 71)]
+
+
+def package_of(name: str) -> str:
+    is_package = (ROOT.parent / name.replace(".", "/") / "__init__.py").exists()
+    return name if is_package else name.rpartition(".")[0]
+
+
+def imported_from(name: str, node: ast.ImportFrom) -> str:
+    """The module an ``from ... import`` in module ``name`` reads from, relative or not."""
+    if not node.level:
+        return node.module or ""
+    parts = package_of(name).split(".")
+    base = ".".join(parts[: len(parts) - (node.level - 1)])
+    return f"{base}.{node.module}" if node.module else base
+
+
+def class_table(mods: dict[str, ast.Module]) -> dict[str, tuple[set[str], set[str]]]:
+    """Every class by qualified name: the methods it defines (but dunders) and its bases,
+    resolved through its module's imports."""
+    out = {}
+    for name, tree in mods.items():
+        local = {n.name: f"{name}.{n.name}" for n in tree.body if isinstance(n, ast.ClassDef)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for a in node.names:
+                    local.setdefault(a.asname or a.name, f"{imported_from(name, node)}.{a.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                methods = {
+                    f.name
+                    for f in node.body
+                    if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and not f.name.startswith("__")
+                }
+                bases = {local.get(b.id, b.id) for b in node.bases if isinstance(b, ast.Name)}
+                out[f"{name}.{node.name}"] = (methods, bases)
+    return out
+
+
+def override_points(classes: dict[str, tuple[set[str], set[str]]]) -> dict[str, set[str]]:
+    """Each class's methods that a subclass (direct or not) defines again."""
+
+    def ancestors(q: str, seen: tuple[str, ...] = ()) -> set[str]:
+        found = set()
+        for b in classes.get(q, (set(), set()))[1]:
+            if b not in seen:
+                found |= {b} | ancestors(b, (*seen, b))
+        return found
+
+    above = {q: ancestors(q) for q in classes}
+    return {
+        q: {m for sub in classes if q in above[sub] for m in classes[sub][0] & methods}
+        for q, (methods, _) in classes.items()
+    }
+
+
+def test_no_class_has_more_than_4_override_points():
+    """Engines vary by composition (collaborators), not by subclasses overriding a base's
+    steps; the public contracts users implement are exempt."""
+    points = override_points(class_table(modules()))
+    many = {q: sorted(m) for q, m in points.items() if len(m) > OVERRIDE_POINTS_MOST}
+    assert set(many) <= set(PUBLIC_CONTRACTS), f"classes with > 4 override points: {many}"
+    example = {
+        "m.Base": ({"a", "b", "c", "d", "e", "own"}, set()),
+        "m.Mid": ({"a", "b"}, {"m.Base"}),
+        "m.Leaf": ({"c", "d", "e"}, {"m.Mid"}),
+    }
+    assert override_points(example)["m.Base"] == {"a", "b", "c", "d", "e"}
+    assert override_points(example)["m.Mid"] == set()
+    tree = ast.parse("from .base import Base\nclass Leaf(Base):\n    def a(self): ...\n")
+    assert class_table({"mpips.modes.x": tree})["mpips.modes.x.Leaf"][1] == {
+        "mpips.modes.base.Base"
+    }
+
+
+def test_no_module_rebinds_a_global():
+    """Process state lives on objects you can see and reset, not in names rebound by
+    ``global`` statements."""
+    found = {
+        n: [node.lineno for node in ast.walk(t) if isinstance(node, ast.Global)]
+        for n, t in modules().items()
+    }
+    assert not {n: lines for n, lines in found.items() if lines}
+    rebinds = ast.parse("def f():\n    global x\n    x = 1\n")
+    assert [n.lineno for n in ast.walk(rebinds) if isinstance(n, ast.Global)] == [2]
 
 
 def all_imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:

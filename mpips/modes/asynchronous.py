@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..job import TABLE_KINDS, Job
-from ..run.hooks import StepInfo
 from ..run.session import TrainResult
 from .base import Mode, RunContext
 from .engines.async_worker import AsyncWorker
@@ -20,6 +19,7 @@ class Async(Mode):
     replication without SyncReplicasOptimizer), its lead bounded by ``max_staleness``."""
 
     name = "async"
+    note = "(update {info.local_updates} of this worker, pulled {info.delay} steps earlier)"
     trains_tables = True
     takes_clip_norm = True
     chief_speaks_for_all = False
@@ -31,9 +31,6 @@ class Async(Mode):
         super().check_job(job)
         if job.train.overlap_pull:
             _check_overlap_pull(job)
-
-    def step_note(self, info: StepInfo) -> str:
-        return f"(update {info.local_updates} of this worker, pulled {info.delay} steps earlier)"
 
     def train(self, ctx: RunContext) -> TrainResult:
         """Every rank: create the windows, then PS tasks serve and workers train until the

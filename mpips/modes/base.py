@@ -44,6 +44,7 @@ class Mode:
     chief_speaks_for_all = True  # every worker makes the same step: the chief logs it once
     has_staleness = False  # async: steps are made from stale pulls (lead, delay)
     zero_copy_on_one_node = False  # async: train.zero_copy unset means on, on one node
+    note = ""  # what a step's log line adds after its loss and epoch ({info}: the StepInfo)
 
     def __init__(self, max_staleness: int | None = None, single: bool = False):
         self.max_staleness = max_staleness
@@ -146,8 +147,8 @@ class Mode:
         return False
 
     def step_note(self, info: StepInfo) -> str:
-        """What a step's log line adds after its loss and epoch."""
-        raise NotImplementedError
+        """What a step's log line adds after its loss and epoch (the mode's ``note``)."""
+        return self.note.format(info=info)
 
     def train(self, ctx: RunContext) -> TrainResult:
         """Every rank of the world: train ``ctx.model`` as this mode does (collective)."""

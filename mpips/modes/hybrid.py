@@ -26,7 +26,6 @@ from ..errors import ConfigError
 from ..job import Job
 from ..optim import Optimizer
 from ..placement.layout import Layout
-from ..run.hooks import StepInfo
 from ..run.session import TrainResult
 from ..store import Cluster
 from .base import Mode, RunContext, replica_bytes
@@ -40,6 +39,7 @@ class Hybrid(Mode):
     synchronous replicas."""
 
     name = "hybrid"
+    note = "(update {info.local_updates} of this worker, pulled {info.delay} steps earlier)"
     dense_on_ps = False
     chief_holds_dense = True
     trains_tables = True
@@ -67,9 +67,6 @@ class Hybrid(Mode):
         replica = replica_bytes(model, optimizer)
         per_rank = super().rank_bytes(job, layout, model, optimizer, info, zero_copy)
         return [n + (0 if layout.role(r).job == "ps" else replica) for r, n in enumerate(per_rank)]
-
-    def step_note(self, info: StepInfo) -> str:
-        return f"(update {info.local_updates} of this worker, pulled {info.delay} steps earlier)"
 
     def train(self, ctx: RunContext) -> TrainResult:
         """Every rank: the windows of the tables; PS tasks serve them, workers train as

@@ -16,7 +16,6 @@ from ..optim import Optimizer
 from ..placement.layout import Layout
 from ..placement.plan import job_placement
 from ..process import preemption
-from ..run.hooks import StepInfo
 from ..run.session import TrainResult
 from ..store import Cluster
 from .base import Mode, RunContext, replica_bytes
@@ -28,6 +27,7 @@ class Sync(Mode):
     """Synchronous replicas on the workers; the PS tasks, if any, hold nothing."""
 
     name = "sync"
+    note = "(mean over all replicas' batches)"
     ps_holds_variables = False
     chief_holds_dense = True
     takes_clip_norm = True
@@ -52,9 +52,6 @@ class Sync(Mode):
     ) -> list[int]:
         replica = replica_bytes(model, optimizer)
         return [0 if layout.role(r).job == "ps" else replica for r in range(layout.world_size)]
-
-    def step_note(self, info: StepInfo) -> str:
-        return "(mean over all replicas' batches)"
 
     def train(self, ctx: RunContext) -> TrainResult:
         """Train as synchronous replicas on the workers (collective over the world).

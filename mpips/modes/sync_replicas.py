@@ -18,7 +18,6 @@ from ..data.batches import DatasetInfo, full_batches
 from ..errors import ConfigError, DataError
 from ..job import TABLE_KINDS, Job
 from ..placement.layout import Layout
-from ..run.hooks import StepInfo
 from ..run.session import TrainResult
 from ..store import Apply, Cluster
 from .base import Mode, RunContext
@@ -30,6 +29,9 @@ class SyncReplicas(Mode):
     """PS tasks hold every variable and apply each step's averaged gradients once."""
 
     name = "sync_replicas"
+    note = (
+        "(the chief's batch; the PS tasks average the step's first replicas_to_aggregate gradients)"
+    )
     aggregates = True
     no_clip_norm = "each PS applies the mean of its own variables' gradients"
 
@@ -51,12 +53,6 @@ class SyncReplicas(Mode):
     def aggregate_count(self, job: Job, layout: Layout) -> int:
         """The gradients a PS task averages for each step."""
         return job.train.replicas_to_aggregate or layout.num_workers
-
-    def step_note(self, info: StepInfo) -> str:
-        return (
-            "(the chief's batch; the PS tasks average the step's first "
-            "replicas_to_aggregate gradients)"
-        )
 
     def train(self, ctx: RunContext) -> TrainResult:
         """Every rank: create the windows, then PS tasks aggregate and workers post their
