@@ -222,7 +222,7 @@ def kernel_buckets(args: argparse.Namespace) -> None:
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
-    from mpips.allreduce.buckets import GradientBuckets, Update
+    from mpips.allreduce import GradientBuckets, Update
     from mpips.job import TrainConfig
     from mpips.models.mlp import MLP
     from mpips.optim import Optimizer

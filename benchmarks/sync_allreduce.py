@@ -26,7 +26,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpips.allreduce.buckets import GradientBuckets
+from mpips.allreduce import GradientBuckets
 from mpips.job import TrainConfig
 from mpips.models.mlp import MLP
 from mpips.optim import Optimizer

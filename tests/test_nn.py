@@ -139,7 +139,7 @@ def test_buckets_cut_a_big_matrix_between_rows():
     variable is one view over its rows."""
     from mpi4py import MPI
 
-    from mpips.allreduce.buckets import GradientBuckets
+    from mpips.allreduce import GradientBuckets
     from mpips.models.variables import VariableSpec
 
     specs = [VariableSpec("w", (50, 32)), VariableSpec("v", (600,)), VariableSpec("u", (3, 4))]
@@ -166,7 +166,7 @@ def test_one_replica_updates_its_gradients_where_they_lie():
     they are, clipped, with the loss as the mean loss; a vote to stop applies nothing."""
     from mpi4py import MPI
 
-    from mpips.allreduce.buckets import GradientBuckets
+    from mpips.allreduce import GradientBuckets
     from mpips.models.variables import VariableSpec
     from mpips.optim import global_norm_clip
 

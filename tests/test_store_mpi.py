@@ -662,7 +662,8 @@ def test_a_big_bucket_is_reduced_while_backward_makes_no_mpi_call():
     product): a thread enters MPI meanwhile. This replica's part gets the mean gradient."""
     from mpi4py import MPI
 
-    from mpips.allreduce.buckets import PUMP_BYTES, GradientBuckets
+    from mpips.allreduce import GradientBuckets
+    from mpips.allreduce.messages import PUMP_BYTES
 
     comm = MPI.COMM_WORLD
     n = 2 * PUMP_BYTES // 4
@@ -686,13 +687,18 @@ def test_a_matrix_cut_over_buckets_is_reduced_as_its_rows_are_written():
     start a bucket that holds all of it. Every row gets its mean."""
     from mpi4py import MPI
 
-    from mpips.allreduce.buckets import GradientBuckets
+    from mpips.allreduce import GradientBuckets
 
     comm = MPI.COMM_WORLD
     rows, cols = 64, 256  # 1 KiB a row
     specs = [VariableSpec("w", (rows, cols)), VariableSpec("b", (cols,))]
     buckets = GradientBuckets(comm, specs, bucket_bytes=16 << 10)
     holding = {i: b.needs["w"] for i, b in enumerate(buckets.buckets) if "w" in b.needs}
+
+    def waiting() -> dict[int, set[str]]:
+        """The buckets whose reduction has not started: what each waits for."""
+        return buckets.transport.backward.waiting
+
     assert len(holding) == 5, holding  # b and 15 rows, then 16, 16, 16 and the last 1
 
     def sgd(var, grad, slots):
@@ -703,19 +709,19 @@ def test_a_matrix_cut_over_buckets_is_reduced_as_its_rows_are_written():
     fill = (comm.rank + 1) * np.arange(1, rows + 1, dtype=np.float32)[:, None]
     grads["w"][:32] = fill[:32]
     buckets.ready("w", 32)
-    started = {i for i in holding if i not in buckets._pending}
+    started = {i for i in holding if i not in waiting()}
     assert started == {i for i, need in holding.items() if need <= 32 and i}, (started, holding)
     grads["b"][:100] = comm.rank + 1
     buckets.ready("b", 100)  # a vector's first 100 values: its bucket waits for the rest
-    assert 0 in buckets._pending, "a bucket started on part of a vector"
+    assert 0 in waiting(), "a bucket started on part of a vector"
     grads["b"][100:] = comm.rank + 1
     buckets.ready("b")
-    assert 0 not in buckets._pending
+    assert 0 not in waiting()
     grads["w"][32:] = fill[32:]
     buckets.ready("w", rows)
-    assert list(buckets._pending) == [4], "only the last bucket waits, for the loss"
+    assert list(waiting()) == [4], "only the last bucket waits, for the loss"
     buckets.set_loss(0.0)
-    assert not buckets._pending
+    assert not waiting()
     buckets.finish()
     mean = sum(range(1, comm.size + 1)) / comm.size
     np.testing.assert_array_equal(buckets.values["b"], np.full(cols, -mean, np.float32))
@@ -730,7 +736,7 @@ def test_a_step_is_updated_during_backward_once_the_replicas_agree():
     before backward ends. A vote on one replica leaves every variable as it was, on all."""
     from mpi4py import MPI
 
-    from mpips.allreduce.buckets import GradientBuckets
+    from mpips.allreduce import GradientBuckets
 
     comm = MPI.COMM_WORLD
     rows, cols = 64, 256  # 1 KiB a row: 16 rows a bucket

@@ -128,7 +128,7 @@ def test_only_the_store_and_allreduce_communicate():
         mods["mpips.store.cluster"], COMMUNICATION_CALLS
     )
     assert {"Iallreduce", "Send", "Recv"} <= mpi_calls(
-        mods["mpips.allreduce.buckets"], COMMUNICATION_CALLS
+        mods["mpips.allreduce.agreement"], COMMUNICATION_CALLS
     )
     assert {"Put", "Fetch_and_op"} <= mpi_calls(mods["mpips.store.mailbox"], COMMUNICATION_CALLS)
     caught = mpi_calls(

@@ -1,10 +1,10 @@
 """Synchronous replicas' data movement: gradient buckets reduced over the replicas and the
 update sharded over them (mechanism: it imports no policy). Import from here: the modules
-inside are the package's own business."""
+inside are the package's own business (buckets.py composes layout.py, step.py and one
+transport of solo.py, shared.py and messages.py; agreement.py holds the small collectives).
+"""
 
-from .buckets import (
-    GradientBuckets,
-    Update,
+from .agreement import (
     agree_max,
     broadcast,
     check_replicas,
@@ -14,6 +14,8 @@ from .buckets import (
     replica_hash,
     stop_from_ps,
 )
+from .buckets import GradientBuckets
+from .layout import Update
 
 __all__ = [
     "GradientBuckets",

@@ -135,41 +135,14 @@ class StoreClient:
         self.stateful = stateful
         self.control = RunControl(windows)
         self.ps_ranks = windows.layout.ps_ranks
-        num_ps = placement.num_ps
         whole = [e for e in placement.dense if e.whole is None]
         # whole variables of each PS, laid out like the start of its window: this worker's
         # buffers, or (zero copy, shared windows) the PS's own memory, read in place
         self.reads_in_place = windows.shared
-        self._live = [
-            windows.shared_memory(r)[: placement.whole_bytes(p)]
-            if self.reads_in_place
-            else page_zeros(placement.whole_bytes(p), np.uint8)  # (a GPU page-locks them)
-            for p, r in enumerate(self.ps_ranks)
-        ]
-        self._grad_bufs = [page_zeros(placement.whole_bytes(p), np.uint8) for p in range(num_ps)]
-        self.params = views(whole, self._live)
-        self.grads = views(whole, self._grad_bufs)
-        # split variables (layout.partition): one full array each, whose row blocks move
-        # straight to and from their PS tasks
-        self._split: list[np.ndarray] = []
-        for e in placement.dense:
-            if e.whole is not None and e.name not in self.params:
-                self.params[e.name] = page_zeros(e.whole.shape, e.whole.dtype)
-                self.grads[e.name] = page_zeros(e.whole.shape, e.whole.dtype)
-                self._split += [self.params[e.name], self.grads[e.name]]
+        self._dense_buffers(whole)
         self._segments = _segments(self)
         self.tables = _tables(placement)
-        # zero copy: every table partition as (rows, width), in its PS's memory
-        self._parts_in_place = {
-            (name, p): windows.shared_memory(self.ps_ranks[p])[
-                part.offset : part.offset + part.spec.nbytes
-            ]
-            .view(table.dtype)
-            .reshape(-1, table.width)
-            for name, table in self.tables.items()
-            for p, part in enumerate(table.parts)
-            if self.reads_in_place
-        }
+        self._parts_in_place = self._table_parts()
         self.mail = WorkerMail(windows, task)  # the mailbox protocol (stateful push)
         self.applies_in_place = windows.updates_in_place
         self._stripes: Stripes | None = None
@@ -186,6 +159,45 @@ class StoreClient:
         self._routed: list[Routed] = []
         self._posted = False  # an update is posted whose acknowledgement is not yet seen
         self.pulls = 0  # pulls made so far (whose buffers the last one filled)
+
+    def _dense_buffers(self, whole: list[Placed]) -> None:
+        """``params`` and ``grads``: the whole variables as views into the buffers laid out
+        like each PS's window (``_live``, read in place with zero copy, and ``_grad_bufs``),
+        and each split variable (layout.partition) as one full array, whose row blocks move
+        straight to and from their PS tasks (``_split``)."""
+        placement, windows = self.placement, self.windows
+        self._live = [
+            windows.shared_memory(r)[: placement.whole_bytes(p)]
+            if self.reads_in_place
+            else page_zeros(placement.whole_bytes(p), np.uint8)  # (a GPU page-locks them)
+            for p, r in enumerate(self.ps_ranks)
+        ]
+        self._grad_bufs = [
+            page_zeros(placement.whole_bytes(p), np.uint8) for p in range(placement.num_ps)
+        ]
+        self.params = views(whole, self._live)
+        self.grads = views(whole, self._grad_bufs)
+        self._split: list[np.ndarray] = []
+        for e in placement.dense:
+            if e.whole is not None and e.name not in self.params:
+                self.params[e.name] = page_zeros(e.whole.shape, e.whole.dtype)
+                self.grads[e.name] = page_zeros(e.whole.shape, e.whole.dtype)
+                self._split += [self.params[e.name], self.grads[e.name]]
+
+    def _table_parts(self) -> dict[tuple[str, int], np.ndarray]:
+        """Zero copy: every table partition as (rows, width), in its PS's memory, by (table,
+        ps task); none otherwise."""
+        if not self.reads_in_place:
+            return {}
+        return {
+            (name, p): self.windows.shared_memory(self.ps_ranks[p])[
+                part.offset : part.offset + part.spec.nbytes
+            ]
+            .view(table.dtype)
+            .reshape(-1, table.width)
+            for name, table in self.tables.items()
+            for p, part in enumerate(table.parts)
+        }
 
     def _in_place(self, whole: list[Placed], apply: Apply, slot_names: Sequence[str]) -> Stripes:
         """Zero copy: the stripes through which this worker applies ``apply`` to the whole

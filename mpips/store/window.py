@@ -140,30 +140,14 @@ class Windows(WindowPlan):
         self.shared = shared
         self.inboxes = inboxes  # the PS tasks apply the updates posted there
         self.updates_in_place = updates_in_place(placement, shared)
-        role = layout.role(comm.rank)
-        workers = layout.num_workers
-        is_ps = role.job == "ps"
-        size = self.window_bytes(role.task, workers, inboxes) if is_ps else 0
-        mail = mail_words(workers) * 8 if is_ps and inboxes else 0
         self.clocks_at = SHARDS + layout.num_ps  # index of worker 0's clock
-        words = self.clocks_at + 2 * workers
-        control = words * 8 if comm.rank == layout.ps_ranks[0] else 0
-        locks = LOCKS_PER_PS * 8 if is_ps else 0
+        role = layout.role(comm.rank)
+        size, mail, control, locks = self._own_bytes(comm.rank)
         check_arrival(comm, "window creation")  # Allocate is a blocking collective
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.one_node = node.size == comm.size  # every rank shares this node's memory
-        # on one node the counters are shared memory, moved with the CPU's atomics (control.py);
-        # every rank must agree (MPIPS_SHARED_MEMORY is read by each)
-        mine = self.one_node and settings.current().shared_memory
-        self.control_shared = bool(comm.allreduce(int(mine), op=MPI.MIN))
-        try:
-            if private is None:
-                # what MPICH puts in /dev/shm: the windows but the parameters of copied pulls,
-                # which can go to private memory (the locks exist with zero copy only)
-                must = mail + control + (size + locks if shared else 0)
-                private = _private_params(comm, node, role, must, 0 if shared else size, shared)
-        finally:
-            node.Free()
+        # what MPICH puts in /dev/shm: the windows but the parameters of copied pulls,
+        # which can go to private memory (the locks exist with zero copy only)
+        must = mail + control + (size + locks if shared else 0)
+        private = self._on_the_node(comm, role, must, 0 if shared else size, private)
         self.params = self._params_window(comm, size, private)
         self.mail = MPI.Win.Allocate(mail, disp_unit=8, comm=comm)
         if self.control_shared:
@@ -172,18 +156,56 @@ class Windows(WindowPlan):
             self.control = MPI.Win.Allocate(control, disp_unit=8, comm=comm)
         self.control_rank = layout.ps_ranks[0]
         self.locks = _aligned_shared(comm, locks) if shared else None
+        self._open_epochs()
+        self._open = True
+        barrier(comm, "window creation")  # nobody reads a counter before its owner zeroed it
+
+    def _own_bytes(self, rank: int) -> tuple[int, int, int, int]:
+        """What ``rank`` allocates of each window, in bytes: its parameter window, its
+        mailbox, the control counters and its lock words."""
+        layout = self.layout
+        role = layout.role(rank)
+        workers = layout.num_workers
+        is_ps = role.job == "ps"
+        size = self.window_bytes(role.task, workers, self.inboxes) if is_ps else 0
+        mail = mail_words(workers) * 8 if is_ps and self.inboxes else 0
+        words = self.clocks_at + 2 * workers
+        control = words * 8 if rank == layout.ps_ranks[0] else 0
+        locks = LOCKS_PER_PS * 8 if is_ps else 0
+        return size, mail, control, locks
+
+    def _on_the_node(
+        self, comm: MPI.Intracomm, role: Role, must: int, movable: int, private: bool | None
+    ) -> bool:
+        """What this rank's node allows (collective): ``one_node`` and ``control_shared``
+        set, and whether the parameter windows go to private memory (``private`` None: as
+        the nodes' /dev/shm says, from the bytes that ``must`` go there and those that are
+        ``movable``)."""
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.one_node = node.size == comm.size  # every rank shares this node's memory
+        # on one node the counters are shared memory, moved with the CPU's atomics (control.py);
+        # every rank must agree (MPIPS_SHARED_MEMORY is read by each)
+        mine = self.one_node and settings.current().shared_memory
+        self.control_shared = bool(comm.allreduce(int(mine), op=MPI.MIN))
+        try:
+            if private is None:
+                private = _private_params(comm, node, role, must, movable, self.shared)
+        finally:
+            node.Free()
+        return private
+
+    def _open_epochs(self) -> None:
+        """Every window zeroed here and its one ``Lock_all`` epoch for the run opened."""
         for win in self._wins:
             self.local(win)[:] = 0
             win.Lock_all(MPI.MODE_NOCHECK)
-        if self.control_shared or shared:
+        if self.control_shared or self.shared:
             # loaded before the barrier (where numba is the path, compiled: ~1 s on a cold
             # cache), so no rank starts training while another still compiles, and none
             # compiles while holding a lock word. (A fused optimizer kernel may start loading
             # in the background while a worker holds one, once a process: its numba import
             # holds the GIL, so that stripe's holder can take ~0.1 s longer; optim.py)
             atomics.warm()
-        self._open = True
-        barrier(comm, "window creation")  # nobody reads a counter before its owner zeroed it
 
     def _params_window(self, comm: MPI.Intracomm, size: int, private: bool) -> MPI.Win:
         """The parameter window, ``size`` bytes on this rank: MPI shared memory (zero copy),
