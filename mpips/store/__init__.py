@@ -1,4 +1,4 @@
-"""PS memory and everything that moves data over MPI (with allreduce.py for sync mode):
+"""PS memory and everything that moves data over MPI (with mpips.allreduce for sync mode):
 cluster collectives and arrival checks, the windows, pull/push/initialise, the control
 counters (RunControl), the mailbox protocol, PS serving and the hung-task watchdog. The rest
 of mpips uses what is exported here and touches no ``MPI.Win``."""
