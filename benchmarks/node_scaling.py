@@ -10,7 +10,7 @@ different ``train.steps`` and everything else equal; its rate is the extra examp
 extra wall seconds (start-up, data loading and the final evaluation cancel out), and the
 configurations are interleaved round by round. Each rank's BLAS threads are set by the
 script (MPIPS_BLAS_THREADS, one value per group of ranks on mpiexec's command line), to the
-shares of ``mpips.device.backend.node_blas_threads``: a PS task 1, its workers the other cores.
+shares of ``mpips.device.threads.node_blas_threads``: a PS task 1, its workers the other cores.
 
 The configurations scale to the machine (os.cpu_count()): the goal layout is 1 PS + W
 workers with W the largest of 1, 2, 4, 8 for which W + 1 ranks fit the cores; "one worker
@@ -50,7 +50,7 @@ from pathlib import Path
 
 from common import DEFAULT_DATA, mpiexec, reference_data
 
-from mpips.device.backend import BLAS_THREADS_ENV, node_blas_threads
+from mpips.device.threads import BLAS_THREADS_ENV, node_blas_threads
 
 ZERO_COPY = "false"  # async: copied pulls, as the recorded figures (--zero-copy: in place)
 JOB = """

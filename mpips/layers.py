@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .device import kernels as device_kernels
-from .device.backend import scatter_add, to_host
+from .device.arrays import scatter_add, to_host
 from .models.contract import Model, Ready
 from .models.metrics import accuracy, auc
 from .models.variables import VariableSpec

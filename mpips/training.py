@@ -18,7 +18,8 @@ from mpi4py import MPI
 
 from . import checkpoint, modes, optim
 from .data.batches import open_data
-from .device.backend import Device, pin_blas_threads
+from .device.backend import Device
+from .device.threads import pin_blas_threads
 from .errors import ConfigError, ExitDuringTraining
 from .job import Job
 from .models.contract import Model, factory_name

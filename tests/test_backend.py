@@ -153,11 +153,12 @@ def test_page_aligned_buffers_lock_beside_locked_neighbours():
     import warnings
 
     from mpips.device import standin
-    from mpips.device.backend import PAGE, Device, _page_runs, page_aligned
+    from mpips.device.backend import Device
+    from mpips.device.pages import PAGE, page_aligned, page_runs
 
     device = Device(standin)
     small = [np.zeros(10, np.float32) for _ in range(64)]  # heap neighbours, locked
-    runs = _page_runs(small[::3], {})
+    runs = page_runs(small[::3], {})
     for start, n in runs:
         standin.cuda.runtime.hostRegister(start, n, 0)
     try:
@@ -180,7 +181,8 @@ def test_page_aligned_buffers_lock_beside_locked_neighbours():
 
 def test_device_pins_host_buffers_once_and_releases_them():
     from mpips.device import standin
-    from mpips.device.backend import Device, page_zeros
+    from mpips.device.backend import Device
+    from mpips.device.pages import page_zeros
 
     device = Device(standin)
     a, b = page_zeros(1000, np.float32), page_zeros(10, np.float32)
@@ -222,7 +224,8 @@ def test_pinning_never_locks_a_page_that_other_arrays_lie_on():
     stand-in refuses such a copy as CUDA does, and pin() locks only buffers whose pages
     are their own (page_zeros), leaving others pageable with a warning."""
     from mpips.device import standin
-    from mpips.device.backend import PAGE, Device, owns_pages, page_zeros
+    from mpips.device.backend import Device
+    from mpips.device.pages import PAGE, owns_pages, page_zeros
 
     heap = np.zeros(10, np.float32)  # (a small numpy array: its page holds other memory)
     assert not owns_pages(heap) and owns_pages(page_zeros(10, np.float32))
@@ -248,7 +251,7 @@ def test_pinning_never_locks_a_page_that_other_arrays_lie_on():
 def test_scatter_add_sums_repeated_indices_with_either_array_module(monkeypatch):
     """numpy: np.add.at; another array module (cupy): cupyx.scatter_add, here a stand-in
     that records its call (the layers never ask which module they have)."""
-    from mpips.device.backend import scatter_add
+    from mpips.device.arrays import scatter_add
 
     target = np.zeros((3, 2), np.float32)
     scatter_add(np, target, np.array([0, 2, 0]), np.ones((3, 2), np.float32))
@@ -266,7 +269,7 @@ def test_every_core_goes_to_a_rank_and_every_rank_gets_one():
     """The node's cores split over its ranks: the total is the cores (the ranks when there
     are more ranks than cores), no rank below 1, a PS task 1, workers within 1 of each other
     and the first ones taking the remainder."""
-    from mpips.device.backend import node_blas_threads
+    from mpips.device.threads import node_blas_threads
 
     for cores in range(1, 70):
         for ranks in (1, 2, 3, 5, 8, 9, 16, 17, 33):
@@ -285,7 +288,7 @@ def test_every_core_goes_to_a_rank_and_every_rank_gets_one():
 
 def test_the_16_core_node_layouts():
     """The reference node: 1 PS + 8 workers used 9 of 16 cores (16 // 9 each); now 16."""
-    from mpips.device.backend import node_blas_threads
+    from mpips.device.threads import node_blas_threads
 
     assert node_blas_threads(16, 9, 1) == [1] + [2] * 7 + [1]
     assert node_blas_threads(16, 5, 1) == [1, 4, 4, 4, 3]
@@ -316,19 +319,19 @@ def test_pin_blas_threads_sets_this_ranks_share(monkeypatch, blas_limit_restored
     """The share reaches the BLAS library: worker 7 of 1 PS + 8 on 16 cores gets 1, worker 0
     gets 2, the PS 1; without the node's PS count, the old even split; MPIPS_BLAS_THREADS
     wins over both, and a bad value is one readable error."""
-    from mpips.device import backend
+    from mpips.device import threads
 
-    monkeypatch.setattr(backend, "cpu_count", lambda: 16)
-    monkeypatch.delenv(backend.BLAS_THREADS_ENV, raising=False)
+    monkeypatch.setattr(threads, "cpu_count", lambda: 16)
+    monkeypatch.delenv(threads.BLAS_THREADS_ENV, raising=False)
     if not any(i["user_api"] == "blas" for i in __import__("threadpoolctl").threadpool_info()):
         pytest.skip("no BLAS library that threadpoolctl can limit")
-    assert backend.pin_blas_threads(9, ps_on_node=1, local_worker=0) == 2 == blas_threads_now()
-    assert backend.pin_blas_threads(9, ps_on_node=1, local_worker=7) == 1 == blas_threads_now()
-    assert backend.pin_blas_threads(5, ps_on_node=1, local_worker=0) == 4 == blas_threads_now()
-    assert backend.pin_blas_threads(9, ps_on_node=1) == 1  # the PS task
-    assert backend.pin_blas_threads(4) == 4 == blas_threads_now()  # the old call: 16 // 4
-    monkeypatch.setenv(backend.BLAS_THREADS_ENV, "3")
-    assert backend.pin_blas_threads(9, ps_on_node=1, local_worker=7) == 3 == blas_threads_now()
-    monkeypatch.setenv(backend.BLAS_THREADS_ENV, "0")
+    assert threads.pin_blas_threads(9, ps_on_node=1, local_worker=0) == 2 == blas_threads_now()
+    assert threads.pin_blas_threads(9, ps_on_node=1, local_worker=7) == 1 == blas_threads_now()
+    assert threads.pin_blas_threads(5, ps_on_node=1, local_worker=0) == 4 == blas_threads_now()
+    assert threads.pin_blas_threads(9, ps_on_node=1) == 1  # the PS task
+    assert threads.pin_blas_threads(4) == 4 == blas_threads_now()  # the old call: 16 // 4
+    monkeypatch.setenv(threads.BLAS_THREADS_ENV, "3")
+    assert threads.pin_blas_threads(9, ps_on_node=1, local_worker=7) == 3 == blas_threads_now()
+    monkeypatch.setenv(threads.BLAS_THREADS_ENV, "0")
     with pytest.raises(ConfigError, match="MPIPS_BLAS_THREADS must be a whole number >= 1"):
-        backend.pin_blas_threads(9, ps_on_node=1, local_worker=0)
+        threads.pin_blas_threads(9, ps_on_node=1, local_worker=0)

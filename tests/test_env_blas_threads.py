@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import ROOT, clean_env
 
-from mpips.device import backend
+from mpips.device import threads
 
 
 @pytest.fixture
@@ -50,10 +50,10 @@ def test_the_users_count_is_left_in_place(monkeypatch, blas, variable):
         pytest.skip("the variables checked here are OpenBLAS's")
     for name in THREAD_VARIABLES + OTHERS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(backend, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads, "cpu_count", lambda: 4)
     monkeypatch.setenv(variable, "1")
     blas.threadpool_limits(limits=1)  # what OpenBLAS took from the variable at load
-    backend.pin_blas_threads(1, ps_on_node=0, local_worker=0)
+    threads.pin_blas_threads(1, ps_on_node=0, local_worker=0)
     assert blas_threads(blas)["openblas"] == 1
 
 
@@ -64,14 +64,14 @@ def test_the_share_applies_where_the_user_set_nothing_for_that_library(monkeypat
         pytest.skip("the variables checked here are OpenBLAS's")
     for name in THREAD_VARIABLES + OTHERS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(backend, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads, "cpu_count", lambda: 4)
     monkeypatch.setenv("MKL_NUM_THREADS", "1")
     blas.threadpool_limits(limits=1)
-    assert backend.pin_blas_threads(1, ps_on_node=0, local_worker=0) == 4
+    assert threads.pin_blas_threads(1, ps_on_node=0, local_worker=0) == 4
     assert blas_threads(blas)["openblas"] == 4
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     monkeypatch.setenv("MPIPS_BLAS_THREADS", "3")
-    assert backend.pin_blas_threads(1, ps_on_node=0, local_worker=0) == 3
+    assert threads.pin_blas_threads(1, ps_on_node=0, local_worker=0) == 3
     assert blas_threads(blas)["openblas"] == 3
 
 
@@ -142,7 +142,7 @@ def test_the_one_process_run_keeps_the_users_thread_count(tmp_path):
     """The issue's case, end to end: ``OPENBLAS_NUM_THREADS=1 python -m mpips train JOB``
     computes with 1 BLAS thread (mpips' share for one process is every core: 2 or more
     here, so the old code's override shows); ``OMP_NUM_THREADS=1`` likewise."""
-    if backend.cpu_count() < 2:
+    if threads.cpu_count() < 2:
         pytest.skip("one core: the share is 1 thread as well, nothing to tell apart")
     mine = one_process_threads(tmp_path)
     if "openblas" not in mine:

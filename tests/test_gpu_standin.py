@@ -16,7 +16,8 @@ from test_layers import CASES
 
 import mpips
 from mpips.device import standin as sx
-from mpips.device.backend import Device, array_module, get_xp, scatter_add, to_host
+from mpips.device.arrays import array_module, scatter_add, to_host
+from mpips.device.backend import Device, get_xp
 from mpips.layers import Sequential
 from mpips.optim import clip_by_global_norm
 from mpips.run.hooks import Hook

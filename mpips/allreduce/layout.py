@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from ..device.backend import page_zeros
+from ..device.pages import page_zeros
 from ..models.variables import VariableSpec
 
 LOSS = "__loss__"  # every replica's batch loss (its own entry): rides in the last bucket

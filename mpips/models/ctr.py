@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from ..device.backend import SparseBatch, to_host
+from ..device.arrays import SparseBatch, to_host
 from ..layers import DenseStack, log_loss
 from .contract import Model
 from .metrics import auc

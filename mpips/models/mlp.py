@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..device.backend import to_host
+from ..device.arrays import to_host
 from ..errors import ConfigError
 from ..layers import DenseStack, softmax, softmax_cross_entropy
 from .contract import (

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..device.backend import array_module
+from ..device.arrays import array_module
 
 Array = Any  # numpy.ndarray or cupy.ndarray
 Hyper = dict[str, Any]

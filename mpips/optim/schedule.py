@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..device.backend import array_module
+from ..device.arrays import array_module
 from .rules import Array
 
 

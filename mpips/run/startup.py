@@ -24,7 +24,7 @@ from ..data.batches import (
     train_part,
     worker_rows,
 )
-from ..device.backend import issparse
+from ..device.arrays import issparse
 from ..errors import CheckpointError, ConfigError, DataError
 from ..job import Job
 from ..models.contract import Model

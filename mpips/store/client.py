@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ..device.backend import grown, page_aligned, page_zeros
+from ..device.pages import grown, page_aligned, page_zeros
 from ..placement.table import Placed, Placement, owner_and_row, views
 from .control import RunControl
 from .mailbox import WorkerMail

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..device.backend import issparse
+from ..device.arrays import issparse
 from ..errors import DataError
 from ..models.variables import VariableSpec
 from .binding import Traffic, Views, as_tensor, numpy_dtype

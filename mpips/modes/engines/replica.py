@@ -22,7 +22,7 @@ import numpy as np
 
 from ...allreduce import GradientBuckets, Update, agree_max, broadcast, check_replicas, replica_hash
 from ...data.batches import full_batches
-from ...device.backend import StagedGradients
+from ...device.staging import StagedGradients
 from ...errors import AgreedError, AlreadyReported, NonFinite
 from ...models.contract import first_loss_and_grads, said_once
 from ...models.variables import VariableSpec

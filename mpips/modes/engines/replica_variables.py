@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...allreduce import GradientBuckets, Update, broadcast
-from ...device.backend import StagedGradients
+from ...device.staging import StagedGradients
 from ...models.variables import VariableSpec
 from ...optim import clip_by_global_norm
 from ...run.startup import Prepared
