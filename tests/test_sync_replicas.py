@@ -129,6 +129,13 @@ def test_sync_replicas_settings_are_checked(tmp_path):
     r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("replicas_to_aggregate = 3: more than the 2 worker(s)") == 1
+    # a mode's own rule (Mode.check_job), not the file's: one message from 3 ranks, exit 2
+    (tmp_path / "job.toml").write_text(base + "[train]\nsteps = 5\nreplicas_to_aggregate = 2\n")
+    assert mpips.load_job(tmp_path / "job.toml").train.replicas_to_aggregate == 2
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--no-progress"], cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    said = r.stderr.count('train.replicas_to_aggregate: only for mode = "sync_replicas"')
+    assert said == 1, r.stderr
 
 
 def test_a_resumed_run_continues_from_the_checkpoint(tmp_path):
