@@ -1,10 +1,9 @@
 """``python -m mpips``: the command line (mpips/cli.py)."""
 
-import signal
 import sys
 
 from .cli import main
+from .process import signals
 
-if sys.argv[1:2] != ["train"]:  # (train keeps the quiet Ctrl-C until it installs its own)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+signals.command(sys.argv[1:])  # start-up over (for train: once its run begins)
 sys.exit(main())

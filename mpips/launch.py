@@ -9,10 +9,11 @@ checkpoint and chosen exit 3; no option or environment variable changes that. Sl
 second. A terminal sends Ctrl-C to its whole foreground process group, so the launcher gets
 every press. Here the launcher runs in a process group of its own, which the terminal's
 Ctrl-C does not reach, and this process passes the signals on: SIGINT once, dropping a
-repeat within preemption.DUPLICATE_SECONDS of it (the ranks too take one that soon for the
+repeat within signals.DUPLICATE_SECONDS of it (the ranks too take one that soon for the
 same request); one after that is passed on, so Ctrl-C pressed again later still aborts the
 job. The other signals (SIGTERM, SIGUSR1, ...) are passed on as they come. Exits with the
-launcher's status.
+launcher's status. (What the ranks themselves do with each signal, phase by phase:
+mpips/process/signals.py.)
 
 It imports the standard library and that constant only: this process holds no MPI.
 """
@@ -29,7 +30,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from .process.preemption import DUPLICATE_SECONDS
+from .process.signals import DUPLICATE_SECONDS
 
 PROG = "mpips.launch"
 USAGE = (

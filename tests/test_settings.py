@@ -86,7 +86,7 @@ def test_nothing_is_read_at_import():
     code = (
         "import mpips, mpips.training, mpips.process.log, mpips.optim, mpips.store\n"
         "from mpips.process import settings\n"
-        "assert not settings._cache, settings._cache\n"
+        "assert settings.CACHE.settings is None, settings.CACHE.settings\n"
         "print('ok')\n"
     )
     r = subprocess.run(

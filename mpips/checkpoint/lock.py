@@ -27,8 +27,25 @@ HOLDER_BYTES = 4096  # what the lock file says of its holder: a short JSON objec
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # a file system
 # without flock (some Lustre and NFS mounts): the run goes on unlocked, and says so
 
-_runs: dict[Path, str] = {}  # checkpoint directory -> the run this process writes there
-_locks: dict[Path, int] = {}  # checkpoint directory -> the lock file this process holds
+
+class Held:
+    """What this process holds, by checkpoint directory (its one name: _key): the run it
+    writes there (``runs``), and the open lock file whose flock it holds (``locks``)."""
+
+    def __init__(self) -> None:
+        self.runs: dict[Path, str] = {}
+        self.locks: dict[Path, int] = {}
+
+    def reset(self) -> None:
+        """Release every lock and forget every run (for tests; a process that ends
+        releases its locks anyway)."""
+        for fd in self.locks.values():
+            os.close(fd)
+        self.runs.clear()
+        self.locks.clear()
+
+
+HELD = Held()  # this process's: never rebound
 
 
 def _key(directory: str | Path) -> Path:
@@ -43,13 +60,13 @@ def _key(directory: str | Path) -> Path:
 def run_of(directory: str | Path) -> str | None:
     """The id of the run this process writes checkpoints for in ``directory`` (see
     lock_directory and join_run), or None: shards and manifests then carry no run id."""
-    return _runs.get(_key(directory))
+    return HELD.runs.get(_key(directory))
 
 
 def join_run(directory: str | Path, run: str) -> None:
     """This process writes shards of run ``run`` into ``directory``, whose lock another
     process of the run holds (a PS task in async mode: the chief holds it)."""
-    _runs[_key(directory)] = run
+    HELD.runs[_key(directory)] = run
 
 
 @dataclass(frozen=True)
@@ -71,7 +88,7 @@ def lock_directory(directory: str | Path, job: str) -> DirectoryLock:
     key = _key(d)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        fd = _locks.get(key)
+        fd = HELD.locks.get(key)
         if fd is None:
             flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
             fd = os.open(d / LOCK_FILE, flags, 0o644)
@@ -95,12 +112,12 @@ def lock_directory(directory: str | Path, job: str) -> DirectoryLock:
                 os.close(fd)
                 if e.errno not in _NO_LOCKS:
                     raise
-                _runs[key] = run
+                HELD.runs[key] = run
                 return DirectoryLock(run, f"its file system has no locks ({os_reason(e)})")
             except BaseException:
                 os.close(fd)
                 raise
-            _locks[key] = fd
+            HELD.locks[key] = fd
         said = {
             "job": job,
             "run": run,
@@ -118,7 +135,7 @@ def lock_directory(directory: str | Path, job: str) -> DirectoryLock:
             f"checkpoint.dir {d}: cannot write checkpoints there ({reason}); choose "
             f"another with --ckpt-dir"
         ) from None
-    _runs[key] = run
+    HELD.runs[key] = run
     return DirectoryLock(run)
 
 
@@ -126,8 +143,8 @@ def release_directory(directory: str | Path) -> None:
     """The end of this process's run in ``directory``: its lock released, its run id
     forgotten (a process that ends releases it anyway)."""
     key = _key(directory)
-    _runs.pop(key, None)
-    fd = _locks.pop(key, None)
+    HELD.runs.pop(key, None)
+    fd = HELD.locks.pop(key, None)
     if fd is not None:
         os.close(fd)
 

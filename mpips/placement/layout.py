@@ -191,26 +191,30 @@ def make_layout(
             raise ConfigError(
                 f"{source}: ps = {ps} needs 1 <= ps < world size {world_size} (at least one worker)"
             )
-        ranks = tuple(range(ps))
-    else:
-        if not ps:
-            raise ConfigError(f"{source}: ps = [] names no PS rank")
-        bad = [r for r in ps if isinstance(r, bool) or not isinstance(r, int)]
-        if bad:
-            raise ConfigError(f"{source}: ps ranks must be integers, got {bad[0]!r}")
-        out = [r for r in ps if not 0 <= r < world_size]
-        if out:
-            raise ConfigError(
-                f"{source}: ps rank {out[0]} is out of range for "
-                f"{world_size} ranks (0..{world_size - 1})"
-            )
-        dups = sorted({r for r in ps if ps.count(r) > 1})
-        if dups:
-            raise ConfigError(f"{source}: ps rank {dups[0]} is listed more than once")
-        if len(ps) >= world_size:
-            raise ConfigError(f"{source}: every rank is a PS; at least one worker is needed")
-        ranks = tuple(ps)
-    return Layout(world_size, ranks)
+        return Layout(world_size, tuple(range(ps)))
+    return Layout(world_size, _listed_ps(ps, world_size, source))
+
+
+def _listed_ps(ps: list[Any], world_size: int, source: str) -> tuple[int, ...]:
+    """The PS ranks ``ps = [...]`` lists, checked: distinct ranks of the world, and not
+    every one of them (ConfigError naming the first that is not, from ``source``)."""
+    if not ps:
+        raise ConfigError(f"{source}: ps = [] names no PS rank")
+    bad = [r for r in ps if isinstance(r, bool) or not isinstance(r, int)]
+    if bad:
+        raise ConfigError(f"{source}: ps ranks must be integers, got {bad[0]!r}")
+    out = [r for r in ps if not 0 <= r < world_size]
+    if out:
+        raise ConfigError(
+            f"{source}: ps rank {out[0]} is out of range for "
+            f"{world_size} ranks (0..{world_size - 1})"
+        )
+    dups = sorted({r for r in ps if ps.count(r) > 1})
+    if dups:
+        raise ConfigError(f"{source}: ps rank {dups[0]} is listed more than once")
+    if len(ps) >= world_size:
+        raise ConfigError(f"{source}: every rank is a PS; at least one worker is needed")
+    return tuple(ps)
 
 
 LAYOUT_KEYS = ("ps", "world_size")

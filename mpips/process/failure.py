@@ -39,13 +39,34 @@ from pathlib import Path
 
 from ..errors import AgreedError, AlreadyReported, MpipsError
 
-_role: str | None = None
+
+class FailureState:
+    """What failure handling knows of this process: its task (named in its messages), its
+    connection to its node's watcher, the name of the node's traceback claim (known once
+    it joined the watcher), and that claim once this rank holds it (it printed the node's
+    traceback)."""
+
+    def __init__(self) -> None:
+        self.role: str | None = None
+        self.watch: socket.socket | None = None
+        self.explain_name: str | None = None
+        self.explains: socket.socket | None = None
+
+    def reset(self) -> None:
+        """Forget it all, closing the sockets without a word to the watcher (for tests)."""
+        for sock in (self.watch, self.explains):
+            if sock is not None:
+                sock.close()
+        self.role = self.explain_name = None
+        self.watch = self.explains = None
+
+
+STATE = FailureState()  # this process's: never rebound
 
 
 def set_role(role: object) -> None:
     """Record this rank's task so failure messages can name it."""
-    global _role
-    _role = str(role)
+    STATE.role = str(role)
 
 
 def _world():
@@ -56,7 +77,7 @@ def _world():
 
 def where() -> str:
     rank = _world().rank
-    return f"rank {rank} ({_role})" if _role else f"rank {rank}"
+    return f"rank {rank} ({STATE.role})" if STATE.role else f"rank {rank}"
 
 
 @contextmanager
@@ -180,24 +201,19 @@ def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-_explains: socket.socket | None = None  # held: this rank printed its node's traceback
-_explain_name: str | None = None  # the node's claim, known once the rank joined its watcher
-
-
 def _first_to_explain() -> bool:
     """Whether this rank prints its traceback: the first rank of its node to fail does (it
     binds the node's claim, an abstract socket name released when the process ends); the
     others say one line. Before the ranks know their node's watcher, every rank does."""
-    global _explains
-    if _explains is not None or _explain_name is None:
+    if STATE.explains is not None or STATE.explain_name is None:
         return True
     claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        claim.bind(_explain_name)
+        claim.bind(STATE.explain_name)
     except OSError:
         claim.close()
         return False
-    _explains = claim
+    STATE.explains = claim
     return True
 
 
@@ -255,7 +271,6 @@ def _unlink_runtime_shm() -> None:
 # -- the node's watcher: names a rank that died without a word ----------------------------
 
 BYE, ABORT = b"bye\n", b"abort\n"  # what a rank says to its watcher when it ends on purpose
-_watch: socket.socket | None = None  # this rank's connection to its node's watcher
 
 
 def _address(pid: int, token: int) -> str:
@@ -268,7 +283,7 @@ def start_watcher() -> tuple[int, int]:
     launcher's SIGKILL of the ranks does not reach it) on that socket. Returns the
     address to hand to the node's ranks, as (pid, token); (0, 0) if it could not start
     (the job runs unwatched)."""
-    if _watch is not None:  # a second Cluster in this process: its ranks are watched already
+    if STATE.watch is not None:  # a second Cluster in this process: its ranks are watched already
         return 0, 0
     token = secrets.randbits(62)
     try:
@@ -305,10 +320,9 @@ def join_watcher(pid: int, token: int, rank: int, task: str) -> None:
     """Every rank of the node: tell the watcher who this rank is, hand it copies of this
     process's stdout and stderr, and say "bye" to it at a deliberate exit. Best effort: a
     rank that cannot reach it runs unwatched."""
-    global _watch, _explain_name
-    if not pid or _watch is not None:
+    if not pid or STATE.watch is not None:
         return
-    _explain_name = _address(pid, token) + "-traceback"
+    STATE.explain_name = _address(pid, token) + "-traceback"
     hello = {"rank": rank, "task": task, "pid": os.getpid(), "host": socket.gethostname()}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -318,7 +332,7 @@ def join_watcher(pid: int, token: int, rank: int, task: str) -> None:
     except OSError:
         sock.close()
         return
-    _watch = sock
+    STATE.watch = sock
     atexit.register(leaving, BYE)
 
 
@@ -336,8 +350,7 @@ def _launcher_fds() -> list[int]:
 def leaving(word: bytes) -> None:
     """Tell the watcher this rank ends on purpose (BYE), or aborts and speaks for itself
     (ABORT). Never raises: it runs on the way out."""
-    global _watch
-    sock, _watch = _watch, None
+    sock, STATE.watch = STATE.watch, None
     if sock is not None:
         with suppress(OSError):
             sock.sendall(word)
@@ -352,6 +365,28 @@ class _Peer:
         self.fds: list[int] = []
         self.who: dict = {}
         self.said = b""
+        self.aborted = False  # it said ABORT: it speaks for itself
+
+    def hear(self) -> bool:
+        """Take in what the rank sent (its hello, then BYE or ABORT, and its descriptors);
+        False once its connection is closed (or it sent more than a rank says)."""
+        try:
+            data, fds, _, _ = socket.recv_fds(self.conn, 4096, 4)
+        except OSError:
+            data, fds = b"", []
+        self.fds += fds
+        self.buffer += data
+        if len(self.buffer) > MAX_HELLO:  # not a rank speaking: drop it, quietly
+            self.buffer, self.said, data = b"", BYE, b""
+        while b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            if not self.who:
+                with suppress(ValueError):
+                    self.who = json.loads(line)
+            else:
+                self.said = line + b"\n"
+                self.aborted = self.aborted or self.said == ABORT
+        return bool(data)
 
     def name(self) -> str:
         w = self.who
@@ -422,54 +457,56 @@ def watch(listener_fd: int) -> None:
         gone = []
         for key, _ in sel.select(5.0):
             if key.fileobj is listener:
-                try:
-                    conn, _ = listener.accept()
-                except OSError:  # out of descriptors: watch who came, take no more
-                    sel.unregister(listener)
-                    continue
-                if _peer_uid(conn) != os.getuid():  # only this user's processes are ranks
-                    conn.close()
-                    continue
-                peer = _Peer(conn)
-                peers.append(peer)
-                sel.register(conn, selectors.EVENT_READ, peer)
-                accepted = True
+                peer = _accept(listener, sel)
+                if peer is not None:
+                    peers.append(peer)
+                    accepted = True
                 continue
             peer = key.data
-            try:
-                data, fds, _, _ = socket.recv_fds(peer.conn, 4096, 4)
-            except OSError:
-                data, fds = b"", []
-            peer.fds += fds
-            peer.buffer += data
-            if len(peer.buffer) > MAX_HELLO:  # not a rank speaking: drop it, quietly
-                peer.buffer, peer.said, data = b"", BYE, b""
-            while b"\n" in peer.buffer:
-                line, peer.buffer = peer.buffer.split(b"\n", 1)
-                if not peer.who:
-                    with suppress(ValueError):
-                        peer.who = json.loads(line)
-                else:
-                    peer.said = line + b"\n"
-                    quiet = quiet or peer.said == ABORT
-            if not data:
+            if not peer.hear():
                 sel.unregister(peer.conn)
                 peers.remove(peer)
                 gone.append(peer)
-        dead = [p for p in gone if not p.said]  # their launcher connections are still held
-        if dead and not quiet:
-            quiet = True  # one verdict: what follows is the launcher ending the job
-            if any(_running(p.who.get("pid", 0)) for p in peers if not p.said):
-                seen = _clock()  # to order the verdicts of several nodes' watchers
-                for p in dead:  # another rank here is alive and untouched: it died alone
-                    message = (
-                        f"mpips: {p.name()} died without a word at {seen}: killed (kill -9, the "
-                        f"out-of-memory killer) or crashed. The launcher now ends the job; "
-                        f"the PID its message names may be another rank's, one it stopped\n"
-                    )
-                    with suppress(OSError, IndexError):
-                        os.write(p.fds[1], message.encode())  # its stderr
+            quiet = quiet or peer.aborted
+        quiet = _judge(gone, peers, quiet)
         for p in gone:
             p.release()  # the launcher sees it gone now
     for p in peers:
         p.release()
+
+
+def _accept(listener: socket.socket, sel: selectors.BaseSelector) -> _Peer | None:
+    """A rank connecting to the watcher, now watched; None if it is no rank of this user's
+    (or the watcher is out of descriptors: it watches who came and takes no more)."""
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        sel.unregister(listener)
+        return None
+    if _peer_uid(conn) != os.getuid():  # only this user's processes are ranks
+        conn.close()
+        return None
+    peer = _Peer(conn)
+    sel.register(conn, selectors.EVENT_READ, peer)
+    return peer
+
+
+def _judge(gone: list[_Peer], peers: list[_Peer], quiet: bool) -> bool:
+    """Name the ranks of ``gone`` that died without a word, on their own stderr, if another
+    rank of the node is alive and untouched (they died alone: not the launcher ending the
+    job), unless ``quiet``. Returns whether the watcher is quiet from now on: one verdict,
+    as what follows a death is the launcher ending the job."""
+    dead = [p for p in gone if not p.said]  # their launcher connections are still held
+    if not dead or quiet:
+        return quiet
+    if any(_running(p.who.get("pid", 0)) for p in peers if not p.said):
+        seen = _clock()  # to order the verdicts of several nodes' watchers
+        for p in dead:
+            message = (
+                f"mpips: {p.name()} died without a word at {seen}: killed (kill -9, the "
+                f"out-of-memory killer) or crashed. The launcher now ends the job; "
+                f"the PID its message names may be another rank's, one it stopped\n"
+            )
+            with suppress(OSError, IndexError):
+                os.write(p.fds[1], message.encode())  # its stderr
+    return True

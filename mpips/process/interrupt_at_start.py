@@ -1,28 +1,18 @@
-"""Ctrl-C while ``python -m mpips`` starts: mpirun forwards it to every rank, and a rank
-still importing numpy, MPI and the rest would print a KeyboardInterrupt traceback from the
-middle of an import (or crash in one), or, inside MPI_Init (C code, where no Python handler
-runs), not notice it at all and wait there for ranks that are gone. Nothing has started
-then, so SIGINT keeps its default action, which ends the process at once, wherever it is
-(and the launcher then ends the job); ``mpips train`` keeps this until it installs its own
-handling (preemption.install: a checkpoint, exit 3), the other commands until the CLI is
-imported."""
+"""Kept for the package's ``from .process import interrupt_at_start``, its first line: that
+import begins the start-up phase of mpips/process/signals.py (under ``python -m mpips``
+only: Ctrl-C ends the rank at once, quietly, while it imports). Once mpips/__init__.py calls
+``signals.start_up()`` itself, this module goes."""
 
 from __future__ import annotations
 
-import signal
-import sys
+from .signals import as_run_from_the_command_line, start_up
+
+__all__ = ["as_run_from_the_command_line", "quiet_interrupt"]
 
 
 def quiet_interrupt() -> None:
-    """From now on, SIGINT ends this process at once, quietly (its default action)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """Begin the start-up phase (signals.start_up)."""
+    start_up()
 
 
-def as_run_from_the_command_line() -> bool:
-    """Whether this process is ``python -m mpips ...``."""
-    argv = sys.orig_argv
-    return "-m" in argv and argv[argv.index("-m") + 1 :][:1] == ["mpips"]
-
-
-if as_run_from_the_command_line():  # (imported first by the package: see above)
-    quiet_interrupt()
+quiet_interrupt()  # (the one import with an effect, until the package calls it itself)

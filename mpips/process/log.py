@@ -13,13 +13,25 @@ import sys
 
 from . import settings
 
-_verbose: bool | None = None  # set_verbose's word; None: as MPIPS_VERBOSE says
+
+class Verbosity:
+    """Whether ``detail`` lines are printed, as ``-v/--verbose`` said (``word``; None: as
+    MPIPS_VERBOSE says)."""
+
+    def __init__(self) -> None:
+        self.word: bool | None = None
+
+    def reset(self) -> None:
+        """Back to MPIPS_VERBOSE's say (for tests)."""
+        self.word = None
+
+
+VERBOSITY = Verbosity()  # this process's: never rebound
 
 
 def set_verbose(on: bool) -> None:
     """Print ``detail`` lines too (``-v/--verbose``); MPIPS_VERBOSE sets the default."""
-    global _verbose
-    _verbose = on
+    VERBOSITY.word = on
 
 
 def counted(n: int, noun: str) -> str:
@@ -30,7 +42,8 @@ def counted(n: int, noun: str) -> str:
 def verbose() -> bool:
     """Whether ``detail`` lines are printed (a line never fails: a bad MPIPS_VERBOSE reads
     as unset here, and start-up says it)."""
-    return settings.cached().verbose if _verbose is None else _verbose
+    word = VERBOSITY.word
+    return settings.cached().verbose if word is None else word
 
 
 def log(role: object, message: str) -> None:

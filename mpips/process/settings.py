@@ -155,7 +155,20 @@ def read(env: Mapping[str, str]) -> Settings:
     )
 
 
-_cache: list[Any] = []  # [the NAMES' values it was read from, Settings]
+class Cache:
+    """The settings as last read (``settings``; None: never read), and the values of NAMES
+    they were read from (``key``)."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str | None, ...] = ()
+        self.settings: Settings | None = None
+
+    def reset(self) -> None:
+        """Forget them: the next use reads the environment again (for tests)."""
+        self.key, self.settings = (), None
+
+
+CACHE = Cache()  # this process's: never rebound
 
 
 def current() -> Settings:
@@ -163,17 +176,18 @@ def current() -> Settings:
     values changed since (a test's monkeypatch); ConfigError for a bad value. Looking the
     variables up takes ~70 us: for start-up and once-a-run paths (a step's use cached())."""
     key = tuple(map(os.environ.get, NAMES))
-    if not _cache or _cache[0] != key:
-        _cache[:] = [key, read(os.environ)]
-    settings: Settings = _cache[1]
-    return settings
+    if CACHE.settings is None or CACHE.key != key:
+        settings = read(os.environ)
+        CACHE.key, CACHE.settings = key, settings
+        return settings
+    return CACHE.settings
 
 
 def cached() -> Settings:
     """The settings as last read (read now if never; the defaults where a value is bad, as
     lenient()), without looking at the environment again: for paths taken every step, after
     start-up has read and checked them."""
-    return _cache[1] if _cache else lenient()
+    return lenient() if CACHE.settings is None else CACHE.settings
 
 
 def check() -> None:
