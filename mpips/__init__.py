@@ -4,11 +4,12 @@ A thin public face: load a job, train it (collectively, under mpirun), hook into
 ``import mpips`` does not initialise MPI; ``mpips.train`` does, on first use.
 """
 
+from .process import signals
+
+signals.start_up()  # first, before numpy: Ctrl-C while `python -m mpips` starts
+
 from typing import Any
 
-from .process import interrupt_at_start  # noqa: F401 (first: Ctrl-C while `python -m mpips` starts)
-
-# isort: split
 from . import layers
 from .errors import MpipsError
 from .job import Job, load_job, parse_job

@@ -9,7 +9,7 @@ import ast
 
 from test_structure import ROOT, modules
 
-LONGEST = 70  # lines, from ``def`` to the function's last line
+LONGEST = 60  # lines, from ``def`` to the function's last line
 MECHANISM = ("mpips.store", "mpips.allreduce")
 POLICY = ("mpips.optim", "mpips.job", "mpips.schema", "mpips.modes", "mpips.placement.plan")
 MAY_NAME_MODES = ("mpips.modes", "mpips.job", "mpips.schema")
@@ -46,10 +46,10 @@ def long_functions(tree: ast.Module, limit: int = LONGEST) -> list[tuple[str, in
     ]
 
 
-def test_no_function_is_over_70_lines():
+def test_no_function_is_over_60_lines():
     found = {n: f for n, t in modules().items() if (f := long_functions(t))}
     assert not found, f"functions over {LONGEST} lines: {found}"
-    assert long_functions(ast.parse("def f():\n" + "    x = 1\n" * LONGEST)) == [("f", 71)]
+    assert long_functions(ast.parse("def f():\n" + "    x = 1\n" * LONGEST)) == [("f", 61)]
 
 
 def package_of(name: str) -> str:

@@ -162,7 +162,13 @@ def _whose(filename: str) -> str:
 
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # mpips/
-MODEL_API = ("layers.py", "models/mlp.py", "device/backend.py")  # what models call, as numpy
+MODEL_API = (  # what models call, as numpy
+    "layers.py",
+    "models/mlp.py",
+    "device/backend.py",
+    "device/arrays.py",
+    "device/staging.py",
+)
 
 
 def _library_dirs() -> list[Path]:
