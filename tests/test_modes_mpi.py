@@ -117,16 +117,28 @@ class Crossings(Hook):
         assert set(self.matmuls[1:]) == {3 * self.layers - 1}, self.matmuls
 
 
-def train(write, device: str = "cpu", hooks=()) -> tuple[mpips.Job, mpips.TrainResult]:
+def train(
+    write, device: str = "cpu", hooks=(), timeline: bool = False
+) -> tuple[mpips.Job, mpips.TrainResult]:
     """Rank 0 writes the job file (``write()``), every rank loads it and trains it on
-    ``device``."""
+    ``device`` (with ``timeline``: recording the timeline beside its checkpoints)."""
     comm = world()
     if comm.rank == 0:
         write()
     comm.Barrier()
     job = load_job("job.toml")
-    job.train.device = device
+    job.train.device, job.summary.timeline = device, timeline
     return job, mpips.train(job, hooks, comm=comm)
+
+
+def phases(shared: Path, job: mpips.Job, result: mpips.TrainResult) -> set[str]:
+    """The phases a worker's timeline recorded."""
+    path = shared / job.checkpoint.dir / f"timeline/worker-{result.role.task}.json"
+    return {e["name"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"}
+
+
+REPLICA_PHASES = {"compute", "agreement", "reduce and update"}
+ON_THE_DEVICE = {"copy in", "update on the device"}  # a GPU replica's
 
 
 @pytest.mark.parametrize("memory", ["shared", "messages"])
@@ -139,7 +151,9 @@ def test_sync_in_process_equals_one_process(shared, device, memory, monkeypatch)
         if device == "gpu":  # blocks smaller than a kernel: on the host only, never on a device
             monkeypatch.setattr(layers, "BLOCK_BYTES", 1024)
     crossings = Crossings()
-    job, result = train(lambda: sync_job(shared, "adam"), device, [crossings])
+    job, result = train(lambda: sync_job(shared, "adam"), device, [crossings], timeline=True)
+    seen = phases(shared, job, result)  # (no rows: no pull, no push)
+    assert seen == REPLICA_PHASES | (ON_THE_DEVICE if device == "gpu" else set()), seen
     if device == "gpu":  # variables on the device: gradients out, their mean in
         # waits a step: the loss, the update's, and in shared memory one for all the
         # gradients' copies out (as messages one each: each is reduced as it comes)
@@ -266,8 +280,10 @@ def test_hybrid_tables_on_the_ps_dense_replicas_equal_lockstep(shared, device):
     gradients out (page-locked), the sparse products as gathers and scatter-adds."""
     crossings = Crossings()
     job, result = train(
-        lambda: hybrid_job(shared, "wide_deep", "sgd", 0.5, 24), device, [crossings]
+        lambda: hybrid_job(shared, "wide_deep", "sgd", 0.5, 24), device, [crossings], True
     )
+    seen, rows = phases(shared, job, result), {"pull", "push and ack"}
+    assert seen == REPLICA_PHASES | rows | (ON_THE_DEVICE if device == "gpu" else set()), seen
     if world().rank == 1:  # the chief
         assert result.global_step == 24
     for h2d, d2h, h2d_pageable, _, d2h_pageable in crossings.steps:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ..errors import ConfigError
 from ..job import Job
 from .asynchronous import Async
 from .base import Mode, RunContext
@@ -15,6 +16,8 @@ MODES: dict[str, type[Mode]] = {m.name: m for m in (Async, Sync, SyncReplicas, H
 
 def check_job(job: Job) -> Job:
     """``job`` as its mode takes it: the mode's own rules (Mode.check_job); returns it."""
+    if job.train.mode not in MODES:  # (a Job built in code: a file's value is checked)
+        raise ConfigError(f"train.mode: {job.train.mode!r} is not one of {', '.join(MODES)}")
     MODES[job.train.mode].check_job(job)
     return job
 

@@ -134,6 +134,8 @@ class Replica:
         self.model, self.prep, self.device = ctx.model, ctx.prep, ctx.device
         self.role, self.tc = ctx.role, ctx.tc
         self.comm, self.workers = ctx.cluster.workers, ctx.cluster.layout.num_workers
+        # first: every replica refuses too few rows alike, before anything is pinned
+        self.per_epoch = _batches_per_epoch(ctx, self.workers)
         home: Variables = HostVariables(ctx) if ctx.device.on_host else DeviceVariables(ctx)
         self.home = home
         specs = home.bucketed(self.model.variables())
@@ -149,7 +151,6 @@ class Replica:
             shared=node_shared(ctx.cluster, need),
         )
         home.attach(self.buckets, specs)
-        self.per_epoch = _batches_per_epoch(ctx, self.workers)
         self.step_count = self.clock = self.updates = 0
         self.stopped = 0  # the signal every replica agreed to stop on (0: none)
         self.stop_asked = 0  # a hook on this replica asked to stop the run

@@ -71,6 +71,7 @@ class TableRows:
     pulls = True
 
     def __init__(self, ctx: RunContext, windows: Windows):
+        # built before the Replica's collectives (its buckets): no collective call here
         self.ctx, self.windows = ctx, windows
         self.task = ctx.role.task
         self.client = StoreClient(windows, self.task, ctx.optimizer.stateful)
