@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import faulthandler
 import json
@@ -103,15 +104,16 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "launcher: spawns mpiexec or other subprocesses itself (plain pytest only); "
-        "launcher(quick=True): one short enough for the fast tier",
+        "launcher(quick=True): the fast tier's one launch (the modes' suite)",
     )
     config.addinivalue_line(
         "markers", "gpu: needs cupy and a CUDA device (skipped without; benchmarks/gpu_check.sh)"
     )
     config.addinivalue_line(
         "markers",
-        "slow: launches whole jobs (every launcher test but a quick one); "
-        '-m "not slow" is the fast tier (in process, and one quick mpiexec of the modes)',
+        "slow: starts a process (every launcher test but the quick one, and every test that "
+        'runs a command or a converter); -m "not slow" is the fast tier (in process, and one '
+        "quick mpiexec of the modes)",
     )
 
 
@@ -148,11 +150,56 @@ def pytest_collection_modifyitems(config, items):
                     )
                 )
         launcher = item.get_closest_marker("launcher")
+        quick = launcher is not None and launcher.kwargs.get("quick")
+        if not quick and (launcher is not None or spawns_a_process(item)):
+            item.add_marker(pytest.mark.slow)  # a process of its own: not the fast tier
         if launcher is not None:
-            if not launcher.kwargs.get("quick"):  # a whole job: the fast tier leaves it out
-                item.add_marker(pytest.mark.slow)
             if WORLD_SIZE > 1:
                 item.add_marker(pytest.mark.skip(reason="spawns mpiexec; run under plain pytest"))
+
+
+# what starts a process: conftest's runners, subprocess, a pseudo-terminal's fork
+SPAWNERS = frozenset({"run_py", "run_mpi", "run_train", "BackgroundJob", "subprocess", "pty"})
+_SPAWNING: dict[str, frozenset[str]] = {}  # module name: its names that start a process
+
+
+def _uses(module) -> dict[str, set[str]]:
+    """Each function of a test module (tests, helpers, fixtures) by name: the names its body
+    mentions. The module's file is parsed once."""
+    try:
+        tree = ast.parse(Path(module.__file__).read_text())
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    return {
+        fn.name: {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+        | {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+
+
+def _spawning(module) -> frozenset[str]:
+    """SPAWNERS and the module's own functions (fixtures included) that reach one of them,
+    with each function's uses (cached a module)."""
+    if module.__name__ not in _SPAWNING:
+        uses = _uses(module)
+        found, grew = set(SPAWNERS), True
+        while grew:
+            more = {name for name, used in uses.items() if name not in found and used & found}
+            found, grew = found | more, bool(more)
+        _SPAWNING[module.__name__] = frozenset(found)
+    return _SPAWNING[module.__name__]
+
+
+def spawns_a_process(item) -> bool:
+    """Whether a test starts a process (``python -m mpips ...``, mpiexec, a converter), by
+    itself, through a helper of its module or through a fixture: the fast tier runs in
+    process (and the one quick launcher test of the modes)."""
+    fn, module = getattr(item, "function", None), getattr(item, "module", None)
+    if fn is None or module is None:
+        return False
+    spawning = _spawning(module)
+    return fn.__name__ in spawning or bool(set(item.fixturenames) & spawning)
 
 
 _REAL_STDERR = None

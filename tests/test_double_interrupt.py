@@ -178,7 +178,7 @@ time.sleep(120)  # (signals do not cut it short; a bound, should the test fail)
 """
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_the_wrapper_passes_ctrl_c_on_once_per_window_and_the_rest_as_they_come(tmp_path):
     """A stand-in launcher that counts what reaches it: Ctrl-C twice is one SIGINT; Ctrl-C
     again after the window is passed on (with mpiexec: its forced abort, as the user asked);
@@ -203,7 +203,7 @@ def test_the_wrapper_passes_ctrl_c_on_once_per_window_and_the_rest_as_they_come(
     assert got == ["SIGINT", "SIGINT", "SIGUSR1", "SIGTERM"], term.text()
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_the_wrapper_ends_as_its_launcher_does(tmp_path):
     """Exit codes pass through, a death by signal is the wrapper's own death by it; a
     missing or unknown launcher is one line and exit 2."""
@@ -230,7 +230,7 @@ time.sleep(120)
 """
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_a_launcher_whose_wrapper_is_killed_gets_sigterm(tmp_path):
     """kill -9 of the wrapper: the launcher, in a process group no Ctrl-C reaches any more,
     gets SIGTERM (for mpiexec: passed to the ranks, a checkpoint, exit 3), not left running."""

@@ -137,7 +137,7 @@ def one_process_threads(tmp_path, **env: str) -> dict[str, int]:
     return json.loads((tmp_path / "threads.json").read_text())
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_the_one_process_run_keeps_the_users_thread_count(tmp_path):
     """The issue's case, end to end: ``OPENBLAS_NUM_THREADS=1 python -m mpips train JOB``
     computes with 1 BLAS thread (mpips' share for one process is every core: 2 or more

@@ -51,13 +51,13 @@ def test_a_bad_limit_stops_every_rank_at_start_up_in_one_line(tmp_path, name, va
     assert_one_line(r, f"mpips: error: {name} must be a number of seconds >= 1, got {value!r}")
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_a_bad_value_stops_a_one_process_run_in_one_line(tmp_path):
     r = run_train_env(None, tmp_path, MPIPS_VERBOSE="loud")
     assert_one_line(r, "mpips: error: MPIPS_VERBOSE must be 1 or 0")
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_a_good_limit_is_obeyed_and_a_typo_is_warned_of(tmp_path):
     r = run_train_env(None, tmp_path, MPIPS_START_TIMEOUT="30", MPIPS_STAL_TIMEOUT="5")
     assert r.returncode == 0, r.stderr[-3000:]

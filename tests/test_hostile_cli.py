@@ -18,7 +18,7 @@ JOB = (
     '[data]\npath = "{data}"\n[train]\nsteps = 20\nprogress = false\n'
     '[checkpoint]\ndir = "runs/ck"\n'
 )
-quick = pytest.mark.launcher(quick=True)
+quick = pytest.mark.launcher  # (a process of its own: the full suite, not the fast tier)
 
 
 def refused(r, *said: str) -> None:

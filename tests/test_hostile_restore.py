@@ -366,7 +366,7 @@ def test_a_mixed_or_damaged_checkpoint_is_refused_by_train_eval_and_inspect(tmp_
     assert snapshot(ck) == before
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_a_data_file_with_damaged_metadata_is_one_message(tmp_path):
     """The reproduction: bytes 15-18 of a data file set to b0 2b 3d c6."""
     path = dense_data_file(tmp_path / "d.h5")

@@ -127,7 +127,8 @@ def train(
         write()
     comm.Barrier()
     job = load_job("job.toml")
-    job.train.device, job.summary.timeline = device, timeline
+    job.train.device = device
+    job.summary.timeline = job.summary.timeline or timeline
     return job, mpips.train(job, hooks, comm=comm)
 
 

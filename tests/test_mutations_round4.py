@@ -172,7 +172,7 @@ print("waited enough", waited >= preemption.DUPLICATE_SECONDS - 0.1, flush=True)
 """
 
 
-@pytest.mark.launcher(quick=True)  # (a process of its own: its signals)
+@pytest.mark.launcher  # (a process of its own: its signals)
 def test_restore_waits_out_the_duplicate_window_before_giving_the_handlers_back(tmp_path):
     """restore() right after a request first waits out DUPLICATE_SECONDS: the duplicate of
     that request still finds the signals ignored, and never reaches the handler the caller

@@ -54,7 +54,7 @@ def mpips(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_one_process_trains_with_a_layout_file_that_has_a_world_size(tmp_path):
     (tmp_path / "layout.toml").write_text(LAYOUT)
     args = ("train", "--no-progress", "--steps", "20", "--ckpt-dir", "")
@@ -68,7 +68,7 @@ def test_one_process_trains_with_a_layout_file_that_has_a_world_size(tmp_path):
     assert r.returncode == 0 and "final: global_step 20" in r.stdout, r.stderr[-3000:]
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_one_process_trains_a_job_whose_layout_pins_and_partitions(tmp_path):
     """ps = 2, world_size = 5, a pin to ps task 1 and a partitioned variable: all for the
     launch with 5 ranks; the one-process run trains the same model."""
@@ -81,7 +81,7 @@ def test_one_process_trains_a_job_whose_layout_pins_and_partitions(tmp_path):
     assert r.returncode == 0 and "0 ps, 1 worker" in r.stdout, r.stderr[-3000:]
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_under_slurm_the_hints_say_ntasks(tmp_path):
     """In an sbatch script (SLURM_JOB_ID, SLURM_NTASKS set) the one-process run names srun
     and the allocation's tasks; a world size that does not match says --ntasks."""

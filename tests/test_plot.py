@@ -68,7 +68,7 @@ def values(records, name, task):
     return [r["value"] for r in records if r["name"] == name and r["task"] == task]
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_a_resumed_run_breaks_every_line_and_shows_every_workers_rate(tmp_path):
     (tmp_path / "job.toml").write_text(JOB.format(all_workers="true"))
     r = run_train(tmp_path, 3, "job.toml", timeout=120)

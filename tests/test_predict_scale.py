@@ -105,7 +105,7 @@ def test_the_training_range_is_read_in_blocks_or_taken_from_the_file(tmp_path, m
             data.raw_range(data.open_dataset(str(path)))
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_the_command_line_says_which_option_to_give(trained):
     d = trained[0]
     argv = [

@@ -79,7 +79,7 @@ def test_a_bad_value_names_the_variable_and_what_it_takes(name, value, said):
     assert said in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_nothing_is_read_at_import():
     """Importing mpips (and the modules that used to read at import) reads no variable: a
     bad value cannot fail an import, only the start-up check."""

@@ -122,7 +122,7 @@ cluster.free()
 """
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_private_windows_serve_pulls_and_pushes_while_the_ps_makes_no_mpi_call(tmp_path):
     """The parameter window in the PS's private memory (Alloc_mem, Win.Create): the chief's
     initial values, every worker's pushes and the pulls all land, while the PS waits in

@@ -4,6 +4,7 @@ describes)."""
 
 import ast
 import collections
+import functools
 from pathlib import Path
 
 import mpips
@@ -75,7 +76,9 @@ COMMUNICATION_CALLS = WINDOW_CALLS | {
 MAY_COMMUNICATE = ("mpips.store", "mpips.allreduce")
 
 
+@functools.cache
 def modules() -> dict[str, ast.Module]:
+    """Every module of mpips, parsed once a session (callers only read the trees)."""
     out = {}
     for path in ROOT.rglob("*.py"):
         name = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)

@@ -188,7 +188,7 @@ def test_a_model_mistake_leads_with_the_users_line_on_every_path(tmp_path):
     assert f'mistake.py", line {line}, in loss_and_grads' in r.stderr, r.stderr
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_eval_of_a_mistaken_model_leads_with_the_users_line(tmp_path):
     mistaken_model(tmp_path)
     shutil.copy(ROOT / "jobs/my_model.py", tmp_path / "mistake.py")  # trains as it should
@@ -213,7 +213,7 @@ def test_eval_of_a_mistaken_model_leads_with_the_users_line(tmp_path):
             assert len(r.stderr.splitlines()) == 3, r.stderr
 
 
-@pytest.mark.launcher(quick=True)
+@pytest.mark.launcher
 def test_a_closed_pipe_stays_quiet(tmp_path):
     """`layout | head`: the reader goes, and no traceback follows (the commands' handler of
     the user's mistakes comes after it)."""
