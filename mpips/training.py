@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from .errors import ConfigError, ExitDuringTraining
 from .job import Job
 from .models.contract import Model, factory_name
 from .models.mlp import build_model
-from .optim import Optimizer, build_optimizer, unused_settings
+from .optim import build_optimizer, unused_settings
 from .placement.layout import node_indices, ps_imbalance
 from .process import preemption, settings
 from .process.failure import set_role
@@ -32,7 +33,7 @@ from .process.log import detail, log
 from .process.settings import launch_hint
 from .run.hooks import Hook
 from .run.session import TrainResult
-from .run.startup import Prepared, check_same_model, prepare
+from .run.startup import Prepared, StartUp, check_same_model, prepare
 from .store import (
     Cluster,
     agreed,
@@ -163,14 +164,13 @@ def _train(
         model = factory
         if cluster.comm.size == 1:  # (one process: the model built first, to name it)
             model = one_process_model(job, device.xp, factory, arrays)
-        return prepare(job, mode, cluster, optimizer, device.xp, model, arrays)
+        return prepare(StartUp(job, mode, cluster, optimizer, device.xp), model, arrays)
 
     prep = agreed(cluster.comm, start)
     agreed(cluster.comm, lambda: check_same_model(cluster, prep.fingerprints))
+    ctx = modes.RunContext(job, mode, cluster, optimizer, prep, device, hooks)
     if job.train.zero_copy is None:  # (job: this run's copy) unset: the mode's default here
-        mine = agreed(
-            cluster.comm, lambda: mode.zero_copy(job, cluster, prep.model, optimizer, prep.info)
-        )
+        mine = agreed(cluster.comm, lambda: mode.zero_copy(ctx))
         every = allgather_json(cluster.comm, mine, "the zero-copy check", start_timeout())
         job.train.zero_copy = all(every)
         if job.train.zero_copy and cluster.is_chief:
@@ -179,7 +179,7 @@ def _train(
                 "every rank on one node: the workers read and update the PS memory in place "
                 "(train.zero_copy; set it to false for copied pulls)",
             )
-    elements = kernel_elements(job, mode, cluster, prep.model, optimizer, prep.info)
+    elements = kernel_elements(ctx)
     optimizer, kernel = optim.plan_kernel(optimizer, elements)
     _await_kernel(cluster, kernel, elements)
     # a PS task 1 BLAS thread, the node's workers the other cores (none left idle); after
@@ -190,7 +190,7 @@ def _train(
         ps_on_node=ps_here,
         local_worker=None if cluster.is_ps else cluster.local_worker_index,
     )
-    return mode.train(modes.RunContext(job, mode, cluster, optimizer, prep, device, hooks))
+    return mode.train(replace(ctx, optimizer=optimizer))  # (the kernel's, where it loads one)
 
 
 def _await_kernel(cluster: Cluster, kernel: str | None, elements: int) -> None:
@@ -208,15 +208,14 @@ def _await_kernel(cluster: Cluster, kernel: str | None, elements: int) -> None:
     )
 
 
-def kernel_elements(
-    job: Job, mode: modes.Mode, cluster: Cluster, model: Any, optimizer: Optimizer, info: Any
-) -> int:
+def kernel_elements(ctx: modes.RunContext) -> int:
     """The float32 elements one update of this process applies the optimizer's rule to on
     the CPU (0: it applies none), which decides whether it loads the fused kernel
     (optim.plan_kernel). A replica (sync; hybrid's dense part) updates its share of the
     dense variables; a PS task its part, where it applies the updates; a worker every
     stored variable, where it updates the PS memory in place (zero copy). A table counts
     the rows a batch touches."""
+    job, mode, cluster, model = ctx.job, ctx.mode, ctx.cluster, ctx.model
     if model is None or (job.train.device != "cpu" and not cluster.is_ps):
         return 0
     workers = cluster.layout.num_workers
@@ -224,7 +223,10 @@ def kernel_elements(
     if not mode.ps_holds_variables:  # sync replicas: each updates its 1/W part
         return 0 if cluster.is_ps else dense // workers
     placement = mode.store_placement(job, model, cluster.layout.num_ps)
-    zero_copy, touched = bool(job.train.zero_copy), job.train.batch_size * max(1, info.max_nnz)
+    zero_copy, touched = (
+        bool(job.train.zero_copy),
+        job.train.batch_size * max(1, ctx.prep.info.max_nnz),
+    )
 
     def size(entries: Iterable[Any]) -> int:
         return sum(
@@ -235,7 +237,7 @@ def kernel_elements(
         )
 
     if cluster.is_ps:
-        applies = has_inboxes(placement, zero_copy, mode.ps_applies(optimizer.stateful))
+        applies = has_inboxes(placement, zero_copy, mode.ps_applies(ctx.optimizer.stateful))
         return size(placement.on_ps(cluster.role.task)) if applies else 0
     held = 0 if mode.dense_on_ps else dense // workers  # (hybrid: the replicas' dense part)
     return held + (size(placement) if updates_in_place(placement, zero_copy) else 0)

@@ -117,22 +117,23 @@ class Mode:
         plan = WindowPlan(placement, slots, job.train.batch_size * max(1, info.max_nnz))
         return plan.rank_bytes(layout, inboxes, in_place)
 
-    def zero_copy(
-        self, job: Job, cluster: Cluster, model: Any, optimizer: Optimizer, info: DatasetInfo
-    ) -> bool:
+    def zero_copy(self, ctx: RunContext) -> bool:
         """Whether this rank would have the workers read and update the PS memory in place:
         train.zero_copy when set; unset, the default of a mode that reads in place on one
         node (async) when every rank is on one node, the workers compute on the CPU,
         MPIPS_SHARED_MEMORY is not 0 and the node's /dev/shm holds the PS windows (MPI
         shared memory lives there: past its end a process dies of SIGBUS). Local: the
         ranks agree on it afterwards (mpips.train: all of them, or none)."""
+        job, cluster = ctx.job, ctx.cluster
         if job.train.zero_copy is not None:
             return job.train.zero_copy
         if not (self.zero_copy_on_one_node and cluster.one_node and job.train.device == "cpu"):
             return False
         if not settings.current().shared_memory:  # (MPIPS_SHARED_MEMORY=0: none wanted)
             return False
-        per_rank = self.rank_bytes(job, cluster.layout, model, optimizer, info, zero_copy=True)
+        per_rank = self.rank_bytes(
+            job, cluster.layout, ctx.model, ctx.optimizer, ctx.prep.info, zero_copy=True
+        )
         need = sum(per_rank[r] for r in cluster.layout.ps_ranks)
         free = shared_memory_free(need)
         if shared_memory_fits(need, free):

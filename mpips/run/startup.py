@@ -84,14 +84,28 @@ class Prepared:
     local: dict[str, Any] = field(default_factory=dict)
 
 
-def _take_checkpoint_dir(job: Job, mode: StartMode, cluster: Cluster) -> None:
+@dataclass(frozen=True)
+class StartUp:
+    """What start-up works from, made once (mpips.training) before anything is prepared:
+    the job (this run's copy), its mode, where this rank stands, the optimizer and the
+    array module it computes with. The run's context (mpips.modes.RunContext) adds what
+    start-up prepared, the device and the hooks."""
+
+    job: Job
+    mode: StartMode
+    cluster: Cluster
+    optimizer: Optimizer
+    xp: ModuleType = np
+
+
+def _take_checkpoint_dir(start: StartUp) -> None:
     """The checkpoint directory taken for this run, before anything reads or writes there:
     the chief checks a fresh start would not mix with an earlier run, then locks it
     (checkpoint.lock_directory: a second run on the same directory stops here, naming the
     first), and every rank learns the run's id, or the chief's refusal, in one exchange
     (the first step of start-up: nothing before it can fail, so every rank reaches it).
     The ranks that write shards tag them with that id."""
-    c = job.checkpoint
+    job, cluster, c = start.job, start.cluster, start.job.checkpoint
     if not c.dir:
         return
     said: dict[str, str] = {}
@@ -114,7 +128,7 @@ def _take_checkpoint_dir(job: Job, mode: StartMode, cluster: Cluster) -> None:
         ]
     if "error" in said:
         raise CheckpointError(said["error"])
-    if not cluster.is_chief and cluster.is_ps and mode.ps_holds_variables:
+    if not cluster.is_chief and cluster.is_ps and start.mode.ps_holds_variables:
         checkpoint.join_run(c.dir, said["run"])
 
 
@@ -135,24 +149,25 @@ def _refuse_mixed_start(job: Job) -> None:
             )
 
 
-def _check_checkpoint_dir(job: Job, mode: StartMode, cluster: Cluster) -> None:
+def _check_checkpoint_dir(start: StartUp) -> None:
     """Found at start-up, not after training: a directory the writers cannot write."""
-    c = job.checkpoint
+    c, cluster = start.job.checkpoint, start.cluster
     if not c.dir:
         return
-    writes = cluster.is_chief or (cluster.is_ps and mode.ps_holds_variables)
+    writes = cluster.is_chief or (cluster.is_ps and start.mode.ps_holds_variables)
     if writes:
         checkpoint.check_writable(c.dir)
 
 
-def _check_summary_dir(job: Job, mode: StartMode, cluster: Cluster) -> None:
+def _check_summary_dir(start: StartUp) -> None:
     """The summaries' directory, checked like the checkpoints' by every rank that writes
     there (the chief, every worker with summary.all_workers, every task with a timeline,
     every PS task that applies updates itself)."""
+    job, cluster = start.job, start.cluster
     root, s = summary_root(job), job.summary
     if not root or not (s.every_steps or s.timeline):
         return
-    ps_applies = mode.ps_applies(job.optimizer.kind != "sgd")
+    ps_applies = start.mode.ps_applies(job.optimizer.kind != "sgd")
     writes = (
         cluster.is_chief
         or s.timeline
@@ -172,20 +187,13 @@ def _check_summary_dir(job: Job, mode: StartMode, cluster: Cluster) -> None:
         )
 
 
-def _check_memory(
-    job: Job,
-    mode: StartMode,
-    cluster: Cluster,
-    model: Any,
-    optimizer: Optimizer,
-    info: DatasetInfo,
-) -> None:
+def _check_memory(start: StartUp, model: Any, info: DatasetInfo) -> None:
     """What the ranks on this node will allocate for the model (PS windows, worker buffers;
     sync replicas: variables, slots and gradients) must fit in the memory available here.
     Sizes come from the data file's attributes and the job: a corrupt or hostile file must
     give one message, not an OOM kill."""
-    here = cluster.node_ranks
-    per_rank = mode.rank_bytes(job, cluster.layout, model, optimizer, info)
+    here, layout = start.cluster.node_ranks, start.cluster.layout
+    per_rank = start.mode.rank_bytes(start.job, layout, model, start.optimizer, info)
     largest = max(model.variables() + model.tables(), key=lambda s: s.nbytes)
     check_fits(
         sum(per_rank[r] for r in here),
@@ -195,15 +203,7 @@ def _check_memory(
     )
 
 
-def prepare(
-    job: Job,
-    mode: StartMode,
-    cluster: Cluster,
-    optimizer: Optimizer,
-    xp: ModuleType = np,
-    factory: Any = None,
-    arrays: Any = None,
-) -> Prepared:
+def prepare(start: StartUp, factory: Any = None, arrays: Any = None) -> Prepared:
     """Everything that can fail on bad input, done before any window exists.
 
     Restoring, each PS task reads the variables and slots it will hold (in parallel; table
@@ -212,9 +212,10 @@ def prepare(
     ``factory``: a model (or a callable making one) from the Python API, instead of
     model.kind; ``arrays``: the data as arrays from the Python API, instead of job.data.
     """
-    _take_checkpoint_dir(job, mode, cluster)
-    _check_checkpoint_dir(job, mode, cluster)
-    _check_summary_dir(job, mode, cluster)
+    job, cluster = start.job, start.cluster
+    _take_checkpoint_dir(start)
+    _check_checkpoint_dir(start)
+    _check_summary_dir(start)
     if job.train.zero_copy and not cluster.one_node:
         raise ConfigError(
             "train.zero_copy: every rank must run on one node (the workers read the PS "
@@ -232,20 +233,20 @@ def prepare(
         wrote = ckpt.meta.get("model")
         if isinstance(wrote, str) and wrote != job.model.kind:
             prep.model_changed = wrote
-    model = prep.model = build_model(job.model, info, xp, job.source, factory)
+    model = prep.model = build_model(job.model, info, start.xp, job.source, factory)
     model.worker = cluster.role.task if not cluster.is_ps else 0
     prep.fingerprints = model.fingerprints()  # (as built: compared once every rank is here)
-    mode.check(job, cluster, model, info)
-    _check_memory(job, mode, cluster, model, optimizer, info)
+    start.mode.check(job, cluster, model, info)
+    _check_memory(start, model, info)
     if cluster.is_ps:
-        if mode.ps_holds_variables:
-            prep.local = _ps_fill(job, mode, cluster, model, optimizer, ckpt)
+        if start.mode.ps_holds_variables:
+            prep.local = _ps_fill(start, model, ckpt)
         return prep
-    _worker_part(job, cluster, prep, xp)
+    _worker_part(start, prep)
     if ckpt is not None:
         _restore_state(cluster, model, ckpt)
     if cluster.is_chief:
-        _chief_part(job, mode, model, optimizer, prep, ckpt)
+        _chief_part(start, prep, ckpt)
     return prep
 
 
@@ -327,9 +328,10 @@ def _resume_hint(ckpt: checkpoint.Checkpoint) -> str:
     )
 
 
-def _worker_part(job: Job, cluster: Cluster, prep: Prepared, xp: ModuleType) -> None:
+def _worker_part(start: StartUp, prep: Prepared) -> None:
     """A worker: its part of the train rows (read whole, or streamed in chunks; on a GPU,
     copied there whole where data.on_device says so)."""
+    job, cluster, xp = start.job, start.cluster, start.xp
     info, task, workers = prep.info, cluster.role.task, cluster.layout.num_workers
     prep.rows = worker_rows(info.rows["train"], workers, task)
     if prep.rows[1] <= prep.rows[0]:
@@ -392,16 +394,10 @@ def _on_device(
     return InMemoryPart(xp.asarray(part.x), xp.asarray(part.y), xp)
 
 
-def _chief_part(
-    job: Job,
-    mode: StartMode,
-    model: Any,
-    optimizer: Optimizer,
-    prep: Prepared,
-    ckpt: checkpoint.Checkpoint | None,
-) -> None:
+def _chief_part(start: StartUp, prep: Prepared, ckpt: checkpoint.Checkpoint | None) -> None:
     """The chief: the test (and validation) split, and the dense variables and slots it
     writes or holds: fresh, or restored where the chief holds them (sync, hybrid)."""
+    job, optimizer, model = start.job, start.optimizer, prep.model
     info, specs = prep.info, model.variables()
     prep.test = load_split(info, "test")
     if job.train.eval_every:
@@ -415,7 +411,7 @@ def _chief_part(
             for name, v in prep.values.items()
             for slot, array in optimizer.init_slots(v).items()
         }
-    elif mode.chief_holds_dense:
+    elif start.mode.chief_holds_dense:
         values = ckpt.read(specs, slot_specs, finite=_resume_hint(ckpt))
         prep.values = {s.name: values[s.name] for s in specs}
         prep.slots = {s.name: values[s.name] for s in slot_specs}
@@ -451,18 +447,14 @@ def _fill_rows(
 
 
 def _ps_fill(
-    job: Job,
-    mode: StartMode,
-    cluster: Cluster,
-    model: Any,
-    optimizer: Optimizer,
-    ckpt: checkpoint.Checkpoint | None,
+    start: StartUp, model: Any, ckpt: checkpoint.Checkpoint | None
 ) -> dict[str, np.ndarray]:
     """What PS ``task`` writes into its own memory before training, by variable name:
     restoring, all it holds (split variables' row blocks re-sliced from any partitioning);
     afresh, its table partitions and their slots (the chief writes the dense variables)."""
+    job, cluster, optimizer = start.job, start.cluster, start.optimizer
     task, seed = cluster.role.task, job.model.init_seed
-    placement = mode.store_placement(job, model, cluster.layout.num_ps)
+    placement = start.mode.store_placement(job, model, cluster.layout.num_ps)
     mine = placement.on_ps(task)
     slots = slot_placement(placement, optimizer.slots).on_ps(task)
     if ckpt is None:
