@@ -32,7 +32,7 @@ from .process.failure import set_role
 from .process.log import detail, log
 from .process.settings import launch_hint
 from .run.hooks import Hook
-from .run.session import TrainResult
+from .run.result import TrainResult
 from .run.startup import Prepared, StartUp, check_same_model, prepare
 from .store import (
     Cluster,

@@ -16,7 +16,7 @@ from conftest import BackgroundJob, run_mpi, run_py
 from mpips import checkpoint, modes
 from mpips.errors import ConfigError
 from mpips.job import parse_job
-from mpips.run.session import loss_not_finite
+from mpips.run.report import loss_not_finite
 
 pytestmark = pytest.mark.launcher
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..job import TABLE_KINDS, Job
-from ..run.session import TrainResult
+from ..run.result import TrainResult
 from .base import Mode, RunContext
 from .engines.async_worker import AsyncWorker
 from .engines.ps import close_store, open_store, run_ps, shard_count

@@ -21,7 +21,7 @@ from ..process.log import detail
 from ..process.memory import SHM_DIR, human, shared_memory_fits, shared_memory_free
 from ..process.settings import launch_hint
 from ..run.hooks import Hook, StepInfo
-from ..run.session import TrainResult
+from ..run.result import TrainResult
 from ..run.startup import Prepared
 from ..store import Cluster, WindowPlan, has_inboxes
 

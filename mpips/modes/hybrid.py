@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..job import Job
 from ..optim import Optimizer
 from ..placement.layout import Layout
-from ..run.session import TrainResult
+from ..run.result import TrainResult
 from ..store import Cluster
 from .base import Mode, RunContext, replica_bytes
 from .engines.ps import close_store, open_store, run_ps, shard_count

@@ -16,7 +16,7 @@ from ..optim import Optimizer
 from ..placement.layout import Layout
 from ..placement.plan import job_placement
 from ..process import preemption
-from ..run.session import TrainResult
+from ..run.result import TrainResult
 from ..store import Cluster
 from .base import Mode, RunContext, replica_bytes
 from .engines.replica import Replica

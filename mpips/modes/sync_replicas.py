@@ -18,7 +18,7 @@ from ..data.batches import DatasetInfo, full_batches
 from ..errors import ConfigError, DataError
 from ..job import TABLE_KINDS, Job
 from ..placement.layout import Layout
-from ..run.session import TrainResult
+from ..run.result import TrainResult
 from ..store import Apply, Cluster
 from .base import Mode, RunContext
 from .engines.ps import close_store, open_store, run_ps, shard_count

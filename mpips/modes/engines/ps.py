@@ -15,8 +15,9 @@ from ...optim import Optimizer
 from ...placement.table import imbalance, slot_placement
 from ...process import preemption, settings
 from ...process.log import log
+from ...run.checkpoints import manifest_meta
 from ...run.hooks import PendingSave
-from ...run.session import TrainResult, manifest_meta
+from ...run.result import TrainResult
 from ...run.startup import table_initial
 from ...run.summaries import job_timeline, ps_summaries
 from ...store import (

@@ -31,9 +31,7 @@ from ...process import settings
 from ...process.log import detail, log
 from ...process.memory import SHM_DIR, shared_memory_free
 from ...run.hooks import PendingSave, Run, StepInfo
-from ...run.session import (
-    Session,
-    TrainResult,
+from ...run.report import (
     evaluate_on,
     loss_not_finite,
     report,
@@ -41,8 +39,9 @@ from ...run.session import (
     say_position_lost,
     say_preempted,
     say_restored,
-    target_steps,
 )
+from ...run.result import TrainResult
+from ...run.session import Session, target_steps
 from ...run.startup import Prepared
 from ...run.summaries import job_timeline
 from ...run.timeline import Phases

@@ -11,8 +11,8 @@ from typing import Any
 from ...allreduce import stop_from_ps
 from ...optim import sgd_deltas
 from ...process import preemption
+from ...run.checkpoints import save_whole
 from ...run.hooks import PendingSave
-from ...run.session import save_whole
 from ...store import StoreClient, Windows, start_limit
 from ..base import RunContext
 from .ps import save_from_ps

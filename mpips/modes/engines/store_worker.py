@@ -15,9 +15,7 @@ from ...errors import AlreadyReported, NonFinite
 from ...models.contract import first_loss_and_grads, said_once
 from ...process.log import detail, log
 from ...run.hooks import Hook, PendingSave, Run, StepInfo
-from ...run.session import (
-    Session,
-    TrainResult,
+from ...run.report import (
     evaluate_on,
     loss_not_finite,
     report,
@@ -25,8 +23,9 @@ from ...run.session import (
     say_position_lost,
     say_preempted,
     say_restored,
-    target_steps,
 )
+from ...run.result import TrainResult
+from ...run.session import Session, target_steps
 from ...run.summaries import job_timeline
 from ...store import StoreClient, Watchdog, Windows, start_limit, watched_barrier
 from ..base import RunContext
