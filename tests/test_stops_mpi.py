@@ -412,7 +412,9 @@ def test_the_nan_message_suggests_clip_norm_only_where_the_mode_takes_it(mode):
     """Its advice must be one the job can follow: sync_replicas and hybrid refuse
     optimizer.clip_norm, so there it only says to lower the learning rate."""
     try:
-        parse_job(f'[train]\nmode = "{mode}"\nsteps = 5\n[optimizer]\nclip_norm = 1.0\n')
+        modes.check_job(
+            parse_job(f'[train]\nmode = "{mode}"\nsteps = 5\n[optimizer]\nclip_norm = 1.0\n')
+        )
         takes = True
     except ConfigError as e:
         assert "optimizer.clip_norm" in str(e)
