@@ -10,7 +10,6 @@ from ...optim import clip_by_global_norm, learning_rate, sgd_deltas
 from ...process import preemption
 from ...process.log import detail, log
 from ...run.hooks import StepInfo
-from ...run.timeline import Phases
 from ...store import NO_MORE_TICKETS, Windows
 from ..base import RunContext
 from .store_worker import Staleness, StoreWorker
@@ -30,7 +29,6 @@ class AsyncWorker(StoreWorker):
         self.overlap = bool(self.tc.overlap_pull and not client.tables)  # (job.py: no zero copy)
         # the variables pulled ahead: global_step when they were read, and which pull it was
         self._ahead: tuple[int, int] | None = None
-        self.phases = Phases(self.timeline)  # the timeline's phases (summary.timeline), if on
         if self.tc.overlap_pull and not self.overlap and self.role.task == 0:
             log(self.role, "train.overlap_pull: off (a model with tables pulls its batch's ids)")
 

@@ -324,8 +324,8 @@ class Replica:
             return None
         self.phases.begin()
         lr = learning_rate(self.ctx.oc, step)
-        loss, host_grads = self._compute(x, y, lr, step)
-        go = self._agree(loss, step)
+        loss, host_grads, votes = self._compute(x, y, lr, step)
+        go = self._agree(loss, step, votes)
         if go:
             self.rows.push(host_grads, lr, self.clock)
             self.phases.mark("push and ack", self.rows.pulls)
@@ -342,9 +342,12 @@ class Replica:
             check_replicas(self.comm, list(self.home.host_params().values()), self.step_count)
         return StepInfo(self.step_count, mean_loss, epoch, self.updates)
 
-    def _compute(self, x: Any, y: Any, lr: float, step: int) -> tuple[float, dict[str, Any]]:
+    def _compute(
+        self, x: Any, y: Any, lr: float, step: int
+    ) -> tuple[float, dict[str, Any], list[int]]:
         """Forward and backward on this replica's batch, its buckets reduced as backward
-        fills them; the loss and the host gradient buffers (table rows' included)."""
+        fills them; the loss, the host gradient buffers (table rows' included) and this
+        replica's votes (a stop signal, a hook's request)."""
         buckets, home = self.buckets, self.home
         x, params, host_grads = self.rows.inputs(x, home.live, home.grads)
         self.phases.mark("pull", self.rows.pulls)
@@ -353,9 +356,9 @@ class Replica:
         # whether to stop (a signal on any replica or forwarded by a PS rank, a hook's
         # request) is agreed while backward runs, so buckets reduced meanwhile are updated
         # then too; not applied when stopping: the checkpoint is exact at `step`
-        self.votes = [self.rows.signal(), self.stop_asked]
+        votes = [self.rows.signal(), self.stop_asked]
         late = self.rows.vote_after_compute
-        buckets.start_step(home.update_rule(lr, step), self.clip, None if late else self.votes)
+        buckets.start_step(home.update_rule(lr, step), self.clip, None if late else votes)
         # (one copy in shared memory: nothing is reduced during backward, so nothing to say)
         ready = staged.ready(None if buckets.shared else buckets.ready)
         if self.updates:
@@ -364,16 +367,16 @@ class Replica:
             loss = self._first_loss_and_grads(params, x, y, grads, ready)
         staged.finish()
         self.phases.mark("compute")
-        return loss, host_grads
+        return loss, host_grads, votes
 
-    def _agree(self, loss: float, step: int) -> bool:
+    def _agree(self, loss: float, step: int, votes: list[int]) -> bool:
         """The replicas' agreement on this step: whether to go on (no stop signal, no hook
         asked to stop); a loss that is not finite anywhere ends the job (hybrid: checked
         here, before any row is pushed)."""
         buckets = self.buckets
         buckets.set_loss(loss)
         if self.rows.vote_after_compute:  # (hybrid) after compute: every replica has pulled
-            buckets.vote([*self.votes, 0 if math.isfinite(loss) else self.role.task + 1])
+            buckets.vote([*votes, 0 if math.isfinite(loss) else self.role.task + 1])
         stopped, asked, *bad = buckets.agreed()
         if bad and bad[0]:  # nothing of the step is pushed
             task = bad[0] - 1

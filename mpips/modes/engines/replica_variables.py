@@ -162,8 +162,10 @@ class DeviceVariables:
         backward says it is ready (alone, the dense ones stay on the device)."""
         device = self.device
         x, y = device.to_device(x, "x"), device.to_device(y, "y")
-        rows = [name for name in params if name not in self.live]
-        params = {**self.live, **device.stage_in({n: params[n] for n in rows})}
+        rows = {name: a for name, a in params.items() if name not in self.live}
+        if not rows:  # (sync: the device's own variables and gradients, nothing copied)
+            return x, y, self.live, self.device_grads, device.staged(self.device_grads, host_grads)
+        params = {**self.live, **device.stage_in(rows)}
         grads = {**self.device_grads, **device.mirrors({n: host_grads[n] for n in rows})}
         return x, y, params, grads, device.staged(grads, host_grads)
 

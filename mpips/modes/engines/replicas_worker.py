@@ -15,7 +15,6 @@ from ...optim import learning_rate
 from ...process import preemption
 from ...process.log import log
 from ...run.hooks import StepInfo
-from ...run.timeline import Phases
 from ...store import Apply, Windows
 from ..base import RunContext
 from .store_worker import StoreWorker
@@ -63,7 +62,6 @@ class ReplicasWorker(StoreWorker):
     def __init__(self, ctx: RunContext, windows: Windows):
         super().__init__(ctx, windows)
         self.dropped = 0
-        self.phases = Phases(self.timeline)
         # equal full batches on every worker, as sync replicas make them (checked > 0)
         self.per_epoch = full_batches(
             self.prep.info.rows["train"], self.cluster.layout.num_workers, self.tc.batch_size

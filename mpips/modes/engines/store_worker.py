@@ -27,6 +27,7 @@ from ...run.report import (
 from ...run.result import TrainResult
 from ...run.session import Session, target_steps
 from ...run.summaries import job_timeline
+from ...run.timeline import Phases
 from ...store import StoreClient, Watchdog, Windows, start_limit, watched_barrier
 from ..base import RunContext
 from .ps import save_from_ps
@@ -57,6 +58,7 @@ class StoreWorker:
         self.stats = Staleness()
         self.watchdog = Watchdog(self.control, ctx.cluster.layout, self.role.task)
         self.timeline = job_timeline(ctx.job, "worker", self.role.task)
+        self.phases = Phases(self.timeline)  # a step's phases on it (summary.timeline), if on
         self.clock = 0  # batches of this worker's part used (its data position)
         self.updates = 0
 
