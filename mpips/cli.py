@@ -103,6 +103,13 @@ def _add_train(sub: Subparsers) -> None:
     )
     _job_args(t)
     t.add_argument("--steps", type=int, help="override train.steps (absolute global step target)")
+    t.add_argument(
+        "--epochs",
+        type=int,
+        help="override train.epochs (passes of each worker over its part of the data); the "
+        "run ends at whichever of train.steps and train.epochs comes first: add --steps 0 "
+        "to train by epochs alone",
+    )
     t.add_argument("--ckpt-dir", help="override checkpoint.dir")
     t.add_argument(
         "--no-restore",
@@ -335,6 +342,7 @@ def _resolve_job(args: argparse.Namespace) -> Job:
         job.layout = replace(job.layout, ps=args.ps)
     for attr, section, key in (
         ("steps", "train", "steps"),
+        ("epochs", "train", "epochs"),
         ("ckpt_dir", "checkpoint", "dir"),
         ("log_every", "train", "log_every"),
     ):

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .placement.layout import check_ps
 from .process.files import read_text
 from .schema import check_keys
 
@@ -296,10 +297,7 @@ def validate(job: Job) -> Job:
     _check_data(job.data)
     if job.summary.timeline and not (job.summary.dir or job.checkpoint.dir):
         raise ConfigError("summary.timeline: set summary.dir (or checkpoint.dir) for it")
-    if isinstance(job.layout.ps, str) and job.layout.ps != "per_node":
-        raise ConfigError(
-            f'layout.ps: {job.layout.ps!r} is not a count, a list of ranks or "per_node"'
-        )
+    check_ps(job.layout.ps, "layout.ps")
     if job.train.steps == 0 and job.train.epochs == 0:
         raise ConfigError("train: give train.steps or train.epochs (or both) so the run can end")
     return job

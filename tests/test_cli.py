@@ -241,3 +241,27 @@ def test_a_first_run_is_quiet_and_verbose_adds_the_details(tmp_path):
     assert loud.returncode == 0, loud.stderr
     for word in ("rank 0, pid ", "rank 2, pid ", "train rows", "staleness of"):
         assert word in loud.stdout, loud.stdout
+
+
+@pytest.mark.parametrize(
+    "argv,steps,epochs",
+    [
+        (["--epochs", "3"], 600, 3),  # the default job's steps stay: whichever comes first
+        (["--epochs", "2", "--steps", "0"], 0, 2),  # by epochs alone
+        (["--steps", "40"], 40, 0),
+    ],
+)
+def test_train_overrides_steps_and_epochs(argv, steps, epochs):
+    """`train --epochs N` overrides train.epochs as `--steps` overrides train.steps."""
+    from mpips.cli import _resolve_job, build_parser
+
+    job = _resolve_job(build_parser().parse_args(["train", *argv]))
+    assert (job.train.steps, job.train.epochs) == (steps, epochs)
+
+
+def test_train_epochs_out_of_range_is_refused():
+    from mpips.cli import _resolve_job, build_parser
+    from mpips.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.epochs: must be >= 0, got -1"):
+        _resolve_job(build_parser().parse_args(["train", "--epochs", "-1"]))

@@ -58,8 +58,12 @@ MINIMAL = '[data]\nbuiltin = "digits"\n[train]\nsteps = 10\n'
         (MINIMAL + "[model]\nhidden = [64, 'x']\n", r"model.hidden: expected a list of integers"),
         (
             MINIMAL + "[layout]\nps = 'two'\n",
-            r"layout.ps: 'two' is not a count, a list of ranks or \"per_node\"",
+            r"layout.ps: expected a count, a list of ranks or \"per_node\", got 'two'",
         ),
+        # wrong whatever the world size: refused by every run, one process included
+        (MINIMAL + "[layout]\nps = -1\n", r"layout.ps: a count of PS tasks must be >= 0, got -1"),
+        (MINIMAL + "[layout]\nps = [0, -2]\n", r"layout.ps: ps rank -2 is negative"),
+        (MINIMAL + "[layout]\nps = [1, 1]\n", r"layout.ps: ps rank 1 is listed more than once"),
         (
             MINIMAL + "[checkpoint]\nevery_secs = true\n",
             r"checkpoint.every_secs: expected a number",
