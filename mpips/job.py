@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .placement.layout import check_ps
 from .process.files import read_text
-from .schema import check_keys
+from .schema import check_keys, check_ps
 
 TABLE_KINDS = ("logreg", "wide_deep")  # the built-in models with row-partitioned tables
 
@@ -112,6 +111,9 @@ class TrainConfig:
     # async, GPU workers with copied pulls: the next step's pull runs on the host while the
     # device computes this step's backward (each gradient one update staler)
     overlap_pull: bool = False
+    # BatchNorm's running statistics recomputed on the chief at the end of the run, from N
+    # training batches with the final variables (0: off; they lag async updates)
+    recompute_batch_norm: int = 0
 
 
 @dataclass
@@ -186,6 +188,7 @@ NON_NEGATIVE = (
     "optimizer.clip_norm",
     "train.check_every",
     "train.eval_every",
+    "train.recompute_batch_norm",
     "data.num_classes",
     "data.x_scale",
     "data.chunk_rows",

@@ -52,13 +52,15 @@ def under_ci() -> bool:
 
 def need(module: str):
     """An optional framework (an extra: torch, jax), or a skip; a failure under CI=true,
-    which installs the extras."""
+    which installs the extras. Called at a module's top it skips the whole module."""
     try:
         return __import__(module)
     except ImportError:
         if under_ci():
             pytest.fail(f"{module} is not installed: CI installs .[{module}]")
-        pytest.skip(f"{module} is not installed (pip install '.[{module}]')")
+        pytest.skip(
+            f"{module} is not installed (pip install '.[{module}]')", allow_module_level=True
+        )
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..process.files import read_text
 from ..process.settings import launch_hint
-from ..schema import check_keys
+from ..schema import check_keys, check_ps, is_int
 
 PS, WORKER = "ps", "worker"
 
@@ -232,37 +232,13 @@ def read_layout_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _is_int(value: Any) -> bool:
-    """An integer, not a bool (TOML's ``true`` is a Python int)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_ps(ps: Any, where: str) -> None:
-    """ConfigError naming ``where`` unless ``ps`` is None, a count >= 0, "per_node" or a
-    list of distinct ranks >= 0: what is wrong whatever the world size, refused in every
-    run (a one-process run, which drops the layout, included)."""
-    if ps is None or ps == PER_NODE:
-        return
-    if not (_is_int(ps) or (isinstance(ps, list) and all(map(_is_int, ps)))):
-        raise ConfigError(f'{where}: expected a count, a list of ranks or "per_node", got {ps!r}')
-    if _is_int(ps) and ps < 0:
-        raise ConfigError(f"{where}: a count of PS tasks must be >= 0, got {ps}")
-    if isinstance(ps, list):
-        negative = [r for r in ps if r < 0]
-        if negative:
-            raise ConfigError(f"{where}: ps rank {negative[0]} is negative (ranks count from 0)")
-        dups = sorted({r for r in ps if ps.count(r) > 1})
-        if dups:
-            raise ConfigError(f"{where}: ps rank {dups[0]} is listed more than once")
-
-
 def _check_layout_types(data: dict[str, Any], where: str) -> None:
     """ConfigError naming ``where`` and the key unless ``ps`` is a count, a list of ranks or
     "per_node" and ``world_size`` a positive integer, as a job's [layout] table is checked:
     unchecked, ``world_size = "2"`` was refused as "2, but the job runs on 2 ranks"."""
     check_ps(data.get("ps"), f"{where}: ps")
     size = data.get("world_size")
-    if size is not None and not _is_int(size):
+    if size is not None and not is_int(size):
         raise ConfigError(f"{where}: world_size: expected an integer, got {size!r}")
     if size is not None and not 1 <= size <= MAX_WORLD_SIZE:
         raise ConfigError(f"{where}: world_size: must be in 1..{MAX_WORLD_SIZE}, got {size}")

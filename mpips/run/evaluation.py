@@ -153,7 +153,11 @@ def predict(
     if not Path(output).suffix == ".npy":
         raise ConfigError(f"--output {output}: predictions are written as a .npy file")
     if type(model).predict is Model.predict:
-        raise ConfigError(f"{type(model).__name__} does not implement predict(params, x)")
+        raise ConfigError(
+            f"{type(model).__module__}.{type(model).__qualname__} does not implement "
+            f"predict(params, x), which `predict` needs (an mpips.Model defines the method; "
+            f"mpips.jax.Model takes predict=, mpips.torch.Model has one)"
+        )
     x = load_inputs(inputs)
     if info.sparse:
         raise ConfigError("predict takes dense inputs; sparse (CTR) models: use eval")
