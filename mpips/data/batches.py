@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from . import sparse
 from ..errors import DataError
 from ..process.files import check_regular
-from .hdf5 import Damaged, h5py_errors, open_plain, plain_attrs
 from ..process.log import log
 from ..process.memory import check_fits
+from . import sparse
+from .hdf5 import Damaged, h5py_errors, open_plain, plain_attrs
 
 if TYPE_CHECKING:
     from ..job import DataConfig

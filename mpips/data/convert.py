@@ -16,11 +16,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .batches import SPLITS, check_finite, npz_member, numpy_errors, open_npz, resolve_path
 from ..errors import DataError
 from ..process.files import atomic_write, check_regular
-from .hdf5 import fixed_text
 from ..process.memory import ABSURD_BYTES, check_fits, human
+from .batches import SPLITS, check_finite, npz_member, numpy_errors, open_npz, resolve_path
+from .hdf5 import fixed_text
 
 # what a failure to write a converted file (a read-only folder, a full disk) means: one line
 # (WriteFailed, exit 1), as `ckpt export` and `predict` say theirs

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from .convert import NOT_WRITTEN
 from ..errors import DataError
 from ..process.files import WriteFailed, check_regular, os_reason
 from ..process.memory import check_disk
+from .convert import NOT_WRITTEN
 from .sparse import ROWS_PER_CHUNK, write_csr_chunks
 
 CLOTHING = "datasets/data/WomensClothingE-CommerceReviews.parquet.brotli"

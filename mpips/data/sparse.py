@@ -22,8 +22,8 @@ import numpy as np
 
 from ..errors import DataError
 from ..process.files import atomic_write
-from .hdf5 import fixed_text, h5py_errors, open_plain, plain_attrs
 from ..process.memory import ABSURD_BYTES, check_fits
+from .hdf5 import fixed_text, h5py_errors, open_plain, plain_attrs
 
 FORMAT = "mpips-csr-1"
 KEYS = {"label": "iu", "indptr": "iu", "ids": "iu", "values": "f"}
