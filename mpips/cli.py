@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from . import __version__
 from .errors import CheckpointError, ConfigError, DataError, MpipsError
@@ -242,6 +242,14 @@ def _add_ckpt(sub: Subparsers) -> None:
         "mpips.torch model's module: load_state_dict(torch.load(OUT)))",
     )
     ce.add_argument("--slots", action="store_true", help="include optimizer slots")
+    ce.add_argument(
+        "--recompute-batch-norm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a .pt/.pth export: BatchNorm's running statistics made anew from N batches of "
+        "the job's train split with the checkpoint's weights (needs --job)",
+    )
     for sp in (ci, ce):
         sp.add_argument(
             "--job",
@@ -584,7 +592,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     ckpt = checkpoint.resolve(args.path)
     initial = _initial_of(args.job, ckpt) if args.job else None
     if args.action == "export":
-        out = _export(ckpt, args.out, args.slots, initial)
+        out = _export(ckpt, args.out, args.slots, initial, _recomputed(args, ckpt))
         print(f"exported {ckpt.path} -> {out}")
         return 0
     return _inspect(ckpt, initial)
@@ -593,9 +601,43 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 TORCH_SUFFIXES = (".pt", ".pth")  # ckpt export writes a PyTorch state_dict there
 
 
-def _export(ckpt: Checkpoint, out: str, slots: bool, initial: InitialValues | None) -> Path:
+def _recomputed(args: argparse.Namespace, ckpt: Checkpoint) -> dict[str, Any] | None:
+    """``ckpt export --recompute-batch-norm N``: the model's state, its BatchNorm statistics
+    made anew (run/statistics.py); None without the flag."""
+    n = args.recompute_batch_norm
+    if not n:
+        return None
+    wrong = [
+        need
+        for need, missing in (
+            ("N > 0", n < 0),
+            (
+                "a .pt/.pth output (a PyTorch module's state_dict)",
+                Path(args.out).suffix not in TORCH_SUFFIXES,
+            ),
+            ("--job JOB (the job that trained it: its model and train split)", not args.job),
+        )
+        if missing
+    ]
+    if wrong:
+        raise ConfigError(f"--recompute-batch-norm {n}: give {' and '.join(wrong)}")
+    from .run.statistics import recompute_for_export
+
+    state, used, values = recompute_for_export(load_job(args.job), str(ckpt.path), n)
+    print(f"recomputed the BatchNorm statistics ({values} values) from {used} training batches")
+    return state
+
+
+def _export(
+    ckpt: Checkpoint,
+    out: str,
+    slots: bool,
+    initial: InitialValues | None,
+    state: dict[str, Any] | None = None,
+) -> Path:
     """``ckpt export``: one plain HDF5 file, or a PyTorch state_dict for a ``.pt``/``.pth``
-    output (the variables under the module's names: ``load_state_dict(torch.load(out))``)."""
+    output (the variables under the module's names: ``load_state_dict(torch.load(out))``;
+    ``state``: values written instead of the checkpoint's)."""
     from . import checkpoint
 
     if Path(out).suffix not in TORCH_SUFFIXES:
@@ -608,7 +650,7 @@ def _export(ckpt: Checkpoint, out: str, slots: bool, initial: InitialValues | No
         raise ConfigError(
             f'{out}: a .pt/.pth export needs torch (pip install ".[torch]"); or write .h5'
         ) from None
-    return export_state_dict(ckpt, out, initial)
+    return export_state_dict(ckpt, out, initial, state)
 
 
 def _inspect(ckpt: Checkpoint, initial: InitialValues | None) -> int:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -111,6 +112,20 @@ class Model:
         framework module's initial parameters and buffers), compared across ranks at
         start-up: a rank that built another is refused, the first differing name said."""
         return {}
+
+    def batch_statistics(self) -> list[str]:
+        """Optional: the names of the state values that summarise the data the model saw
+        (BatchNorm's running means and variances), which ``recompute_batch_statistics``
+        can make anew (``train.recompute_batch_norm``). None by default."""
+        return []
+
+    def recompute_batch_statistics(self, batches: Iterable[tuple[dict[str, Any], Any]]) -> int:
+        """Optional: make the ``batch_statistics()`` values anew from ``batches``, each
+        ``(params, x)``: the variables (fixed) and a training batch, prepared and on the
+        model's device, run forward without gradients. Returns how many batches it used
+        (0: none came, and the values are left as they were). mpips calls it on the chief
+        at the end of a run and in ``ckpt export --recompute-batch-norm``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no batch statistics")
 
     def checked_initial_values(self, seed: int) -> dict[str, np.ndarray]:
         """``initial_values(seed)`` checked against ``variables()`` (what mpips calls; not
@@ -342,7 +357,16 @@ def _at_user_line(e: BaseException) -> str:
     return f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
 
 
-SEEDERS: list[Callable[[int], object]] = []  # frontends' seeders (mpips.torch: torch.manual_seed)
+def seed_globals(seed: int) -> None:
+    """Seed the global random generators a factory may draw from with ``seed``
+    (model.init_seed), so that every rank builds the same model: Python's ``random``,
+    numpy's global generator, and torch's (CPU and CUDA) where torch is imported. JAX keeps
+    no global state: ``mpips.jax.Model`` makes its parameters from a key of the seed."""
+    random.seed(seed)
+    np.random.seed(seed if seed < 1 << 32 else [seed & 0xFFFFFFFF, seed >> 32])
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
 
 
 def build_from_factory(
@@ -354,19 +378,29 @@ def build_from_factory(
     seed: int = 0,
 ) -> Model:
     """``factory(data, **args)`` checked, with ``xp`` set; ConfigError if it raises or
-    returns something that is not a model. The frameworks whose frontend is imported are
-    seeded with ``seed`` (model.init_seed) first, so every rank builds the same module."""
-    for seeder in SEEDERS:
-        seeder(seed)
+    returns something that is not a model. The global generators are seeded with ``seed``
+    first (seed_globals), whatever the factory imports: one that imported torch for the
+    first time drew from an unseeded torch, so it is called once more, torch seeded."""
+    had_torch = "torch" in sys.modules
+    model = _call_factory(factory, data, args, what, seed)
+    if not had_torch and "torch" in sys.modules:
+        model = _call_factory(factory, data, args, what, seed)
+    model = check_model(model, what)
+    model.xp = xp
+    return model
+
+
+def _call_factory(
+    factory: Callable[..., Any], data: DatasetInfo, args: dict[str, Any], what: str, seed: int
+) -> Any:
+    """``factory(data, **args)`` after seed_globals(seed); what it raises, a ConfigError."""
+    seed_globals(seed)
     try:
-        model = factory(data, **args)
+        return factory(data, **args)
     except ConfigError:
         raise
     except Exception as e:
         raise ConfigError(f"{what} raised {type(e).__name__}: {e}{_at_user_line(e)}") from None
-    model = check_model(model, what)
-    model.xp = xp
-    return model
 
 
 def factory_name(factory: Any) -> str:

@@ -59,6 +59,7 @@ class Run:
     save_seconds: float = 0.0  # chief: time spent writing checkpoints so far
     stop_requested: bool = False  # a hook asked to stop (this worker saw it)
     mode: LoopMode | None = None  # the training mode (mpips.modes), as hooks see it
+    state_changed: bool = False  # the model's state changed at the end (checkpointed again)
 
     @property
     def is_chief(self) -> bool:
@@ -235,7 +236,7 @@ class CheckpointSaver(Hook):
             return
         if self.pending is not None:
             self._finish(run, block=True)
-        if run.global_step() != self.last_step:
+        if run.global_step() != self.last_step or run.state_changed:
             self.save(run)
 
     def save(self, run: Run) -> Path:

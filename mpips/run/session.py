@@ -4,7 +4,7 @@ the step target."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from ..job import Job
@@ -106,12 +106,22 @@ class Session:
         )
 
     def finish(
-        self, comm: Any, start_step: int, what: str, *summary: Any, **result: Any
+        self,
+        comm: Any,
+        start_step: int,
+        what: str,
+        *summary: Any,
+        before_end: Callable[[], bool] | None = None,
+        **result: Any,
     ) -> tuple[TrainResult, list[Any]]:
         """Gather every worker's ``[examples, seconds, *summary]`` over ``comm`` (collective),
-        end the hooks, and make this worker's result (``result``: the mode's own fields).
-        Returns (result, the gathered summaries, in worker task order)."""
+        call ``before_end`` (the chief's batch statistics made anew: True if the model's
+        state changed, so the final checkpoint holds it), end the hooks, and make this
+        worker's result (``result``: the mode's own fields). Returns (result, the gathered
+        summaries, in worker task order)."""
         gathered = allgather_json(comm, [self.examples, self.seconds, *summary], what)
+        if before_end is not None and before_end():
+            self.run.state_changed = True
         for h in self.hooks:
             h.end(self.run)  # the final checkpoint first: the timeline is only a trace
         if self.timeline is not None:

@@ -37,6 +37,7 @@ from ..placement.table import Placement, round_robin, slot_placement
 from ..process.log import detail, log
 from ..process.memory import check_fits, human
 from ..store import Cluster, allgather_json
+from .statistics import check_batch_statistics
 from .summaries import summary_root
 
 
@@ -237,6 +238,7 @@ def prepare(start: StartUp, factory: Any = None, arrays: Any = None) -> Prepared
     model.worker = cluster.role.task if not cluster.is_ps else 0
     prep.fingerprints = model.fingerprints()  # (as built: compared once every rank is here)
     start.mode.check(job, cluster, model, info)
+    check_batch_statistics(job.train.recompute_batch_norm, model, "train.recompute_batch_norm")
     _check_memory(start, model, info)
     if cluster.is_ps:
         if start.mode.ps_holds_variables:

@@ -3,17 +3,12 @@
 The job's factory returns ``mpips.torch.Model(module, loss)``; mpips places the module's
 trainable parameters on the PS tasks under their ``named_parameters()`` names, and every mode,
 command and checkpoint treats it like a native model (docs/guide/torch.md). Needs the
-``torch`` extra: ``pip install ".[torch]"``.
+``torch`` extra: ``pip install ".[torch]"``. (mpips seeds torch before calling a factory
+whatever imports it first: mpips.models.contract.build_from_factory.)
 """
 
-import torch
-
-from ..models.contract import SEEDERS
 from .binding import Traffic
 from .model import Model, accuracy, binary_accuracy, binary_auc
 from .tables import SparseInput
-
-if torch.manual_seed not in SEEDERS:  # (a factory runs after it: every rank builds the same)
-    SEEDERS.append(torch.manual_seed)
 
 __all__ = ["Model", "SparseInput", "Traffic", "accuracy", "binary_accuracy", "binary_auc"]

@@ -9,18 +9,38 @@ import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint
+from ..errors import CheckpointError
 from ..models.initial import InitialValues
 from ..process.files import atomic_write
+from .model import plain_name
 
 SUFFIXES = (".pt", ".pth")
 
 
-def export_state_dict(ckpt: Checkpoint, out: str | Path, initial: InitialValues | None) -> Path:
+def export_state_dict(
+    ckpt: Checkpoint,
+    out: str | Path,
+    initial: InitialValues | None,
+    replace: dict[str, np.ndarray] | None = None,
+) -> Path:
     """Write the checkpoint's variables (tables whole) as a state_dict of CPU tensors keyed
-    by the module's own names, atomically; ``torch.load`` reads it with its default
-    ``weights_only=True`` (tensors only: nothing is unpickled that could run code)."""
+    by the module's own names (a ``torch.compile``d module's too: no ``_orig_mod.``
+    prefix, so it loads into the plain module), atomically; ``torch.load`` reads it with
+    its default ``weights_only=True`` (tensors only: nothing is unpickled that could run
+    code). ``replace``: values written instead of the checkpoint's, by name (statistics
+    recomputed for the export)."""
     variables, _ = ckpt.read_all(initial)
+    values: dict[str, np.ndarray] = {}
+    for held, value in variables.items():
+        name = plain_name(held)
+        if name in values:
+            raise CheckpointError(
+                f"{ckpt.path}: {held!r} and {name!r} both hold values (with and without "
+                f"torch.compile's '_orig_mod.' prefix); export to .h5 instead"
+            )
+        values[name] = value
+    values.update(replace or {})
     state = OrderedDict(
-        (name, torch.from_numpy(np.ascontiguousarray(value))) for name, value in variables.items()
+        (name, torch.from_numpy(np.ascontiguousarray(value))) for name, value in values.items()
     )
     return atomic_write(Path(out), lambda tmp: torch.save(state, tmp), "nothing exported")

@@ -8,8 +8,10 @@ neither parameters nor gradients. Nothing here calls MPI.
 
 from __future__ import annotations
 
+import itertools
+import math
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -56,6 +58,70 @@ def _default_output(loss: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda z: z
 
 
+MEANS = ("mean", "batchmean")  # a torch loss's reductions that are the batch's mean
+COMPILED = "_orig_mod"  # the module torch.compile wraps: its names start "_orig_mod."
+
+
+def plain_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped (its ``_orig_mod``), else ``module``: it names
+    the variables and the state, so a compiled and a plain module have the same names (and
+    checkpoints of one load into the other)."""
+    while isinstance(getattr(module, COMPILED, None), torch.nn.Module):
+        module = getattr(module, COMPILED)
+    return module
+
+
+def plain_name(name: str) -> str:
+    """A state_dict name without torch.compile's ``_orig_mod.`` prefixes."""
+    while name.startswith(f"{COMPILED}."):
+        name = name[len(COMPILED) + 1 :]
+    return name
+
+
+def _check_reduction(loss: Any) -> None:
+    """A torch loss (or a partial of a functional one) whose ``reduction`` is not the
+    batch's mean is refused: a sum scales every update by the batch size, and mpips
+    averages the workers' gradients as means."""
+    reduction = getattr(loss, "reduction", None)
+    if reduction is None:
+        reduction = (getattr(loss, "keywords", None) or {}).get("reduction")
+    if isinstance(reduction, str) and reduction not in MEANS:
+        raise ConfigError(
+            f"mpips.torch.Model: the loss has reduction={reduction!r}; mpips trains on the "
+            f"batch's mean loss (a sum scales every update by the batch size): use "
+            f'reduction="mean"'
+        )
+
+
+def _norms(module: torch.nn.Module) -> list[tuple[str, torch.nn.modules.batchnorm._BatchNorm]]:
+    """The module's BatchNorm layers that keep running statistics, by name."""
+    return [
+        (name, m)
+        for name, m in module.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        and m.track_running_stats
+        and m.running_mean is not None
+    ]
+
+
+def _doubles(loss: Callable[..., Any], outputs: Any, y: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``loss`` is a sum over the batch: on the batch given twice over (outputs and
+    labels repeated) a mean is the same and a sum doubles. Checked once, at the first step,
+    without gradients; a loss that cannot take the doubled batch is not judged."""
+    once = float(value.detach())
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() == 0 or len(outputs) != len(y):
+        return False
+    if once == 0 or not math.isfinite(once):
+        return False
+    o = outputs.detach()
+    try:
+        with torch.no_grad():
+            twice = float(loss(torch.cat([o, o]), torch.cat([y, y])))
+    except Exception:  # noqa: BLE001 (the user's loss: its own rules on what it takes)
+        return False
+    return abs(twice / once - 2) < 0.01
+
+
 class Model(_Model):
     """A PyTorch module trained by mpips. ``loss(outputs, y)`` gives the batch's mean loss
     as a scalar tensor; ``metrics`` are more numbers an evaluation reports, each
@@ -70,7 +136,9 @@ class Model(_Model):
     split by rows over the PS tasks, whose touched rows alone move (their module is then
     called as ``module(SparseInput)``). Frozen parameters and buffers (BatchNorm's running
     statistics) are the model's state: each worker updates its own, the chief's serve
-    evaluation and are checkpointed (docs/guide/torch.md)."""
+    evaluation and are checkpointed (docs/guide/torch.md). A ``torch.compile``d module is
+    named as the module it wraps; a dense float batch is cast to the dtype of the first
+    trainable parameter; a loss that is a sum, not the batch's mean, is refused."""
 
     def __init__(
         self,
@@ -87,13 +155,15 @@ class Model(_Model):
             )
         if not callable(loss):
             raise ConfigError("mpips.torch.Model: loss must be callable as loss(outputs, y)")
+        _check_reduction(loss)
         self.module, self.loss, self.metrics = module, loss, dict(metrics or {})
+        self.plain = plain_module(module)  # (names: a compiled module's are the plain one's)
         self.input_shape = tuple(input_shape) if input_shape else None
         self.output = output or _default_output(loss)
-        self.table_set = Tables(module)
+        self.table_set = Tables(self.plain)
         dense = {
             n: p
-            for n, p in module.named_parameters()
+            for n, p in self.plain.named_parameters()
             if p.requires_grad and n not in self.table_set.names
         }
         if not dense and not self.table_set.names:
@@ -101,6 +171,8 @@ class Model(_Model):
         self.specs = [VariableSpec(n, tuple(p.shape), numpy_dtype(p, n)) for n, p in dense.items()]
         self.traffic = Traffic()
         self.binding = Binding(dense, self.traffic)
+        # a dense batch is cast to the parameters' dtype (a view where it is theirs already)
+        self.dtype = next((p.dtype for p in dense.values()), None)
         self.steps = 0
         self.device: torch.device | None = None  # where the module computes (mpips's arrays')
         self.unused_said = False
@@ -127,7 +199,8 @@ class Model(_Model):
         """What the module keeps untrained, by state_dict name: its persistent buffers and
         frozen parameters."""
         trained = set(self.binding.params) | self.table_set.names
-        return {n: t for n, t in self.module.state_dict(keep_vars=True).items() if n not in trained}
+        kept = self.plain.state_dict(keep_vars=True).items()
+        return {n: t for n, t in kept if n not in trained}
 
     def state(self) -> dict[str, np.ndarray]:
         """Buffers (BatchNorm's running statistics, its batch count) and frozen parameters:
@@ -145,8 +218,42 @@ class Model(_Model):
         """A crc32 of every parameter and buffer as the factory built it (tables included)."""
         return {
             n: zlib.crc32(np.ascontiguousarray(t.detach().cpu().numpy()).reshape(-1).data)
-            for n, t in self.module.state_dict(keep_vars=True).items()
+            for n, t in self.plain.state_dict(keep_vars=True).items()
         }
+
+    def batch_statistics(self) -> list[str]:
+        """The running means and variances of the module's BatchNorm layers."""
+        return [
+            f"{name}.{kind}" if name else kind
+            for name, _ in _norms(self.plain)
+            for kind in ("running_mean", "running_var")
+        ]
+
+    def recompute_batch_statistics(self, batches: Iterable[tuple[dict[str, Any], Any]]) -> int:
+        """BatchNorm's running statistics made anew with fixed parameters, as
+        ``torch.optim.swa_utils.update_bn`` makes them: reset, then the cumulative average
+        over the batches (momentum None) of a forward in train mode without gradients."""
+        given = iter(batches)
+        first = next(given, None)
+        if first is None:
+            return 0
+        norms = [m for _, m in _norms(self.plain)]
+        momenta = [m.momentum for m in norms]
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None
+        used = 0
+        try:
+            self.module.train()
+            with torch.no_grad():
+                for params, x in itertools.chain([first], given):
+                    self._bind_values(params)
+                    self.module(*self._inputs(x))
+                    used += 1
+        finally:
+            for m, momentum in zip(norms, momenta, strict=True):
+                m.momentum = momentum
+        return used
 
     def prepare(self, x: Any) -> tuple[Any, Any]:  # type: ignore[override]
         """Sparse (CSR) batches: the batch's unique ids, the rows every table pulls."""
@@ -173,13 +280,7 @@ class Model(_Model):
         b.ready = ready
         self.module.train()
         try:
-            loss = self.loss(self.module(*self._inputs(x)), self._labels(y))
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ConfigError(
-                    f"mpips.torch.Model: loss(outputs, y) returned {type(loss).__name__}"
-                    f"{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}, not a "
-                    f"scalar tensor (reduce it: the batch's mean)"
-                )
+            loss = self._loss(x, y)
             loss.backward()
         finally:
             b.ready = None
@@ -188,6 +289,24 @@ class Model(_Model):
         self._say_unused()
         self.steps += 1
         return float(loss.detach())
+
+    def _loss(self, x: Any, y: Any) -> torch.Tensor:
+        """The batch's loss, checked to be a scalar (and, at the first step, a mean)."""
+        outputs, labels = self.module(*self._inputs(x)), self._labels(y)
+        loss = self.loss(outputs, labels)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigError(
+                f"mpips.torch.Model: loss(outputs, y) returned {type(loss).__name__}"
+                f"{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}, not a "
+                f"scalar tensor (reduce it: the batch's mean)"
+            )
+        if not self.steps and _doubles(self.loss, outputs, labels, loss):
+            raise ConfigError(
+                "mpips.torch.Model: loss(outputs, y) doubles when the batch is given twice "
+                "over, so it is the batch's sum, not its mean (a sum scales every update by "
+                'the batch size): return the mean, e.g. reduction="mean" or .mean()'
+            )
+        return loss
 
     def evaluate(self, params: dict[str, Any], x: Any, y: Any) -> dict[str, float]:
         """Mean loss over the split, accuracy (class labels, or 0/1 labels with one output)
@@ -224,13 +343,23 @@ class Model(_Model):
 
     def _inputs(self, x: Any) -> tuple[Any, ...]:
         """The module's positional arguments for a batch: one tensor (viewed as
-        ``input_shape`` rows), or a SparseInput's tensors for a module with tables."""
+        ``input_shape`` rows, in the parameters' dtype), or a SparseInput's tensors for a
+        module with tables."""
         if isinstance(x, SparseInput):
             return (x.to(self.device),)
+        return (self._cast(self._rows(x)),)
+
+    def _rows(self, x: Any) -> torch.Tensor:
+        """A dense batch as a tensor of its memory, each row viewed as ``input_shape``."""
         t = as_tensor(x)
-        if self.input_shape:
-            t = t.view(len(t), *self.input_shape)
-        return (t,)
+        return t.view(len(t), *self.input_shape) if self.input_shape else t
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        """Float inputs in the parameters' dtype (float64, float16 modules): the tensor
+        itself where they are already (no copy), a copy in that dtype where not."""
+        if self.dtype is None or not t.is_floating_point() or t.dtype == self.dtype:
+            return t
+        return t.to(self.dtype)
 
     def _labels(self, y: Any) -> torch.Tensor:
         """Labels as torch wants them: class indices as int64 (a copy of the batch's labels
@@ -240,19 +369,23 @@ class Model(_Model):
             t = t.long()
         return t
 
-    def _outputs(self, params: dict[str, Any], x: Any) -> torch.Tensor:
-        """The module's outputs on a whole split, EVAL_ROWS rows at a time, in eval mode."""
+    def _bind_values(self, params: dict[str, Any]) -> None:
+        """The module's parameters views of ``params`` for a forward without gradients."""
         self.binding.unbind_gradients()
         self.binding.values(params)
         self._place()
         self.table_set.bind(params, None)
+
+    def _outputs(self, params: dict[str, Any], x: Any) -> torch.Tensor:
+        """The module's outputs on a whole split, EVAL_ROWS rows at a time, in eval mode."""
+        self._bind_values(params)
         self.module.eval()
         with torch.no_grad():
             if isinstance(x, SparseInput):
                 return self.module(x.to(self.device))
-            t = self._inputs(x)[0]
+            t = self._rows(x)
             return torch.cat(
-                [self.module(t[i : i + EVAL_ROWS]) for i in range(0, len(t), EVAL_ROWS)]
+                [self.module(self._cast(t[i : i + EVAL_ROWS])) for i in range(0, len(t), EVAL_ROWS)]
             )
 
     def _metrics(self, outputs: torch.Tensor, y: torch.Tensor) -> dict[str, Metric]:

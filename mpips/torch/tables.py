@@ -49,13 +49,14 @@ class SparseInput:
         return SparseInput(move(self.indices), move(self.offsets), move(self.weights), self.rows)
 
 
-def _csr_input(x: Any) -> tuple[SparseInput, np.ndarray]:
-    """A CSR batch as a SparseInput over its unique ids, and those ids (sorted)."""
+def _csr_input(x: Any, dtype: Any = np.float32) -> tuple[SparseInput, np.ndarray]:
+    """A CSR batch as a SparseInput over its unique ids, and those ids (sorted); its
+    weights in ``dtype``, the tables' (``per_sample_weights`` must be)."""
     ids, local = np.unique(x.indices, return_inverse=True)
     batch = SparseInput(
         torch.from_numpy(local.reshape(-1).astype(np.int64)),
         torch.from_numpy(np.asarray(x.indptr[:-1], dtype=np.int64)),
-        as_tensor(np.asarray(x.data, dtype=np.float32)),
+        as_tensor(np.asarray(x.data, dtype=dtype)),
         x.shape[0],
     )
     return batch, ids
@@ -74,6 +75,8 @@ class Tables:
         self.names = set(self.params)
         self.initial = {n: p.detach().cpu().numpy() for n, p in self.params.items()}
         self.num_rows = min((p.shape[0] for p in self.params.values()), default=0)
+        first = next(iter(self.initial.values()), None)
+        self.dtype = first.dtype if first is not None else np.dtype(np.float32)
         self._values, self._grads = Views(), Views()
         self._bound: dict[str, torch.Tensor] = {}  # each .grad as bound before backward
 
@@ -89,7 +92,7 @@ class Tables:
         SparseInput; integer arrays of ids give the same array renumbered (nn.Embedding)."""
         batch: SparseInput | torch.Tensor
         if issparse(x):
-            batch, ids = _csr_input(x)
+            batch, ids = _csr_input(x, self.dtype)
             width = x.shape[1]
         elif isinstance(x, np.ndarray) and x.dtype.kind in "iu":
             ids, local = np.unique(x, return_inverse=True)

@@ -43,6 +43,7 @@ from ...run.report import (
 from ...run.result import TrainResult
 from ...run.session import Session, target_steps
 from ...run.startup import Prepared
+from ...run.statistics import recompute_at_end
 from ...run.summaries import job_timeline
 from ...run.timeline import Phases
 from ...store import Cluster
@@ -190,7 +191,13 @@ class Replica:
             f"{self.buckets.reduce_seconds:.2f} s reducing and updating after backward"
         )
         result, gathered = session.finish(
-            self.comm, start_step, "the replicas' summaries", stopped_by=self.stopped
+            self.comm,
+            start_step,
+            "the replicas' summaries",
+            stopped_by=self.stopped,
+            before_end=lambda: recompute_at_end(
+                self.ctx, lambda x: self.rows.evaluated(x, self.home.live)
+            ),
         )
         if self.ctx.cluster.is_chief:
             if self.stopped:

@@ -26,6 +26,7 @@ from ...run.report import (
 )
 from ...run.result import TrainResult
 from ...run.session import Session, target_steps
+from ...run.statistics import recompute_at_end
 from ...run.summaries import job_timeline
 from ...run.timeline import Phases
 from ...store import StoreClient, Watchdog, Windows, start_limit, watched_barrier
@@ -101,7 +102,12 @@ class StoreWorker:
         watched_barrier(self.cluster.workers, "the other workers", self.watchdog.check)
         summary = self.stats.summary()
         result, gathered = session.finish(
-            self.cluster.workers, start_step, "the workers' summaries", summary, staleness=[summary]
+            self.cluster.workers,
+            start_step,
+            "the workers' summaries",
+            summary,
+            staleness=[summary],
+            before_end=lambda: recompute_at_end(self.ctx, self._evaluated),
         )
         if self.cluster.is_chief:
             self._conclude(result, gathered)
@@ -113,6 +119,11 @@ class StoreWorker:
         assert self.prep.val is not None
         x, ids = self.model.prepare(self.prep.val[0])
         return evaluate_on(self.model, self.device, self.client.pull(ids), (x, self.prep.val[1]))
+
+    def _evaluated(self, x: Any) -> tuple[Any, dict[str, Any]]:
+        """Inputs as the model takes them, and the variables it reads for them (pulled)."""
+        x, ids = self.model.prepare(x)
+        return x, self.client.pull(ids)
 
     def batches(self) -> Iterable[tuple[int, Any, Any]]:
         assert self.prep.train is not None  # (on a GPU: on the device, or copied a batch at a time)
