@@ -382,11 +382,14 @@ def _check_result_path(path: str | None, job: str | None) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .process import supervise
+
+    supervise.supervise()  # (under python -m mpips.launch: before MPI starts)
     from mpi4py import MPI
 
     from .process.failure import abort_on_error
     from .process.preemption import EXIT_PREEMPTED
-    from .store import agreed
+    from .store import agreed, liveness
     from .training import train
 
     with abort_on_error():
@@ -402,7 +405,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             text = json.dumps(result.to_json(), indent=1)
             atomic_write(args.result, lambda tmp: tmp.write_text(text), "no result written")
-    return EXIT_PREEMPTED if result.stopped_by else 0
+        code = EXIT_PREEMPTED if result.stopped_by else 0
+        if liveness.SURVIVAL.active and result.role.is_chief:
+            liveness.write_outcome(result, job.train.steps)
+        if liveness.SURVIVAL.departing:  # after a loss: no MPI_Finalize (it waits for the dead)
+            liveness.leave(code)
+    return code
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 from .process.signals import DUPLICATE_SECONDS
@@ -121,25 +125,140 @@ def _exit_status(returncode: int) -> int:
     return 128 + signum  # (a signal whose default action does not end a process)
 
 
+HYDRA = ("mpirun", "mpiexec", "mpiexec.hydra")
+SEVERAL_NODES = ("-hosts", "-host", "--host", "-f", "-hostfile", "--hostfile", "-machinefile")
+NO_CLEANUP = "-disable-auto-cleanup"
+NOT_SURVIVING = (
+    f"{PROG}: a rank that dies ends the job here: {{why}} (a lost worker costs only its step "
+    "with MPICH's mpirun on one node)"
+)
+
+
+def _is_hydra(program: str) -> bool:
+    """Whether ``program`` is MPICH's hydra launcher (it says so in its --version)."""
+    try:
+        out = subprocess.run(
+            [program, "--version"], capture_output=True, text=True, timeout=20, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "HYDRA" in out.stdout
+
+
+def prepare(
+    command: Sequence[str], env: dict[str, str], hydra: bool | None = None
+) -> tuple[list[str], dict[str, str], str | None]:
+    """Survive mode (a worker killed outright costs its step, not the job): for MPICH's
+    hydra on one node, the command gets -disable-auto-cleanup and the ranks MPIPS_SURVIVE=1
+    and MPIPS_OUTCOME_DIR (a new folder here, returned: the verdict reads it). Elsewhere, or
+    with MPIPS_SURVIVE=0 set, the command as given (and one line saying why, where the
+    launcher is not hydra). ``hydra``: whether it is (None: ask it)."""
+    command, env = list(command), dict(env)
+    if env.get("MPIPS_SURVIVE", "").strip().lower() in ("0", "false", "no", "off"):
+        return command, env, None
+    if os.path.basename(command[0]) not in HYDRA:
+        return command, env, None
+    why = ""
+    if not (_is_hydra(command[0]) if hydra is None else hydra):
+        why = f"{command[0]} is not MPICH's hydra"
+    elif any(a in SEVERAL_NODES for a in command) or _slurm_nodes(env) > 1:
+        why = "the job runs on several nodes"
+    if why:
+        print(NOT_SURVIVING.format(why=why), file=sys.stderr, flush=True)
+        return command, env, None
+    folder = tempfile.mkdtemp(prefix=".mpips-launch-", dir=os.getcwd())
+    if NO_CLEANUP not in command:
+        command.insert(1, NO_CLEANUP)
+    env.update(MPIPS_SURVIVE="1", MPIPS_OUTCOME_DIR=folder)
+    return command, env, folder
+
+
+def _slurm_nodes(env: dict[str, str]) -> int:
+    text = env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")).strip()
+    return int(text) if text.isdigit() else 1
+
+
+def verdict(returncode: int, folder: str | None) -> tuple[int, list[str]]:
+    """The job's exit status and what to say of it, from the launcher's status and, in
+    survive mode, the run's outcome (written by the chief) and the supervisors' records
+    of the ranks that died: 0 when the run reached its target and every rank that died
+    is one it went on without; else the launcher's status."""
+    if folder is None:
+        return returncode, []
+    path = Path(folder)
+    outcome = _json(path / "outcome.json")
+    died = {int(r["rank"]) for r in map(_json, sorted(path.glob("lost-*.json"))) if "rank" in r}
+    if not outcome or not isinstance(outcome.get("lost"), list):
+        return returncode, []
+    lost = {int(r["rank"]) for r in outcome["lost"]}
+    if not lost or not died <= lost:
+        return returncode, []
+    if outcome.get("reached"):
+        code, how = 0, "reached its target"
+    elif outcome.get("stopped_by"):
+        code, how = 3, "was stopped by a signal, with a checkpoint,"
+    else:
+        return returncode, []
+    return code, [
+        f"{PROG}: the run {how} at global_step {outcome.get('global_step')} with "
+        f"{len(lost)} rank(s) lost (rank {', '.join(map(str, sorted(lost)))}: the chief's "
+        f"report names them); exit code {code} (the launcher's: {returncode})"
+    ]
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def run(command: Sequence[str]) -> int:
     """Run the launcher ``command`` in its own process group, relaying signals (see the
-    module's docstring); returns its exit status, 2 if it cannot be started."""
+    module's docstring); returns its exit status (survive mode: see ``verdict``), 2 if it
+    cannot be started."""
+    command, env, folder = prepare(command, dict(os.environ))
+    try:
+        returncode = _launch(command, env)
+        if returncode is None:
+            return 2
+        code, lines = verdict(_exit_code(returncode), folder)
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+        if lines:
+            return code
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return _exit_status(returncode)
+
+
+def _exit_code(returncode: int) -> int:
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _launch(command: list[str], env: dict[str, str]) -> int | None:
+    """The launcher run to its end, signals relayed; its returncode (None: not started)."""
     relay = Relay()
     previous = {sig: signal.signal(sig, relay.handle) for sig in RELAYED}
     try:
         try:
             child = subprocess.Popen(
-                list(command), process_group=0, stdin=_stdin(), preexec_fn=_ends_with_this_process
+                command,
+                process_group=0,
+                stdin=_stdin(),
+                preexec_fn=_ends_with_this_process,
+                env=env,
             )
         except OSError as e:
             print(f"{PROG}: error: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
-            return 2
+            return None
         relay.started(child)
-        returncode = child.wait()
+        return child.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return _exit_status(returncode)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -258,6 +258,12 @@ def _quiet_runtime() -> None:
 RUNTIME_SHM = b"/dev/shm/mpich_shm_"  # MPICH's node segment, named until MPI_Finalize
 
 
+def unlink_runtime_shm() -> None:
+    """Remove the names of MPICH's shared-memory files of this node (see
+    _unlink_runtime_shm): for a rank that leaves without MPI_Finalize (survive mode)."""
+    _unlink_runtime_shm()
+
+
 def _unlink_runtime_shm() -> None:
     """Best effort: remove the names of the MPI runtime's shared-memory files this process
     maps. MPICH (5.x) keeps one per node named until MPI_Finalize, so a job ended by

@@ -30,6 +30,9 @@ THREAD_VARIABLES = (
     "FLEXIBLAS_NUM_THREADS",
 )
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NTASKS")
+# set by python -m mpips.launch for its ranks (MPIPS_SURVIVE=0 before it turns survive mode
+# off), and by a rank's supervisor (process/supervise.py): read where they are used
+INTERNAL_VARIABLES = ("MPIPS_OUTCOME_DIR", "MPIPS_SUPERVISOR_FD", "MPIPS_SURVIVE")
 # read by the scripts that ship beside the package (slurm/, tests/, benchmarks/), not by it
 SCRIPT_VARIABLES = (
     "MPIPS_CRASH_TEST",
@@ -209,7 +212,7 @@ def unknown(env: Mapping[str, str] | None = None) -> list[str]:
     """A warning for each MPIPS_* variable that nothing reads (a typo is otherwise silently
     ignored), naming the variable it is closest to, if any."""
     env = os.environ if env is None else env
-    known = set(VARIABLES) | set(SCRIPT_VARIABLES)
+    known = set(VARIABLES) | set(SCRIPT_VARIABLES) | set(INTERNAL_VARIABLES)
     out = []
     for name in sorted(n for n in env if n.startswith("MPIPS_") and n not in known):
         near = difflib.get_close_matches(name, VARIABLES, n=1)

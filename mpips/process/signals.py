@@ -50,10 +50,11 @@ Standard library only: mpips/launch.py imports DUPLICATE_SECONDS from here.
 from __future__ import annotations
 
 import enum
+import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 # (threading and ctypes are imported when training begins, and typing not at all: under
 # ``python -m mpips`` this module is imported first, and until start_up() runs Ctrl-C still
@@ -128,6 +129,10 @@ class SignalState:
         self.received = 0
         self.received_at = 0.0
         self.watch: _Watch | None = None
+        # survive mode (mpips/store/liveness.py): whether a SIGUSR1 is hydra's notice that a
+        # rank of the node died or left (no request); None: every SIGUSR1 is a request
+        self.notice: Callable[[], bool] | None = None
+        self.departing = False  # leaving after a loss: SIGUSR1 ignored to the end
 
     def start_up(self) -> None:
         """Phase 1, under ``python -m mpips`` only: SIGINT ends this process at once,
@@ -165,6 +170,8 @@ class SignalState:
         kernel: no Python code needs to run for it), then given their default action."""
         if self.received:
             return
+        if signum == signal.SIGUSR1 and self.notice is not None and self.notice():
+            return  # a peer died or left: hydra's notice, not a preemption request
         self.received, self.received_at = signum, time.monotonic()
         for sig in PREEMPTING:
             signal.signal(sig, signal.SIG_IGN)
@@ -183,7 +190,16 @@ class SignalState:
             self.watch = None
         for sig, handler in previous.handlers.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if self.departing or os.environ.get("MPIPS_SUPERVISOR_FD"):  # (see depart)
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         self.phase = Phase.TRAINING if previous.phase is Phase.TRAINING else Phase.AFTER
+
+    def depart(self) -> None:
+        """Survive mode, at the end of the run: hydra signals SIGUSR1 on the node as each
+        rank leaves (after a loss, without MPI_Finalize): ignored from now on, in training
+        and after it."""
+        self.departing = True
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
     def reset(self) -> None:
         """Forget the phase and any request, ending the watch (for tests; the handlers
@@ -191,6 +207,7 @@ class SignalState:
         if self.watch is not None:
             self.watch.stop()
         self.phase, self.received, self.received_at, self.watch = None, 0, 0.0, None
+        self.notice, self.departing = None, False
 
 
 STATE = SignalState()  # this process's: never rebound

@@ -113,6 +113,20 @@ def report(
     log(
         role,
         f"final: global_step {result.global_step} {show(metrics, 'test_')} "
-        f"({result.total_examples} examples on {counted(cluster.layout.num_workers, 'worker')} "
+        f"({result.total_examples} examples on {counted(cluster.layout.num_workers, 'worker')}"
+        f"{f', {len(result.lost)} lost' if result.lost else ''} "
         f"in {wall:.1f} s, {rate:.0f} examples/s)",
+    )
+
+
+def describe_lost(lost: dict[str, Any]) -> str:
+    """A lost worker as the chief's report names it: ``rank 3 (/job:worker/task:2, pid 4242
+    on node7, last step pushed 1187, killed by signal 9)``."""
+    signum = lost.get("signal")
+    how = f"killed by signal {signum}" if signum else "killed or crashed"
+    last = lost.get("last_step") or 0
+    pushed = f"last step pushed {last}" if last else "no step pushed"
+    return (
+        f"rank {lost['rank']} ({lost['task']}, pid {lost.get('pid')} on {lost.get('host')}, "
+        f"{pushed}, {how})"
     )

@@ -27,6 +27,8 @@ class TrainResult:
     staleness: list[dict[str, Any]] | None = None  # per worker task (chief: all workers)
     validation: list[dict[str, Any]] | None = None  # chief, train.eval_every: each evaluation
     stopped_by: int = 0  # signal that stopped the run early (preemption), else 0
+    # survive mode (chief): each worker lost mid-run, as store/liveness.py's lost_rank
+    lost: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The result as plain JSON values (``train --result FILE``)."""

@@ -3,6 +3,7 @@ cluster collectives and arrival checks, the windows, pull/push/initialise, the c
 counters (RunControl), the mailbox protocol, PS serving and the hung-task watchdog. The rest
 of mpips uses what is exported here and touches no ``MPI.Win``."""
 
+from . import liveness
 from .client import StoreClient
 from .cluster import (
     Cluster,
@@ -42,6 +43,7 @@ __all__ = [
     "allgather_json",
     "barrier",
     "has_inboxes",
+    "liveness",
     "updates_in_place",
     "node_of_each_rank",
     "publish_start_step",

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from ..errors import AgreedError, MpipsError, PlacementMismatch, StartTimeout
 from ..placement.layout import Layout, Role
 from ..placement.table import Placement
-from ..process import failure, settings
+from ..process import failure, settings, supervise
 from ..process.waits import MAX_SLEEP, poll
 
 POLL_SECONDS = MAX_SLEEP
@@ -217,6 +217,7 @@ class Cluster:
         self.role: Role = layout.role(comm.rank)
         self.is_ps = self.role.job == "ps"
         self.is_chief = self.role.is_chief
+        self.departing = False  # survive mode, after a loss: leave without freeing
         # workers' communicator: worker task order; PS ranks get their own (unused) one
         check_arrival(comm, "the communicator split")
         self.workers = comm.Split(0 if self.is_ps else 1, self.role.task)
@@ -224,7 +225,9 @@ class Cluster:
         self.local_rank, self.local_size = node.rank, node.size
         # the node's watcher names a rank killed outright (see failure.py); with one rank on
         # the node there is nobody left to tell a death from the launcher's teardown
-        watcher = failure.start_watcher() if node.rank == 0 and node.size > 1 else (0, 0)
+        # (a supervised rank, survive mode, is named by its supervisor and the watchdogs)
+        watched = node.rank == 0 and node.size > 1 and not supervise.supervised()
+        watcher = failure.start_watcher() if watched else (0, 0)
         ranks = np.zeros((node.size, 3), np.int64)
         wait(
             node.Iallgather(np.array([self.rank, *watcher], np.int64), ranks),
@@ -283,4 +286,5 @@ class Cluster:
         )
 
     def free(self) -> None:
-        self.workers.Free()
+        if not self.departing:  # (after a loss it would wait for the dead: liveness.py)
+            self.workers.Free()

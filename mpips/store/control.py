@@ -34,11 +34,13 @@ from .window import (
     SHARDS,
     STOP,
     TICKETS,
+    WORDS_PER_WORKER,
     Windows,
 )
 
 _TWO_ONES = np.ones(2, dtype=np.int64)
 NO_MORE_TICKETS = 1 << 62  # every later claim is past any step target
+LOST = 2  # a worker's done flag: declared dead (1: it finished)
 
 
 class _MpiCounters:
@@ -83,7 +85,7 @@ class _MpiCounters:
         add[TICKETS - GLOBAL_STEP] = 1
         return add
 
-    def begin(self) -> np.ndarray:
+    def begin(self, task: int | None = None) -> np.ndarray:
         """Claim a ticket; [global_step, tickets, clocks, done flags] before that, in one
         call: every atomic on the window takes MPICH's window lock, and on an oversubscribed
         node each costs tens of microseconds."""
@@ -138,14 +140,32 @@ class _SharedCounters:
     def read(self, index: int, count: int) -> np.ndarray:
         return self.words.load(index, count)
 
-    def begin(self) -> np.ndarray:
+    def begin(self, task: int | None = None) -> np.ndarray:
+        if task is not None:  # marked first: a death between the two issues a step again
+            self.add(self.inflight_at + task, 1)
         old = np.empty(self._begin_at.size, np.int64)
         old[1] = self.words.add_then_load(TICKETS, 1, self._begin_at, old)
         return old
 
     def end(self, task: int) -> int:
         self.add(self.clocks_at + task, 1)
-        return self.add(GLOBAL_STEP, 1)
+        words, inflight = self.words, self.inflight_at + task
+        old = words.fetch_add(GLOBAL_STEP, 1)
+        words.fetch_add(inflight, -1)  # right after GLOBAL_STEP (take_reissued checks both)
+        self.swap(self.last_at + task, old + 1)
+        return old
+
+    @property
+    def inflight_at(self) -> int:
+        return self.clocks_at + 2 * self.num_workers
+
+    @property
+    def last_at(self) -> int:
+        return self.clocks_at + 3 * self.num_workers
+
+    @property
+    def reissue_at(self) -> int:
+        return self.clocks_at + WORDS_PER_WORKER * self.num_workers
 
 
 class RunControl:
@@ -159,12 +179,14 @@ class RunControl:
         shared = windows.control_shared
         self.counters = _SharedCounters(windows) if shared else _MpiCounters(windows)
 
-    def begin_step(self, clock: int) -> tuple[int, int, int]:
+    def begin_step(self, clock: int, task: int | None = None) -> tuple[int, int, int]:
         """An async worker at ``clock`` claims a ticket and reads global_step and every
         worker's clock, in one call (atomic per counter): (its ticket, global_step, its lead
-        over the slowest running worker). Tickets >= the step target mean stop."""
+        over the slowest running worker). Tickets >= the step target mean stop. ``task``
+        (shared counters): the claim is marked as worker ``task``'s until its end_step (or
+        release_ticket), so that a survivor makes the step should it die meanwhile."""
         w = self.num_workers
-        old = self.counters.begin().tolist()
+        old = self.counters.begin(task).tolist()
         lead = _lead(clock, old[2 : 2 + w], old[2 + w :])
         return old[TICKETS - GLOBAL_STEP], old[0], lead
 
@@ -173,6 +195,79 @@ class RunControl:
         clock (one call, atomic per counter); returns its global step (unique across all
         workers)."""
         return self.counters.end(task) + 1
+
+    # -- survive mode (store/liveness.py): a dead worker's claimed step issued again --------
+
+    def release_ticket(self, task: int) -> None:
+        """Worker ``task`` will not make the step it claimed (past the target): unmarked."""
+        if isinstance(self.counters, _SharedCounters):
+            self.counters.add(self.counters.inflight_at + task, -1)
+
+    def take_reissued(self, task: int, target: int) -> bool:
+        """Worker ``task`` (its own claim released) takes one step a dead worker claimed
+        and never counted, if the run still needs it to reach ``target``: marked as its
+        claim, then checked against global_step and the other live workers' claims (read
+        in that order, after the mark: two takers see each other's mark, so the target
+        is never passed; one that gives back tries again later)."""
+        c = self.counters
+        if not isinstance(c, _SharedCounters) or not c.read(c.reissue_at, 1)[0]:
+            return False
+        mine = c.inflight_at + task
+        c.add(mine, 1)
+        if self._take_one(c) and self._needed(c, task, target):
+            return True
+        c.add(mine, -1)
+        return False
+
+    @staticmethod
+    def _take_one(c: _SharedCounters) -> bool:
+        left = int(c.read(c.reissue_at, 1)[0])
+        while left > 0:
+            seen = c.words.compare_and_swap(c.reissue_at, left, left - 1)
+            if seen == left:
+                return True
+            left = seen
+        return False
+
+    def _needed(self, c: _SharedCounters, task: int, target: int) -> bool:
+        """After taking one: whether the run needs it (else given back)."""
+        w = self.num_workers
+        claims = c.read(c.inflight_at, w).tolist()
+        done = c.read(self.clocks_at + w, w).tolist()
+        others = sum(n for k, n in enumerate(claims) if k != task and done[k] != LOST)
+        if c.read(GLOBAL_STEP, 1)[0] + others < target:
+            return True
+        c.add(c.reissue_at, 1)
+        return False
+
+    def reissue_pending(self, target: int) -> bool:
+        """Whether a dead worker's step may still be needed to reach ``target``."""
+        c = self.counters
+        if not isinstance(c, _SharedCounters):
+            return False
+        return bool(c.read(c.reissue_at, 1)[0]) and self.global_step() < target
+
+    def declare_lost(self, task: int) -> bool:
+        """Worker ``task`` is dead: the step it claimed and did not count is issued again,
+        and its done flag says LOST (so nobody waits for it). True for the one caller that
+        declared it (it says so)."""
+        c = self.counters
+        assert isinstance(c, _SharedCounters)
+        claimed = c.swap(c.inflight_at + task, 0)  # before LOST: whoever sees LOST sees it
+        if claimed > 0:
+            c.add(c.reissue_at, claimed)
+        done = self.clocks_at + self.num_workers + task
+        return c.words.compare_and_swap(done, 0, LOST) == 0  # (not one that had finished)
+
+    def lost_tasks(self) -> list[int]:
+        """The workers declared lost."""
+        _, done = self.counters.read(self.clocks_at, 2 * self.num_workers).reshape(2, -1)
+        return [t for t, d in enumerate(done.tolist()) if d == LOST]
+
+    def last_step(self, task: int) -> int:
+        """The last global step worker ``task`` counted (0: none; shared counters only)."""
+        c = self.counters
+        return int(c.read(c.last_at + task, 1)[0]) if isinstance(c, _SharedCounters) else 0
 
     def _get(self, index: int) -> int:
         return int(self.counters.read(index, 1)[0])

@@ -31,6 +31,7 @@ from ..errors import Stalled
 from ..process.waits import MIN_SLEEP
 from .atomics import Words
 from .cluster import stall_limit
+from .control import LOST
 from .rules import Apply, apply_rows
 from .window import LOCKS_PER_PS, Windows
 
@@ -39,6 +40,7 @@ STRIPE_BYTES = 4 << 20  # small enough that two workers interleave, few enough l
 # a word of its own: two workers then update different variables at once (the reference
 # MLP's two kernels, 1.6 and 1.0 MB); smaller ones, and table rows, share one word a PS
 OWN_WORD_BYTES = 256 << 10
+RECLAIM_SECONDS = 0.5  # a word held this long: its holder declared lost? (survive mode)
 SPIN_SECONDS = 5e-4  # try a taken word again at once for this long, then sleep between tries
 
 Word = tuple[Words, int]  # a lock word: its PS's words, and which
@@ -69,6 +71,20 @@ def _stalled(me: str, word_value: int, waited: float) -> Stalled:
     )
 
 
+def _reclaimed(windows: Windows, word: Word, holder: int) -> bool:
+    """Take back lock ``word`` from ``holder`` if it is a worker declared lost (survive
+    mode: its done flag says LOST, RunControl.declare_lost): the stripe it was updating
+    keeps whatever part of that update it had written. True if the word is free again."""
+    if holder <= 0 or not windows.control_shared:
+        return False
+    layout = windows.layout
+    done = windows.control_words().load(windows.clocks_at + layout.num_workers + holder - 1, 1)
+    if int(done[0]) != LOST:
+        return False
+    words, k = word
+    return words.compare_and_swap(k, holder, 0) == holder
+
+
 def ps_words(windows: Windows, ps_task: int) -> list[Word]:
     """Every lock word of PS task ``ps_task``'s memory."""
     words = windows.lock_words(ps_task)
@@ -85,6 +101,8 @@ def hold_ps(windows: Windows, ps_task: int) -> None:
             waited = time.monotonic() - since
             if waited > stall_limit(windows.layout.num_workers + ps_task):
                 raise _stalled(f"/job:ps/task:{ps_task}", taken, waited)
+            if waited > RECLAIM_SECONDS and _reclaimed(windows, word, taken):
+                continue
             time.sleep(sleep)
             sleep = min(1e-3, sleep * 2)
 
@@ -114,7 +132,7 @@ class Stripes:
         tables: dict[tuple[str, int], tuple[np.ndarray, dict[str, np.ndarray]]],
         apply: Apply,
     ):
-        self.task, self.apply = task, apply
+        self.task, self.apply, self.windows = task, apply, windows
         # lock word -> the updates(lr, t) it guards, in the order this worker takes them
         self.stripes: dict[int, list[Callable[[float, int], None]]] = {}
         count: dict[int, int] = {}
@@ -145,6 +163,9 @@ class Stripes:
             key: (words[key // LOCKS_PER_PS], key % LOCKS_PER_PS)
             for key in (*self.stripes, *(word for word, _, _ in self.tables.values()))
         }
+
+    def _reclaimed(self, key: int, holder: int) -> bool:
+        return _reclaimed(self.windows, self.locks[key], holder)
 
     def update(
         self,
@@ -185,6 +206,10 @@ class Stripes:
                 os.sched_yield()  # a stripe's update takes ~0.1-2 ms: the holder is nearly done
             elif waited > stall_limit(self.task):
                 raise _stalled(f"/job:worker/task:{self.task}", holder, waited)
+            elif waited > RECLAIM_SECONDS and _reclaimed(
+                self.windows, self.locks[later[-1][0]], holder
+            ):
+                since = time.monotonic()
             else:
                 time.sleep(MIN_SLEEP)
             pending = later

@@ -1,6 +1,7 @@
 """Notice a task that hangs in the middle of a run (alive, so MPI cannot tell).
 
-Dead ranks end the job by themselves (the launcher sees them go); a rank stuck in a deadlock,
+Dead ranks end the job by themselves (the launcher sees them go; in survive mode the
+watchdog finds them too: store/liveness.py); a rank stuck in a deadlock,
 a hung file system or an endless loop does not. Every worker publishes its clock (updates
 pushed) after each update; a watchdog on the workers that wait for others (at the end of
 the run, or for the slowest under bounded staleness) and on the PS tasks (which wait for the
@@ -15,6 +16,7 @@ import time
 
 from ..errors import Stalled
 from ..placement.layout import Layout
+from . import liveness
 from .cluster import stall_limit, stall_timeout
 from .control import RunControl
 
@@ -40,6 +42,7 @@ class Watchdog:
 
     def check(self) -> None:
         """Cheap to call often: looks at the clocks at most every CHECK_SECONDS."""
+        liveness.check(self.control)  # survive mode: the dead found (at most every 0.5 s)
         now = time.monotonic()
         if now < self.next_check:
             return

@@ -51,8 +51,11 @@ from .cluster import allgather_json, barrier, check_arrival
 from .inbox import Inbox, mail_words
 
 # control window on ps task 0: int64 counters, then per PS task the number of the last
-# checkpoint request it wrote its shard for, then a clock and a done flag per worker
+# checkpoint request it wrote its shard for, then the per-worker words (WORDS_PER_WORKER
+# arrays of one word a worker) and the count of steps to issue again (survive mode)
 GLOBAL_STEP, TICKETS, READY, STOP, CKPT_SEQ, CKPT_STEP, ENDED, FAILED, SHARDS = range(9)
+# per worker: its clock, done flag, steps claimed and not yet counted, last step counted
+WORDS_PER_WORKER = 4
 LOCKS_PER_PS = 16  # lock words per PS task (stripes.py: word 0 for small pieces and rows)
 # a PS whose window is in private memory enters MPI PROGRESS_CALLS times in a row every
 # PROGRESS_SECONDS, and again at once while they take BUSY times their idle cost (a pull or
@@ -169,7 +172,7 @@ class Windows(WindowPlan):
         is_ps = role.job == "ps"
         size = self.window_bytes(role.task, workers, self.inboxes) if is_ps else 0
         mail = mail_words(workers) * 8 if is_ps and self.inboxes else 0
-        words = self.clocks_at + 2 * workers
+        words = self.clocks_at + WORDS_PER_WORKER * workers + 1  # (+ the reissued steps)
         control = words * 8 if rank == layout.ps_ranks[0] else 0
         locks = LOCKS_PER_PS * 8 if is_ps else 0
         return size, mail, control, locks

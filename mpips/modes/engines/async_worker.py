@@ -9,8 +9,9 @@ from typing import Any
 from ...optim import clip_by_global_norm, learning_rate, sgd_deltas
 from ...process import preemption
 from ...process.log import detail, log
+from ...process.waits import poll
 from ...run.hooks import StepInfo
-from ...store import NO_MORE_TICKETS, Windows
+from ...store import NO_MORE_TICKETS, Windows, liveness, unreachable
 from ..base import RunContext
 from .store_worker import Staleness, StoreWorker
 
@@ -59,15 +60,38 @@ class AsyncWorker(StoreWorker):
         if preemption.requested():  # every worker stops at its next ticket
             control.request_stop(preemption.requested())
             return None
-        ticket, pulled_at, lead = control.begin_step(self.clock)
+        ticket, pulled_at, lead = control.begin_step(self.clock, self.role.task)
         if ticket >= (self.tc.steps or NO_MORE_TICKETS):
-            return None
+            control.release_ticket(self.role.task)
+            if not (self.tc.steps and ticket < NO_MORE_TICKETS and self._reissued()):
+                return None
+            ticket = pulled_at = control.global_step()  # a dead worker's step, made here
         bound = self.mode.max_staleness
         if bound is not None and lead > bound:  # wait for the slowest worker
             lead = control.wait_for_slowest(self.clock, bound, self.watchdog.check)
             pulled_at = control.global_step()
         self.phases.mark("ticket and staleness wait")
         return ticket, pulled_at, lead
+
+    def _reissued(self) -> bool:
+        """Survive mode, the step target's tickets all claimed: whether this worker makes a
+        step a dead worker claimed and never counted. It waits (sleeping, policed by the
+        watchdog, which declares the dead) until every other worker is done or lost, taking
+        any such step meanwhile; False when there is none left to make."""
+        if not liveness.SURVIVAL.survivable:
+            return False
+        control, task = self.control, self.role.task
+        self.client.settle()
+        control.publish_clock(task, self.clock, done=True)  # (so nobody waits for it)
+        taken, target = [False], self.tc.steps or NO_MORE_TICKETS
+
+        def over() -> bool:
+            everyone_done = bool(control.clocks()[1].all())  # (then read what is left)
+            taken[0] = control.take_reissued(task, target)
+            return taken[0] or (everyone_done and not control.reissue_pending(target))
+
+        poll(over, math.inf, unreachable, self.watchdog.check)
+        return taken[0]
 
     def _pulled(
         self, ahead: tuple[int, int] | None, pulled_at: int, x: Any, y: Any

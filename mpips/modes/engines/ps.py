@@ -28,6 +28,7 @@ from ...store import (
     Windows,
     barrier,
     has_inboxes,
+    liveness,
     publish_start_step,
     serve,
     stall_limit,
@@ -59,6 +60,7 @@ def open_store(ctx: RunContext) -> Windows:
         row_capacity=job.train.batch_size * max(1, prep.info.max_nnz),
         shared=zero_copy,
     )
+    liveness.begin(cluster.comm, cluster.layout, mode.name, windows)  # (survive mode)
     if prep.local:  # a PS task: restored state or fresh table partitions
         windows.fill_own(cluster.role.task, prep.local)
     if cluster.is_ps and windows.inboxes:
@@ -179,7 +181,15 @@ def close_store(cluster: Cluster, windows: Windows, result: TrainResult) -> Trai
     """Every rank, once the chief has ended the run (its last checkpoint and evaluation are
     done): the end barrier (a backstop only: a hung chief is named first by the PS tasks'
     watchdogs), the signal that stopped the run, the windows freed."""
-    barrier(cluster.comm, "the end of the run", stall_limit(cluster.comm.size) + 5)
-    result.stopped_by = RunControl(windows).stop_signal()
-    windows.free()  # collective, so never in a finally: a failing rank must reach Abort
+    control = RunControl(windows)
+    liveness.ending()  # (survive mode: SIGUSR1 ignored from now on, before the barrier)
+    dead = liveness.lost_ranks(control)
+    if dead:  # survive mode: only the survivors meet, and nothing is freed (it would hang)
+        liveness.last_meeting(cluster.comm, dead, stall_limit(cluster.comm.size) + 5)
+        cluster.departing = True
+    else:
+        barrier(cluster.comm, "the end of the run", stall_limit(cluster.comm.size) + 5)
+    result.stopped_by = control.stop_signal()
+    if not dead:
+        windows.free()  # collective, so never in a finally: a failing rank must reach Abort
     return result

@@ -16,6 +16,7 @@ from ...models.contract import first_loss_and_grads, said_once
 from ...process.log import detail, log
 from ...run.hooks import Hook, PendingSave, Run, StepInfo
 from ...run.report import (
+    describe_lost,
     evaluate_on,
     loss_not_finite,
     report,
@@ -29,7 +30,7 @@ from ...run.session import Session, target_steps
 from ...run.statistics import recompute_at_end
 from ...run.summaries import job_timeline
 from ...run.timeline import Phases
-from ...store import StoreClient, Watchdog, Windows, start_limit, watched_barrier
+from ...store import StoreClient, Watchdog, Windows, liveness, start_limit, watched_barrier
 from ..base import RunContext
 from .ps import save_from_ps
 
@@ -99,10 +100,15 @@ class StoreWorker:
             else ""
         )
         # every push has landed, so global_step is final; a worker that never gets here is hung
-        watched_barrier(self.cluster.workers, "the other workers", self.watchdog.check)
+        lost = control.lost_tasks() if liveness.SURVIVAL.survivable else []
+        workers = self.cluster.workers
+        if lost:  # (the workers' comm is in task order)
+            dead = [self.cluster.layout.rank_of("worker", t) for t in lost]
+            workers = liveness.survivors(workers, lost, dead)
+        watched_barrier(workers, "the other workers", self.watchdog.check)
         summary = self.stats.summary()
         result, gathered = session.finish(
-            self.cluster.workers,
+            workers,
             start_step,
             "the workers' summaries",
             summary,
@@ -110,6 +116,9 @@ class StoreWorker:
             before_end=lambda: recompute_at_end(self.ctx, self._evaluated),
         )
         if self.cluster.is_chief:
+            for task in lost:  # (in task order, as the gathered summaries are)
+                gathered.insert(task, [0, 0.0, {"updates": 0, "dropped": 0, "lost": True}])
+            result.lost = [liveness.lost_rank(control, t) for t in lost]
             self._conclude(result, gathered)
         run.close(result.global_step)  # (the store is freed next: a kept Run must not read it)
         return result
@@ -198,12 +207,14 @@ class StoreWorker:
         if stopped:
             say_preempted(role, stopped, self.job)
         result.staleness = [g[2] for g in gathered]
-        counts = [s["updates"] for s in result.staleness]
+        counts = [s["updates"] for s in result.staleness if not s.get("lost")]
         fewer = len(counts) > 1 and counts[0] < 0.8 * sum(counts[1:]) / (len(counts) - 1)
+        for lost in result.lost or []:
+            log(role, f"lost: {describe_lost(lost)}")
         log(
             role,
             "updates per worker task: "
-            + " ".join(map(str, counts))
+            + " ".join("lost" if s.get("lost") else str(s["updates"]) for s in result.staleness)
             + (
                 " (the chief made fewer: it also evaluates, logs and commits checkpoints)"
                 if fewer

@@ -1,0 +1,174 @@
+"""Survive mode: under ``python -m mpips.launch``, a worker other than the chief killed
+outright mid-run costs its step, not the job (docs/guide/failures.md, "Ranks that die").
+Plain mpirun keeps ending the job (test_train_mpi.py's kill -9 test)."""
+
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import RESULT, BackgroundJob, read_result
+
+from mpips import launch
+from mpips.store import atomics
+from mpips.store.control import LOST, RunControl, _SharedCounters
+
+STEPS = 20000  # digits: ~3-6 s of training on the loaded 2 cores
+LOST_LINE = re.compile(r"lost: rank (\d+) \((/job:worker/task:\d+), pid (\d+) on \S+, last step")
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("victim", ["/job:worker/task:1", "/job:worker/task:2"])
+def test_a_worker_killed_mid_run_costs_its_step_not_the_job(tmp_path, victim):
+    """kill -9 at a random moment after the first checkpoint: exit 0, the target reached,
+    every step 1..N counted once (the dead worker's claimed step made by a survivor), the
+    lost rank named once, the final checkpoint at the target."""
+    (tmp_path / "job.toml").write_text(
+        f'[data]\nbuiltin = "digits"\n[train]\nsteps = {STEPS}\n'
+        '[checkpoint]\ndir = "ckpt"\nevery_secs = 1.0\n'
+    )
+    job = BackgroundJob(
+        tmp_path,
+        4,
+        "job.toml",
+        "--log-every",
+        "1",
+        "--result",
+        RESULT,
+        wrap=(sys.executable, "-m", "mpips.launch"),
+    )
+    rank, pid = job.rank_and_pid(victim)
+    job.wait_for(r"saved checkpoint", 120)
+    time.sleep(random.uniform(0.0, 1.0))
+    os.kill(pid, signal.SIGKILL)
+    rc = job.end(180)
+    text = job.text()
+    assert rc == 0, text[-3000:]
+    result = read_result(tmp_path)
+    assert result is not None and result["global_step"] == STEPS, text[-3000:]
+    steps = [int(s) for s in re.findall(r"\] step (\d+) ", text)]
+    assert sorted(steps) == list(range(1, STEPS + 1)), text[-3000:]
+    assert LOST_LINE.findall(text) == [(str(rank), victim, str(pid))], text[-3000:]
+    assert [lost["rank"] for lost in result["lost"]] == [rank]
+    assert f"(global_step {STEPS}," in text  # the chief's final checkpoint
+    assert "with 1 rank(s) lost" in text
+    for bad in ("stopped early", "Traceback", "hung", "died without a word"):
+        assert bad not in text, text[-3000:]
+    assert not list(tmp_path.glob(".mpips-launch-*"))  # the launcher's folder removed
+
+
+# -- without MPI ---------------------------------------------------------------------------
+
+
+def test_the_launcher_prepares_hydra_for_survive_mode(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    command = ["mpirun", "-n", "4", "python", "-m", "mpips", "train", "job.toml"]
+    cmd, env, folder = launch.prepare(command, {}, hydra=True)
+    assert cmd[:2] == ["mpirun", "-disable-auto-cleanup"] and cmd[2:] == command[1:]
+    assert env["MPIPS_SURVIVE"] == "1" and env["MPIPS_OUTCOME_DIR"] == folder
+    assert folder is not None and os.path.isdir(folder)
+    # off when asked, for launchers that are not hydra, and on several nodes (said once)
+    assert launch.prepare(command, {"MPIPS_SURVIVE": "0"}, hydra=True)[2] is None
+    assert launch.prepare(["srun", "-n", "4", "python"], {}, hydra=True)[2] is None
+    assert launch.prepare(command, {}, hydra=False)[0] == command
+    assert launch.prepare([*command[:1], "-hosts", "a,b", *command[1:]], {}, hydra=True)[2] is None
+    assert launch.prepare(command, {"SLURM_JOB_NUM_NODES": "2"}, hydra=True)[2] is None
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all("a rank that dies ends the job" in e for e in err)
+
+
+def _outcome(folder, reached=True, lost=(3,), died=(3,), stopped_by=0):
+    (folder / "outcome.json").write_text(
+        json.dumps(
+            {
+                "global_step": 100,
+                "target": 100,
+                "reached": reached,
+                "stopped_by": stopped_by,
+                "lost": [{"rank": r} for r in lost],
+            }
+        )
+    )
+    for r in died:
+        (folder / f"lost-{r}.json").write_text(json.dumps({"rank": r, "signal": 9}))
+
+
+def test_the_launchers_verdict(tmp_path):
+    assert launch.verdict(137, None) == (137, [])
+    assert launch.verdict(137, str(tmp_path)) == (137, [])  # no outcome: the job failed
+    _outcome(tmp_path)
+    code, lines = launch.verdict(137, str(tmp_path))
+    assert code == 0 and len(lines) == 1 and "reached its target" in lines[0]
+    assert "with 1 rank(s) lost" in lines[0]
+    _outcome(tmp_path, died=(2, 3))  # a death the run did not go on without
+    assert launch.verdict(137, str(tmp_path)) == (137, [])
+    (tmp_path / "lost-2.json").unlink()
+    _outcome(tmp_path, reached=False)
+    assert launch.verdict(137, str(tmp_path)) == (137, [])
+    _outcome(tmp_path, reached=False, stopped_by=10)
+    assert launch.verdict(137, str(tmp_path))[0] == 3
+    _outcome(tmp_path, lost=(), died=())
+    (tmp_path / "lost-3.json").unlink()
+    assert launch.verdict(0, str(tmp_path)) == (0, [])  # nobody lost: the launcher's
+
+
+class _Windows:
+    """What RunControl reads of the windows: shared control words over a numpy array."""
+
+    def __init__(self, workers: int):
+        from mpips.placement.layout import Layout
+
+        self.layout = Layout(1 + workers, [0])
+        self.clocks_at = 9 + 1
+        self.array = np.zeros(self.clocks_at + 4 * workers + 1, np.int64)
+        self.control_shared = True
+
+    def control_words(self):
+        return atomics.Words(self.array)
+
+
+def test_a_lost_workers_claimed_step_is_issued_again_once():
+    windows = _Windows(3)
+    control = RunControl(windows)  # type: ignore[arg-type]
+    assert isinstance(control.counters, _SharedCounters)
+    control.set_counters(0)
+    for task in (0, 1, 2):
+        control.begin_step(0, task)
+    assert control.end_step(0) == 1 and control.last_step(0) == 1
+    assert control.end_step(1) == 2  # worker 2 dies with its step claimed
+    target = 3
+    assert not control.take_reissued(0, target)
+    assert control.declare_lost(2) and not control.declare_lost(2)  # said once
+    assert control.lost_tasks() == [2]
+    assert control.clocks()[1].tolist() == [False, False, True]  # nobody waits for it
+    assert control.reissue_pending(target)
+    # worker 0, past the target, takes it; worker 1 then finds it taken
+    assert control.take_reissued(0, target) and not control.take_reissued(1, target)
+    assert control.end_step(0) == 3 and not control.reissue_pending(target)
+    control.publish_clock(1, 1, done=True)
+    assert not control.declare_lost(1)  # it had finished: not lost
+
+
+def test_a_dead_workers_counted_step_is_not_made_again():
+    """Killed after counting its step but before unmarking its claim: nothing to redo."""
+    windows = _Windows(2)
+    control = RunControl(windows)  # type: ignore[arg-type]
+    control.set_counters(0)
+    control.begin_step(0, 1)
+    control.counters.words.fetch_add(0, 1)  # worker 1 counted global_step 1, then died
+    assert control.declare_lost(1)
+    assert not control.take_reissued(0, 1) and not control.reissue_pending(1)
+    assert int(windows.array[control.counters.inflight_at]) == 0  # worker 0's mark undone
+    # two steps issued again, but one is missing: only one is made
+    windows = _Windows(3)
+    control = RunControl(windows)  # type: ignore[arg-type]
+    control.set_counters(1)
+    windows.array[control.counters.reissue_at] = 2
+    assert control.take_reissued(0, 2) and not control.take_reissued(1, 2)
+    assert int(windows.array[control.counters.reissue_at]) == 1  # (given back)
+    assert LOST == 2
