@@ -8,9 +8,9 @@ rank, and the parent, a small loop of the standard library (``shim``), stays the
 child: it passes signals on, waits for the rank, and exits with its code, or with 128 +
 the signal that killed it, as a plain exit the proxy does not answer by killing the node.
 It also records the death (``lost-RANK.json`` in MPIPS_OUTCOME_DIR) for mpips.launch's
-verdict. Where the run cannot go on without a rank (``tell`` said so, or said nothing yet:
-start-up), the supervisor dies by the same signal instead, and the launcher ends the job
-as without it.
+verdict, and a failure code (``exit-RANK.json``) for its restart lines. Where the run
+cannot go on without a rank (``tell`` said so, or said nothing yet: start-up), the
+supervisor dies by the same signal instead, and the launcher ends the job as without it.
 
 Standard library only: the supervisor runs this module alone.
 """
@@ -103,17 +103,19 @@ def shim(child: int, told: int) -> None:
         signal.signal(sig, relay)
     _, status = os.waitpid(child, 0)  # (PEP 475: retried after each relayed signal)
     code = os.waitstatus_to_exitcode(status)
-    if code >= 0:
-        os._exit(code)
-    said = _said(told)
-    signum = -code
+    said = _said(told) if code != 0 else {}
     record = {
         "rank": int(os.environ.get("PMI_RANK", "-1")),
         "task": said.get("task", ""),
         "pid": child,
         "host": socket.gethostname(),
-        "signal": signum,
     }
+    if code >= 0:
+        if code != 0:  # for mpips.launch --restarts, to name the rank that failed
+            _record({**record, "code": code}, "exit")
+        os._exit(code)
+    signum = -code
+    record.update(signal=signum, survivable=bool(said.get("survivable")))
     _record(record)
     if said.get("survivable"):
         os._exit(128 + signum)
@@ -141,12 +143,13 @@ def _said(fd: int) -> dict:
     return said if isinstance(said, dict) else {}
 
 
-def _record(record: dict) -> None:
-    """``lost-RANK.json`` in MPIPS_OUTCOME_DIR, for mpips.launch (best effort)."""
+def _record(record: dict, kind: str = "lost") -> None:
+    """``lost-RANK.json`` (killed by a signal) or ``exit-RANK.json`` (a failure code) in
+    MPIPS_OUTCOME_DIR, for mpips.launch (best effort)."""
     folder = os.environ.get("MPIPS_OUTCOME_DIR", "")
     if not folder:
         return
-    path = Path(folder) / f"lost-{record['rank']}.json"
+    path = Path(folder) / f"{kind}-{record['rank']}.json"
     with contextlib.suppress(OSError):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
