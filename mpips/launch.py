@@ -39,19 +39,12 @@ from pathlib import Path
 from types import FrameType
 
 from .process.signals import DUPLICATE_SECONDS
+from .process.supervise import RELAYED  # the signals passed on, as a rank's supervisor does
 
 PROG = "mpips.launch"
 USAGE = (
     f"python -m {PROG} [--restarts N] LAUNCHER [ARG...]   "
     f"(e.g. python -m {PROG} --restarts 2 mpirun -n 8 python -m mpips train job.toml)"
-)
-RELAYED = (
-    signal.SIGHUP,
-    signal.SIGINT,
-    signal.SIGQUIT,
-    signal.SIGTERM,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
 )
 DROPPED = (
     f"{PROG}: a second Ctrl-C within {DUPLICATE_SECONDS:g} s is the same request: not passed "
