@@ -48,6 +48,9 @@ def two_nodes(slurm):
 
 
 def sbatch(tmp_path, *args, script="train.sbatch", options=(), **env):
+    """Submit a job once the cluster is quiet: an earlier test's cancelled job still being
+    cleaned up made a new job on that node fail at launch ("Job credential revoked")."""
+    wait_for(cluster_quiet, 120, "the earlier tests' jobs to leave the nodes")
     r = subprocess.run(
         [
             "sbatch",
@@ -72,6 +75,15 @@ def job_field(job, field):
     return m.group(1) if m else ""
 
 
+def cluster_quiet() -> bool:
+    """No job in the queue and every node idle, for a second past the last cleanup."""
+    r = subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=20)
+    if r.stdout.strip() or node_state() != "idle":
+        return False
+    time.sleep(2)
+    return node_state() == "idle"
+
+
 def node_state():
     r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
     return r.stdout.strip()
@@ -89,12 +101,25 @@ def wait_for(predicate, timeout, what):
         if value:
             return value
         time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+    r = subprocess.run(["squeue", "-o", "%i %T %R %N"], capture_output=True, text=True, timeout=20)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}; the queue:\n{r.stdout}")
 
 
 def output(tmp_path, job):
     path = tmp_path / f"mpips-{job}.out"
     return path.read_text() if path.exists() else ""
+
+
+def started(tmp_path, job):
+    """Whether the job's workers print step lines; a job that ended before fails the test
+    at once, with its state and output (not a timeout that says nothing)."""
+    if found := STEP_LINE.search(output(tmp_path, job)):
+        return found
+    state = job_field(job, "JobState")
+    if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+        reason = job_field(job, "Reason")
+        pytest.fail(f"job {job} ended {state} ({reason}) before training:\n{output(tmp_path, job)}")
+    return None
 
 
 def wait_end(job, timeout=180):
@@ -207,10 +232,7 @@ def test_usr1_checkpoints_exits_3_and_requeue_resumes(slurm, tmp_path):
     job = sbatch(tmp_path, "--steps", str(10**9), MPIPS_REQUEUE="1")
     try:
         wait_for(
-            lambda: (
-                STEP_LINE.search(output(tmp_path, job))
-                or "saved checkpoint" in output(tmp_path, job)
-            ),
+            lambda: started(tmp_path, job) or "saved checkpoint" in output(tmp_path, job),
             120,
             "training to start",
         )
@@ -262,7 +284,7 @@ def test_two_node_job_over_srun_is_preempted_requeued_and_completes(two_nodes, t
         MPIPS_LAUNCHER="srun",
     )
     try:
-        wait_for(lambda: STEP_LINE.search(output(tmp_path, job)), 120, "training to start")
+        wait_for(lambda: started(tmp_path, job), 120, "training to start")
         nodes = job_nodes(job)
         subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=20)
         first = wait_for(

@@ -121,6 +121,7 @@ def _say_failed(e: Exception) -> None:
     last = frame or (traceback.extract_tb(e.__traceback__) or [None])[-1]
     at = f" at {Path(last.filename).name}:{last.lineno}" if last else ""
     other = "printed a traceback" if full else "said where"
+    time.sleep(ABORT_GRACE_SECONDS / 2)  # after the explaining rank's lines: they lead
     say(f"{said}{at}; aborting the job (another rank of this node {other})")
 
 
