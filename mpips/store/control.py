@@ -264,6 +264,13 @@ class RunControl:
         _, done = self.counters.read(self.clocks_at, 2 * self.num_workers).reshape(2, -1)
         return [t for t, d in enumerate(done.tolist()) if d == LOST]
 
+    def pushed(self, task: int, step: int) -> None:
+        """Worker ``task`` posted its gradient for global step ``step`` (sync_replicas; the
+        last step a lost worker pushed is named: shared counters only)."""
+        c = self.counters
+        if isinstance(c, _SharedCounters):
+            c.swap(c.last_at + task, step)
+
     def last_step(self, task: int) -> int:
         """The last global step worker ``task`` counted (0: none; shared counters only)."""
         c = self.counters

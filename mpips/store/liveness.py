@@ -95,11 +95,11 @@ def refused(mode: str, one_node: bool, in_place: bool, shared_control: bool, lib
     """Why a dead worker would end this run even in survive mode ('' where it does not)."""
     if lib is None:
         return "this MPI cannot list dead ranks (MPIX_Comm_get_failed: MPICH only)"
-    if mode != "async":
-        return f"train.mode = {mode!r} (async only)"
+    if mode not in ("async", "sync_replicas"):
+        return f"train.mode = {mode!r} (async and sync_replicas only)"
     if not one_node:
         return "the ranks are on several nodes"
-    if not in_place:
+    if mode == "async" and not in_place:
         return "the workers do not apply their updates in place (zero copy)"
     if not shared_control:
         return "MPIPS_SHARED_MEMORY=0"

@@ -154,14 +154,12 @@ class WorkerMail:
         return used
 
     def ps_steps(self) -> list[int]:
-        """Each PS task's aggregated step (sync_replicas)."""
+        """Each PS task's aggregated step (sync_replicas), read with plain Gets: a worker
+        polls it while it waits, and a rank killed inside one of MPICH's atomics on a
+        same-node window leaves its lock held for good (survive mode)."""
         mail, word = self.windows.mail, mail_words(self.windows.layout.num_workers) - 1
-        out, dummy, steps = np.zeros(1, np.int64), np.zeros(1, np.int64), []
-        for rank in self.ps_ranks:
-            mail.Fetch_and_op(dummy, out, rank, word, MPI.NO_OP)
-            mail.Flush(rank)
-            steps.append(int(out[0]))
-        return steps
+        out = np.zeros(1, np.int64)
+        return [peek(mail, rank, word, out) for rank in self.ps_ranks]
 
     def wait_steps(self, tags: list[int], stopping: Callable[[], bool]) -> bool:
         """Until every PS task ``p`` has aggregated past step ``tags[p]`` (sync_replicas),

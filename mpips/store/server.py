@@ -30,6 +30,7 @@ from mpi4py import MPI
 from ..errors import AlreadyReported, NonFinite
 from ..process.log import log
 from ..process.waits import poll
+from . import liveness
 from .cluster import POLL_SECONDS, Cluster, start_limit, unreachable
 from .control import RunControl
 from .mailbox import PsMail
@@ -113,6 +114,11 @@ class StepPolicy(Protocol):
 
     def apply(self, lr: float, step: int) -> None:
         """Apply the step's update (the PS's variables go from ``step`` to ``step + 1``)."""
+        ...
+
+    def shrink(self, live: int) -> bool:
+        """Only ``live`` workers are left (the others died): a step takes at most that many
+        gradients from now on; True if the current step has all it takes now."""
         ...
 
 
@@ -247,6 +253,13 @@ def _apply_loop(
     return applied
 
 
+def _alive(control: RunControl) -> int:
+    """How many workers are alive (survive mode; outside it, every worker is counted)."""
+    if not liveness.SURVIVAL.survivable:
+        return control.num_workers
+    return control.num_workers - len(control.lost_tasks())
+
+
 def _aggregate_loop(
     cluster: Cluster,
     windows: Windows,
@@ -266,9 +279,21 @@ def _aggregate_loop(
     step = mail.published_step()
     dropped = [0] * cluster.layout.num_workers  # the step word was published before ready
     pace = _Pace()
+    lr = 0.0  # the learning rate posted with the step's last gradient
+    workers = live = cluster.layout.num_workers
+
+    def advance() -> None:
+        nonlocal step, steps
+        policy.apply(lr, step)
+        step, steps = step + 1, steps + 1
+        if task == 0:
+            chores.control.advance_step()
+        mail.publish_step(step)
+        on_applied(step)
+
     while not chores.run():
         busy = False
-        for k in range(cluster.layout.num_workers):
+        for k in range(workers):
             posted = mail.take(k)
             if posted is None:
                 continue
@@ -281,12 +306,11 @@ def _aggregate_loop(
             complete = policy.add(grads)
             mail.applied(k)
             if complete:
-                policy.apply(lr, step)
-                step, steps = step + 1, steps + 1
-                if task == 0:
-                    chores.control.advance_step()
-                mail.publish_step(step)
-                on_applied(step)
+                advance()
+        if (now := _alive(chores.control)) < live:  # survive mode: a worker was lost
+            live = now
+            if policy.shrink(live):  # a step takes at most what is left
+                advance()
         pace.wait(busy)
     late = ", ".join(f"worker {k}: {d}" for k, d in enumerate(dropped) if d) or "none"
     log(

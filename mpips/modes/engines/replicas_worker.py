@@ -39,11 +39,15 @@ class Averager:
         for name, grad in grads.items():
             self.total[name] += grad
         self.count += 1
-        return self.count == self.per_step
+        return self.count >= self.per_step
+
+    def shrink(self, live: int) -> bool:
+        self.per_step = min(self.per_step, max(live, 1))
+        return self.count >= self.per_step
 
     def apply(self, lr: float, step: int) -> None:
         for name, var in self.variables.items():
-            self.total[name] /= self.per_step
+            self.total[name] /= self.count  # per_step; fewer where workers died meanwhile
             self.apply_rule(var, self.total[name], self.slots[name], lr, step + 1)
             self.total[name][...] = 0
         self.count = 0
@@ -90,6 +94,7 @@ class ReplicasWorker(StoreWorker):
         self.phases.mark("wait for the step")
         self.clock, self.updates = self.clock + 1, self.updates + 1
         self.control.publish_clock(self.role.task, self.clock)
+        self.control.pushed(self.role.task, tags[0] + 1)  # (named should it die)
         self.stats.add(0, 0)
         self.stats.dropped = self.dropped
         return StepInfo(tags[0] + 1, loss, epoch, self.updates)
