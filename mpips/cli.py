@@ -400,13 +400,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         job = agreed(MPI.COMM_WORLD, start_up)
         result = train(job)
-        if args.result and result.role.is_chief:
+        if args.result and result.is_chief:
             from .process.files import atomic_write
 
             text = json.dumps(result.to_json(), indent=1)
             atomic_write(args.result, lambda tmp: tmp.write_text(text), "no result written")
         code = EXIT_PREEMPTED if result.stopped_by else 0
-        if liveness.SURVIVAL.active and result.role.is_chief:
+        if liveness.SURVIVAL.active and result.is_chief:
             liveness.write_outcome(result, job.train.steps)
         if liveness.SURVIVAL.departing:  # after a loss: no MPI_Finalize (it waits for the dead)
             liveness.leave(code)

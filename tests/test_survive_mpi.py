@@ -23,11 +23,14 @@ LOST_LINE = re.compile(r"lost: rank (\d+) \((/job:worker/task:\d+), pid (\d+) on
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("victim", ["/job:worker/task:1", "/job:worker/task:2"])
+@pytest.mark.parametrize(
+    "victim", ["/job:worker/task:0", "/job:worker/task:1", "/job:worker/task:2"]
+)
 def test_a_worker_killed_mid_run_costs_its_step_not_the_job(tmp_path, victim):
     """kill -9 at a random moment after the first checkpoint: exit 0, the target reached,
     every step 1..N counted once (the dead worker's claimed step made by a survivor), the
-    lost rank named once, the final checkpoint at the target."""
+    lost rank named once, the final checkpoint at the target. The chief too: worker 1 takes
+    over its duties (checkpoints, the final evaluation and report, the result file)."""
     (tmp_path / "job.toml").write_text(
         f'[data]\nbuiltin = "digits"\n[train]\nsteps = {STEPS}\n'
         '[checkpoint]\ndir = "ckpt"\nevery_secs = 1.0\n'
@@ -64,17 +67,30 @@ def test_a_worker_killed_mid_run_costs_its_step_not_the_job(tmp_path, victim):
     for bad in ("stopped early", "Traceback", "hung", "died without a word"):
         assert bad not in text, text[-3000:]
     assert not list(tmp_path.glob(".mpips-launch-*"))  # the launcher's folder removed
+    assert_chief_duties(tmp_path, text, victim, STEPS)
+
+
+def assert_chief_duties(tmp_path, text, victim, steps):
+    """The chief's duties were done to the end, by worker 1 where the chief was lost: it
+    said it took them over (and nobody else did), and the final checkpoint is committed."""
+    takes_over = re.findall(r"\[(/job:worker/task:\d+)\] the chief .* was lost: this worker", text)
+    assert takes_over == (["/job:worker/task:1"] if victim.endswith("task:0") else []), text[-3000:]
+    assert (tmp_path / f"ckpt/ckpt-{steps}.json").exists()
+    final = re.findall(r"\[(/job:worker/task:\d+)\] final: global_step (\d+) ", text)
+    chief = "/job:worker/task:1" if victim.endswith("task:0") else "/job:worker/task:0"
+    assert final == [(chief, str(steps))], text[-3000:]
 
 
 SYNC_STEPS = 3000  # sync_replicas on digits, 3 replicas: ~5-8 s on the loaded 2 cores
 
 
 @pytest.mark.launcher
-def test_a_sync_replica_killed_mid_run_shrinks_the_quorum_not_the_job(tmp_path):
-    """sync_replicas, 1 PS + 3 workers, every step takes all 3 gradients: kill -9 of worker
-    2 at a random moment after the first checkpoint; the PS takes the step with the
-    gradients of the 2 left (and every later one), the target is reached, exit 0, the lost
-    rank named once with the last step it pushed."""
+@pytest.mark.parametrize("victim", ["/job:worker/task:0", "/job:worker/task:2"])
+def test_a_sync_replica_killed_mid_run_shrinks_the_quorum_not_the_job(tmp_path, victim):
+    """sync_replicas, 1 PS + 3 workers, every step takes all 3 gradients: kill -9 of a
+    worker (the chief too) at a random moment after the first checkpoint; the PS takes the
+    step with the gradients of the 2 left (and every later one), the target is reached,
+    exit 0, the lost rank named once with the last step it pushed."""
     (tmp_path / "job.toml").write_text(
         f'[data]\nbuiltin = "digits"\n[train]\nmode = "sync_replicas"\nsteps = {SYNC_STEPS}\n'
         '[checkpoint]\ndir = "ckpt"\nevery_secs = 1.0\n'
@@ -82,7 +98,6 @@ def test_a_sync_replica_killed_mid_run_shrinks_the_quorum_not_the_job(tmp_path):
     job = BackgroundJob(
         tmp_path, 4, "job.toml", "--result", RESULT, wrap=(sys.executable, "-m", "mpips.launch")
     )
-    victim = "/job:worker/task:2"
     rank, pid = job.rank_and_pid(victim)
     job.wait_for(r"saved checkpoint", 120)
     time.sleep(random.uniform(0.0, 1.0))
@@ -100,6 +115,7 @@ def test_a_sync_replica_killed_mid_run_shrinks_the_quorum_not_the_job(tmp_path):
     assert re.search(r"aggregated \d+ steps of 2 gradients each", text), text[-3000:]
     for bad in ("stopped early", "Traceback", "hung", "died without a word"):
         assert bad not in text, text[-3000:]
+    assert_chief_duties(tmp_path, text, victim, SYNC_STEPS)
 
 
 # -- without MPI ---------------------------------------------------------------------------

@@ -78,13 +78,14 @@ class DirectoryLock:
     unlocked: str | None = None
 
 
-def lock_directory(directory: str | Path, job: str) -> DirectoryLock:
+def lock_directory(directory: str | Path, job: str, run: str | None = None) -> DirectoryLock:
     """Take ``directory`` (created if needed) for a new run of ``job``, until this process
     ends or release_directory: an exclusive flock of its LOCK_FILE, which then says who
     holds it (host, pid, start time, job, run id). CheckpointError naming the holder if
     another run holds it, or if the directory cannot be written. A process that holds the
-    lock already (a second run in one Python process) keeps it, for the new run."""
-    d, run = Path(directory), uuid.uuid4().hex[:16]
+    lock already (a second run in one Python process) keeps it, for the new run. ``run``:
+    the id of the run taken over (a worker that became the chief), else a new one."""
+    d, run = Path(directory), run or uuid.uuid4().hex[:16]
     key = _key(d)
     try:
         d.mkdir(parents=True, exist_ok=True)

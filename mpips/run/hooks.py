@@ -60,10 +60,13 @@ class Run:
     stop_requested: bool = False  # a hook asked to stop (this worker saw it)
     mode: LoopMode | None = None  # the training mode (mpips.modes), as hooks see it
     state_changed: bool = False  # the model's state changed at the end (checkpointed again)
+    chief: Callable[[], bool] | None = None  # survive mode: whether this worker acts as chief
 
     @property
     def is_chief(self) -> bool:
-        return self.role.is_chief
+        """Whether this worker does the chief's duties now: worker 0, or in survive mode
+        the worker that took them over when the chief was lost (docs/guide/failures.md)."""
+        return self.chief() if self.chief is not None else self.role.is_chief
 
     def variables(self) -> dict[str, Any]:
         """The model's dense variables now, by name (numpy copies): pulled from the PS tasks

@@ -29,10 +29,16 @@ class TrainResult:
     stopped_by: int = 0  # signal that stopped the run early (preemption), else 0
     # survive mode (chief): each worker lost mid-run, as store/liveness.py's lost_rank
     lost: list[dict[str, Any]] | None = None
+    acting_chief: bool = False  # survive mode: this worker took over from a lost chief
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this rank ended the run as the chief (its report, its result file)."""
+        return self.role.is_chief or self.acting_chief
 
     def to_json(self) -> dict[str, Any]:
         """The result as plain JSON values (``train --result FILE``)."""
-        out = {k: v for k, v in vars(self).items() if k != "role"}
+        out = {k: v for k, v in vars(self).items() if k not in ("role", "acting_chief")}
         for k, v in out.items():  # strict JSON: a NaN metric (one-class split) is null
             if isinstance(v, float) and v != v:
                 out[k] = None

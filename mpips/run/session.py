@@ -93,6 +93,14 @@ class Session:
         self.updates = self.examples = 0
         self.seconds = 0.0
 
+    def take_over(self) -> None:
+        """This worker has become the chief mid-run (survive mode): the standard hooks that
+        set up for the chief alone in ``begin`` (the progress bar, the summaries) begin now;
+        the others read ``run.is_chief`` at each step."""
+        for h in self.hooks:
+            if isinstance(h, ProgressBar) or (isinstance(h, Summaries) and h.out is None):
+                h.begin(self.run)
+
     def loop(self, steps: Steps) -> None:
         """The training loop (run_steps), counted."""
         self.updates, self.examples, self.seconds = run_steps(steps, self.run, self.hooks)

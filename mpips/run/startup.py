@@ -129,7 +129,9 @@ def _take_checkpoint_dir(start: StartUp) -> None:
         ]
     if "error" in said:
         raise CheckpointError(said["error"])
-    if not cluster.is_chief and cluster.is_ps and start.mode.ps_holds_variables:
+    if not cluster.is_chief and start.mode.ps_holds_variables:
+        # PS tasks write shards of this run; a worker may take over as the chief (survive
+        # mode: docs/guide/failures.md) and commit them
         checkpoint.join_run(c.dir, said["run"])
 
 
@@ -396,15 +398,22 @@ def _on_device(
     return InMemoryPart(xp.asarray(part.x), xp.asarray(part.y), xp)
 
 
-def _chief_part(start: StartUp, prep: Prepared, ckpt: checkpoint.Checkpoint | None) -> None:
-    """The chief: the test (and validation) split, and the dense variables and slots it
-    writes or holds: fresh, or restored where the chief holds them (sync, hybrid)."""
-    job, optimizer, model = start.job, start.optimizer, prep.model
-    info, specs = prep.info, model.variables()
+def load_chief_splits(job: Job, prep: Prepared) -> None:
+    """What the chief evaluates on: the test split, and the validation split (or the test
+    split again) with train.eval_every. Also called by a worker that takes over as chief."""
+    info = prep.info
     prep.test = load_split(info, "test")
     if job.train.eval_every:
         prep.val_split = "val" if "val" in info.rows else "test"
         prep.val = load_split(info, "val") if prep.val_split == "val" else prep.test
+
+
+def _chief_part(start: StartUp, prep: Prepared, ckpt: checkpoint.Checkpoint | None) -> None:
+    """The chief: the test (and validation) split, and the dense variables and slots it
+    writes or holds: fresh, or restored where the chief holds them (sync, hybrid)."""
+    job, optimizer, model = start.job, start.optimizer, prep.model
+    specs = model.variables()
+    load_chief_splits(job, prep)
     slot_specs = [e.spec for e in slot_placement(round_robin(specs, 1), optimizer.slots)]
     if ckpt is None:
         prep.values = model.checked_initial_values(job.model.init_seed)

@@ -67,15 +67,17 @@ def check_batch_statistics(n: int, model: Model, what: str) -> None:
         )
 
 
-def recompute_at_end(ctx: EndOfRun, evaluated: Evaluated) -> bool:
+def recompute_at_end(ctx: EndOfRun, evaluated: Evaluated, chief: bool | None = None) -> bool:
     """Chief, train.recompute_batch_norm = N: the model's batch statistics made anew from
     the first N batches of its part of the train rows, with the final variables
     (``evaluated(x)``: the batch prepared and the variables it reads). Not after a signal
     (the run must end within its grace period: the next run does it). Returns whether it
-    recomputed them (the final checkpoint is then written again, if it was already)."""
+    recomputed them (the final checkpoint is then written again, if it was already).
+    ``chief``: whether this worker acts as the chief (by default its role says)."""
     n, tc = ctx.job.train.recompute_batch_norm, ctx.job.train
     part = ctx.prep.train
-    if not n or not ctx.role.is_chief or part is None or preemption.requested():
+    chief = ctx.role.is_chief if chief is None else chief
+    if not n or not chief or part is None or preemption.requested():
         return False
     t0 = time.perf_counter()
     device = ctx.device

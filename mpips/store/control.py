@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from ..errors import Stalled, StartTimeout
 from ..process.waits import poll
+from . import liveness
 from .cluster import stall_timeout, start_timeout, unreachable
 from .window import (
     CKPT_SEQ,
@@ -383,7 +384,12 @@ class RunControl:
                 f"(MPIPS_START_TIMEOUT sets the limit)"
             )
 
-        poll(self.is_ready, start_timeout() if timeout is None else timeout, late, meanwhile)
+        def looking() -> None:
+            if meanwhile is not None:
+                meanwhile()
+            liveness.chief_alive(self.layout.chief_rank)  # (survive mode: dead, it never will)
+
+        poll(self.is_ready, start_timeout() if timeout is None else timeout, late, looking)
 
     def end_run(self) -> None:
         """Chief, after its last checkpoint and evaluation: the PS tasks may stop serving."""

@@ -4,9 +4,10 @@ on without a dead worker where it can.
 A rank killed outright under a supervisor (mpips/process/supervise.py) leaves the others
 running. MPICH then lists it in ``MPIX_Comm_get_failed`` (called here through ctypes: mpi4py
 does not wrap it), at once and for ~0.2 ms a call, so the watchdogs ask at most every
-CHECK_SECONDS. A dead worker other than the chief is declared lost in the control words
-(RunControl.declare_lost: its claimed step is issued again to a survivor); any other death
-(a PS task, the chief), or any death where the run cannot go on in place, ends the job
+CHECK_SECONDS. A dead worker is declared lost in the control words (RunControl.declare_lost:
+its claimed step is issued again to a survivor; a lost chief's duties pass to the lowest
+live worker, ``acting_chief``); any other death (a PS task), or any death where the run
+cannot go on in place, ends the job
 (RankLost). In place means async training, every rank on one node, zero copy with the
 updates applied in place and the control words in shared memory: MPI's own atomics into
 a same-node window can stay locked for good when a rank dies inside one.
@@ -123,7 +124,7 @@ def begin(comm: MPI.Intracomm, layout: Layout, mode: str, windows: Any) -> None:
         comm, [socket.gethostname(), os.getpid()], "survive mode", start_timeout()
     )
     role = layout.role(comm.rank)
-    supervise.tell(str(role), state.survivable and role.job == "worker" and not role.is_chief)
+    supervise.tell(str(role), state.survivable and role.job == "worker")
     if why and comm.rank == 0:
         log(role, f"survive mode off: {why}; a rank that dies ends the job")
     if state.survivable:
@@ -160,8 +161,8 @@ def name(rank: int) -> str:
 
 
 def check(control: Any) -> None:
-    """A watchdog's look (at most every CHECK_SECONDS): a dead worker that is not the chief
-    is declared lost (said once over the job) where the run can go on without it; any other
+    """A watchdog's look (at most every CHECK_SECONDS): a dead worker (the chief too) is
+    declared lost (said once over the job) where the run can go on without it; any other
     death raises RankLost. Nothing outside survive mode."""
     state = SURVIVAL
     now = time.monotonic()
@@ -175,8 +176,8 @@ def check(control: Any) -> None:
         state.judged.add(rank)
         assert state.layout is not None
         role = state.layout.role(rank)
-        if not (state.survivable and role.job == "worker" and not role.is_chief):
-            what = "the chief" if role.is_chief else "its PS memory" if role.job == "ps" else "it"
+        if not (state.survivable and role.job == "worker"):
+            what = "its PS memory" if role.job == "ps" else "it"
             raise RankLost(
                 f"{name(rank)} died (killed or crashed): the run cannot go on without {what}; "
                 f"ending the job"
@@ -189,6 +190,23 @@ def check(control: Any) -> None:
             )
 
 
+def chief_alive(chief_rank: int) -> None:
+    """While the ranks wait for the chief to raise ready (at most every CHECK_SECONDS):
+    RankLost if it died meanwhile (survive mode). A chief lost before training started
+    cannot be taken over (it was initialising the variables): the job ends at once, not
+    at the start-up limit, and ``mpips.launch --restarts N`` runs it again."""
+    state = SURVIVAL
+    now = time.monotonic()
+    if not state.active or now < state.next_check:
+        return
+    state.next_check = now + CHECK_SECONDS
+    if chief_rank in failed():
+        raise RankLost(
+            f"{name(chief_rank)}, the chief, died before training started (killed or "
+            f"crashed): the run cannot go on without it; ending the job"
+        )
+
+
 def notice() -> bool:
     """For a SIGUSR1: whether it is hydra's notice of a death or departure (a rank was
     first seen dead within NOTICE_SECONDS, or is now), not a preemption request."""
@@ -197,6 +215,15 @@ def notice() -> bool:
     for rank in failed() - set(state.seen):
         state.seen.setdefault(rank, now)
     return any(now - t < NOTICE_SECONDS for t in state.seen.values())
+
+
+def acting_chief(control: Any, num_workers: int) -> int:
+    """The worker task that does the chief's duties: the lowest one not declared lost (0
+    until the chief is lost; outside survive mode, always 0)."""
+    if not SURVIVAL.survivable:
+        return 0
+    lost = set(control.lost_tasks())
+    return next((t for t in range(num_workers) if t not in lost), 0)
 
 
 def lost_ranks(control: Any) -> list[int]:

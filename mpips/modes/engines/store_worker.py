@@ -10,8 +10,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from ... import checkpoint
 from ...data.batches import epoch_batches
-from ...errors import AlreadyReported, NonFinite
+from ...errors import AlreadyReported, CheckpointError, NonFinite
 from ...models.contract import first_loss_and_grads, said_once
 from ...process.log import detail, log
 from ...run.hooks import Hook, PendingSave, Run, StepInfo
@@ -27,6 +28,7 @@ from ...run.report import (
 )
 from ...run.result import TrainResult
 from ...run.session import Session, target_steps
+from ...run.startup import load_chief_splits
 from ...run.statistics import recompute_at_end
 from ...run.summaries import job_timeline
 from ...run.timeline import Phases
@@ -63,6 +65,9 @@ class StoreWorker:
         self.phases = Phases(self.timeline)  # a step's phases on it (summary.timeline), if on
         self.clock = 0  # batches of this worker's part used (its data position)
         self.updates = 0
+        self.acting_chief = self.role.is_chief  # survive mode: True once it took over
+        self.run: Run | None = None
+        self.session: Session | None = None
 
     def train(self) -> TrainResult:
         try:
@@ -86,10 +91,12 @@ class StoreWorker:
             control.end_tickets,
             self._validate if self.prep.val is not None else None,
             mode=self.mode,
+            chief=self._is_chief if liveness.SURVIVAL.survivable else None,
         )
         # hooks begin before the chief raises ready, so their set-up (the progress bar's)
         # does not delay the chief's first update behind every other worker's
         session = Session(self.job, run, extra_hooks, self.timeline)
+        self.run, self.session = run, session
         start_step = self._start()
         session.loop(self)
         self.client.settle()  # its last update is applied before it says it is done
@@ -113,15 +120,49 @@ class StoreWorker:
             "the workers' summaries",
             summary,
             staleness=[summary],
-            before_end=lambda: recompute_at_end(self.ctx, self._evaluated),
+            before_end=lambda: recompute_at_end(self.ctx, self._evaluated, run.is_chief),
         )
-        if self.cluster.is_chief:
+        if run.is_chief:
+            result.acting_chief = self.acting_chief and not self.role.is_chief
             for task in lost:  # (in task order, as the gathered summaries are)
                 gathered.insert(task, [0, 0.0, {"updates": 0, "dropped": 0, "lost": True}])
             result.lost = [liveness.lost_rank(control, t) for t in lost]
             self._conclude(result, gathered)
         run.close(result.global_step)  # (the store is freed next: a kept Run must not read it)
         return result
+
+    def _is_chief(self) -> bool:
+        """Whether this worker does the chief's duties now (survive mode): worker 0, or the
+        lowest live worker once the chief was lost, which then takes them over."""
+        if self.acting_chief:
+            return True
+        if liveness.acting_chief(self.control, self.cluster.layout.num_workers) == self.role.task:
+            self._take_over()
+        return self.acting_chief
+
+    def _take_over(self) -> None:
+        """The chief was lost: this worker does its duties from now on (survive mode). It
+        takes the checkpoint directory's lock under the run's id, loads the splits the chief
+        evaluates on, and begins the chief's hooks; its next step starts a checkpoint (the
+        lost chief's pending one is never committed)."""
+        job, run, session = self.job, self.run, self.session
+        assert run is not None and session is not None
+        self.acting_chief = True
+        log(
+            self.role,
+            "the chief (/job:worker/task:0) was lost: this worker takes over its duties "
+            "(checkpoints, evaluation, the final report)",
+        )
+        c = job.checkpoint
+        if c.dir:
+            try:
+                checkpoint.lock_directory(c.dir, job.source, checkpoint.run_of(c.dir))
+            except CheckpointError as e:
+                log(self.role, f"warning: {e}")
+        load_chief_splits(job, self.prep)
+        if self.prep.val is not None:
+            run.validate = self._validate
+        session.take_over()
 
     def _validate(self) -> dict[str, float]:
         """Chief: the model now on the validation split (the others train on meanwhile)."""
@@ -208,7 +249,11 @@ class StoreWorker:
             say_preempted(role, stopped, self.job)
         result.staleness = [g[2] for g in gathered]
         counts = [s["updates"] for s in result.staleness if not s.get("lost")]
-        fewer = len(counts) > 1 and counts[0] < 0.8 * sum(counts[1:]) / (len(counts) - 1)
+        fewer = (
+            not result.staleness[0].get("lost")  # (the chief's own count, not a successor's)
+            and len(counts) > 1
+            and counts[0] < 0.8 * sum(counts[1:]) / (len(counts) - 1)
+        )
         for lost in result.lost or []:
             log(role, f"lost: {describe_lost(lost)}")
         log(
