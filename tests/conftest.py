@@ -32,6 +32,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_TIMEOUT = float(os.environ.get("MPIPS_TEST_TIMEOUT", "120"))
+pytest_plugins = ["shared_runs"]  # fixtures several test files share, made once a session
 
 
 def _world_size_from_env() -> int:

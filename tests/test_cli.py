@@ -219,7 +219,11 @@ def test_one_process_trains_and_its_final_line_says_one_worker(tmp_path):
 @pytest.mark.launcher
 def test_a_first_run_is_quiet_and_verbose_adds_the_details(tmp_path):
     """Without MPIPS_VERBOSE or -v, a run prints no per-rank detail (pids, rows,
-    staleness); -v prints them, as MPIPS_VERBOSE=1 does."""
+    staleness, each worker's "done" line: the result file holds them); -v prints them, as
+    MPIPS_VERBOSE=1 does (tests run verbose). Either way every rank says bye to its node's
+    watcher: nobody "died". (One pair of runs for what two tests launched apart.)"""
+    import re
+
     quiet = run_mpi(
         3,
         ["-m", "mpips", "train", "--steps", "30", "--no-progress"],
@@ -228,8 +232,9 @@ def test_a_first_run_is_quiet_and_verbose_adds_the_details(tmp_path):
         MPIPS_VERBOSE="0",
     )
     assert quiet.returncode == 0, quiet.stderr
-    assert "final:" in quiet.stdout and " examples on 2 workers in " in quiet.stdout
-    for word in ("pid ", "train rows", "staleness of"):
+    assert "final: global_step 30 " in quiet.stdout, quiet.stdout
+    assert " examples on 2 workers in " in quiet.stdout, quiet.stdout
+    for word in ("pid ", "train rows", "staleness of", "] done: "):
         assert word not in quiet.stdout, quiet.stdout
     loud = run_mpi(
         3,
@@ -241,6 +246,10 @@ def test_a_first_run_is_quiet_and_verbose_adds_the_details(tmp_path):
     assert loud.returncode == 0, loud.stderr
     for word in ("rank 0, pid ", "rank 2, pid ", "train rows", "staleness of"):
         assert word in loud.stdout, loud.stdout
+    done = re.findall(r"^\[/job:worker/task:(\d)\] done: \d+ updates", loud.stdout, re.M)
+    assert sorted(done) == ["0", "1"], loud.stdout
+    for r in (quiet, loud):  # every rank said bye to its node's watcher: nobody "died"
+        assert "died without a word" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(

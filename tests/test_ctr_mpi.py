@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 from conftest import ROOT, run_mpi, run_py, under_ci
+from shared_runs import run_in_turn
 
 from mpips.checkpoint import Checkpoint
 from mpips.data import sparse
@@ -81,46 +82,82 @@ def reference(job, steps):
     return params, slots
 
 
-@pytest.mark.parametrize(
-    "model,rule,opt,lr,pulls",
-    [
-        ("logreg", "mod", "sgd", 0.5, "copied"),
-        ("wide_deep", "div", "sgd", 0.5, "copied"),
-        ("wide_deep", "mod", "adagrad", 0.3, "copied"),
-        ("logreg", "div", "ftrl", 0.3, "copied"),
-        # train.zero_copy: rows read in place from the PS tasks' memory
-        ("wide_deep", "div", "sgd", 0.5, "zero_copy"),
-        ("wide_deep", "mod", "adagrad", 0.3, "zero_copy"),
-        ("logreg", "mod", "ftrl", 0.3, "zero_copy"),
-        ("wide_deep", "div", "adagrad", 0.3, "zero_copy, 1 PS"),  # (rows taken in order)
-        # a GPU worker (the strict stand-in): rows copied in, their gradients out, the
-        # sparse products as gathers and scatter-adds on the device
-        ("wide_deep", "div", "sgd", 0.5, "gpu"),
-        ("wide_deep", "mod", "adagrad", 0.3, "gpu"),
-        ("logreg", "mod", "ftrl", 0.3, "gpu"),
-    ],
-)
-def test_row_wise_training_equals_the_dense_computation(tmp_path, model, rule, opt, lr, pulls):
-    """1 worker; a validation every 3 steps, whose pulls (a split's ids) come between the
-    training steps' pulls of the kept row buffers."""
-    small_dataset(tmp_path / "s.h5")
-    steps = 30
-    text = JOB.format(model=model, rule=rule, opt=opt, lr=lr, steps=steps)
-    setting = {
-        "copied": "zero_copy = false",
-        "zero_copy": "zero_copy = true",
-        "zero_copy, 1 PS": "zero_copy = true",
-        "gpu": 'device = "gpu"',
-    }
-    text = text.replace("[train]\n", f"[train]\n{setting[pulls]}\neval_every = 3\n")
-    (tmp_path / "job.toml").write_text(text)
-    # 2 PS tasks and 1 worker: every table is split in two, and updates are deterministic
+ROW_WISE = [
+    ("logreg", "mod", "sgd", 0.5, "copied"),
+    ("wide_deep", "div", "sgd", 0.5, "copied"),
+    ("wide_deep", "mod", "adagrad", 0.3, "copied"),
+    ("logreg", "div", "ftrl", 0.3, "copied"),
+    # train.zero_copy: rows read in place from the PS tasks' memory
+    ("wide_deep", "div", "sgd", 0.5, "zero_copy"),
+    ("wide_deep", "mod", "adagrad", 0.3, "zero_copy"),
+    ("logreg", "mod", "ftrl", 0.3, "zero_copy"),
+    ("wide_deep", "div", "adagrad", 0.3, "zero_copy, 1 PS"),  # (rows taken in order)
+    # a GPU worker (the strict stand-in): rows copied in, their gradients out, the
+    # sparse products as gathers and scatter-adds on the device
+    ("wide_deep", "div", "sgd", 0.5, "gpu"),
+    ("wide_deep", "mod", "adagrad", 0.3, "gpu"),
+    ("logreg", "mod", "ftrl", 0.3, "gpu"),
+]
+ROW_WISE_STEPS = 30
+SETTING = {
+    "copied": "zero_copy = false",
+    "zero_copy": "zero_copy = true",
+    "zero_copy, 1 PS": "zero_copy = true",
+    "gpu": 'device = "gpu"',
+}
+
+
+def row_wise_case(case) -> str:
+    """A case's name: its directory under runs/ and its job file."""
+    return "-".join(map(str, case)).replace(", ", "-").replace(" ", "")
+
+
+def row_wise_job(case) -> str:
+    """A case's job: 1 worker, a validation every 3 steps, 2 PS tasks (1 for "1 PS")."""
+    model, rule, opt, lr, pulls = case
+    text = JOB.format(model=model, rule=rule, opt=opt, lr=lr, steps=ROW_WISE_STEPS)
+    text = text.replace("[train]\n", f"[train]\n{SETTING[pulls]}\neval_every = 3\n")
     ps = 1 if pulls.endswith("1 PS") else 2
-    env = {"MPIPS_GPU_STANDIN": "1"} if pulls == "gpu" else {}
-    r = run_mpi(ps + 1, ["-m", "mpips", "train", "job.toml", "--ps", str(ps)], cwd=tmp_path, **env)
-    assert r.returncode == 0, r.stderr
-    variables, slots = Checkpoint(tmp_path / f"runs/s/ckpt-{steps}.json").read_all()
-    job = parse_job(text.replace('"s.h5"', f'"{tmp_path / "s.h5"}"'))
+    text = text.replace('dir = "runs/s"', f'dir = "runs/{row_wise_case(case)}"')
+    return text + f"[layout]\nps = {ps}\n"
+
+
+@pytest.fixture(scope="module")
+def row_wise_runs(tmp_path_factory):
+    """Every case of ROW_WISE trained, in three launches rather than one each (a launch's
+    start-up is most of a case's time): the CPU cases on 2 PS tasks, the GPU stand-in's,
+    and the one on 1 PS task; the directory and each case (run_in_turn)."""
+    d = tmp_path_factory.mktemp("row_wise")
+    small_dataset(d / "s.h5")
+    groups: dict[tuple[int, bool], list[str]] = {}
+    for case in ROW_WISE:
+        name = row_wise_case(case)
+        (d / f"{name}.toml").write_text(row_wise_job(case))
+        ps, gpu = (1 if case[4].endswith("1 PS") else 2), case[4] == "gpu"
+        groups.setdefault((ps, gpu), []).append(name)
+    cases = {}
+    for (ps, gpu), names in groups.items():
+        env = {"MPIPS_GPU_STANDIN": "1"} if gpu else {}
+        cases |= run_in_turn(
+            d,
+            names,
+            lambda todo, ps=ps, env=env: run_mpi(ps + 1, ["in_turn.py", *todo], d, 180, **env),
+        )
+    return d, cases
+
+
+@pytest.mark.parametrize("model,rule,opt,lr,pulls", ROW_WISE)
+def test_row_wise_training_equals_the_dense_computation(row_wise_runs, model, rule, opt, lr, pulls):
+    """1 worker; a validation every 3 steps, whose pulls (a split's ids) come between the
+    training steps' pulls of the kept row buffers. 2 PS tasks (or 1): every table is split
+    in two, and updates are deterministic."""
+    d, cases = row_wise_runs
+    case = (model, rule, opt, lr, pulls)
+    name, steps = row_wise_case(case), ROW_WISE_STEPS
+    cases[name].result()  # this case's own run ended (else: its failure alone, by name)
+    variables, slots = Checkpoint(d / f"runs/{name}/ckpt-{steps}.json").read_all()
+    text = row_wise_job(case)
+    job = parse_job(text.replace('"s.h5"', f'"{d / "s.h5"}"'))
     want, want_slots = reference(job, steps)
     assert variables.keys() == want.keys()
     for name, value in want.items():

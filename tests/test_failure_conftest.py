@@ -45,6 +45,7 @@ def outcomes(report, rank):
 
 def session(tmp_path, fail):
     shutil.copy(ROOT / "tests/conftest.py", tmp_path / "conftest.py")
+    shutil.copy(ROOT / "tests/shared_runs.py", tmp_path / "shared_runs.py")  # its plugin
     (tmp_path / "test_session.py").write_text(SESSION.format(fail=fail))
     report = tmp_path / "junit.xml"
     r = run_mpi(

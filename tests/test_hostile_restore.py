@@ -5,6 +5,7 @@ the file, never a traceback; manifest integers past 64-bit counters are one mess
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -41,6 +42,27 @@ dir = "ck"
 
 def digits_job(d, mode="async", steps=10, batch=32, seed=0):
     (d / "job.toml").write_text(DIGITS_JOB.format(mode=mode, steps=steps, batch=batch, seed=seed))
+
+
+@pytest.fixture(scope="module")
+def trained_async(tmp_path_factory):
+    """digits_job's async run on 3 ranks (1 PS) to its checkpoint at global_step 10, trained
+    once for the tests that damage a copy of it."""
+    d = tmp_path_factory.mktemp("trained_async")
+    digits_job(d)
+    r = run_train(d, 3, "job.toml", "--ps", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def trained(request, tmp_path, mode="async"):
+    """``tmp_path`` holds digits_job and its checkpoint at global_step 10 (3 ranks, 1 PS):
+    a copy of the module's async run, or (another mode) a run of its own."""
+    if mode == "async":
+        shutil.copytree(request.getfixturevalue("trained_async"), tmp_path, dirs_exist_ok=True)
+        return
+    digits_job(tmp_path, mode)
+    assert run_train(tmp_path, 3, "job.toml", "--ps", "1").returncode == 0
 
 
 def one_message(r, said):
@@ -81,11 +103,12 @@ def poke(shard, path, value, crc=True):
         ("sync", "variables/dense_1/bias", "variable 'dense_1/bias'", -np.inf),
     ],
 )
-def test_train_refuses_a_checkpoint_holding_nan_or_infinity(tmp_path, mode, path, name, value):
+def test_train_refuses_a_checkpoint_holding_nan_or_infinity(
+    request, tmp_path, mode, path, name, value
+):
     """The PS tasks (async) or the chief (sync) find it as they read it: one message naming
     the checkpoint and the variable or slot, exit 2 on every rank, nothing overwritten."""
-    digits_job(tmp_path, mode)
-    assert run_train(tmp_path, 3, "job.toml", "--ps", "1").returncode == 0
+    trained(request, tmp_path, mode)
     ck = tmp_path / "ck"
     poke(ck / "ckpt-10.shard-0-of-1.h5", path, value)
     before = snapshot(ck)
@@ -296,11 +319,10 @@ def damage(path, at, raw):
 
 
 @pytest.mark.launcher
-def test_a_shard_with_damaged_metadata_is_one_message_for_every_command(tmp_path):
+def test_a_shard_with_damaged_metadata_is_one_message_for_every_command(request, tmp_path):
     """The reproduction: byte 172 of a trained shard set to 124 (h5py: "Link visitation
     failed (addr overflow ...)"), for train's restore, ckpt inspect, ckpt export and eval."""
-    digits_job(tmp_path)
-    assert run_train(tmp_path, 3, "job.toml", "--ps", "1").returncode == 0
+    trained(request, tmp_path)
     shard = tmp_path / "ck/ckpt-10.shard-0-of-1.h5"
     damage(shard, 172, bytes([124]))
     before = snapshot(tmp_path / "ck")
@@ -439,9 +461,8 @@ def test_a_global_step_past_2_62_is_refused(tmp_path):
 
 @pytest.mark.launcher
 @pytest.mark.parametrize("past", ["clocks", "global_step"])
-def test_train_refuses_manifest_integers_past_64_bits_with_one_message(tmp_path, past):
-    digits_job(tmp_path)
-    assert run_train(tmp_path, 3, "job.toml", "--ps", "1").returncode == 0
+def test_train_refuses_manifest_integers_past_64_bits_with_one_message(request, tmp_path, past):
+    trained(request, tmp_path)
     ck = tmp_path / "ck"
     raw = json.loads((ck / "ckpt-10.json").read_text())
     if past == "clocks":

@@ -10,6 +10,7 @@ import signal
 import numpy as np
 import pytest
 from conftest import RESULT, BackgroundJob, read_result, run_mpi
+from shared_runs import run_in_turn
 from test_ctr_mpi import JOB, small_dataset
 
 from mpips.checkpoint import Checkpoint
@@ -74,13 +75,29 @@ def assert_close(variables, want):
         np.testing.assert_allclose(variables[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("model,opt,lr", [("wide_deep", "adagrad", 0.3), ("logreg", "ftrl", 0.3)])
-def test_one_hybrid_worker_equals_one_process(tmp_path, model, opt, lr):
-    job = hybrid_job(tmp_path, model, opt, lr, 30)
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    variables, _ = Checkpoint(tmp_path / "runs/s/ckpt-30.json").read_all()
-    assert_close(variables, lockstep(job, 30, 1))
+ONE_WORKER = [("wide_deep", "adagrad", 0.3), ("logreg", "ftrl", 0.3)]
+
+
+@pytest.fixture(scope="module")
+def one_worker_runs(tmp_path_factory):
+    """Each ONE_WORKER job, 30 steps on 2 PS tasks and 1 worker, trained in turn in one
+    launch (into runs/<model>); the directory, each job and each case (run_in_turn)."""
+    d = tmp_path_factory.mktemp("one_hybrid_worker")
+    jobs = {}
+    for model, opt, lr in ONE_WORKER:
+        jobs[model] = hybrid_job(d, model, opt, lr, 30)
+        text = (d / "job.toml").read_text().replace('dir = "runs/s"', f'dir = "runs/{model}"')
+        (d / f"{model}.toml").write_text(text + "[layout]\nps = 2\n")
+    cases = run_in_turn(d, [*jobs], lambda todo: run_mpi(3, ["in_turn.py", *todo], cwd=d))
+    return d, jobs, cases
+
+
+@pytest.mark.parametrize("model,opt,lr", ONE_WORKER)
+def test_one_hybrid_worker_equals_one_process(one_worker_runs, model, opt, lr):
+    d, jobs, cases = one_worker_runs
+    cases[model].result()  # this case's own run ended (else: its failure alone, by name)
+    variables, _ = Checkpoint(d / f"runs/{model}/ckpt-30.json").read_all()
+    assert_close(variables, lockstep(jobs[model], 30, 1))
     assert np.any(variables["wide/weights"])
 
 

@@ -4,6 +4,7 @@ checkpoints keep slots; bounded staleness holds (plain pytest; each case launche
 import numpy as np
 import pytest
 from conftest import read_result, run_mpi
+from shared_runs import run_in_turn
 
 from mpips.checkpoint import Checkpoint
 from mpips.data.batches import batches, load_split, open_dataset, resolve_path
@@ -73,19 +74,40 @@ def read_ckpt(path):
     return (*ckpt.read_all(), ckpt.clocks)
 
 
-@pytest.mark.parametrize("kind", [*CASES, "momentum on the GPU stand-in"])
-def test_one_async_worker_equals_single_process_reference(tmp_path, kind):
+STANDIN = "momentum on the GPU stand-in"
+
+
+@pytest.fixture(scope="module")
+def one_worker_runs(tmp_path_factory):
+    """Each optimizer's job (1 PS + 1 worker, 50 steps) trained, in two launches rather than
+    one each (a launch's start-up is most of a case's time): the CPU ones in turn, and the
+    GPU stand-in's (the worker clips its gradients on the device); each case (run_in_turn)."""
+    d = tmp_path_factory.mktemp("one_worker")
+    cases = {}
+    for names, env in (([*CASES], {}), ([STANDIN], {"MPIPS_GPU_STANDIN": "1"})):
+        for name in names:
+            kind, _, on = name.partition(" on the ")
+            text = JOB.format(
+                kind=kind, lr=CASES[kind][0], extra=CASES[kind][1], steps=50, ckpt=f"runs/{name}"
+            )
+            (d / f"{name}.toml").write_text(
+                text.replace("[train]", '[train]\ndevice = "gpu"') if on else text
+            )
+        cases |= run_in_turn(
+            d, names, lambda todo, env=env: run_mpi(2, ["in_turn.py", *todo], d, 120, **env)
+        )
+    return d, cases
+
+
+@pytest.mark.parametrize("kind", [*CASES, STANDIN])
+def test_one_async_worker_equals_single_process_reference(one_worker_runs, kind):
     """(On the GPU stand-in, the worker clips its gradients on the device.)"""
-    kind, _, on = kind.partition(" on the ")
-    job = write_job(tmp_path, kind, 50)
-    env = {"MPIPS_GPU_STANDIN": "1"} if on else {}
-    if on:
-        text = (tmp_path / "job.toml").read_text()
-        (tmp_path / "job.toml").write_text(text.replace("[train]", '[train]\ndevice = "gpu"'))
-    r = run_mpi(2, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path, **env)
-    assert r.returncode == 0, r.stderr
-    assert ("computing on the GPU stand-in" in r.stdout) == bool(on)
-    variables, slots, clocks = read_ckpt(tmp_path / "runs/ckpt/ckpt-50.json")
+    d, cases = one_worker_runs
+    cases[kind].result()  # this case's own run ended (else: its failure alone, by name)
+    on = kind == STANDIN
+    assert ("computing on the GPU stand-in" in cases[kind].launch.stdout) == on
+    job = parse_job((d / f"{kind}.toml").read_text())
+    variables, slots, clocks = read_ckpt(d / f"runs/{kind}/ckpt-50.json")
     want, want_slots = reference(job, 50)
     assert clocks == [50]
     for name, value in want.items():

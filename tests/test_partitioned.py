@@ -5,6 +5,7 @@ the unsplit ones (one async worker == one process; restore onto another PS count
 import numpy as np
 import pytest
 from conftest import run_mpi
+from shared_runs import run_in_turn
 from test_optimizers_mpi import assert_same_checkpoints, read_ckpt, reference, write_job
 
 from mpips.errors import ConfigError
@@ -83,15 +84,28 @@ def split_job(tmp_path, kind, steps, ckpt, ps, split="partition_min_bytes = 1"):
     return job
 
 
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+    """split_job with SGD and with Adam, 30 steps on 2 PS tasks, trained in turn in one
+    launch (into runs/<kind>); the directory, each job and each case (run_in_turn)."""
+    d = tmp_path_factory.mktemp("split")
+    jobs = {}
+    for kind in ("sgd", "adam"):
+        jobs[kind] = split_job(d, kind, 30, f"runs/{kind}", ps=2)
+        (d / "job.toml").rename(d / f"{kind}.toml")
+    cases = run_in_turn(d, [*jobs], lambda todo: run_mpi(3, ["in_turn.py", *todo], cwd=d))
+    return d, jobs, cases
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_one_async_worker_with_split_variables_equals_one_process(tmp_path, kind):
+def test_one_async_worker_with_split_variables_equals_one_process(split_runs, kind):
     """SGD pushes blocks by Accumulate, Adam through the PS's inbox: both must land each
     block in its rows (a block in the wrong rows, or a missed one, changes the model)."""
-    job = split_job(tmp_path, kind, 30, "runs/split", ps=2)
-    r = run_mpi(3, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    variables, slots, _ = read_ckpt(tmp_path / "runs/split/ckpt-30.json")
+    d, jobs, cases = split_runs
+    cases[kind].result()  # this case's own run ended (else: its failure alone, by name)
+    job = jobs[kind]
+    variables, slots, _ = read_ckpt(d / f"runs/{kind}/ckpt-30.json")
     want, want_slots = reference(job, 30)
     for name, value in want.items():
         np.testing.assert_allclose(variables[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from conftest import run_mpi, run_train
+from shared_runs import run_in_turn
 
 import mpips
 from mpips import checkpoint
@@ -33,16 +34,39 @@ dir = "runs/{mode}"
 """
 
 
-@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 0.01)])
-def test_without_backup_workers_it_equals_allreduce_sync_mode(tmp_path, optimizer, lr):
-    """2 workers through 1 PS, every gradient aggregated, == 2 allreduce replicas."""
-    final = {}
+OPTIMIZERS = [("sgd", 0.1), ("adam", 0.01)]
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """20 steps of JOB with each optimizer, in sync_replicas mode (1 PS, 2 workers: 3 ranks)
+    and in allreduce sync mode (2 replicas): two launches, each training its mode's jobs in
+    turn; the directory and each case ``<mode>-<optimizer>`` (run_in_turn), its checkpoints
+    in ``runs/<mode>-<optimizer>``."""
+    d = tmp_path_factory.mktemp("straight")
+    cases = {}
     for mode, ranks in (("sync_replicas", 3), ("sync", 2)):
-        (tmp_path / "job.toml").write_text(JOB.format(mode=mode, optimizer=optimizer, lr=lr))
-        r = run_train(tmp_path, ranks, "job.toml", timeout=120)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert r.result["global_step"] == 20
-        manifest = checkpoint.latest_checkpoint(tmp_path / f"runs/{mode}")
+        names = []
+        for optimizer, lr in OPTIMIZERS:
+            name = f"{mode}-{optimizer}"
+            text = JOB.format(mode=mode, optimizer=optimizer, lr=lr)
+            (d / f"{name}.toml").write_text(text.replace(f"runs/{mode}", f"runs/{name}"))
+            names.append(name)
+        cases |= run_in_turn(
+            d, names, lambda todo, n=ranks: run_mpi(n, ["in_turn.py", *todo], d, 120)
+        )
+    return d, cases
+
+
+@pytest.mark.parametrize("optimizer,lr", OPTIMIZERS)
+def test_without_backup_workers_it_equals_allreduce_sync_mode(straight_runs, optimizer, lr):
+    """2 workers through 1 PS, every gradient aggregated, == 2 allreduce replicas."""
+    d, cases = straight_runs
+    final = {}
+    for mode in ("sync_replicas", "sync"):
+        name = f"{mode}-{optimizer}"
+        assert cases[name].result()["global_step"] == 20  # (else: that case's failure alone)
+        manifest = checkpoint.latest_checkpoint(d / f"runs/{name}")
         final[mode] = checkpoint.Checkpoint(manifest).read_all()
     (ours, our_slots), (theirs, their_slots) = final["sync_replicas"], final["sync"]
     assert set(ours) == set(theirs) and set(our_slots) == set(their_slots)
@@ -138,23 +162,21 @@ def test_sync_replicas_settings_are_checked(tmp_path):
     assert said == 1, r.stderr
 
 
-def test_a_resumed_run_continues_from_the_checkpoint(tmp_path):
+def test_a_resumed_run_continues_from_the_checkpoint(tmp_path, straight_runs):
     """Stop at 10, resume to 20 (2 PS tasks, Adam): the same variables and slots as a
     straight run to 20 (the PS tasks restore their shards; every PS step word is set before
-    any worker reads it)."""
+    any worker reads it). The straight run is the module's, on 1 PS task: the placement
+    does not change the sums."""
+    d, cases = straight_runs
+    cases["sync_replicas-adam"].result()  # the straight run ended (else: its failure, by name)
     job = JOB.format(mode="sync_replicas", optimizer="adam", lr=0.01) + "[layout]\nps = 2\n"
     (tmp_path / "job.toml").write_text(job)
     for args in (["--steps", "10"], []):
         r = run_train(tmp_path, 4, "job.toml", *args, timeout=120)
         assert r.returncode == 0, r.stderr[-3000:]
     assert r.result["start_step"] == 10 and r.result["global_step"] == 20
-    (tmp_path / "job.toml").write_text(
-        job.replace('dir = "runs/sync_replicas"', 'dir = "runs/straight"')
-    )
-    r = run_train(tmp_path, 4, "job.toml", timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
     resumed = checkpoint.Checkpoint(checkpoint.latest_checkpoint(tmp_path / "runs/sync_replicas"))
-    straight = checkpoint.Checkpoint(checkpoint.latest_checkpoint(tmp_path / "runs/straight"))
+    straight = checkpoint.Checkpoint(checkpoint.latest_checkpoint(d / "runs/sync_replicas-adam"))
     assert resumed.step == straight.step == 20
     (a, a_slots), (b, b_slots) = resumed.read_all(), straight.read_all()
     for name in a:

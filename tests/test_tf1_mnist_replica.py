@@ -4,18 +4,17 @@ jobs run as the guide shows them, with TF's global-step semantics (200 global st
 updates async, 200 aggregated steps of 2 gradients with sync_replicas)."""
 
 import importlib.util
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_py, run_train, under_ci
+from conftest import run_train
+from shared_runs import place_fashion_mnist
 
 import mpips
 
 ROOT = Path(__file__).resolve().parent.parent
-FASHION = "/usr/share/datasets/fashion-mnist"
 
 
 def port():
@@ -76,16 +75,10 @@ def test_below_the_clip_an_example_passes_no_gradient_and_inits_are_truncated():
 
 
 @pytest.mark.launcher
-def test_the_port_runs_async_and_sync_replicas_with_tfs_global_steps(tmp_path):
-    """TF's default cluster (1 ps, 2 workers), each job file as the guide runs it."""
-    if not os.path.isdir(FASHION):
-        if under_ci():
-            pytest.fail(f"{FASHION} missing: .ci/run must apt-get install dataset-fashion-mnist")
-        pytest.skip("apt-get install dataset-fashion-mnist")
-    r = run_py(
-        ["-m", "mpips", "data", "fashion-mnist", "data/fashion_mnist.h5"], cwd=tmp_path, timeout=120
-    )
-    assert r.returncode == 0, r.stderr
+def test_the_port_runs_async_and_sync_replicas_with_tfs_global_steps(tmp_path, fashion_mnist):
+    """TF's default cluster (1 ps, 2 workers), each job file as the guide runs it (on the
+    data converted once a session)."""
+    place_fashion_mnist(fashion_mnist, tmp_path)
     r = run_train(tmp_path, 3, str(ROOT / "jobs/mnist_replica.toml"), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = r.result

@@ -12,10 +12,9 @@ from conftest import (
     need,
     read_result,
     run_mpi,
-    run_py,
     run_train,
-    under_ci,
 )
+from shared_runs import place_fashion_mnist
 
 from mpips import checkpoint
 
@@ -153,41 +152,40 @@ def test_exception_on_one_worker_ends_the_job(tmp_path):
     assert not [p for p in shm[1].split() if Path(p).exists()], shm[1]
 
 
-FASHION = "/usr/share/datasets/fashion-mnist"
-
-
 @pytest.mark.parametrize(
     "job,target,steps",
     [
-        ("fashion_mnist.toml", 0.85, None),
+        # runs on the 2-core VM, 2026-12-06 (docs/guide/testing.md):
+        # the MLP (async, 12 epochs, 11304 steps, 11-16 s): to 5000 steps (9-11 s), where
+        # it reached 0.866-0.871 in 6 runs, 0.016 or more above its bar (0.8755 at its end)
+        ("fashion_mnist.toml", 0.85, 5000),
+        # the MLP in sync mode, deterministic, to the end of its 5 epochs (1170 steps, ~12 s):
+        # 0.877 there
         ("fashion_mnist_sync.toml", 0.85, None),
-        # the CNN (a model of your own: jobs/cnn.py) to 3500 of its ~7500 steps, 40 s of
-        # its 2 minutes on 2 cores: 0.875-0.898 there, 0.90 at the end (docs/guide/models.md)
-        ("cnn_fashion_mnist.toml", 0.86, 3500),
-        # PyTorch's MNIST network as it is (jobs/torch_mnist.py), to 600 of its 4000 steps,
-        # ~60 s on 2 cores: 0.82-0.84 near there, 0.91 at the end (docs/performance.md)
-        ("torch_fashion_mnist.toml", 0.80, 600),
+        # the CNN (a model of your own: jobs/cnn.py; ~7500 steps): 0.865-0.883 at 2000 (5
+        # runs; as noisy at 2500), 0.875-0.898 at 3500 (where it was held to 0.86), 0.90 at
+        # the end (docs/guide/models.md)
+        ("cnn_fashion_mnist.toml", 0.85, 2000),
+        # PyTorch's MNIST network as it is (jobs/torch_mnist.py; 4000 steps): 0.807-0.822 at
+        # 400 (too close), 0.835-0.840 at 500, 0.82-0.84 at 600, 0.91 at the end
+        # (docs/performance.md)
+        ("torch_fashion_mnist.toml", 0.80, 500),
     ],
 )
-def test_fashion_mnist_job_reaches_its_target(tmp_path, job, target, steps):
-    """The shipped jobs, as a user runs them."""
-    import os
-
-    if not os.path.isdir(FASHION):
-        if under_ci():
-            pytest.fail(f"{FASHION} missing: .ci/run must apt-get install dataset-fashion-mnist")
-        pytest.skip("apt-get install dataset-fashion-mnist")
+def test_fashion_mnist_job_reaches_its_target(tmp_path, fashion_mnist, job, target, steps):
+    """The shipped jobs, as a user runs them (on the data converted once a session): the
+    sync MLP to the end of its epochs, the others to part of their run where their bar
+    holds with a margin. The CNN's bar was lowered from 0.86 at 3500 steps to 0.85 at 2000
+    (4/7 of the run it had): there it reached 0.865-0.883 in 5 runs, as little as 0.005
+    above 0.86, and 0.85 keeps the margin (0.015+) that 0.86 had at 3500 (0.875-0.898)."""
     if job.startswith("torch_"):
         need("torch")
-    r = run_py(
-        ["-m", "mpips", "data", "fashion-mnist", "data/fashion_mnist.h5"], cwd=tmp_path, timeout=120
-    )
-    assert r.returncode == 0, r.stderr
+    place_fashion_mnist(fashion_mnist, tmp_path)
     more = ["--steps", str(steps)] if steps else []
     r = run_train(tmp_path, 8, str(ROOT / "jobs" / job), *more, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.result["test_accuracy"] >= target, r.stdout[-3000:]
-    assert steps is None or r.result["global_step"] == steps
+    assert r.result["global_step"] == (steps or 1170), r.stdout[-3000:]
 
 
 def test_run_ends_when_every_worker_has_exhausted_its_epochs(tmp_path):
@@ -362,17 +360,3 @@ def test_a_worker_hung_mid_run_ends_the_job(tmp_path, task, kind, bound, mode, s
     assert r.returncode == 1, r.stderr
     assert r.stderr.count(said) == 1, r.stderr
     assert time.monotonic() - t0 < PROMPT
-
-
-def test_each_workers_done_line_is_a_detail_for_verbose_runs(tmp_path):
-    """A first run prints a handful of lines; each worker's "done" line (its updates and
-    examples: the result file holds them) only with MPIPS_VERBOSE=1 (tests run verbose)."""
-    args = ["-m", "mpips", "train", "--no-progress", "--steps", "30"]
-    quiet = run_mpi(4, [*args, "--ckpt-dir", "runs/a"], tmp_path, MPIPS_VERBOSE="0")
-    loud = run_mpi(4, [*args, "--ckpt-dir", "runs/b"], tmp_path, MPIPS_VERBOSE="1")
-    assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr + loud.stderr
-    assert "final: global_step 30" in quiet.stdout and "] done: " not in quiet.stdout
-    done = re.findall(r"^\[/job:worker/task:(\d)\] done: \d+ updates", loud.stdout, re.M)
-    assert sorted(done) == ["0", "1", "2"], loud.stdout
-    for r in (quiet, loud):  # every rank said bye to its node's watcher: nobody "died"
-        assert "died without a word" not in r.stderr, r.stderr
