@@ -54,19 +54,31 @@ def run_patched(tmp_path, ranks, patch, steps=300, every=50, zero_copy=None, **e
     return r, time.monotonic() - t0
 
 
+NOT_WRITTEN = "/job:ps/task:0 (rank 0) did not write its shard of the checkpoint at global_step"
+
+
 @pytest.mark.parametrize(
-    ("zero_copy", "said"),
+    ("zero_copy", "snapshot", "said"),
     [
-        (False, "/job:ps/task:0 (rank 0) did not write its shard of the checkpoint at global_step"),
-        # (the default on one node: the PS holds its stripe locks while it writes)
-        (None, "a stripe of PS memory has been locked by /job:ps/task:0 (writing its checkpoint"),
+        (False, 0.25, NOT_WRITTEN),
+        # the default on one node: zero copy, the PS holds its stripe locks while it copies
+        # its memory, then writes the copy with the workers training on
+        (None, 0.25, NOT_WRITTEN),
+        # where no copy fits, it holds them while it writes
+        (
+            None,
+            0.0,
+            "a stripe of PS memory has been locked by /job:ps/task:0 (writing its checkpoint",
+        ),
     ],
 )
-def test_a_ps_hung_in_a_shard_write_is_named(tmp_path, zero_copy, said):
+def test_a_ps_hung_in_a_shard_write_is_named(tmp_path, zero_copy, snapshot, said):
     """The chief's wait for checkpoint shards has a deadline and names the PS task (with
-    zero copy, the workers' wait for the stripe locks the PS holds while it writes); the
-    other worker's watchdog does not blame the chief instead."""
-    patch = """
+    zero copy and no room for a copy, the workers' wait for the stripe locks the PS holds
+    while it writes); the other worker's watchdog does not blame the chief instead."""
+    patch = f"""
+import mpips.store.server
+mpips.store.server.SNAPSHOT_SHARE = {snapshot}
 import mpips.checkpoint as ck
 real = ck.write_shard
 def write_shard(d, step, shard, num_shards, *a, **k):
@@ -485,6 +497,7 @@ real, slow = ck.write_shard, [True]
 def write_shard(d, step, *a, **k):
     if slow[0] and step > 0:
         slow[0] = False
+        open("writing", "w").close()
         time.sleep(3)  # a slow file system
         out = real(d, step, *a, **k)
         open("written", "w").close()  # the slow shard is on disk
@@ -495,10 +508,13 @@ class StopOnceWritten(mpips.Hook):
     # the chief ends the run 200 of its steps after the slow shard is on disk: time to
     # commit that checkpoint without waiting, however fast the machine (a fixed count of
     # steps took 10-25 s, most of it after the commit)
-    after = None
+    after = began = None
     def after_step(self, run, info):
+        if run.is_chief and self.began is None and os.path.exists("writing"):
+            self.began = info.local_updates
         if run.is_chief and self.after is None and os.path.exists("written"):
             self.after = info.local_updates + 200
+            print(f"steps while the shard was written: {info.local_updates - self.began}")
         if self.after is not None and info.local_updates >= self.after:
             run.request_stop()
 with mpips.abort_on_error():
@@ -511,7 +527,9 @@ with mpips.abort_on_error():
 
 def test_the_chief_keeps_training_while_the_ps_writes_a_checkpoint(tmp_path):
     """A periodic checkpoint does not stop the chief: with the PS's first shard write made
-    to take 3 s, the chief's pause for that checkpoint is a small part of it."""
+    to take 3 s, the chief's pause for that checkpoint is a small part of it, and it trains
+    on meanwhile (zero copy, the default here: the PS writes a copy of its memory, holding
+    the workers only while it copies)."""
     (tmp_path / "job.py").write_text(SLOW_WRITE)
     r = run_mpi(3, ["job.py"], cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -526,6 +544,8 @@ def test_the_chief_keeps_training_while_the_ps_writes_a_checkpoint(tmp_path):
     assert len(slow) == 1, r.stdout[-3000:]
     took, paused = slow[0]
     assert paused < took / 2, r.stdout[-3000:]
+    meanwhile = re.search(r"steps while the shard was written: (\d+)", r.stdout)
+    assert meanwhile and int(meanwhile.group(1)) > 100, r.stdout[-3000:]
 
 
 def test_the_chiefs_share_of_updates_is_logged_and_checkpointed(tmp_path):

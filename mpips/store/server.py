@@ -167,27 +167,54 @@ class _Chores:
             number, step = self.control.checkpoint_request()
             if number > self.served:
                 self.drain()  # every update counted before the request is in the shard
-                in_place = self.windows.updates_in_place  # workers update while it writes
-                if in_place:  # ... unless it holds every lock word of its memory
-                    from .stripes import hold_ps, release_ps  # (zero copy only)
-
-                    hold_ps(self.windows, self.task)
-                self.windows.params.Sync()  # see every Put and Accumulate that has landed
-                try:
-                    self.write_shard(step, *self.windows.held(self.task))
-                except NonFinite as e:  # said once, even if several PS tasks find it
-                    if self.control.claim_failure():
-                        raise
-                    raise AlreadyReported(str(e)) from e
-                finally:
-                    if in_place:
-                        release_ps(self.windows, self.task)
+                self._write(step)
                 self.served = number
                 self.control.shard_written(self.task, number)
         if self.control.run_ended():
             return True
         self.watchdog.check()
         return False
+
+    def _write(self, step: int) -> None:
+        """This PS's shard at ``step``. With zero copy the workers update its memory in
+        place, so it holds every lock word of it meanwhile; where a copy fits in memory
+        (SNAPSHOT_SHARE of what is available) it holds them only while it copies, and
+        writes the copy with the workers training on (a CTR table's shard: ~150 ms of
+        writing, a few ms of copying)."""
+        write, held = self.write_shard, self.windows.updates_in_place
+        assert write is not None
+        if held:
+            from .stripes import hold_ps, release_ps  # (zero copy only)
+
+            hold_ps(self.windows, self.task)
+        self.windows.params.Sync()  # see every Put and Accumulate that has landed
+        try:
+            variables, slots = self.windows.held(self.task)
+            if held and _fits(variables, slots):
+                variables = {k: v.copy() for k, v in variables.items()}
+                slots = {k: v.copy() for k, v in slots.items()}
+                release_ps(self.windows, self.task)
+                held = False
+            write(step, variables, slots)
+        except NonFinite as e:  # said once, even if several PS tasks find it
+            if self.control.claim_failure():
+                raise
+            raise AlreadyReported(str(e)) from e
+        finally:
+            if held:
+                release_ps(self.windows, self.task)
+
+
+SNAPSHOT_SHARE = 0.25  # a shard is copied to be written if it takes at most this share
+
+
+def _fits(variables: dict[str, np.ndarray], slots: dict[str, np.ndarray]) -> bool:
+    """Whether a copy of a PS's variables and slots fits in SNAPSHOT_SHARE of the memory
+    available now (else it is written in place, the workers held meanwhile)."""
+    from ..process.memory import available_bytes
+
+    nbytes = sum(v.nbytes for v in variables.values()) + sum(v.nbytes for v in slots.values())
+    return nbytes <= SNAPSHOT_SHARE * available_bytes()
 
 
 class _Pace:
