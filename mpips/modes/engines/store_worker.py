@@ -5,6 +5,7 @@ a worker makes one step is the mode's (async_worker.py, replicas_worker.py)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
@@ -36,6 +37,8 @@ from ...store import StoreClient, Watchdog, Windows, liveness, start_limit, watc
 from ..base import RunContext
 from .ps import save_from_ps
 
+LOOK_SECONDS = 0.05  # survive mode: how often a worker looks whether it became the chief
+
 
 class StoreWorker:
     """One worker task of a mode whose PS tasks hold the variables (async, sync_replicas):
@@ -66,6 +69,7 @@ class StoreWorker:
         self.clock = 0  # batches of this worker's part used (its data position)
         self.updates = 0
         self.acting_chief = self.role.is_chief  # survive mode: True once it took over
+        self.next_look = 0.0  # when _is_chief reads the control words next
         self.run: Run | None = None
         self.session: Session | None = None
 
@@ -136,6 +140,10 @@ class StoreWorker:
         lowest live worker once the chief was lost, which then takes them over."""
         if self.acting_chief:
             return True
+        now = time.monotonic()  # (hooks ask several times a step: the words are read
+        if now < self.next_look:  # at most every LOOK_SECONDS)
+            return False
+        self.next_look = now + LOOK_SECONDS
         if liveness.acting_chief(self.control, self.cluster.layout.num_workers) == self.role.task:
             self._take_over()
         return self.acting_chief
