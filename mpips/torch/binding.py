@@ -2,11 +2,15 @@
 
 A pull lands in the module: each trainable parameter's ``.data`` is a ``torch.from_numpy``
 view of the array mpips hands the model (the worker's pull buffer, the PS memory itself with
-zero copy, or a sync replica's bucket). Backward lands in the push: each ``.grad`` is a view
-of the gradient buffer mpips pushes from, zeroed before backward, into which autograd
-accumulates in place (it adds to a ``.grad`` that exists instead of making a new tensor). So
-a step copies no parameter or gradient; it only rebinds a view when mpips hands over another
-array (an evaluation's copy, a table's rows of the step).
+zero copy, or a sync replica's bucket). Backward lands in the push: as autograd hands over a
+parameter's gradient (a tensor hook, every contribution summed), it is written into the
+gradient buffer mpips pushes from, and autograd takes a view of that buffer as the ``.grad``
+(it is None until then). So no parameter is copied, and each gradient is written once into
+its buffer where autograd made it: the one pass over its bytes that a ``.grad`` bound to the
+buffer beforehand cost too (zeroed, then added into), which made the reference MLP's step
+~4% slower (issue 50; docs/performance.md). A step rebinds a view only when mpips hands over
+another array (an evaluation's copy, a table's rows of the step); a parameter whose gradient
+never arrives pushes zeros.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import ConfigError
 
@@ -79,15 +84,18 @@ class Views:
 
 @dataclass
 class Traffic:
-    """What binding cost in a step: views made (cheap, no bytes move), bytes copied (none on
-    the CPU path: a test pins that), gradient bytes zeroed before backward."""
+    """What binding cost in a step: views made (cheap, no bytes move), bytes copied beyond
+    the landing (none on the CPU path: a test pins that), gradient bytes landed (written
+    into the push buffers as autograd hands them over: each gradient's bytes once), bytes
+    zeroed (the buffers of parameters the loss did not use)."""
 
     views: int = 0
     copied_bytes: int = 0
+    landed_bytes: int = 0
     zeroed_bytes: int = 0
 
     def reset(self) -> None:
-        self.views = self.copied_bytes = self.zeroed_bytes = 0
+        self.views = self.copied_bytes = self.landed_bytes = self.zeroed_bytes = 0
 
 
 class Binding:
@@ -95,22 +103,59 @@ class Binding:
 
     def __init__(self, params: dict[str, torch.nn.Parameter], traffic: Traffic):
         self.params, self.traffic = params, traffic
-        self.fired: set[str] = set()  # gradients accumulated in this backward
-        self.ready: Callable[..., None] | None = None  # mpips's ready(name), in a backward
+        self.fired: set[str] = set()  # gradients that arrived in this backward
+        self._ready: Callable[..., None] | None = None  # mpips's ready(name), in a backward
+        self._saying: list[RemovableHandle] = []  # post-accumulate hooks, once ready is given
         self._values, self._grads = Views(), Views()
-        self._bound: dict[str, torch.Tensor] = {}  # each .grad as bound before backward
+        self._bound: dict[str, torch.Tensor] = {}  # each push buffer, viewed as a tensor
         for name, p in params.items():
-            p.register_post_accumulate_grad_hook(self._hook(name))
+            p.register_hook(self._arriving(name))
 
-    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+    def _arriving(self, name: str) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        def arriving(grad: torch.Tensor) -> torch.Tensor | None:
+            # autograd's gradient of this parameter, before AccumulateGrad: written into
+            # the push buffer, and a new view of the buffer handed on in its place, which
+            # AccumulateGrad takes as .grad (None: gradients()) without adding anything. A
+            # second arrival in a backward (a reentrant checkpoint's) autograd adds into
+            # that .grad; none comes before the first step binds the buffers
+            b = self._bound.get(name)
+            if name in self.fired or b is None:
+                self.fired.add(name)
+                return None
+            self.fired.add(name)
+            if grad.layout == torch.strided:
+                b.copy_(grad)
+            else:  # (a sparse gradient of a dense parameter)
+                b.zero_().add_(grad)
+            self.traffic.landed_bytes += b.nbytes
+            return b.view_as(b)
+
+        return arriving
+
+    def _saying_ready(self, name: str) -> Callable[[torch.Tensor], None]:
         def accumulated(_: torch.Tensor) -> None:
             # called once per backward, after every contribution to this parameter is in
             # its .grad: the gradient is final and no later node reads the parameter
-            self.fired.add(name)
-            if self.ready is not None:
-                self.ready(name)
+            if self._ready is not None:
+                self._ready(name)
 
         return accumulated
+
+    @property
+    def ready(self) -> Callable[..., None] | None:
+        """mpips's ``ready(name)`` during a backward (sync mode's), else None."""
+        return self._ready
+
+    @ready.setter
+    def ready(self, ready: Callable[..., None] | None) -> None:
+        # the post-accumulate hooks are registered the first time there is a ready to call:
+        # a mode that never passes one (async) makes no Python call per gradient for it
+        self._ready = ready
+        if ready is not None and not self._saying:
+            self._saying = [
+                p.register_post_accumulate_grad_hook(self._saying_ready(name))
+                for name, p in self.params.items()
+            ]
 
     def values(self, arrays: dict[str, Any]) -> None:
         """Each parameter's data a view of ``arrays[name]`` (rebinding only what changed)."""
@@ -121,28 +166,30 @@ class Binding:
                 self.traffic.views += 1
 
     def gradients(self, arrays: dict[str, Any]) -> None:
-        """Each parameter's .grad a zeroed view of ``arrays[name]``: backward adds into it."""
+        """Each parameter's push buffer a view of ``arrays[name]``, its .grad None until
+        its gradient arrives (``_arriving``: then a view of the buffer)."""
         for name, p in self.params.items():
-            t = self._grads.of(name, arrays[name], p.grad)
+            t = self._grads.of(name, arrays[name], self._bound.get(name))
             if t is not None:
-                p.grad = t
+                self._bound[name] = t
                 self.traffic.views += 1
-            g = p.grad
-            assert g is not None
-            self._bound[name] = g
-            g.zero_()
-            self.traffic.zeroed_bytes += g.nbytes
+            p.grad = None
         self.fired.clear()
 
     def collect(self) -> None:
-        """A .grad that torch replaced with a tensor of its own (it does not when one
-        exists: it accumulates in place) is copied into the push buffer, and counted."""
+        """A .grad that is not the push buffer (a tensor of the user's that autograd added
+        into) is copied into it, and counted; the buffer of a parameter whose gradient never
+        arrived is zeroed."""
+        everyone = len(self.fired) == len(self.params)
         for name, p in self.params.items():
-            g = p.grad
-            if g is not None and g is not self._bound[name]:
-                self._bound[name].copy_(g)
+            g, bound = p.grad, self._bound[name]
+            if g is not None and g.data_ptr() != bound.data_ptr():
+                bound.copy_(g)
                 self.traffic.copied_bytes += g.nbytes
                 p.grad = None
+            elif not everyone and name not in self.fired:
+                bound.zero_()
+                self.traffic.zeroed_bytes += bound.nbytes
 
     def unbind_gradients(self) -> None:
         """Drop the gradient views (an evaluation's forward must not hold the push buffers)."""
