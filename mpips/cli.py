@@ -295,6 +295,7 @@ def _add_data(sub: Subparsers) -> None:
             "libffm",
             "criteo",
             "zipf",
+            "criteo-synthetic",
         ],
         help="arrays: your own .npz files (--src train, --test-src test, "
         "--val-src validation), each with arrays x (rows of numbers) and y "
@@ -306,7 +307,9 @@ def _add_data(sub: Subparsers) -> None:
         "parquet, hashed 1-2-grams); libsvm / libffm text (--src, --test-src); "
         "criteo: Criteo click logs, label + 13 integer + 26 categorical "
         "tab-separated fields, hashed (--src, --test-src, --hash-bits); "
-        "zipf: synthetic ids over --features",
+        "zipf: synthetic ids over --features; criteo-synthetic: Criteo-format rows "
+        "(13 log-normal integers, 26 Zipf categoricals over the Kaggle cardinalities "
+        "capped at --max-cardinality, planted labels) for DLRM (jobs/torch_dlrm.toml)",
     )
     d.add_argument("out", help="output .h5 file")
     d.add_argument(
@@ -324,14 +327,26 @@ def _add_data(sub: Subparsers) -> None:
         "--rows",
         type=int,
         default=None,
-        help="synthetic / zipf: train rows (default 60000 / 100000; synthetic adds 10000 "
-        "test rows)",
+        help="synthetic / zipf / criteo-synthetic: train rows (default 60000 / 100000 / "
+        "100000; synthetic adds 10000 test rows, the others rows // 10)",
     )
-    d.add_argument("--features", type=int, default=10_000_000, help="zipf: id space")
+    _add_synthetic_sizes(d)
     d.add_argument(
         "--hash-bits", type=int, default=20, help="clothing-reviews / criteo: ids < 2^bits"
     )
     d.set_defaults(func=cmd_data)
+
+
+def _add_synthetic_sizes(d: argparse.ArgumentParser) -> None:
+    """``data``'s options of the synthetic sparse sets (zipf, criteo-synthetic)."""
+    d.add_argument("--features", type=int, default=10_000_000, help="zipf: id space")
+    d.add_argument(
+        "--max-cardinality",
+        type=int,
+        default=100_000,
+        help="criteo-synthetic: cap on each categorical feature's cardinality",
+    )
+    d.add_argument("--seed", type=int, default=0, help="criteo-synthetic: the generator's seed")
 
 
 def _resolve_job(args: argparse.Namespace) -> Job:
@@ -785,6 +800,11 @@ def cmd_data(args: argparse.Namespace) -> int:
         else:
             ffm = args.dataset == "libffm"
             ctr_convert.convert_libsvm(out, args.src, args.test_src, ffm=ffm)
+    elif args.dataset == "criteo-synthetic":
+        from .data.criteo_synthetic import make_criteo_synthetic
+
+        rows = 100_000 if args.rows is None else args.rows  # (--rows 0 is refused)
+        make_criteo_synthetic(out, rows, args.max_cardinality, args.seed)
     else:
         ctr_convert.make_zipf(out, rows=args.rows or 100_000, num_features=args.features)
     info = data.open_dataset(str(out))
