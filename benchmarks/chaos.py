@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import mpiexec
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SSH = ROOT / "tests" / "fake_ssh"
 EVERY_SECS = 1.0
@@ -96,7 +98,6 @@ def job_text(mode: str, steps: int) -> str:
 def command(mode: str, victim: str, restarts: int = 2) -> list[str]:
     """mpips.launch over mpiexec: 4 ranks (sync: 3), on one node or on two emulated ones."""
     ranks = 3 if mode == "sync" else 4
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     hosts: list[str] = []
     if victim == "node":  # node0: the PS and the chief; node1: two workers
         hosts = ["-hosts", "node0:2,node1:2", "-launcher", "ssh", "-launcher-exec", str(FAKE_SSH)]
@@ -106,7 +107,7 @@ def command(mode: str, victim: str, restarts: int = 2) -> list[str]:
         "mpips.launch",
         "--restarts",
         str(restarts),
-        str(mpiexec if mpiexec.exists() else "mpiexec"),
+        mpiexec(),
         *hosts,
         "-n",
         str(ranks),

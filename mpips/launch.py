@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from .process import hosts
 from .process.signals import DUPLICATE_SECONDS
 from .process.supervise import RELAYED  # the signals passed on, as a rank's supervisor does
 
@@ -258,6 +259,9 @@ def _attempts(
         if again:
             _clear(folder)
             time.sleep(RESTART_PAUSE)
+            command, line = hosts.on_what_is_left(command, PROG)  # (a node lost for good)
+            if line:
+                _say(line)
             if relay.received is not None:
                 _say(f"{PROG}: not restarted: stopped by signal {relay.received}")
         if not again or relay.received is not None:

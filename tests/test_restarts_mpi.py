@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import RESULT, BackgroundJob, read_result
+from conftest import RESULT, ROOT, BackgroundJob, read_result
 
 from mpips import launch
 
@@ -88,6 +88,62 @@ def test_a_rank_killed_mid_run_restarts_the_job_from_its_checkpoint(tmp_path, mo
     assert resumed and int(resumed.group(1)) >= last_saved, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     assert not list(tmp_path.glob(".mpips-launch-*"))
+
+
+@pytest.mark.launcher
+def test_a_lost_node_is_left_out_of_the_restart(tmp_path, monkeypatch):
+    """Two emulated nodes (2 ranks each); the second one lost for good (its ranks killed,
+    and its ssh no longer answers: tests/fake_ssh's MPIPS_FAKE_SSH_DOWN): the restart runs
+    on the node left, with 2 ranks instead of 4, from the latest checkpoint (any layout),
+    and reaches the target."""
+    down = tmp_path / "down"
+    down.write_text("")
+    monkeypatch.setenv("MPIPS_FAKE_SSH_DOWN", str(down))
+    steps = STEPS["async"]
+    (tmp_path / "job.toml").write_text(
+        f'[data]\nbuiltin = "digits"\n[train]\nsteps = {steps}\n'
+        '[checkpoint]\ndir = "ckpt"\nevery_secs = 0.5\n'
+    )
+    wrap = (sys.executable, "-m", "mpips.launch", "--restarts", "1")
+    job = BackgroundJob(tmp_path, 4, "job.toml", "--result", RESULT, nodes=(2, 2), wrap=wrap)
+    node1 = [_rank_and_pid(job, f"/job:worker/task:{k}", 0)[1] for k in (1, 2)]  # ranks 2, 3
+    job.wait_for(r"saved checkpoint \S+ \(global_step [1-9]\d{2,},", 120)
+    down.write_text("node1\n")
+    for pid in node1:
+        os.kill(pid, signal.SIGKILL)
+    rc = job.end(180)
+    text = job.text()
+    assert rc == 0, text[-3000:]
+    assert (
+        "mpips.launch: node1 did not answer" in text
+        and "the restart runs on node0 with 2 ranks instead of 4" in text
+    ), text[-3000:]
+    after = text.split("did not answer", 1)[1]
+    assert re.search(r"restored global_step [1-9]\d* from", after), after[-3000:]
+    assert "on 1 worker in" in after, after[-3000:]  # 1 PS + 1 worker, on node0
+    result = read_result(tmp_path)
+    assert result is not None and result["global_step"] == steps, text[-3000:]
+
+
+def test_the_hosts_left_for_a_restart(tmp_path, monkeypatch):
+    """Without MPI: the -hosts and -n of an mpiexec command rewritten for the hosts that
+    answer; unchanged where every host answers, none does, or it names no hosts."""
+    from mpips.process import hosts
+
+    shell = str(ROOT / "tests/fake_ssh")
+    cmd = ["mpiexec", "-hosts", "a:2,b:1,c:2", "-launcher-exec", shell, "-n", "5", "python"]
+    down = tmp_path / "down"
+    monkeypatch.setenv("MPIPS_FAKE_SSH_DOWN", str(down))
+    down.write_text("")
+    assert hosts.on_what_is_left(cmd, "x") == (cmd, "")
+    down.write_text("b\n")
+    new, line = hosts.on_what_is_left(cmd, "x")
+    assert new[2] == "a:2,c:2" and new[6] == "4" and new[7:] == ["python"], new
+    assert line.startswith("x: b did not answer") and "with 4 ranks instead of 5" in line
+    down.write_text("a\nb\nc\n")
+    assert hosts.on_what_is_left(cmd, "x") == (cmd, "")
+    plain = ["mpiexec", "-n", "4", "python"]
+    assert hosts.on_what_is_left(plain, "x") == (plain, "")
 
 
 @pytest.mark.launcher

@@ -329,47 +329,41 @@ def pid_of(tmp_path, job, task):
     return int(found.group(1))
 
 
-def test_a_worker_killed_in_an_sbatch_job_costs_its_step_not_the_job(slurm, tmp_path):
-    """slurm/train.sbatch runs under python -m mpips.launch: kill -9 of a worker on the
-    node mid-run; the job ends COMPLETED (exit 0) at its target, the lost rank named."""
+def killed_in_sbatch(tmp_path, task, options, **env):
+    """slurm/train.sbatch on the digits job (80000 steps, a checkpoint a second), ``task``'s
+    rank killed with SIGKILL after the first checkpoint; checks the job then COMPLETED with
+    exit 0. Returns (the job id, its output)."""
     job_file = tmp_path / "job.toml"
     job_file.write_text(
         '[data]\nbuiltin = "digits"\n[train]\nsteps = 80000\n'
         '[checkpoint]\ndir = "runs/default"\nevery_secs = 1.0\n'
     )
-    job = sbatch(tmp_path, str(job_file), options=("--ntasks=4",))
+    job = sbatch(tmp_path, str(job_file), options=options, **env)
     try:
-        pid = pid_of(tmp_path, job, "/job:worker/task:2")
+        pid = pid_of(tmp_path, job, task)
         wait_for(lambda: "saved checkpoint" in output(tmp_path, job), 120, "a checkpoint")
         os.kill(pid, 9)
         assert wait_end(job) == "COMPLETED", output(tmp_path, job)
         assert job_field(job, "ExitCode") == "0:0"
-        text = output(tmp_path, job)
-        assert re.search(r"lost: rank 3 \(/job:worker/task:2, pid \d+ on \S+, last step", text)
-        assert "final: global_step 80000" in text and "with 1 rank(s) lost" in text, text
-    finally:
+    except BaseException:
         subprocess.run(["scancel", job], timeout=20)
+        raise
+    return job, output(tmp_path, job)
+
+
+def test_a_worker_killed_in_an_sbatch_job_costs_its_step_not_the_job(slurm, tmp_path):
+    """slurm/train.sbatch runs under python -m mpips.launch: kill -9 of a worker on the
+    node mid-run; the job ends COMPLETED (exit 0) at its target, the lost rank named."""
+    _, text = killed_in_sbatch(tmp_path, "/job:worker/task:2", ("--ntasks=4",))
+    assert re.search(r"lost: rank 3 \(/job:worker/task:2, pid \d+ on \S+, last step", text)
+    assert "final: global_step 80000" in text and "with 1 rank(s) lost" in text, text
 
 
 def test_a_ps_killed_in_an_sbatch_job_is_restarted_with_mpips_restarts(slurm, tmp_path):
     """MPIPS_RESTARTS=1: the PS killed mid-run, the run is launched again in the same
     allocation from its latest checkpoint and completes (exit 0)."""
-    job_file = tmp_path / "job.toml"
-    job_file.write_text(
-        '[data]\nbuiltin = "digits"\n[train]\nsteps = 80000\n'
-        '[checkpoint]\ndir = "runs/default"\nevery_secs = 1.0\n'
-    )
-    job = sbatch(tmp_path, str(job_file), options=("--ntasks=3",), MPIPS_RESTARTS="1")
-    try:
-        pid = pid_of(tmp_path, job, "/job:ps/task:0")
-        wait_for(lambda: "saved checkpoint" in output(tmp_path, job), 120, "a checkpoint")
-        os.kill(pid, 9)
-        assert wait_end(job) == "COMPLETED", output(tmp_path, job)
-        assert job_field(job, "ExitCode") == "0:0"
-        text = output(tmp_path, job)
-        assert "mpips.launch: restart 1 of 1" in text, text
-        resumed = text.split("mpips.launch: restart 1 of 1", 1)[1]
-        assert re.search(r"restored global_step [1-9]\d*", resumed), resumed
-        assert "final: global_step 80000" in resumed, resumed
-    finally:
-        subprocess.run(["scancel", job], timeout=20)
+    _, text = killed_in_sbatch(tmp_path, "/job:ps/task:0", ("--ntasks=3",), MPIPS_RESTARTS="1")
+    assert "mpips.launch: restart 1 of 1" in text, text
+    resumed = text.split("mpips.launch: restart 1 of 1", 1)[1]
+    assert re.search(r"restored global_step [1-9]\d*", resumed), resumed
+    assert "final: global_step 80000" in resumed, resumed

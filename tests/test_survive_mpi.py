@@ -22,6 +22,30 @@ STEPS = 20000  # digits: ~3-6 s of training on the loaded 2 cores
 LOST_LINE = re.compile(r"lost: rank (\d+) \((/job:worker/task:\d+), pid (\d+) on \S+, last step")
 
 
+def killed_mid_run(tmp_path, mode, steps, victim, *args):
+    """The digits job (``mode``, ``steps``, a checkpoint a second) on 1 PS + 3 workers under
+    mpips.launch; ``victim`` killed with SIGKILL at a random moment after the first
+    checkpoint. Checks the run reached its target with exit 0 and named the victim once;
+    returns (its output, its result, the victim's rank and pid)."""
+    (tmp_path / "job.toml").write_text(
+        f'[data]\nbuiltin = "digits"\n[train]\nmode = "{mode}"\nsteps = {steps}\n'
+        '[checkpoint]\ndir = "ckpt"\nevery_secs = 1.0\n'
+    )
+    launch = (sys.executable, "-m", "mpips.launch")
+    job = BackgroundJob(tmp_path, 4, "job.toml", *args, "--result", RESULT, wrap=launch)
+    rank, pid = job.rank_and_pid(victim)
+    job.wait_for(r"saved checkpoint", 120)
+    time.sleep(random.uniform(0.0, 1.0))
+    os.kill(pid, signal.SIGKILL)
+    rc = job.end(180)
+    text = job.text()
+    assert rc == 0, text[-3000:]
+    result = read_result(tmp_path)
+    assert result is not None and result["global_step"] == steps, text[-3000:]
+    assert LOST_LINE.findall(text) == [(str(rank), victim, str(pid))], text[-3000:]
+    return text, result, rank, pid
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize(
     "victim", ["/job:worker/task:0", "/job:worker/task:1", "/job:worker/task:2"]
@@ -31,30 +55,7 @@ def test_a_worker_killed_mid_run_costs_its_step_not_the_job(tmp_path, victim):
     every step 1..N counted once (the dead worker's claimed step made by a survivor), the
     lost rank named once, the final checkpoint at the target. The chief too: worker 1 takes
     over its duties (checkpoints, the final evaluation and report, the result file)."""
-    (tmp_path / "job.toml").write_text(
-        f'[data]\nbuiltin = "digits"\n[train]\nsteps = {STEPS}\n'
-        '[checkpoint]\ndir = "ckpt"\nevery_secs = 1.0\n'
-    )
-    job = BackgroundJob(
-        tmp_path,
-        4,
-        "job.toml",
-        "--log-every",
-        "1",
-        "--result",
-        RESULT,
-        wrap=(sys.executable, "-m", "mpips.launch"),
-    )
-    rank, pid = job.rank_and_pid(victim)
-    job.wait_for(r"saved checkpoint", 120)
-    time.sleep(random.uniform(0.0, 1.0))
-    os.kill(pid, signal.SIGKILL)
-    rc = job.end(180)
-    text = job.text()
-    assert rc == 0, text[-3000:]
-    result = read_result(tmp_path)
-    assert result is not None and result["global_step"] == STEPS, text[-3000:]
-    assert LOST_LINE.findall(text) == [(str(rank), victim, str(pid))], text[-3000:]
+    text, result, rank, pid = killed_mid_run(tmp_path, "async", STEPS, victim, "--log-every", "1")
     (lost,) = result["lost"]
     assert lost["rank"] == rank
     # every step counted once; only the dead worker's last one may lack its line (it was
@@ -91,23 +92,7 @@ def test_a_sync_replica_killed_mid_run_shrinks_the_quorum_not_the_job(tmp_path, 
     worker (the chief too) at a random moment after the first checkpoint; the PS takes the
     step with the gradients of the 2 left (and every later one), the target is reached,
     exit 0, the lost rank named once with the last step it pushed."""
-    (tmp_path / "job.toml").write_text(
-        f'[data]\nbuiltin = "digits"\n[train]\nmode = "sync_replicas"\nsteps = {SYNC_STEPS}\n'
-        '[checkpoint]\ndir = "ckpt"\nevery_secs = 1.0\n'
-    )
-    job = BackgroundJob(
-        tmp_path, 4, "job.toml", "--result", RESULT, wrap=(sys.executable, "-m", "mpips.launch")
-    )
-    rank, pid = job.rank_and_pid(victim)
-    job.wait_for(r"saved checkpoint", 120)
-    time.sleep(random.uniform(0.0, 1.0))
-    os.kill(pid, signal.SIGKILL)
-    rc = job.end(180)
-    text = job.text()
-    assert rc == 0, text[-3000:]
-    result = read_result(tmp_path)
-    assert result is not None and result["global_step"] == SYNC_STEPS, text[-3000:]
-    assert LOST_LINE.findall(text) == [(str(rank), victim, str(pid))], text[-3000:]
+    text, result, rank, pid = killed_mid_run(tmp_path, "sync_replicas", SYNC_STEPS, victim)
     (lost,) = result["lost"]
     assert lost["rank"] == rank and 0 < lost["last_step"] < SYNC_STEPS, lost
     assert f"(global_step {SYNC_STEPS}," in text  # the chief's final checkpoint

@@ -1,0 +1,86 @@
+"""What is left of a launcher's hosts after a node is lost (``python -m mpips.launch
+--restarts N``): before a restart, each host of an ``mpiexec -hosts a:2,b:2`` command is
+asked whether it still answers, through the launcher's own remote shell (``ssh``, or its
+``-launcher-exec``); the restart runs on the hosts that do, with as many fewer ranks as
+the others had. Checkpoints restore on any layout, so the run resumes there; a job whose
+layout does not fit fewer ranks says so and stops (exit 2, not restarted).
+
+Standard library only: mpips.launch holds no MPI.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Sequence
+
+HOST_FLAGS = ("-hosts", "-host")
+COUNT_FLAGS = ("-n", "-np")
+# mpiexec's options that take values (how many), to find where its own options end
+TAKES = {
+    **dict.fromkeys(HOST_FLAGS + COUNT_FLAGS, 1),
+    **dict.fromkeys(("-launcher", "-launcher-exec", "-f", "-hostfile", "-machinefile"), 1),
+    **dict.fromkeys(("-ppn", "-wdir", "-bind-to", "-map-by", "-iface", "-genvlist"), 1),
+    **dict.fromkeys(("-envlist", "-configfile"), 1),
+    **dict.fromkeys(("-genv", "-env"), 2),
+}
+ANSWER_SECONDS = 10.0  # a host that does not answer within this is lost
+
+
+def options(command: Sequence[str]) -> dict[str, int]:
+    """The launcher's own options (before the program it runs): flag -> index of its value."""
+    out, i = {}, 1
+    while i < len(command) and command[i].startswith("-"):
+        out[command[i]] = i + 1
+        i += 1 + TAKES.get(command[i], 0)
+    return out
+
+
+def answers(shell: str, host: str) -> bool:
+    """Whether ``host`` runs a command through ``shell`` (ssh, or the launcher's own)."""
+    probe = [shell, "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "true"]
+    try:
+        r = subprocess.run(
+            probe, stdin=subprocess.DEVNULL, capture_output=True, timeout=ANSWER_SECONDS
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0
+
+
+def on_what_is_left(command: Sequence[str], prog: str) -> tuple[list[str], str]:
+    """``command`` for a restart on the hosts that still answer, and the line that says so;
+    the command as it was and "" where it names no hosts (-hosts), every host answers,
+    none does, or the count of ranks (-n) cannot be made smaller."""
+    command = list(command)
+    found = options(command)
+    at = next((found[f] for f in HOST_FLAGS if f in found), None)
+    count = next((found[f] for f in COUNT_FLAGS if f in found), None)
+    if at is None or count is None or at >= len(command) or count >= len(command):
+        return command, ""
+    hosts = [h for h in command[at].split(",") if h]
+    if len(hosts) < 2 or not command[count].isdigit():
+        return command, ""
+    shell = command[found["-launcher-exec"]] if "-launcher-exec" in found else "ssh"
+    alive = [h for h in hosts if answers(shell, h.split(":")[0])]
+    if not alive or len(alive) == len(hosts):
+        return command, ""
+    ranks = int(command[count])
+    left = _ranks_on(alive, hosts, ranks)
+    if left < 1:
+        return command, ""
+    lost = ", ".join(h.split(":")[0] for h in hosts if h not in alive)
+    command[at], command[count] = ",".join(alive), str(left)
+    return command, (
+        f"{prog}: {lost} did not answer ({shell}): the restart runs on "
+        f"{', '.join(h.split(':')[0] for h in alive)} with {left} ranks instead of {ranks} "
+        f"(checkpoints restore on any layout)"
+    )
+
+
+def _ranks_on(alive: list[str], hosts: list[str], ranks: int) -> int:
+    """How many ranks the hosts ``alive`` take: their slots (``host:slots``, at most
+    ``ranks``), or an equal share of ``ranks`` each where the hosts give none."""
+    slots = [h.split(":")[1] for h in hosts if ":" in h]
+    if len(slots) == len(hosts) and all(s.isdigit() for s in slots):
+        return min(ranks, sum(int(h.split(":")[1]) for h in alive))
+    return ranks * len(alive) // len(hosts)
