@@ -27,6 +27,7 @@ few trials of this harness in the suite.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -45,8 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE_SSH = ROOT / "tests" / "fake_ssh"
 EVERY_SECS = 1.0
 DEADLINE = 150.0  # seconds a trial may take, restarts included
-# step targets: 3-8 s of training on the loaded 2 cores, so the kill lands mid-run
-STEPS = {"async": 20000, "sync_replicas": 3000, "sync": 3000}
+# step targets: 4-10 s of training on 2 cores, so the kill (1-3 s in) lands mid-run
+STEPS = {"async": 30000, "sync_replicas": 4000, "sync": 4000}
 # (mode, victim): victim "worker" = a worker other than the chief, "chief", "ps",
 # "replica" (sync mode: a rank that is not rank 0), "node" (the second of two emulated nodes)
 CASES = [
@@ -213,8 +214,9 @@ def trial(workdir: Path, mode: str, victim: str, seed: int, deadline: float = DE
             time.sleep(rng.uniform(0.0, 1.5))
             before = committed(workdir / "ckpt")  # what a restart may resume from
             for task, pid in victims(watch.text(), mode, victim, rng):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(task)
+                with contextlib.suppress(ProcessLookupError):  # (ended already: not killed)
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(task)
             t_kill = time.time()
             kill_mono = time.monotonic()
         while proc.poll() is None and time.monotonic() - t0 < deadline:

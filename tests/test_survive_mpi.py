@@ -18,7 +18,7 @@ from mpips import launch
 from mpips.store import atomics
 from mpips.store.control import LOST, RunControl, _SharedCounters
 
-STEPS = 20000  # digits: ~3-6 s of training on the loaded 2 cores
+STEPS = 30000  # digits: ~4-8 s of training on 2 cores: the kill (1-2 s in) lands mid-run
 LOST_LINE = re.compile(r"lost: rank (\d+) \((/job:worker/task:\d+), pid (\d+) on \S+, last step")
 
 
