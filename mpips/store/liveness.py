@@ -160,16 +160,24 @@ def name(rank: int) -> str:
     return f"rank {rank} ({role}, pid {pid} on {host})"
 
 
+def _due(state: Survival) -> bool:
+    """Whether survive mode is on and a look at the dead ranks is due (at most every
+    CHECK_SECONDS: a look costs ~0.2 ms); if so, the next one is CHECK_SECONDS away."""
+    now = time.monotonic()
+    if not state.active or now < state.next_check:
+        return False
+    state.next_check = now + CHECK_SECONDS
+    return True
+
+
 def check(control: Any) -> None:
     """A watchdog's look (at most every CHECK_SECONDS): a dead worker (the chief too) is
     declared lost (said once over the job) where the run can go on without it; any other
     death raises RankLost. Nothing outside survive mode."""
     state = SURVIVAL
-    now = time.monotonic()
-    if not state.active or now < state.next_check:
+    if not _due(state):
         return
-    state.next_check = now + CHECK_SECONDS
-    dead = failed()
+    now, dead = time.monotonic(), failed()
     for rank in dead:
         state.seen.setdefault(rank, now)
     for rank in sorted(dead - state.judged):
@@ -196,10 +204,8 @@ def chief_alive(chief_rank: int) -> None:
     cannot be taken over (it was initialising the variables): the job ends at once, not
     at the start-up limit, and ``mpips.launch --restarts N`` runs it again."""
     state = SURVIVAL
-    now = time.monotonic()
-    if not state.active or now < state.next_check:
+    if not _due(state):
         return
-    state.next_check = now + CHECK_SECONDS
     if chief_rank in failed():
         raise RankLost(
             f"{name(chief_rank)}, the chief, died before training started (killed or "
