@@ -607,9 +607,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
                 if val
                 else ""
             )
+            on = f" (rows changed since {ckpt.bases[-1]})" if ckpt.bases else ""
             print(
                 f"{step:>10}  {when}  {path}  {ckpt.num_shards} shard(s)  "
-                f"{size / 1e6:.2f} MB{shown}"
+                f"{size / 1e6:.2f} MB{on}{shown}"
             )
         return 0
     ckpt = checkpoint.resolve(args.path)
@@ -699,6 +700,9 @@ def _inspect(ckpt: Checkpoint, initial: InitialValues | None) -> int:
     )
     if ckpt.clocks is not None:
         print(f"data position (updates per worker task): {ckpt.clocks}")
+    if ckpt.bases:
+        steps = ", ".join(map(str, ckpt.bases))
+        print(f"incremental: table rows changed since global_step {steps}, read on top of it")
     print(f"{'variable':<28} {'shape':<12} {'dtype':<8} {'mean':>11} {'std':>11}  shards")
     warnings, need_model = [], []
     for is_slot, index in ((False, ckpt.variables), (True, ckpt.slots)):

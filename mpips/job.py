@@ -123,6 +123,9 @@ class CheckpointConfig:
     every_secs: float = 0.0
     max_to_keep: int = 3
     restore: bool = True  # resume from the latest checkpoint in dir
+    # a PS writes a table's rows changed since its last checkpoint, up to this many times
+    # on one whole (base) write; 0: every checkpoint writes its tables whole
+    increments: int = 8
 
 
 @dataclass
@@ -194,6 +197,7 @@ NON_NEGATIVE = (
     "data.chunk_rows",
     "summary.every_steps",
     "layout.partition_min_bytes",
+    "checkpoint.increments",
 )
 POSITIVE = (
     "train.batch_size",
@@ -208,6 +212,7 @@ POSITIVE = (
 )
 UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
 MAX_INT = (1 << 62) - 1  # the largest integer a setting may be (a checkpoint holds it)
+MAX_INCREMENTS = 100  # checkpoint.increments (a reader refuses a longer chain: MAX_CHAIN)
 
 
 def _type_name(t: Any) -> str:
@@ -361,6 +366,11 @@ def _check_ranges(job: Job) -> None:
         value = getattr(getattr(job, section), name)
         if not 0 <= value < 1:
             raise ConfigError(f"{key}: must be in [0, 1), got {value!r}")
+    if job.checkpoint.increments > MAX_INCREMENTS:
+        raise ConfigError(
+            f"checkpoint.increments: at most {MAX_INCREMENTS} on one base, got "
+            f"{job.checkpoint.increments} (a restore reads the base and every increment)"
+        )
 
 
 def _check_device(job: Job) -> None:

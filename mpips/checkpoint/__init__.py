@@ -27,7 +27,8 @@ index or count is not the manifest's, nor values whose crc32 is not the one writ
 The package, a module per job: format (file names, index entries), lock (the directory lock
 and run id), checks (finite values, a writable directory), checksum (the crc32 of every
 dataset, as written and as read), sparse (table partitions stored
-by their changed rows), manifest (the index, encoded and parsed), writing (shards and the
+by their changed rows), increments (only the rows changed since the last checkpoint),
+manifest (the index, encoded and parsed), writing (shards and the
 commit), pruning (what a commit makes obsolete), reading (Checkpoint, resolve) and export.
 Nothing here builds a job, a dataset or a model: initial values are handed in.
 """
@@ -48,6 +49,7 @@ from .format import (
     manifest_name,
     shard_name,
 )
+from .increments import Increments
 from .lock import (
     HOLDER_BYTES,
     LOCK_FILE,
@@ -75,6 +77,7 @@ __all__ = [
     "DirectoryLock",
     "Entry",
     "ForeignShard",
+    "Increments",
     "NeedsModel",
     "Part",
     "Rows",

@@ -36,9 +36,11 @@ from .format import (
     Rows,
     h5_path,
     latest_checkpoint,
+    manifest_name,
     shard_name,
     text_attr,
 )
+from .increments import BASES, MAX_CHAIN
 from .manifest import MAX_INT, check_meta, parse_index, parse_ints
 from .sparse import SparsePart, check_sparse, integer
 
@@ -78,6 +80,9 @@ class Checkpoint:
                 raise ValueError(f"shards must be an integer in 1..{MAX_SHARDS}")
             self.variables = parse_index(raw["variables"], self.num_shards, "variables")
             self.slots = parse_index(raw.get("slots", {}), self.num_shards, "slots")
+            self.bases = parse_ints(raw.get(BASES, []), BASES)
+            if any(b >= self.step for b in self.bases):
+                raise ValueError(f"{BASES} must be steps before {self.step}")
             clocks = raw.get("clocks")
             self.clocks = parse_ints(clocks, "clocks") if clocks is not None else None
             self.run: str | None = raw.get(RUN)
@@ -95,6 +100,7 @@ class Checkpoint:
         self.meta = {k: v for k, v in raw.items() if k not in ("variables", "slots")}
         self.stored_bytes = 0  # of the last read: bytes read from the shards
         self.regenerated_bytes = 0  # and bytes of rows not stored, computed again
+        self.depth = 0  # checkpoints overlaid on the one first read (see increments)
 
     def shard_path(self, k: int) -> Path:
         return self.directory / shard_name(self.step, k, self.num_shards)
@@ -375,7 +381,9 @@ class Checkpoint:
         if not len(chosen):
             return
         whole, crc = len(chosen) == len(part.rows), 0
-        if part.constant is not None:
+        if part.on_step is not None:
+            view[...] = self._from_base(w, shard, part.on_step, part.rows[held])
+        elif part.constant is not None:
             view[...] = part.constant
         else:
             self._regenerate(w, part.rows[held], part.seed, view)
@@ -390,9 +398,48 @@ class Checkpoint:
                 crc = crc32(rows, crc) if whole else crc
                 self.stored_bytes += rows.nbytes + index[lo:hi].nbytes
                 view[(index[lo:hi][take] - chosen.start) // chosen.step] = rows[take]
-        self.regenerated_bytes += view.nbytes - int(mine.sum()) * view[:1].nbytes
+        if part.on_step is None:
+            self.regenerated_bytes += view.nbytes - int(mine.sum()) * view[:1].nbytes
         if whole:
             self._verify(w, shard, part.crc, crc)
+
+    def _from_base(self, w: _Wanted, shard: int, step: int, rows: range) -> np.ndarray:
+        """Rows ``rows`` of ``w`` as the checkpoint of global ``step`` holds them: the rows
+        an increment in ``shard`` does not store (read on any layout, through its parts)."""
+        name = self.shard_path(shard).name
+        if step not in self.bases:
+            raise CheckpointError(
+                f"checkpoint {self.path}: shard {name} holds '{w.name}' as the rows changed "
+                f"since global_step {step}, a checkpoint its manifest does not name: damaged"
+            )
+        path = self.directory / manifest_name(step)
+        if not path.is_file():
+            raise CheckpointError(
+                f"checkpoint {self.path}: holds only the table rows changed since the "
+                f"checkpoint of global_step {step}, and that one is gone ({path.name} is "
+                f"missing): this checkpoint cannot be read"
+            )
+        if self.depth >= MAX_CHAIN:
+            raise CheckpointError(
+                f"checkpoint {self.path}: overlays more than {MAX_CHAIN} checkpoints: damaged"
+            )
+        base = Checkpoint(path)
+        base.depth = self.depth + 1
+        if self.run is not None and base.run != self.run:
+            raise CheckpointError(
+                f"checkpoint {self.path}: overlays {path.name}, written by another run "
+                f"({base.run}): this checkpoint cannot be read"
+            )
+        spec = VariableSpec(w.name, w.entry.shape, w.entry.dtype)
+        got = base.read(
+            [] if w.is_slot else [spec],
+            [spec] if w.is_slot else [],
+            rows={w.name: (rows.start, rows.stop, rows.step)},
+            initial=w.initial,
+        )
+        self.stored_bytes += base.stored_bytes
+        self.regenerated_bytes += base.regenerated_bytes
+        return got[w.name]
 
     def _regenerate(self, w: _Wanted, rows: range, seed: int, view: np.ndarray) -> None:
         """The initial values of ``rows`` of ``w`` (a table, or a slot of one) into ``view``,

@@ -8,7 +8,7 @@ a model the file names). A reader checks such a part here before it trusts any o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ class SparseTables:
 
 
 @dataclass
-class _Changed:
+class Changed:
     """Rows of one array of a table partition found to differ from their initial values,
     gathered a chunk at a time while storing them sparsely still pays."""
 
@@ -49,6 +49,13 @@ class _Changed:
     count: int = 0
     constant: np.ndarray | None = None  # the bits every initial row holds, if one value
     varies: bool = False  # the initial rows are not one value
+    on_step: int | None = None  # an increment: the other rows are checkpoint on_step's
+
+    @classmethod
+    def increment(cls, array: np.ndarray, index: np.ndarray, on_step: int) -> Changed:
+        """Rows ``index`` of ``array``, changed since checkpoint ``on_step`` (see increments)."""
+        dtype = _index_dtype(len(array))
+        return cls(array, len(array), dtype, [index.astype(dtype)], len(index), on_step=on_step)
 
     def add(self, lo: int, initial: np.ndarray) -> bool:
         """Compare rows [lo, lo + len(initial)) with their ``initial`` values, bit for bit
@@ -90,6 +97,11 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return rows.view(f"u{size}") if size in (1, 2, 4, 8) else rows.view(np.uint8)
 
 
+def _index_dtype(rows: int) -> np.dtype[Any]:
+    """The dtype of the row index of a part of ``rows`` rows."""
+    return np.dtype(np.uint32 if rows <= 1 << 32 else np.int64)
+
+
 def _may_be_sparse(array: np.ndarray) -> bool:
     """Worth comparing with its initial rows: a numeric array with rows, large enough."""
     return (
@@ -101,22 +113,22 @@ def _may_be_sparse(array: np.ndarray) -> bool:
 
 def _changed_rows(
     table: str, rows: Rows, arrays: dict[str, np.ndarray], tables: SparseTables
-) -> dict[str, _Changed]:
+) -> dict[str, Changed]:
     """For each array of one table partition (the table itself as "", its slots by slot
     name) that pays to write sparsely: its rows that differ from their initial values. One
     pass over the partition, a chunk of rows at a time; the initial values of each chunk are
     computed once for the table and all its slots, and the pass stops early once no array
     pays."""
     part = range(*rows)
-    pending: dict[str, _Changed] = {}
+    pending: dict[str, Changed] = {}
     for key, a in arrays.items():
         if _may_be_sparse(a) and len(a) == len(part):
             row_bytes = a[:1].nbytes
-            index_dtype = np.dtype(np.uint32 if len(a) <= 1 << 32 else np.int64)
+            index_dtype = _index_dtype(len(a))
             limit = int(SPARSE_MAX_FRACTION * len(a) * row_bytes) // (
                 row_bytes + index_dtype.itemsize
             )
-            pending[key] = _Changed(a, limit, index_dtype)
+            pending[key] = Changed(a, limit, index_dtype)
     width = max((a[:1].size for a in arrays.values()), default=1)
     for lo, hi in row_chunks(len(part), width, tables.initial.chunk_elements):
         if not pending:
@@ -131,30 +143,62 @@ def _changed_rows(
 
 
 def sparse_parts(
-    variables: dict[str, np.ndarray], slots: dict[str, np.ndarray], tables: SparseTables | None
-) -> dict[str, _Changed]:
+    variables: dict[str, np.ndarray],
+    slots: dict[str, np.ndarray],
+    tables: SparseTables | None,
+    done: Collection[str] = (),
+) -> dict[str, Changed]:
     """The arrays of a shard that are written sparsely, by their path in it, with their
-    changed rows: those of the table partitions (and their slots) where sparse pays."""
-    out: dict[str, _Changed] = {}
+    changed rows: those of the table partitions (and their slots) where sparse pays, but
+    the paths ``done`` (written as increments)."""
+    out: dict[str, Changed] = {}
     for table, rows in (tables.rows if tables else {}).items():
         assert tables is not None
-        found = _changed_rows(table, rows, _table_arrays(table, variables, slots), tables)
-        out.update({h5_path(f"{table}/{k}" if k else table, bool(k)): c for k, c in found.items()})
+        arrays = {
+            k: a
+            for k, a in _table_arrays(table, variables, slots).items()
+            if _path(table, k) not in done
+        }
+        found = _changed_rows(table, rows, arrays, tables) if arrays else {}
+        out.update({_path(table, k): c for k, c in found.items()})
     return out
 
 
-def write_sparse(f: h5py.File, path: str, changed: _Changed, tables: SparseTables) -> None:
+def table_arrays(
+    variables: dict[str, np.ndarray], slots: dict[str, np.ndarray], tables: SparseTables | None
+) -> dict[str, np.ndarray]:
+    """The arrays of a shard that may be stored sparsely (as rows changed from their initial
+    values, or since the last checkpoint), by their path in it: each table partition and
+    slot of one that is large enough."""
+    out: dict[str, np.ndarray] = {}
+    for table, rows in (tables.rows if tables else {}).items():
+        for key, a in _table_arrays(table, variables, slots).items():
+            if _may_be_sparse(a) and len(a) == len(range(*rows)):
+                out[_path(table, key)] = a
+    return out
+
+
+def _path(table: str, key: str) -> str:
+    """The path in a shard of a table's partition (``key`` "") or of its slot ``key``."""
+    return h5_path(f"{table}/{key}" if key else table, bool(key))
+
+
+def write_sparse(f: h5py.File, path: str, changed: Changed, tables: SparseTables) -> None:
     """One array of a table partition as a group: ``index`` (positions of the rows that
     differ from their initial values, ascending), ``values`` (those rows), and attributes
-    saying what the other rows hold: ``base`` "constant" (``value``) or "initial" (the
-    model's initial rows of ``seed``). Both datasets carry the crc32 of what was written
-    (see checksum)."""
+    saying what the other rows hold: ``base`` "constant" (``value``), "initial" (the
+    model's initial rows of ``seed``) or, for an increment, "checkpoint" (the rows of the
+    checkpoint at global step ``step``: the index then holds the rows changed since). Both
+    datasets carry the crc32 of what was written (see checksum)."""
     a, index = changed.array, changed.index()
     g = f.create_group(path)
     g.attrs["layout"] = fixed_text(SPARSE)
     g.attrs["rows"] = len(a)
     base = changed.base()
-    if base is not None:
+    if changed.on_step is not None:
+        g.attrs["base"] = fixed_text("checkpoint")
+        g.attrs["step"] = changed.on_step
+    elif base is not None:
         g.attrs["base"] = fixed_text("constant")
         g.attrs["value"] = base
     else:
@@ -182,8 +226,8 @@ def _table_arrays(
 class SparsePart:
     """A part stored sparsely, checked: its rows of the whole variable, the ascending
     positions (in the part) of the rows it stores, those rows, and what the other rows hold
-    (``constant``, or the initial values of ``seed``), and the crc32 ``values`` was
-    written with (None: its shard records none)."""
+    (``constant``, the initial values of ``seed``, or the rows of checkpoint ``on_step``),
+    and the crc32 ``values`` was written with (None: its shard records none)."""
 
     rows: range
     index: np.ndarray
@@ -191,6 +235,7 @@ class SparsePart:
     constant: np.ndarray | None
     seed: int
     crc: int | None = None
+    on_step: int | None = None
 
 
 def check_sparse(
@@ -227,7 +272,7 @@ def check_sparse(
             f"its values are {values.dtype}{list(values.shape)}, not "
             f"{dtype}{[k, *entry.shape[1:]]} (one row per index entry)"
         )
-    constant, seed = _sparse_base(attrs, dtype, bad)
+    constant, seed, on_step = _sparse_base(attrs, dtype, bad)
     check_fits(8 * k, f"reading checkpoint {path}", CheckpointError)
     stored = index[()]
     positions = stored.astype(np.int64)
@@ -237,7 +282,7 @@ def check_sparse(
         raise bad("its row index is not strictly ascending (sorted, no repeats)")
     _check_index_crc(index, stored, checksummed, bad)
     crc = recorded(values, checksummed, _no_crc(bad))
-    return SparsePart(rows, positions, values, constant, seed, crc)
+    return SparsePart(rows, positions, values, constant, seed, crc, on_step)
 
 
 def _no_crc(bad: Callable[[str], CheckpointError]) -> Callable[[str], CheckpointError]:
@@ -264,8 +309,9 @@ def _check_index_crc(
 
 def _sparse_base(
     attrs: dict[str, Any], dtype: np.dtype[Any], bad: Callable[[str], CheckpointError]
-) -> tuple[np.ndarray | None, int]:
-    """(the constant the unstored rows hold, or None; the seed of their initial values)."""
+) -> tuple[np.ndarray | None, int, int | None]:
+    """(the constant the unstored rows hold, or None; the seed of their initial values; the
+    step of the checkpoint that holds them, or None)."""
     base = attrs.get("base")
     if base == "constant":
         value = attrs.get("value")
@@ -273,13 +319,18 @@ def _sparse_base(
             raise bad(f"its constant is not one {dtype}")
         if np.size(value) != 1:
             raise bad(f"its constant is not one {dtype}")
-        return np.asarray(value).reshape(()), 0
+        return np.asarray(value).reshape(()), 0, None
     if base == "initial":
         seed = integer(attrs.get("seed"))
         if seed is None:
             raise bad("the seed of its initial values is not an integer")
-        return None, seed
-    raise bad(f"what its other rows hold is {base!r}, not 'constant' or 'initial'")
+        return None, seed, None
+    if base == "checkpoint":
+        step = integer(attrs.get("step"))
+        if step is None or step < 0:
+            raise bad("the step of the checkpoint it overlays is not an integer")
+        return None, 0, step
+    raise bad(f"what its other rows hold is {base!r}, not 'constant', 'initial' or 'checkpoint'")
 
 
 def integer(value: Any) -> int | None:

@@ -16,10 +16,11 @@ from ..process.files import TEXT_LIMIT, atomic_write
 from .checks import check_finite
 from .checksum import CHECKSUM, CRC32, write_array
 from .format import FORMAT, RUN, SHARDS, Entry, h5_path, manifest_name, shard_name, text_attr
+from .increments import BASES, Increments, row_digests
 from .lock import run_of
 from .manifest import encode_index
 from .pruning import prune
-from .sparse import SparseTables, sparse_parts, write_sparse
+from .sparse import Changed, SparseTables, sparse_parts, table_arrays, write_sparse
 
 NOT_COMMITTED = "checkpoint at global_step {step} not committed; the ones before it are intact"
 
@@ -39,21 +40,38 @@ def write_shard(
     slots: dict[str, np.ndarray] | None = None,
     tables: SparseTables | None = None,
     run: str | None = None,
+    increments: Increments | None = None,
 ) -> Path:
     """Write one shard atomically: ``variables`` (name -> array, or the part of it this
     shard holds) and ``slots`` (``<variable>/<slot>`` -> array), tagged with ``run`` (by
     default the run this process writes in ``directory``, see run_of). With ``tables``, the
     table partitions among them and their slots are written sparsely where that writes at
     most SPARSE_MAX_FRACTION of their bytes (see write_sparse), else whole. Every dataset
-    carries the crc32 of the bytes written (see checksum). NonFinite, and
+    carries the crc32 of the bytes written (see checksum). With ``increments`` too (the
+    writer's memory of its last checkpoint), a table array holds only the rows changed
+    since that checkpoint, if it is committed, until ``increments.every`` lie on one base
+    (see increments). NonFinite, and
     nothing written, if any value is NaN or infinite; WriteFailed (exit 1) if the file
     system refuses it (disk full, read-only)."""
     slots = slots or {}
     check_finite({**variables, **slots}, step)
     run = run or run_of(directory)
 
+    tabled = table_arrays(variables, slots, tables) if increments and increments.every else {}
+    # (digests before any row is gathered: an update landing meanwhile is written next time)
+    digests = {path: row_digests(a) for path, a in tabled.items()}
+    on = increments.base_step(directory) if increments and digests else None
+    overlays: list[int] = []
+
     def write(tmp: Path) -> None:
-        sparse = sparse_parts(variables, slots, tables)
+        sparse = {}
+        if increments is not None and on is not None:
+            for path, d in digests.items():
+                index = increments.changed(path, d)
+                if index is not None:
+                    sparse[path] = Changed.increment(tabled[path], index, on)
+            overlays[:] = [on] if sparse else []
+        sparse.update(sparse_parts(variables, slots, tables, done=sparse))
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = fixed_text(FORMAT)
             f.attrs["global_step"] = step
@@ -62,6 +80,8 @@ def write_shard(
             f.attrs[CHECKSUM] = fixed_text(CRC32)
             if run:
                 f.attrs[RUN] = fixed_text(run)
+            if overlays:
+                f.attrs[BASES] = np.array(overlays, np.int64)
             for is_slot, arrays in ((False, variables), (True, slots)):
                 for name, value in arrays.items():
                     path = h5_path(name, is_slot)
@@ -70,12 +90,15 @@ def write_shard(
                     else:
                         write_array(f, path, value)
 
-    return atomic_write(
+    path = atomic_write(
         Path(directory) / shard_name(step, shard, num_shards),
         write,
         NOT_COMMITTED.format(step=step),
         checkpoint_file=True,
     )
+    if increments is not None and digests:
+        increments.wrote(step, digests, bool(overlays))
+    return path
 
 
 def commit(
@@ -94,13 +117,14 @@ def commit(
     uncommitted writes left behind."""
     d = Path(directory)
     run = run or run_of(d)
-    _check_shards(d, step, num_shards, run)
+    bases = _check_shards(d, step, num_shards, run)
     manifest = {
         "format": FORMAT,
         "global_step": step,
         "shards": num_shards,
         **meta,
         **({RUN: run} if run else {}),
+        **({BASES: bases} if bases else {}),
         "variables": encode_index(variables),
         "slots": encode_index(slots),
     }
@@ -122,9 +146,12 @@ def commit(
     return path
 
 
-def _check_shards(d: Path, step: int, num_shards: int, run: str | None) -> None:
-    """Every shard of ``step`` is in place and, if ``run``, was written by that run: else
-    CheckpointError (a shard missing) or ForeignShard (another run's), nothing committed."""
+def _check_shards(d: Path, step: int, num_shards: int, run: str | None) -> list[int]:
+    """Every shard of ``step`` is in place and, if ``run``, was written by that run, and
+    every checkpoint one overlays (an increment) is committed: else CheckpointError (a shard
+    missing, a base gone) or ForeignShard (another run's), nothing committed. The steps of
+    the checkpoints the shards overlay, ascending."""
+    bases: set[int] = set()
     for k in range(num_shards):
         path = d / shard_name(step, k, num_shards)
         if not path.is_file():
@@ -132,16 +159,24 @@ def _check_shards(d: Path, step: int, num_shards: int, run: str | None) -> None:
                 f"checkpoint {d}: shard {k} of {num_shards} for global_step "
                 f"{step} is missing; not committed"
             )
-        if run:
-            what = f"checkpoint {d}: shard {path.name}"
-            with open_plain(path, CheckpointError, what) as f:
-                try:
-                    wrote = text_attr(plain_attrs(f).get(RUN))
-                except H5PY_ERRORS as e:
-                    raise CheckpointError(f"{what}: unreadable ({reason(e)})") from None
-            if wrote != run:
-                raise ForeignShard(
-                    f"checkpoint {d}: shard {path.name} was written by "
-                    f"{f'run {wrote}' if wrote else 'a run with no id'}, not by this run "
-                    f"({run}): not committed (another run writes into {d}?)"
-                )
+        what = f"checkpoint {d}: shard {path.name}"
+        with open_plain(path, CheckpointError, what) as f:
+            try:
+                attrs = plain_attrs(f)
+            except H5PY_ERRORS as e:
+                raise CheckpointError(f"{what}: unreadable ({reason(e)})") from None
+        wrote = text_attr(attrs.get(RUN))
+        bases.update(int(b) for b in np.atleast_1d(attrs.get(BASES, [])))
+        if run and wrote != run:
+            raise ForeignShard(
+                f"checkpoint {d}: shard {path.name} was written by "
+                f"{f'run {wrote}' if wrote else 'a run with no id'}, not by this run "
+                f"({run}): not committed (another run writes into {d}?)"
+            )
+    for b in sorted(bases):
+        if not (d / manifest_name(b)).is_file():
+            raise CheckpointError(
+                f"checkpoint {d}: a shard of global_step {step} holds the rows changed since "
+                f"the checkpoint of global_step {b}, which is not committed; not committed"
+            )
+    return sorted(bases)

@@ -87,14 +87,25 @@ def run_ps(
     """A PS task: serve until the chief ends the run (applying updates itself for stateful
     optimizers and sync_replicas), writing its checkpoint shard (one of ``num_shards``)
     when asked: its table partitions sparsely where that pays (the model's initial rows
-    are the untouched ones). ``aggregate(apply)``: sync_replicas' policy for the gradients
+    are the untouched ones), or only their rows changed since its last checkpoint
+    (checkpoint.increments). ``aggregate(apply)``: sync_replicas' policy for the gradients
     posted for a step (store.serve), given the rule it applies them with."""
     job, cluster, optimizer, model = ctx.job, ctx.cluster, ctx.optimizer, ctx.model
     task = cluster.role.task
     tables = sparse_tables(job, windows, task, model, optimizer)
+    increments = checkpoint.Increments(job.checkpoint.increments)
 
     def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
-        checkpoint.write_shard(job.checkpoint.dir, step, task, num_shards, variables, slots, tables)
+        checkpoint.write_shard(
+            job.checkpoint.dir,
+            step,
+            task,
+            num_shards,
+            variables,
+            slots,
+            tables,
+            increments=increments,
+        )
 
     timeline = job_timeline(job, "ps", task)
     apply = optimizer.apply if windows.inboxes else None
