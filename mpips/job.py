@@ -126,6 +126,9 @@ class CheckpointConfig:
     # a PS writes a table's rows changed since its last checkpoint, up to this many times
     # on one whole (base) write; 0: every checkpoint writes its tables whole
     increments: int = 8
+    # ... for a table partition or slot of at least this many MB: a smaller one is written as
+    # a base each time (its row digests would cost about what writing it does)
+    increments_min_mb: float = 64.0
 
 
 @dataclass
@@ -198,6 +201,7 @@ NON_NEGATIVE = (
     "summary.every_steps",
     "layout.partition_min_bytes",
     "checkpoint.increments",
+    "checkpoint.increments_min_mb",
 )
 POSITIVE = (
     "train.batch_size",

@@ -37,7 +37,7 @@ class Writer:
         self.d = d
         self.table = INITIAL.compute(TABLE, (0, ROWS, 1), SEED)
         self.full = {TABLE: self.table[""].copy(), SLOT: self.table["accumulator"].copy()}
-        self.increments = [Increments(every), Increments(every)]
+        self.increments = [Increments(every, 0), Increments(every, 0)]
 
     def train(self, rng, rows):
         """Change ``rows`` random rows of the table and of its slot."""
@@ -173,6 +173,7 @@ def test_a_run_checkpoints_increments_and_resumes_from_one_on_another_ps_count(t
     def train(steps, ckpt, ps, increments):
         text = JOB.format(data=tmp_path / "s.h5", steps=steps, ckpt=ckpt)
         text += f"every_steps = 4\nincrements = {increments}\nmax_to_keep = 1\n"
+        text += "increments_min_mb = 0\n"  # (its tables are small: increments all the same)
         (tmp_path / "job.toml").write_text(text)
         args = ["-m", "mpips", "train", "job.toml", "--ps", str(ps)]
         r = run_mpi(ps + 1, args, tmp_path, 120)
@@ -202,3 +203,13 @@ def test_a_run_checkpoints_increments_and_resumes_from_one_on_another_ps_count(t
         assert g.keys() == w.keys()
         for name in w:
             assert g[name].tobytes() == w[name].tobytes(), name
+
+
+def test_an_array_under_the_size_for_increments_is_written_as_a_base_each_time(tmp_path):
+    w, rng = Writer(tmp_path, every=8), np.random.default_rng(4)
+    w.increments = [Increments(8, 1 << 20), Increments(8, 1 << 20)]  # a part: 320 KB
+    for step in (10, 20):
+        w.train(rng, 10)
+        saved = w.save(step)
+    assert "bases" not in json.loads((tmp_path / "ckpt-20.json").read_text())
+    assert read(tmp_path / "ckpt-20.json")[TABLE].tobytes() == saved[TABLE].tobytes()

@@ -57,7 +57,11 @@ def write_shard(
     check_finite({**variables, **slots}, step)
     run = run or run_of(directory)
 
-    tabled = table_arrays(variables, slots, tables) if increments and increments.every else {}
+    tabled = {
+        path: a
+        for path, a in table_arrays(variables, slots, tables).items()
+        if increments is not None and increments.takes(a)
+    }
     # (digests before any row is gathered: an update landing meanwhile is written next time)
     digests = {path: row_digests(a) for path, a in tabled.items()}
     on = increments.base_step(directory) if increments and digests else None

@@ -93,7 +93,8 @@ def run_ps(
     job, cluster, optimizer, model = ctx.job, ctx.cluster, ctx.optimizer, ctx.model
     task = cluster.role.task
     tables = sparse_tables(job, windows, task, model, optimizer)
-    increments = checkpoint.Increments(job.checkpoint.increments)
+    c = job.checkpoint
+    increments = checkpoint.Increments(c.increments, int(c.increments_min_mb * 2**20))
 
     def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
         checkpoint.write_shard(
