@@ -44,18 +44,22 @@ from common import mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_SSH = ROOT / "tests" / "fake_ssh"
+TWO_NODES = ("node", "far")  # the victims of runs on two emulated nodes
 EVERY_SECS = 1.0
 DEADLINE = 150.0  # seconds a trial may take, restarts included
 # step targets: 4-10 s of training on 2 cores, so the kill (1-3 s in) lands mid-run
 STEPS = {"async": 30000, "sync_replicas": 4000, "sync": 4000}
 # (mode, victim): victim "worker" = a worker other than the chief, "chief", "ps",
-# "replica" (sync mode: a rank that is not rank 0), "node" (the second of two emulated nodes)
+# "replica" (sync mode: a rank that is not rank 0), "node" (the second of two emulated
+# nodes: its ranks and its MPI proxy), "far" (a worker on the second of two emulated nodes)
 CASES = [
     ("async", "worker"),
     ("async", "chief"),
     ("async", "ps"),
     ("async", "node"),
+    ("async", "far"),
     ("sync_replicas", "worker"),
+    ("sync_replicas", "far"),
     ("sync_replicas", "chief"),
     ("sync_replicas", "ps"),
     ("sync", "replica"),
@@ -100,7 +104,7 @@ def command(mode: str, victim: str, restarts: int = 2) -> list[str]:
     """mpips.launch over mpiexec: 4 ranks (sync: 3), on one node or on two emulated ones."""
     ranks = 3 if mode == "sync" else 4
     hosts: list[str] = []
-    if victim == "node":  # node0: the PS and the chief; node1: two workers
+    if victim in TWO_NODES:  # node0: the PS and the chief; node1: two workers
         hosts = ["-hosts", "node0:2,node1:2", "-launcher", "ssh", "-launcher-exec", str(FAKE_SSH)]
     return [
         sys.executable,
@@ -138,10 +142,14 @@ START_LINE = re.compile(
 
 
 def victims(text: str, mode: str, victim: str, rng: random.Random) -> list[tuple[str, int]]:
-    """(task, pid) of the rank(s) to kill, from the run's start-up lines."""
+    """(task, pid) of the rank(s) to kill, from the run's start-up lines; a node's: every
+    rank on it, and then the MPI proxy that started them (a lost node takes it along)."""
     ranks = [(t, int(r), int(p), int(n)) for t, r, p, _, n in START_LINE.findall(text)]
     if victim == "node":
-        return [(t, p) for t, _, p, n in ranks if n == 1]
+        lost = [(t, p) for t, _, p, n in ranks if n == 1]
+        return lost + [("the MPI proxy of node1", node_proxy(lost[0][1]))]
+    if victim == "far":
+        return [rng.choice([(t, p) for t, _, p, n in ranks if n == 1])]
     if victim == "replica":
         pick = [(t, p) for t, r, p, _ in ranks if r != 0]
     elif victim == "chief":
@@ -151,6 +159,15 @@ def victims(text: str, mode: str, victim: str, rng: random.Random) -> list[tuple
     else:
         pick = [(t, p) for t, _, p, _ in ranks if t.startswith("/job:worker/") and t[-2:] != ":0"]
     return [rng.choice(pick)]
+
+
+def node_proxy(pid: int) -> int:
+    """The MPI proxy (hydra_pmi_proxy) that started rank ``pid``: its supervisor's parent."""
+
+    def parent(p: int) -> int:
+        return int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    return parent(parent(pid))
 
 
 def expected_ranks(mode: str) -> int:

@@ -135,11 +135,10 @@ def _exit_status(returncode: int) -> int:
 
 
 HYDRA = ("mpirun", "mpiexec", "mpiexec.hydra")
-SEVERAL_NODES = ("-hosts", "-host", "--host", "-f", "-hostfile", "--hostfile", "-machinefile")
 NO_CLEANUP = "-disable-auto-cleanup"
 NOT_SURVIVING = (
     f"{PROG}: a rank that dies ends the job here: {{why}} (a lost worker costs only its step "
-    "with MPICH's mpirun on one node)"
+    "with MPICH's mpirun)"
 )
 
 
@@ -158,8 +157,9 @@ def prepare(
     command: Sequence[str], env: dict[str, str], hydra: bool | None = None
 ) -> tuple[list[str], dict[str, str], str | None]:
     """Survive mode (a worker killed outright costs its step, not the job): for MPICH's
-    hydra on one node, the command gets -disable-auto-cleanup and the ranks MPIPS_SURVIVE=1
-    and MPIPS_OUTCOME_DIR (a new folder here, returned: the verdict reads it). Elsewhere, or
+    hydra, on one node or several, the command gets -disable-auto-cleanup and the ranks
+    MPIPS_SURVIVE=1 and MPIPS_OUTCOME_DIR (a new folder here, returned: the verdict reads
+    it; on several nodes the working directory must be one they all see). Elsewhere, or
     with MPIPS_SURVIVE=0 set, the command as given (and one line saying why, where the
     launcher is not hydra). ``hydra``: whether it is (None: ask it)."""
     command, env = list(command), dict(env)
@@ -170,8 +170,6 @@ def prepare(
     why = ""
     if not (_is_hydra(command[0]) if hydra is None else hydra):
         why = f"{command[0]} is not MPICH's hydra"
-    elif any(a in SEVERAL_NODES for a in command) or _slurm_nodes(env) > 1:
-        why = "the job runs on several nodes"
     if why:
         print(NOT_SURVIVING.format(why=why), file=sys.stderr, flush=True)
         return command, env, None
@@ -180,11 +178,6 @@ def prepare(
         command.insert(1, NO_CLEANUP)
     env.update(MPIPS_SURVIVE="1", MPIPS_OUTCOME_DIR=folder)
     return command, env, folder
-
-
-def _slurm_nodes(env: dict[str, str]) -> int:
-    text = env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")).strip()
-    return int(text) if text.isdigit() else 1
 
 
 def verdict(returncode: int, folder: str | None) -> tuple[int, list[str]]:

@@ -21,7 +21,9 @@ CASES = [  # (mode, victim, survived in place)
     ("async", "chief", True),
     ("sync_replicas", "worker", True),
     ("sync", "replica", False),
-    ("async", "node", False),  # every rank of the second of two emulated nodes
+    ("async", "node", False),  # the second of two emulated nodes: its ranks and MPI proxy
+    ("async", "far", True),  # a worker on the second of two emulated nodes
+    ("sync_replicas", "far", True),
 ]
 
 

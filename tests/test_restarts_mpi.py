@@ -15,6 +15,9 @@ from conftest import RESULT, ROOT, BackgroundJob, read_result
 
 from mpips import launch
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import chaos  # noqa: E402
+
 STEPS = {"async": 12000, "sync": 600}  # digits: a few seconds on the loaded 2 cores
 SAVED = re.compile(r"saved checkpoint \S+ \(global_step (\d+),")
 RESTART = "mpips.launch: restart "
@@ -92,8 +95,9 @@ def test_a_rank_killed_mid_run_restarts_the_job_from_its_checkpoint(tmp_path, mo
 
 @pytest.mark.launcher
 def test_a_lost_node_is_left_out_of_the_restart(tmp_path, monkeypatch):
-    """Two emulated nodes (2 ranks each); the second one lost for good (its ranks killed,
-    and its ssh no longer answers: tests/fake_ssh's MPIPS_FAKE_SSH_DOWN): the restart runs
+    """Two emulated nodes (2 ranks each); the second one lost for good (its ranks and its
+    MPI proxy killed, and its ssh no longer answers: tests/fake_ssh's MPIPS_FAKE_SSH_DOWN;
+    two workers killed alone would be survived in place, test_survive_mpi): the restart runs
     on the node left, with 2 ranks instead of 4, from the latest checkpoint (any layout),
     and reaches the target."""
     down = tmp_path / "down"
@@ -109,7 +113,7 @@ def test_a_lost_node_is_left_out_of_the_restart(tmp_path, monkeypatch):
     node1 = [_rank_and_pid(job, f"/job:worker/task:{k}", 0)[1] for k in (1, 2)]  # ranks 2, 3
     job.wait_for(r"saved checkpoint \S+ \(global_step [1-9]\d{2,},", 120)
     down.write_text("node1\n")
-    for pid in node1:
+    for pid in [*node1, chaos.node_proxy(node1[0])]:  # (a lost node takes its proxy along)
         os.kill(pid, signal.SIGKILL)
     rc = job.end(180)
     text = job.text()

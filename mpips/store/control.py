@@ -40,17 +40,54 @@ from .window import (
 )
 
 _TWO_ONES = np.ones(2, dtype=np.int64)
+_END_MARKED = np.array([1, 1, -1], np.int64)  # global_step, a clock, its inflight word
 NO_MORE_TICKETS = 1 << 62  # every later claim is past any step target
 LOST = 2  # a worker's done flag: declared dead (1: it finished)
 
 
-class _MpiCounters:
-    """The counters through MPI atomics on the control window (ranks on several nodes)."""
+class _Words:
+    """Where the survive-mode words are: after the clocks and done flags, each worker's
+    claimed and not yet counted steps (inflight) and the last step it counted, then the
+    count of steps to issue again."""
+
+    clocks_at: int
+    num_workers: int
+
+    @property
+    def inflight_at(self) -> int:
+        return self.clocks_at + 2 * self.num_workers
+
+    @property
+    def last_at(self) -> int:
+        return self.clocks_at + 3 * self.num_workers
+
+    @property
+    def reissue_at(self) -> int:
+        return self.clocks_at + WORDS_PER_WORKER * self.num_workers
+
+
+class _MpiCounters(_Words):
+    """The counters through MPI atomics on the control window (ranks on several nodes). In
+    survive mode (``marks``) a step's claim and count also move its worker's inflight and
+    last-step words: two more atomics a step."""
 
     def __init__(self, windows: Windows):
         self.win, self.target = windows.control, windows.control_rank
         self.clocks_at, self.num_workers = windows.clocks_at, windows.layout.num_workers
         self._end_types: dict[int, MPI.Datatype] = {}
+
+    @staticmethod
+    def marks() -> bool:
+        """Whether claims are marked per worker (survive mode: see liveness)."""
+        return liveness.SURVIVAL.survivable
+
+    def compare_and_swap(self, index: int, expected: int, new: int) -> int:
+        result = np.zeros(1, dtype=np.int64)
+        self.win.Compare_and_swap(
+            np.array([new], np.int64), np.array([expected], np.int64), result, self.target, index
+        )
+        self.win.Flush(self.target)
+        return int(result[0])
 
     def _op(self, index: int, value: int, op: MPI.Op) -> int:
         result = np.zeros(1, dtype=np.int64)
@@ -89,7 +126,10 @@ class _MpiCounters:
     def begin(self, task: int | None = None) -> np.ndarray:
         """Claim a ticket; [global_step, tickets, clocks, done flags] before that, in one
         call: every atomic on the window takes MPICH's window lock, and on an oversubscribed
-        node each costs tens of microseconds."""
+        node each costs tens of microseconds. (Survive mode: worker ``task``'s claim marked
+        first, as _SharedCounters.begin.)"""
+        if task is not None and self.marks():
+            self.add(self.inflight_at + task, 1)
         old = np.zeros_like(self._begin_add)
         self.win.Get_accumulate(
             [self._begin_add, MPI.LONG],
@@ -101,28 +141,35 @@ class _MpiCounters:
         self.win.Flush(self.target)
         return old
 
-    def _end_type(self, task: int) -> MPI.Datatype:
-        """global_step and worker ``task``'s clock."""
-        if task not in self._end_types:
+    def _end_type(self, task: int, marked: bool) -> MPI.Datatype:
+        """global_step and worker ``task``'s clock (and, ``marked``, its inflight word)."""
+        key = task if not marked else -1 - task
+        if key not in self._end_types:
             blocks = [GLOBAL_STEP, self.clocks_at + task]
-            self._end_types[task] = MPI.LONG.Create_indexed_block(1, blocks).Commit()
-        return self._end_types[task]
+            blocks += [self.inflight_at + task] if marked else []
+            self._end_types[key] = MPI.LONG.Create_indexed_block(1, blocks).Commit()
+        return self._end_types[key]
 
     def end(self, task: int) -> int:
-        """Count one update in global_step and worker ``task``'s clock; the old global_step."""
-        old = np.zeros(2, np.int64)
+        """Count one update in global_step and worker ``task``'s clock; the old global_step.
+        Survive mode: its claim unmarked in the same call, and the step recorded as its last."""
+        marked = self.marks()
+        add = _END_MARKED if marked else _TWO_ONES
+        old = np.zeros(len(add), np.int64)
         self.win.Get_accumulate(
-            [_TWO_ONES, MPI.LONG],
+            [add, MPI.LONG],
             [old, MPI.LONG],
             self.target,
-            [0, 1, self._end_type(task)],
+            [0, 1, self._end_type(task, marked)],
             MPI.SUM,
         )
         self.win.Flush(self.target)
+        if marked:
+            self.swap(self.last_at + task, int(old[0]) + 1)
         return int(old[0])
 
 
-class _SharedCounters:
+class _SharedCounters(_Words):
     """The counters in node-shared memory, moved with the CPU's atomics (atomics.py): every
     rank on one node. ~0.5 us an atomic, where MPICH's take tens of us on a busy node."""
 
@@ -131,6 +178,14 @@ class _SharedCounters:
         self.clocks_at, self.num_workers = windows.clocks_at, windows.layout.num_workers
         clocks = range(self.clocks_at, self.clocks_at + 2 * self.num_workers)
         self._begin_at = np.array([GLOBAL_STEP, TICKETS, *clocks], np.int64)
+
+    @staticmethod
+    def marks() -> bool:
+        """Claims are always marked per worker (an atomic costs ~0.5 us here)."""
+        return True
+
+    def compare_and_swap(self, index: int, expected: int, new: int) -> int:
+        return self.words.compare_and_swap(index, expected, new)
 
     def add(self, index: int, value: int) -> int:
         return self.words.fetch_add(index, value)
@@ -155,18 +210,6 @@ class _SharedCounters:
         words.fetch_add(inflight, -1)  # right after GLOBAL_STEP (take_reissued checks both)
         self.swap(self.last_at + task, old + 1)
         return old
-
-    @property
-    def inflight_at(self) -> int:
-        return self.clocks_at + 2 * self.num_workers
-
-    @property
-    def last_at(self) -> int:
-        return self.clocks_at + 3 * self.num_workers
-
-    @property
-    def reissue_at(self) -> int:
-        return self.clocks_at + WORDS_PER_WORKER * self.num_workers
 
 
 class RunControl:
@@ -201,7 +244,7 @@ class RunControl:
 
     def release_ticket(self, task: int) -> None:
         """Worker ``task`` will not make the step it claimed (past the target): unmarked."""
-        if isinstance(self.counters, _SharedCounters):
+        if self.counters.marks():
             self.counters.add(self.counters.inflight_at + task, -1)
 
     def take_reissued(self, task: int, target: int) -> bool:
@@ -211,7 +254,7 @@ class RunControl:
         in that order, after the mark: two takers see each other's mark, so the target
         is never passed; one that gives back tries again later)."""
         c = self.counters
-        if not isinstance(c, _SharedCounters) or not c.read(c.reissue_at, 1)[0]:
+        if not c.marks() or not c.read(c.reissue_at, 1)[0]:
             return False
         mine = c.inflight_at + task
         c.add(mine, 1)
@@ -221,16 +264,16 @@ class RunControl:
         return False
 
     @staticmethod
-    def _take_one(c: _SharedCounters) -> bool:
+    def _take_one(c: _SharedCounters | _MpiCounters) -> bool:
         left = int(c.read(c.reissue_at, 1)[0])
         while left > 0:
-            seen = c.words.compare_and_swap(c.reissue_at, left, left - 1)
+            seen = c.compare_and_swap(c.reissue_at, left, left - 1)
             if seen == left:
                 return True
             left = seen
         return False
 
-    def _needed(self, c: _SharedCounters, task: int, target: int) -> bool:
+    def _needed(self, c: _SharedCounters | _MpiCounters, task: int, target: int) -> bool:
         """After taking one: whether the run needs it (else given back)."""
         w = self.num_workers
         claims = c.read(c.inflight_at, w).tolist()
@@ -244,7 +287,7 @@ class RunControl:
     def reissue_pending(self, target: int) -> bool:
         """Whether a dead worker's step may still be needed to reach ``target``."""
         c = self.counters
-        if not isinstance(c, _SharedCounters):
+        if not c.marks():
             return False
         return bool(c.read(c.reissue_at, 1)[0]) and self.global_step() < target
 
@@ -253,12 +296,11 @@ class RunControl:
         and its done flag says LOST (so nobody waits for it). True for the one caller that
         declared it (it says so)."""
         c = self.counters
-        assert isinstance(c, _SharedCounters)
         claimed = c.swap(c.inflight_at + task, 0)  # before LOST: whoever sees LOST sees it
         if claimed > 0:
             c.add(c.reissue_at, claimed)
         done = self.clocks_at + self.num_workers + task
-        return c.words.compare_and_swap(done, 0, LOST) == 0  # (not one that had finished)
+        return c.compare_and_swap(done, 0, LOST) == 0  # (not one that had finished)
 
     def lost_tasks(self) -> list[int]:
         """The workers declared lost."""
@@ -267,15 +309,15 @@ class RunControl:
 
     def pushed(self, task: int, step: int) -> None:
         """Worker ``task`` posted its gradient for global step ``step`` (sync_replicas; the
-        last step a lost worker pushed is named: shared counters only)."""
+        last step a lost worker pushed is named: where claims are marked)."""
         c = self.counters
-        if isinstance(c, _SharedCounters):
+        if c.marks():
             c.swap(c.last_at + task, step)
 
     def last_step(self, task: int) -> int:
-        """The last global step worker ``task`` counted (0: none; shared counters only)."""
+        """The last global step worker ``task`` counted (0: none, or claims not marked)."""
         c = self.counters
-        return int(c.read(c.last_at + task, 1)[0]) if isinstance(c, _SharedCounters) else 0
+        return int(c.read(c.last_at + task, 1)[0]) if c.marks() else 0
 
     def _get(self, index: int) -> int:
         return int(self.counters.read(index, 1)[0])

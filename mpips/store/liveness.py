@@ -8,9 +8,12 @@ CHECK_SECONDS. A dead worker is declared lost in the control words (RunControl.d
 its claimed step is issued again to a survivor; a lost chief's duties pass to the lowest
 live worker, ``acting_chief``); any other death (a PS task), or any death where the run
 cannot go on in place, ends the job
-(RankLost). In place means async training, every rank on one node, zero copy with the
-updates applied in place and the control words in shared memory: MPI's own atomics into
-a same-node window can stay locked for good when a rank dies inside one.
+(RankLost). In place means async or sync_replicas training: on one node with zero copy (the
+updates applied in place, the control words in shared memory: MPI's own atomics into a
+same-node window can stay locked for good when a rank dies inside one, so copied pulls on
+one node are not survived), or on several nodes, where the updates and the control words
+move through MPI (a dead worker's claims and last step are marked there too: two more MPI
+atomics a step, in survive mode only).
 
 After a loss no rank may enter a collective over a communicator with the dead member, nor
 free a window or communicator, nor call MPI_Finalize: each would wait for the dead rank
@@ -98,11 +101,9 @@ def refused(mode: str, one_node: bool, in_place: bool, shared_control: bool, lib
         return "this MPI cannot list dead ranks (MPIX_Comm_get_failed: MPICH only)"
     if mode not in ("async", "sync_replicas"):
         return f"train.mode = {mode!r} (async and sync_replicas only)"
-    if not one_node:
-        return "the ranks are on several nodes"
-    if mode == "async" and not in_place:
+    if one_node and mode == "async" and not in_place:
         return "the workers do not apply their updates in place (zero copy)"
-    if not shared_control:
+    if one_node and not shared_control:
         return "MPIPS_SHARED_MEMORY=0"
     return ""
 

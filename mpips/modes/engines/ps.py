@@ -197,11 +197,13 @@ def close_store(cluster: Cluster, windows: Windows, result: TrainResult) -> Trai
     liveness.ending()  # (survive mode: SIGUSR1 ignored from now on, before the barrier)
     dead = liveness.lost_ranks(control)
     if dead:  # survive mode: only the survivors meet, and nothing is freed (it would hang)
+        # (read first: after the meeting the rank that holds the counters may be gone)
+        result.stopped_by = control.stop_signal()
         liveness.last_meeting(cluster.comm, dead, stall_limit(cluster.comm.size) + 5)
         cluster.departing = True
     else:
         barrier(cluster.comm, "the end of the run", stall_limit(cluster.comm.size) + 5)
-    result.stopped_by = control.stop_signal()
+        result.stopped_by = control.stop_signal()
     if not dead:
         windows.free()  # collective, so never in a finally: a failing rank must reach Abort
     return result
