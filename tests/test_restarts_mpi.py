@@ -130,8 +130,8 @@ def test_a_lost_node_is_left_out_of_the_restart(tmp_path, monkeypatch):
 
 
 def test_the_hosts_left_for_a_restart(tmp_path, monkeypatch):
-    """Without MPI: the -hosts and -n of an mpiexec command rewritten for the hosts that
-    answer; unchanged where every host answers, none does, or it names no hosts."""
+    """Without MPI: the -hosts (or host file) and -n of an mpiexec command rewritten for the
+    hosts that answer; unchanged where every host answers, none does, or it names no hosts."""
     from mpips.process import hosts
 
     shell = str(ROOT / "tests/fake_ssh")
@@ -148,6 +148,16 @@ def test_the_hosts_left_for_a_restart(tmp_path, monkeypatch):
     assert hosts.on_what_is_left(cmd, "x") == (cmd, "")
     plain = ["mpiexec", "-n", "4", "python"]
     assert hosts.on_what_is_left(plain, "x") == (plain, "")
+    # a host file: the restart gets a new one of the hosts that answer
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("# the nodes\na:2\nb:1  # a comment\n\nc:2\n")
+    cmd = ["mpiexec", "-f", str(listed), "-launcher-exec", shell, "-n", "5", "python"]
+    down.write_text("c\n")
+    new, line = hosts.on_what_is_left(cmd, "x")
+    assert new[1] == "-f" and new[2] != str(listed) and new[6] == "3", new
+    assert open(new[2]).read() == "a:2\nb:1\n" and "c did not answer" in line
+    down.write_text("")
+    assert hosts.on_what_is_left(cmd, "x") == (cmd, "")
 
 
 @pytest.mark.launcher

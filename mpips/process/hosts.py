@@ -1,8 +1,9 @@
 """What is left of a launcher's hosts after a node is lost (``python -m mpips.launch
---restarts N``): before a restart, each host of an ``mpiexec -hosts a:2,b:2`` command is
-asked whether it still answers, through the launcher's own remote shell (``ssh``, or its
-``-launcher-exec``); the restart runs on the hosts that do, with as many fewer ranks as
-the others had. Checkpoints restore on any layout, so the run resumes there; a job whose
+--restarts N``): before a restart, each host of an ``mpiexec -hosts a:2,b:2`` command (or of
+its host file, ``-f FILE``) is asked whether it still answers, through the launcher's own
+remote shell (``ssh``, or its ``-launcher-exec``); the restart runs on the hosts that do
+(named the same way: a new host file for ``-f``), with as many fewer ranks as the others
+had. Checkpoints restore on any layout, so the run resumes there; a job whose
 layout does not fit fewer ranks says so and stops (exit 2, not restarted).
 
 Standard library only: mpips.launch holds no MPI.
@@ -10,10 +11,13 @@ Standard library only: mpips.launch holds no MPI.
 
 from __future__ import annotations
 
+import os
 import subprocess
+import tempfile
 from collections.abc import Sequence
 
 HOST_FLAGS = ("-hosts", "-host")
+FILE_FLAGS = ("-f", "-hostfile", "-machinefile")
 COUNT_FLAGS = ("-n", "-np")
 # mpiexec's options that take values (how many), to find where its own options end
 TAKES = {
@@ -49,16 +53,23 @@ def answers(shell: str, host: str) -> bool:
 
 def on_what_is_left(command: Sequence[str], prog: str) -> tuple[list[str], str]:
     """``command`` for a restart on the hosts that still answer, and the line that says so;
-    the command as it was and "" where it names no hosts (-hosts), every host answers,
-    none does, or the count of ranks (-n) cannot be made smaller."""
+    the command as it was and "" where it names no hosts (-hosts, or a host file it can
+    read), every host answers, none does, or the count of ranks (-n) cannot be made
+    smaller."""
     command = list(command)
     found = options(command)
     at = next((found[f] for f in HOST_FLAGS if f in found), None)
+    listed = next((found[f] for f in FILE_FLAGS if f in found), None)
     count = next((found[f] for f in COUNT_FLAGS if f in found), None)
-    if at is None or count is None or at >= len(command) or count >= len(command):
+    if count is None or count >= len(command) or not command[count].isdigit():
         return command, ""
-    hosts = [h for h in command[at].split(",") if h]
-    if len(hosts) < 2 or not command[count].isdigit():
+    if at is not None and at < len(command):
+        hosts = [h for h in command[at].split(",") if h]
+    elif listed is not None and listed < len(command):
+        hosts = _host_file(command[listed])
+    else:
+        return command, ""
+    if len(hosts) < 2:
         return command, ""
     shell = command[found["-launcher-exec"]] if "-launcher-exec" in found else "ssh"
     alive = [h for h in hosts if answers(shell, h.split(":")[0])]
@@ -69,12 +80,37 @@ def on_what_is_left(command: Sequence[str], prog: str) -> tuple[list[str], str]:
     if left < 1:
         return command, ""
     lost = ", ".join(h.split(":")[0] for h in hosts if h not in alive)
-    command[at], command[count] = ",".join(alive), str(left)
+    if at is not None:
+        command[at] = ",".join(alive)
+    else:
+        assert listed is not None
+        command[listed] = _write_host_file(alive)
+    command[count] = str(left)
     return command, (
         f"{prog}: {lost} did not answer ({shell}): the restart runs on "
         f"{', '.join(h.split(':')[0] for h in alive)} with {left} ranks instead of {ranks} "
         f"(checkpoints restore on any layout)"
     )
+
+
+def _host_file(path: str) -> list[str]:
+    """The hosts of an MPICH host file (``host`` or ``host:slots`` a line; # comments),
+    as ``-hosts`` names them; none if it cannot be read."""
+    try:
+        with open(path) as f:
+            lines = f.read(1 << 20).splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    words = [line.split("#", 1)[0].split() for line in lines]
+    return [w[0] for w in words if w]
+
+
+def _write_host_file(hosts: list[str]) -> str:
+    """A new host file of ``hosts`` (in the temporary directory: only mpiexec reads it)."""
+    fd, path = tempfile.mkstemp(prefix="mpips-hosts-left-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(f"{h}\n" for h in hosts))
+    return path
 
 
 def _ranks_on(alive: list[str], hosts: list[str], ranks: int) -> int:
