@@ -159,6 +159,64 @@ def test_a_sync_replica_killed_mid_run_shrinks_the_quorum_not_the_job(tmp_path, 
     assert_chief_duties(tmp_path, text, victim, SYNC_STEPS)
 
 
+SLOW_START = """
+import time
+from mpips.process import supervise
+supervise.supervise()  # (python -m mpips train does this: a script of its own must too)
+import mpips
+class SlowStart(mpips.Hook):
+    def begin(self, run):  # (hooks begin before the chief raises ready)
+        if run.is_chief:
+            print("the chief begins", flush=True)
+            time.sleep(120)
+with mpips.abort_on_error():
+    job = mpips.load_job("job.toml")
+    mpips.train(job, hooks=[SlowStart()])
+"""
+
+
+@pytest.mark.launcher
+def test_a_chief_killed_before_training_starts_ends_the_job_at_once(tmp_path):
+    """The chief killed after the start-up's collectives, before it raised ready (its hook
+    begins slowly): the PS and the workers waiting for ready see it dead and end the job
+    within seconds (not at the start-up limit), naming it; exit not 0 (a restart's case)."""
+    import subprocess
+
+    from conftest import clean_env, mpiexec_path, stop_launcher
+
+    (tmp_path / "job.toml").write_text(
+        '[data]\nbuiltin = "digits"\n[train]\nsteps = 1000\nprogress = false\n'
+    )
+    (tmp_path / "slow.py").write_text(SLOW_START)
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mpips.launch", mpiexec_path(), "-n", "4"]
+            + [sys.executable, "slow.py"],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "the chief begins" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        m = re.search(r"\[/job:worker/task:0\] rank (\d+), pid (\d+) on ", log.read_text())
+        assert m, log.read_text()[-3000:]
+        os.kill(int(m.group(2)), signal.SIGKILL)
+        killed = time.monotonic()
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        stop_launcher(proc)
+    text = log.read_text()
+    assert rc != 0 and took < 20, (rc, took, text[-3000:])
+    assert "the chief, died before training started" in text, text[-3000:]
+    assert f"rank {m.group(1)} (/job:worker/task:0" in text, text[-3000:]
+
+
 # -- without MPI ---------------------------------------------------------------------------
 
 
