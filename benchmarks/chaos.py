@@ -1,7 +1,7 @@
 """Chaos: kill -9 of a random rank at a random moment of a training run, in every mode, under
 ``python -m mpips.launch --restarts 2``; what the run does about it, measured.
 
-Run:  python benchmarks/chaos.py [--trials 3] [--seed 0] [--only async,sync]
+Run:  python benchmarks/chaos.py [--trials 3] [--seed 0] [--only async,sync] [--victims far,node]
 
 Each trial trains the digits job (MLP 64-64-10, checkpoint.every_secs = 1) to its step
 target on 4 ranks (1 PS + 3 workers; sync mode: 3 replicas), waits for its first
@@ -301,9 +301,11 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3, help="trials per case (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default="", help="modes, comma-separated (default: all)")
+    ap.add_argument("--victims", default="", help="victims, comma-separated (default: all)")
     args = ap.parse_args()
     modes = [m for m in args.only.split(",") if m]
-    cases = [c for c in CASES if not modes or c[0] in modes]
+    victims = [v for v in args.victims.split(",") if v]
+    cases = [c for c in CASES if (not modes or c[0] in modes) and (not victims or c[1] in victims)]
     base: dict[str, float | None] = {}
     rows: list[Outcome] = []
     for mode in dict.fromkeys(m for m, _ in cases):

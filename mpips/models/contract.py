@@ -92,6 +92,13 @@ class Model:
         """Row-partitioned tables (sparse models): none by default."""
         return []
 
+    def table_offsets(self) -> dict[str, int]:
+        """Optional (tables that each serve a part of the data's one id space, as DLRM's
+        per-feature tables do): by table name, the data id its row 0 serves. Such a table
+        is pulled and pushed only for the batch's ids in ``[offset, offset + rows)``, and
+        reads zero rows for the others. Default: none (a table's rows are the ids)."""
+        return {}
+
     def initial_rows(self, table: str, rows: tuple[int, int, int], seed: int) -> np.ndarray:
         """The initial ``range(*rows)`` rows of a table (sparse models only)."""
         raise NotImplementedError(f"{type(self).__name__} declares no tables")

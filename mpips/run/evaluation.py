@@ -84,7 +84,19 @@ def _params_for(model: Model, params: dict[str, np.ndarray], x: Any) -> tuple[An
     if ids is None:
         return x, params
     tables = {t.name for t in model.tables()}
-    return x, {k: (v[ids] if k in tables else v) for k, v in params.items()}
+    offsets: dict[str, int] = getattr(model, "table_offsets", dict)()
+
+    def rows(name: str, table: np.ndarray) -> np.ndarray:
+        """The table's rows for the ids (those it does not serve: zero, as pulled)."""
+        first = offsets.get(name)
+        if first is None:
+            return table[ids]
+        out = np.zeros((len(ids),) + table.shape[1:], table.dtype)
+        inside = (ids >= first) & (ids < first + len(table))
+        out[inside] = table[ids[inside] - first]
+        return out
+
+    return x, {k: (rows(k, v) if k in tables else v) for k, v in params.items()}
 
 
 def evaluate(job: Job, ckpt_path: str | None = None) -> tuple[dict[str, float], int, Path]:

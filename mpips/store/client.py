@@ -11,7 +11,7 @@ an indexed datatype names every row the batch needs from that PS's partition.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import groupby
@@ -41,6 +41,8 @@ class Table:
     width: int  # elements per row
     dtype: np.dtype
     rule: str  # "mod" or "div"
+    # the data ids its rows serve, [first, first + num_rows) (None: ids are its rows)
+    span: tuple[int, int] | None = None
 
     @cached_property
     def base(self) -> MPI.Datatype:
@@ -49,15 +51,26 @@ class Table:
 
     def route(self, ids: np.ndarray) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
         """(ps task, positions in ``ids``, row in that task's part) for every task touched;
-        on one PS task: every position (``slice(None)``), and the ids are the rows."""
+        on one PS task, the positions as a slice where they run on (all of them without a
+        ``span``; with one, only the ids in it, as rows ``id - first``)."""
+        inside: np.ndarray | None = None  # (with a span) positions of the ids in it
+        every: np.ndarray | slice = slice(None)
+        if self.span is not None:
+            first, stop = self.span
+            inside = np.flatnonzero((ids >= first) & (ids < stop))
+            if not inside.size:
+                return []
+            ids = ids[inside] - first
+            run = int(inside[-1] - inside[0]) + 1 == inside.size  # (sorted ids: always)
+            every = slice(int(inside[0]), int(inside[-1]) + 1) if run else inside
         if len(self.parts) == 1:
-            return [(0, slice(None), ids)]
+            return [(0, every, ids)]
         owner, row = owner_and_row(ids, self.num_rows, len(self.parts), self.rule)
         out: list[tuple[int, np.ndarray | slice, np.ndarray]] = []
         for p in range(len(self.parts)):
-            at = np.flatnonzero(owner == p)
-            if at.size:
-                out.append((p, at, row[at]))
+            mine = np.flatnonzero(owner == p)
+            if mine.size:
+                out.append((p, mine if inside is None else inside[mine], row[mine]))
         return out
 
     def rows_type(self, rows: np.ndarray) -> MPI.Datatype:
@@ -293,12 +306,14 @@ class StoreClient:
                     if step
                     else (np.empty(shape, table.dtype), np.empty(shape, table.dtype))
                 )
+                if table.span is not None:  # the ids it does not serve read zero rows
+                    out[table.name][:] = 0
             for r in self._routed:
                 table = r.table
                 if self.reads_in_place:  # zero copy: the rows straight from the PS's memory
                     part = self._parts_in_place[table.name, r.ps_task]
-                    if isinstance(r.at, slice):  # one PS task: all of them, in order
-                        np.take(part, r.local, axis=0, out=out[table.name])
+                    if isinstance(r.at, slice):  # one PS task: a run of them, in order
+                        np.take(part, r.local, axis=0, out=out[table.name][r.at])
                     else:
                         out[table.name][r.at] = part[r.local]
                     continue
@@ -347,6 +362,14 @@ class StoreClient:
             for p, at, local in table.route(ids):
                 mpi_type = None if self.reads_in_place else table.rows_type(local)
                 self._routed.append(Routed(table, p, at, local, mpi_type))
+
+    def serve_from(self, first_ids: Mapping[str, int]) -> None:
+        """Tables that serve a part of the data's id space: by name, the data id of row 0;
+        each is pulled and pushed only for the step's ids in ``[first, first + rows)``
+        (the model's ``table_offsets``)."""
+        for name, first in first_ids.items():
+            table = self.tables[name]
+            table.span = (int(first), int(first) + table.num_rows)
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Where the model writes this step's gradients: every whole variable, and the rows of

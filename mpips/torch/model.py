@@ -129,7 +129,12 @@ class Model(_Model):
     accuracy and AUC for 0/1 labels with one output per row). ``input_shape`` reshapes each
     row of the data (e.g. ``(1, 28, 28)`` for a convolution over 784 pixels, a view);
     ``output`` maps outputs to what ``predict`` returns (softmax after a cross-entropy loss,
-    sigmoid after a binary one, else the outputs).
+    sigmoid after a binary one, else the outputs). ``table_offsets``: tables that each serve
+    a part of the data's one id space (as DLRM's per-feature tables), by parameter name
+    (``"embeddings.3.weight"``), the data id their row 0 serves; only the batch's ids in a
+    table's ``[offset, offset + rows)`` are pulled and pushed for it. The module still
+    indexes every table with the batch's ids renumbered to the rows mpips pulled (one
+    numbering for every table: a table's rows for the ids it does not serve read zero).
 
     Trainable parameters are the variables, named as ``named_parameters()`` names them;
     ``nn.Embedding`` and ``nn.EmbeddingBag`` modules made with ``sparse=True`` are tables
@@ -148,6 +153,7 @@ class Model(_Model):
         *,
         input_shape: tuple[int, ...] | None = None,
         output: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        table_offsets: Mapping[str, int] | None = None,
     ):
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(
@@ -160,7 +166,7 @@ class Model(_Model):
         self.plain = plain_module(module)  # (names: a compiled module's are the plain one's)
         self.input_shape = tuple(input_shape) if input_shape else None
         self.output = output or _default_output(loss)
-        self.table_set = Tables(self.plain)
+        self.table_set = Tables(self.plain, table_offsets or {})
         dense = {
             n: p
             for n, p in self.plain.named_parameters()
@@ -191,6 +197,9 @@ class Model(_Model):
         return {
             s.name: self.binding.params[s.name].detach().cpu().numpy().copy() for s in self.specs
         }
+
+    def table_offsets(self) -> dict[str, int]:
+        return dict(self.table_set.offsets)
 
     def initial_rows(self, table: str, rows: tuple[int, int, int], seed: int) -> np.ndarray:
         return self.table_set.initial_rows(table, rows)

@@ -12,6 +12,7 @@ PyTorch's sparse backward adds it, in place, into the ``.grad`` that is mpips's 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from ..device.arrays import issparse
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..models.variables import VariableSpec
 from .binding import Traffic, Views, as_tensor, numpy_dtype
 
@@ -49,6 +50,22 @@ class SparseInput:
         return SparseInput(move(self.indices), move(self.offsets), move(self.weights), self.rows)
 
 
+def _checked_offsets(offsets: dict[str, int], tables: set[str]) -> dict[str, int]:
+    """``table_offsets`` checked: each names a sparse table, with an id >= 0."""
+    for name, first in offsets.items():
+        if name not in tables:
+            known = ", ".join(sorted(tables)) or "none"
+            raise ConfigError(
+                f"mpips.torch.Model: table_offsets names {name!r}, not a sparse table of the "
+                f"module (its sparse tables: {known})"
+            )
+        if isinstance(first, bool) or not isinstance(first, int | np.integer) or first < 0:
+            raise ConfigError(
+                f"mpips.torch.Model: table_offsets[{name!r}] is {first!r}, not a data id >= 0"
+            )
+    return {n: int(v) for n, v in offsets.items()}
+
+
 def _csr_input(x: Any, dtype: Any = np.float32) -> tuple[SparseInput, np.ndarray]:
     """A CSR batch as a SparseInput over its unique ids, and those ids (sorted); its
     weights in ``dtype``, the tables' (``per_sample_weights`` must be)."""
@@ -65,7 +82,7 @@ def _csr_input(x: Any, dtype: Any = np.float32) -> tuple[SparseInput, np.ndarray
 class Tables:
     """The module's sparse embeddings (by variable name) and their binding to pulled rows."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, offsets: Mapping[str, int] | None = None):
         self.modules: dict[str, torch.nn.Embedding | torch.nn.EmbeddingBag] = {
             f"{name}.weight": m
             for name, m in module.named_modules()
@@ -73,8 +90,11 @@ class Tables:
         }
         self.params: dict[str, torch.Tensor] = {n: m.weight for n, m in self.modules.items()}
         self.names = set(self.params)
+        self.offsets = _checked_offsets(dict(offsets or {}), self.names)
         self.initial = {n: p.detach().cpu().numpy() for n, p in self.params.items()}
-        self.num_rows = min((p.shape[0] for p in self.params.values()), default=0)
+        # the ids every table without an offset serves: its rows
+        whole = [p.shape[0] for n, p in self.params.items() if n not in self.offsets]
+        self.num_rows = min(whole, default=None)
         first = next(iter(self.initial.values()), None)
         self.dtype = first.dtype if first is not None else np.dtype(np.float32)
         self._values, self._grads = Views(), Views()
@@ -106,10 +126,11 @@ class Tables:
                 "sparse (CSR) rows or integer ids; this data is "
                 f"{getattr(x, 'dtype', type(x).__name__)}"
             )
-        if width > self.num_rows:
+        if self.num_rows is not None and width > self.num_rows:
             raise DataError(
                 f"mpips.torch.Model: the data has ids up to {width - 1}; the smallest sparse "
-                f"table has {self.num_rows} rows (every table is indexed by the data's ids)"
+                f"table has {self.num_rows} rows (every table is indexed by the data's ids, "
+                f"unless table_offsets says which part of them it serves)"
             )
         return batch, ids
 

@@ -75,6 +75,7 @@ class TableRows:
         self.ctx, self.windows = ctx, windows
         self.task = ctx.role.task
         self.client = StoreClient(windows, self.task, ctx.optimizer.stateful)
+        self.client.serve_from(getattr(ctx.model, "table_offsets", dict)())
         self.client.on_new_buffers = ctx.device.pin  # (a GPU copies the rows from locked pages)
         self.control = self.client.control
 

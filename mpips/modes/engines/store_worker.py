@@ -59,6 +59,7 @@ class StoreWorker:
         self.client = StoreClient(
             windows, self.role.task, stateful, optimizer.apply, optimizer.slots
         )
+        self.client.serve_from(getattr(ctx.model, "table_offsets", dict)())
         self.control = self.client.control
         device.pin(self.client.host_buffers())  # a GPU's copies run from page-locked memory
         self.client.on_new_buffers = device.pin  # (so do a CTR table's rows, kept)
