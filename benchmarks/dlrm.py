@@ -82,16 +82,18 @@ def _module(data_info, job: dict):
     return dlrm, dlrm.build(data_info, **job["model"]["args"]).module
 
 
-def _batch(x, rows):
-    """CSR rows as the module's SparseInput (ids as they are: the whole tables are here)."""
+def _batch(dlrm, net, x, rows):
+    """CSR rows as the module's SparseInput, each categorical id as its table's row (as the
+    reference code feeds it: the whole tables are here)."""
     import torch
 
     from mpips.torch import SparseInput
 
     t = lambda a, d: torch.from_numpy(np.ascontiguousarray(a, d))  # noqa: E731
-    return SparseInput(
+    batch = SparseInput(
         t(x.indices, np.int64), t(x.indptr[:-1], np.int64), t(x.data, np.float32), rows
     )
+    return dlrm.plain_batch(batch, net.sizes, net.fused)
 
 
 def one_torch_process(data: Path, examples: int, job: dict) -> dict:
@@ -113,12 +115,12 @@ def one_torch_process(data: Path, examples: int, job: dict) -> dict:
             t0 = time.perf_counter()
         k = order[(i * BATCH + np.arange(BATCH)) % len(y)]
         opt.zero_grad()
-        dlrm.loss(net(_batch(x[k], BATCH)), torch.from_numpy(y[k])).backward()
+        dlrm.loss(net(_batch(dlrm, net, x[k], BATCH)), torch.from_numpy(y[k])).backward()
         opt.step()
     rate = (steps - 20) * BATCH / (time.perf_counter() - t0)
     net.eval()
     with torch.no_grad():
-        auc = binary_auc(net(_batch(tx, len(ty))), torch.from_numpy(ty))
+        auc = binary_auc(net(_batch(dlrm, net, tx, len(ty))), torch.from_numpy(ty))
     return {"examples/s": rate, "auc": auc, "examples": steps * BATCH}
 
 

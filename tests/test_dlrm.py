@@ -97,8 +97,8 @@ def _dlrm_module():
 
 
 def test_dlrm_fused_tables_equal_per_feature_tables(tmp_path):
-    """fused=True (one table over the id space) computes what the 26 tables do, since each
-    feature's ids touch only its own rows; a file of another layout is refused in a line."""
+    """fused=True (one table of every feature's rows) computes what the 26 tables of their
+    features' cardinalities do; a file of another layout is refused in a line."""
     torch = need("torch")
     from mpips.errors import DataError
     from mpips.torch import SparseInput
@@ -107,15 +107,16 @@ def test_dlrm_fused_tables_equal_per_feature_tables(tmp_path):
     make_criteo_synthetic(tmp_path / "c.h5", rows=64, max_cardinality=20)
     info = open_dataset(str(tmp_path / "c.h5"))
     x, _ = load_split(info, "train")
+    sizes = dlrm.feature_sizes(info.num_inputs)
+    assert sizes == cardinalities(20).tolist()
     torch.manual_seed(0)
-    tables = dlrm.DLRM(info.num_inputs, 4, (8,), (8,), fused=False)
-    fused = dlrm.DLRM(info.num_inputs, 4, (8,), (8,), fused=True)
+    tables = dlrm.DLRM(sizes, 4, (8,), (8,), fused=False)
+    fused = dlrm.DLRM(sizes, 4, (8,), (8,), fused=True)
     fused.load_state_dict(tables.state_dict(), strict=False)
-    low, card = id_offsets(20), cardinalities(20)
+    low = id_offsets(20) - 13  # (the fused table's rows: the categorical ids)
     with torch.no_grad():
         for f, table in enumerate(tables.embeddings):
-            rows = slice(int(low[f]), int(low[f] + card[f]))
-            fused.embedding.weight[rows] = table.weight[rows]
+            fused.embedding.weight[int(low[f]) : int(low[f]) + sizes[f]] = table.weight
     as_tensor = lambda a, t: torch.from_numpy(np.asarray(a, t))  # noqa: E731
     batch = SparseInput(
         as_tensor(x.indices, np.int64),
@@ -123,10 +124,13 @@ def test_dlrm_fused_tables_equal_per_feature_tables(tmp_path):
         as_tensor(x.data, np.float32),
         64,
     )
-    torch.testing.assert_close(tables(batch), fused(batch))
+    out = tables(dlrm.plain_batch(batch, sizes, False))
+    torch.testing.assert_close(out, fused(dlrm.plain_batch(batch, sizes, True)))
     short = SparseInput(batch.indices[:-1], batch.offsets, batch.weights[:-1], 64)
     with pytest.raises(DataError, match="every row must hold the 13 integer and 26 categorical"):
         tables(short)
+    with pytest.raises(DataError, match="which no criteo-synthetic file has"):
+        dlrm.feature_sizes(info.num_inputs + 1)
 
 
 @pytest.mark.launcher

@@ -175,3 +175,108 @@ def test_the_shipped_pytorch_wide_deep_matches_the_built_in_one(clothing):  # no
         auc[job] = json.loads((clothing / "r.json").read_text())["test_auc"]
     assert auc["builtin.toml"] > 0.85, auc
     assert abs(auc["torch_ctr_wide_deep.toml"] - auc["builtin.toml"]) <= 0.01, auc
+
+
+SPLIT = """
+import torch
+from torch import nn
+import mpips.torch
+
+
+class Split(nn.Module):
+    # two tables over one id space: a serves ids [0, half), b serves [half, features)
+    def __init__(self, features, half, dim=3):
+        super().__init__()
+        self.a = nn.EmbeddingBag(half, dim, mode="sum", sparse=True)
+        self.b = nn.EmbeddingBag(features - half, dim, mode="sum", sparse=True)
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        bag = lambda t: t(x.indices, x.offsets, per_sample_weights=x.weights)  # noqa: E731
+        return self.out(bag(self.a) + bag(self.b)).squeeze(1)
+
+
+def loss(z, y):
+    return nn.functional.binary_cross_entropy_with_logits(z, y.float())
+
+
+def build(data):
+    half = data.num_inputs // 2
+    net = Split(data.num_inputs, half)
+    return mpips.torch.Model(net, loss, table_offsets={"a.weight": 0, "b.weight": half})
+"""
+
+
+@pytest.mark.launcher
+def test_tables_that_serve_parts_of_the_id_space_train_as_pytorchs_loop(tmp_path):
+    """table_offsets: two tables of half the id space each (each pulls only its own ids'
+    rows; the other ids read zero rows there), on 2 PS tasks, hybrid, 30 SGD steps: the same
+    values as PyTorch's loop feeding each table only its own ids as rows."""
+    small_dataset(tmp_path / "s.h5")
+    (tmp_path / "net.py").write_text(SPLIT)
+    (tmp_path / "job.toml").write_text(JOB)
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    variables, _ = Checkpoint(tmp_path / "runs/s/ckpt-30.json").read_all()
+    scope: dict = {}
+    exec(compile(SPLIT, "net.py", "exec"), scope)
+    half = FEATURES // 2
+    assert variables["a.weight"].shape[0] == half and variables["b.weight"].shape[0] == half
+    torch.manual_seed(4)  # model.init_seed: the factory is called after it
+    ref = scope["Split"](FEATURES, half)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+
+    def forward(x):  # each table its own ids, as rows (the others weighted 0)
+        b = whole(x)
+        mine = b.indices < half
+        a = ref.a(torch.where(mine, b.indices, 0), b.offsets, per_sample_weights=b.weights * mine)
+        rows_b = torch.where(mine, 0, b.indices - half)
+        o = ref.b(rows_b, b.offsets, per_sample_weights=b.weights * ~mine)
+        return ref.out(a + o).squeeze(1)
+
+    x, y = load_split(open_dataset(str(tmp_path / "s.h5")), "train")
+    stream = batches(x, y, 8, 5, 0, per_epoch=len(y) // 8)
+    for _ in range(30):
+        _, bx, by = next(stream)
+        opt.zero_grad()
+        scope["loss"](forward(bx), torch.from_numpy(by)).backward()
+        opt.step()
+    for name, p in ref.named_parameters():
+        np.testing.assert_allclose(variables[name], p.detach().numpy(), rtol=1e-4, atol=1e-6)
+    torch.manual_seed(4)
+    fresh = scope["Split"](FEATURES, half)
+    for t in ("a.weight", "b.weight"):  # both trained
+        assert not np.allclose(variables[t], dict(fresh.named_parameters())[t].detach().numpy())
+
+
+def test_table_offsets_name_tables_and_ids():
+    from mpips.errors import ConfigError
+
+    scope: dict = {}
+    exec(compile(SPLIT, "net.py", "exec"), scope)
+    net, loss = scope["Split"](10, 5), scope["loss"]
+    with pytest.raises(ConfigError, match="names 'c.weight', not a sparse table"):
+        mt.Model(net, loss, table_offsets={"c.weight": 0})
+    with pytest.raises(ConfigError, match=r"table_offsets\['a.weight'\] is -1"):
+        mt.Model(net, loss, table_offsets={"a.weight": -1})
+    model = mt.Model(net, loss, table_offsets={"a.weight": 0, "b.weight": 5})
+    assert model.table_offsets() == {"a.weight": 0, "b.weight": 5}
+
+
+def test_a_table_with_a_span_routes_only_its_ids():
+    """The store's routing: a table serving ids [100, 150) gets only those of a step's
+    sorted ids, as rows id - 100, at their positions (a slice on one PS task; split by the
+    rule over two)."""
+    from mpips.store.client import Table
+
+    ids = np.array([3, 99, 100, 101, 120, 149, 150, 400])
+    one = Table("t", [None], 50, 4, np.dtype(np.float32), "div", span=(100, 150))
+    ((p, at, rows),) = one.route(ids)
+    assert p == 0 and at == slice(2, 6) and rows.tolist() == [0, 1, 20, 49]
+    two = Table("t", [None, None], 50, 4, np.dtype(np.float32), "mod", span=(100, 150))
+    got = {p: (list(np.asarray(at)), rows.tolist()) for p, at, rows in two.route(ids)}
+    assert got == {0: ([2, 4], [0, 10]), 1: ([3, 5], [0, 24])}
+    assert one.route(np.array([1, 2, 500])) == []
+    plain = Table("t", [None], 500, 4, np.dtype(np.float32), "div")
+    ((_, at, rows),) = plain.route(ids)
+    assert at == slice(None) and rows is ids
