@@ -271,8 +271,12 @@ def test_a_table_with_a_span_routes_only_its_ids():
 
     ids = np.array([3, 99, 100, 101, 120, 149, 150, 400])
     one = Table("t", [None], 50, 4, np.dtype(np.float32), "div", span=(100, 150))
-    ((p, at, rows),) = one.route(ids)
-    assert p == 0 and at == slice(2, 6) and rows.tolist() == [0, 1, 20, 49]
+    for ascending in (False, True):
+        ((p, at, rows),) = one.route(ids, ascending)
+        assert p == 0 and at == slice(2, 6) and rows.tolist() == [0, 1, 20, 49]
+    shuffled = np.array([120, 3, 100, 400, 149])  # (any order: by a mask)
+    ((_, at, rows),) = one.route(shuffled)
+    assert list(at) == [0, 2, 4] and rows.tolist() == [20, 0, 49]
     two = Table("t", [None, None], 50, 4, np.dtype(np.float32), "mod", span=(100, 150))
     got = {p: (list(np.asarray(at)), rows.tolist()) for p, at, rows in two.route(ids)}
     assert got == {0: ([2, 4], [0, 10]), 1: ([3, 5], [0, 24])}

@@ -49,19 +49,26 @@ class Table:
         """The predefined MPI type of one element."""
         return MPI.Datatype.fromcode(self.dtype.char)
 
-    def route(self, ids: np.ndarray) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
+    def route(
+        self, ids: np.ndarray, ascending: bool = False
+    ) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
         """(ps task, positions in ``ids``, row in that task's part) for every task touched;
         on one PS task, the positions as a slice where they run on (all of them without a
-        ``span``; with one, only the ids in it, as rows ``id - first``)."""
+        ``span``; with one, only the ids in it, as rows ``id - first``: found by bisection
+        where the ids are ``ascending``)."""
         inside: np.ndarray | None = None  # (with a span) positions of the ids in it
         every: np.ndarray | slice = slice(None)
         if self.span is not None:
             first, stop = self.span
-            inside = np.flatnonzero((ids >= first) & (ids < stop))
+            if ascending:
+                a, b = (int(k) for k in np.searchsorted(ids, self.span))
+                inside = np.arange(a, b)
+            else:
+                inside = np.flatnonzero((ids >= first) & (ids < stop))
             if not inside.size:
                 return []
             ids = ids[inside] - first
-            run = int(inside[-1] - inside[0]) + 1 == inside.size  # (sorted ids: always)
+            run = int(inside[-1] - inside[0]) + 1 == inside.size  # (ascending ids: always)
             every = slice(int(inside[0]), int(inside[-1]) + 1) if run else inside
         if len(self.parts) == 1:
             return [(0, every, ids)]
@@ -168,6 +175,7 @@ class StoreClient:
         # their first rows) and made anew, twice as long, for a batch with more ids than any
         # before; ``on_new_buffers`` hears of each new pair (a GPU worker page-locks them)
         self._rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._written: dict[str, list[np.ndarray | slice]] = {}  # (tables with a span: _clear)
         self.on_new_buffers: Callable[[list[np.ndarray]], None] | None = None
         self._routed: list[Routed] = []
         self._posted = False  # an update is posted whose acknowledgement is not yet seen
@@ -307,7 +315,7 @@ class StoreClient:
                     else (np.empty(shape, table.dtype), np.empty(shape, table.dtype))
                 )
                 if table.span is not None:  # the ids it does not serve read zero rows
-                    out[table.name][:] = 0
+                    self._clear(table, out[table.name], step)
             for r in self._routed:
                 table = r.table
                 if self.reads_in_place:  # zero copy: the rows straight from the PS's memory
@@ -338,6 +346,19 @@ class StoreClient:
             rows[at] = staged
         return out
 
+    def _clear(self, table: Table, rows: np.ndarray, step: bool) -> None:
+        """Zero ``rows`` (a pull's rows of a table with a span) where the pull writes none:
+        a step's kept buffer holds zeros but for the rows its last step's pull wrote
+        (zeroed again here: a few of the step's ids are a table's, not its whole buffer);
+        any other pull's rows are new."""
+        if not step:
+            rows[:] = 0
+            return
+        kept = self._rows[table.name][0]
+        for at in self._written.pop(table.name, ()):
+            kept[at] = 0
+        self._written[table.name] = [r.at for r in self._routed if r.table is table]
+
     def _kept_rows(self, table: Table, n: int) -> tuple[np.ndarray, np.ndarray]:
         """``n`` rows of ``table``'s kept buffers: where a pull puts them, and where the
         model writes their gradients."""
@@ -348,6 +369,9 @@ class StoreClient:
                 page_aligned(shape, table.dtype),
                 page_aligned(shape, table.dtype),
             )
+            if table.span is not None:  # (kept zero but where a pull writes: _clear)
+                kept[0][:] = 0
+                self._written.pop(table.name, None)
             if self.on_new_buffers is not None:
                 self.on_new_buffers(list(kept))
         return kept[0][:n], kept[1][:n]
@@ -358,8 +382,9 @@ class StoreClient:
         for r in self._routed:
             r.free()
         self._routed, self._row_grads = [], {}
+        ascending = len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())  # (a batch's unique ids)
         for table in self.tables.values():
-            for p, at, local in table.route(ids):
+            for p, at, local in table.route(ids, ascending):
                 mpi_type = None if self.reads_in_place else table.rows_type(local)
                 self._routed.append(Routed(table, p, at, local, mpi_type))
 
