@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import ROOT, need, run_train
+from conftest import ROOT, need, run_py, run_train
 
 from mpips.cli import main
 from mpips.data.batches import load_split, open_dataset
@@ -157,3 +157,6 @@ def test_dlrm_trains_to_a_stated_auc_in_hybrid_mode(tmp_path):
     r = run_train(tmp_path, 3, "dlrm.toml", "--steps", "300", "--ckpt-dir", "runs", timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.result["global_step"] == 300 and r.result["test_auc"] > 0.68, r.result
+    # eval reads each table's own rows as the run did (table_offsets): the same AUC
+    e = run_py(["-m", "mpips", "eval", "dlrm.toml", "--ckpt", "runs"], tmp_path)
+    assert e.returncode == 0 and f"test_auc {r.result['test_auc']:.4f}" in e.stdout, e
