@@ -24,6 +24,7 @@ import numpy as np
 
 from ..models.initial import CHUNK_ELEMENTS, row_chunks
 from .format import manifest_name
+from .sparse import Changed, SparseTables, table_arrays
 
 BASES = "bases"  # a shard attribute and a manifest field: the checkpoints it overlays
 MAX_CHAIN = 100  # increments on one base, at most (a reader refuses a longer chain)
@@ -97,3 +98,50 @@ class Increments:
         if old is None or len(old) != len(digests):
             return None
         return np.flatnonzero(old != digests)
+
+
+@dataclass
+class Plan:
+    """One shard's increments, planned before it is written: the table arrays written as
+    increments (``arrays``), their row digests now (taken before any row is gathered), and
+    the checkpoint they overlay (``on``; None: every array a base)."""
+
+    increments: Increments | None
+    arrays: dict[str, np.ndarray]
+    digests: dict[str, np.ndarray]
+    on: int | None
+    overlays: list[int] = field(default_factory=list)  # what the shard overlays, as written
+
+    @classmethod
+    def of(
+        cls,
+        variables: dict[str, np.ndarray],
+        slots: dict[str, np.ndarray],
+        tables: SparseTables | None,
+        increments: Increments | None,
+        directory: str | Path,
+    ) -> Plan:
+        arrays = {
+            path: a
+            for path, a in table_arrays(variables, slots, tables).items()
+            if increments is not None and increments.takes(a)
+        }
+        digests = {path: row_digests(a) for path, a in arrays.items()}
+        on = increments.base_step(directory) if increments and digests else None
+        return cls(increments, arrays, digests, on)
+
+    def changed(self) -> dict[str, Changed]:
+        """The arrays written as increments, by path, with their rows changed since ``on``."""
+        out: dict[str, Changed] = {}
+        if self.increments is not None and self.on is not None:
+            for path, d in self.digests.items():
+                index = self.increments.changed(path, d)
+                if index is not None:
+                    out[path] = Changed.increment(self.arrays[path], index, self.on)
+        self.overlays[:] = [self.on] if out and self.on is not None else []
+        return out
+
+    def wrote(self, step: int) -> None:
+        """The shard of ``step`` is written: the writer remembers its digests."""
+        if self.increments is not None and self.digests:
+            self.increments.wrote(step, self.digests, bool(self.overlays))

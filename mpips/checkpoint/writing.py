@@ -16,11 +16,11 @@ from ..process.files import TEXT_LIMIT, atomic_write
 from .checks import check_finite
 from .checksum import CHECKSUM, CRC32, write_array
 from .format import FORMAT, RUN, SHARDS, Entry, h5_path, manifest_name, shard_name, text_attr
-from .increments import BASES, Increments, row_digests
+from .increments import BASES, Increments, Plan
 from .lock import run_of
 from .manifest import encode_index
 from .pruning import prune
-from .sparse import Changed, SparseTables, sparse_parts, table_arrays, write_sparse
+from .sparse import SparseTables, sparse_parts, write_sparse
 
 NOT_COMMITTED = "checkpoint at global_step {step} not committed; the ones before it are intact"
 
@@ -56,25 +56,10 @@ def write_shard(
     slots = slots or {}
     check_finite({**variables, **slots}, step)
     run = run or run_of(directory)
-
-    tabled = {
-        path: a
-        for path, a in table_arrays(variables, slots, tables).items()
-        if increments is not None and increments.takes(a)
-    }
-    # (digests before any row is gathered: an update landing meanwhile is written next time)
-    digests = {path: row_digests(a) for path, a in tabled.items()}
-    on = increments.base_step(directory) if increments and digests else None
-    overlays: list[int] = []
+    plan = Plan.of(variables, slots, tables, increments, directory)
 
     def write(tmp: Path) -> None:
-        sparse = {}
-        if increments is not None and on is not None:
-            for path, d in digests.items():
-                index = increments.changed(path, d)
-                if index is not None:
-                    sparse[path] = Changed.increment(tabled[path], index, on)
-            overlays[:] = [on] if sparse else []
+        sparse = plan.changed()
         sparse.update(sparse_parts(variables, slots, tables, done=sparse))
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = fixed_text(FORMAT)
@@ -84,8 +69,8 @@ def write_shard(
             f.attrs[CHECKSUM] = fixed_text(CRC32)
             if run:
                 f.attrs[RUN] = fixed_text(run)
-            if overlays:
-                f.attrs[BASES] = np.array(overlays, np.int64)
+            if plan.overlays:
+                f.attrs[BASES] = np.array(plan.overlays, np.int64)
             for is_slot, arrays in ((False, variables), (True, slots)):
                 for name, value in arrays.items():
                     path = h5_path(name, is_slot)
@@ -100,8 +85,7 @@ def write_shard(
         NOT_COMMITTED.format(step=step),
         checkpoint_file=True,
     )
-    if increments is not None and digests:
-        increments.wrote(step, digests, bool(overlays))
+    plan.wrote(step)
     return path
 
 

@@ -306,16 +306,7 @@ class StoreClient:
         out = self.params
         fetched = []
         if ids is not None and self.tables:
-            out = dict(self.params)
-            for table in self.tables.values():
-                shape = (len(ids), table.width)
-                out[table.name], self._row_grads[table.name] = (
-                    self._kept_rows(table, len(ids))
-                    if step
-                    else (np.empty(shape, table.dtype), np.empty(shape, table.dtype))
-                )
-                if table.span is not None:  # the ids it does not serve read zero rows
-                    self._clear(table, out[table.name], step)
+            out = {**self.params, **self._table_rows(len(ids), step)}
             for r in self._routed:
                 table = r.table
                 if self.reads_in_place:  # zero copy: the rows straight from the PS's memory
@@ -344,6 +335,21 @@ class StoreClient:
                 win.Flush(rank)
         for rows, at, staged in fetched:
             rows[at] = staged
+        return out
+
+    def _table_rows(self, n: int, step: bool) -> dict[str, np.ndarray]:
+        """Where a pull of ``n`` ids puts each table's rows (a ``step``'s: the kept
+        buffers), their gradient rows set beside them (``gradients()``)."""
+        out = {}
+        for table in self.tables.values():
+            shape = (n, table.width)
+            out[table.name], self._row_grads[table.name] = (
+                self._kept_rows(table, n)
+                if step
+                else (np.empty(shape, table.dtype), np.empty(shape, table.dtype))
+            )
+            if table.span is not None:  # the ids it does not serve read zero rows
+                self._clear(table, out[table.name], step)
         return out
 
     def _clear(self, table: Table, rows: np.ndarray, step: bool) -> None:
