@@ -172,6 +172,7 @@ def test_a_run_checkpoints_increments_and_resumes_from_one_on_another_ps_count(t
 
     def train(steps, ckpt, ps, increments):
         text = JOB.format(data=tmp_path / "s.h5", steps=steps, ckpt=ckpt)
+        text = text.replace("embedding_dim = 4", "embedding_dim = 8")  # (32-byte rows)
         text += f"every_steps = 4\nincrements = {increments}\nmax_to_keep = 1\n"
         text += "increments_min_mb = 0\n"  # (its tables are small: increments all the same)
         (tmp_path / "job.toml").write_text(text)
@@ -213,3 +214,51 @@ def test_an_array_under_the_size_for_increments_is_written_as_a_base_each_time(t
         saved = w.save(step)
     assert "bases" not in json.loads((tmp_path / "ckpt-20.json").read_text())
     assert read(tmp_path / "ckpt-20.json")[TABLE].tobytes() == saved[TABLE].tobytes()
+
+
+def test_a_second_save_at_the_same_step_is_a_base(tmp_path):
+    """The end of a run may save again at the step of its last periodic checkpoint: that
+    shard is a base, not an increment on itself (which would replace the rows it needs)."""
+    w, rng = Writer(tmp_path, every=8), np.random.default_rng(5)
+    for step in (10, 20):
+        w.train(rng, 10)
+        w.save(step)
+    w.train(rng, 10)
+    saved = w.save(20)  # again, after more training
+    assert "bases" not in json.loads((tmp_path / "ckpt-20.json").read_text())
+    got = read(tmp_path / "ckpt-20.json")
+    assert got[TABLE].tobytes() == saved[TABLE].tobytes()
+
+
+def test_an_increment_of_most_rows_is_written_as_a_base(tmp_path):
+    w, rng = Writer(tmp_path, every=8), np.random.default_rng(6)
+    w.train(rng, 10)
+    w.save(10)
+    w.train(rng, int(0.8 * ROWS))  # most rows changed: an increment would be no smaller
+    saved = w.save(20)
+    assert "bases" not in json.loads((tmp_path / "ckpt-20.json").read_text())
+    assert read(tmp_path / "ckpt-20.json")[SLOT].tobytes() == saved[SLOT].tobytes()
+
+
+def test_narrow_rows_are_not_written_as_increments():
+    """A digest is 8 bytes a row: a table of width-1 float32 rows would hold twice its
+    memory in them, so it is written as a base each time."""
+    inc = Increments(8, 0)
+    assert not inc.takes(np.zeros((1000, 1), np.float32))
+    assert inc.takes(np.zeros((1000, 8), np.float32))
+    assert not Increments(0, 0).takes(np.zeros((1000, 8), np.float32))
+
+
+def test_a_commit_refuses_a_shard_whose_bases_are_not_earlier_steps(tmp_path):
+    w, rng = Writer(tmp_path, every=8), np.random.default_rng(7)
+    w.train(rng, 10)
+    w.save(10)
+    w.save(20, commit=False)
+    with h5py.File(tmp_path / "ckpt-20.shard-0-of-2.h5", "r+") as f:
+        f.attrs["bases"] = np.array([20])  # itself: crafted, or a bug
+    with pytest.raises(CheckpointError, match="are not steps before 20; not committed"):
+        w.commit(20)
+    with h5py.File(tmp_path / "ckpt-20.shard-0-of-2.h5", "r+") as f:
+        f.attrs["bases"] = "ten"
+    with pytest.raises(CheckpointError, match="are not steps before 20"):
+        w.commit(20)

@@ -24,10 +24,11 @@ import numpy as np
 
 from ..models.initial import CHUNK_ELEMENTS, row_chunks
 from .format import manifest_name
-from .sparse import Changed, SparseTables, table_arrays
+from .sparse import SPARSE_MAX_FRACTION, Changed, SparseTables, table_arrays
 
 BASES = "bases"  # a shard attribute and a manifest field: the checkpoints it overlays
 MAX_CHAIN = 100  # increments on one base, at most (a reader refuses a longer chain)
+MIN_ROW_BYTES = 32  # narrower rows: a digest (8 bytes a row) would cost too much beside them
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finalizer constants
 _MIX2 = np.uint64(0x94D049BB133111EB)
@@ -74,17 +75,22 @@ class Increments:
     step: int | None = None
     on_base: int = 0  # increments written since the last base
 
-    def base_step(self, directory: str | Path) -> int | None:
-        """The checkpoint the next shard may overlay: the one this writer wrote last, if it
-        is committed (its manifest is in ``directory``) and the chain has room; None: write
-        a base."""
-        if self.step is None or self.on_base >= self.every:
+    def base_step(self, directory: str | Path, step: int) -> int | None:
+        """The checkpoint the shard of ``step`` may overlay: the one this writer wrote last,
+        if it is an earlier one (a second save at the same step, as the end of a run may
+        make, is a base), it is committed (its manifest is in ``directory``) and the chain
+        has room; None: write a base."""
+        if self.step is None or self.step >= step or self.on_base >= self.every:
             return None
         return self.step if (Path(directory) / manifest_name(self.step)).is_file() else None
 
     def takes(self, array: np.ndarray) -> bool:
-        """Whether ``array`` (a table partition or slot) is written as increments."""
-        return self.every > 0 and array.nbytes >= self.min_bytes
+        """Whether ``array`` (a table partition or slot) is written as increments: large
+        enough, with rows of MIN_ROW_BYTES at least (a width-1 float32 table's digests
+        would take twice its memory)."""
+        return (
+            self.every > 0 and array.nbytes >= self.min_bytes and array[:1].nbytes >= MIN_ROW_BYTES
+        )
 
     def wrote(self, step: int, digests: dict[str, np.ndarray], increment: bool) -> None:
         """Shard ``step`` is written (as an increment or a base) with rows of ``digests``."""
@@ -120,6 +126,7 @@ class Plan:
         tables: SparseTables | None,
         increments: Increments | None,
         directory: str | Path,
+        step: int,
     ) -> Plan:
         arrays = {
             path: a
@@ -127,7 +134,7 @@ class Plan:
             if increments is not None and increments.takes(a)
         }
         digests = {path: row_digests(a) for path, a in arrays.items()}
-        on = increments.base_step(directory) if increments and digests else None
+        on = increments.base_step(directory, step) if increments and digests else None
         return cls(increments, arrays, digests, on)
 
     def changed(self) -> dict[str, Changed]:
@@ -136,8 +143,10 @@ class Plan:
         if self.increments is not None and self.on is not None:
             for path, d in self.digests.items():
                 index = self.increments.changed(path, d)
-                if index is not None:
+                rows = len(self.arrays[path])
+                if index is not None and len(index) <= SPARSE_MAX_FRACTION * rows:
                     out[path] = Changed.increment(self.arrays[path], index, self.on)
+                # (else a base: an increment of most rows is no smaller than one)
         self.overlays[:] = [self.on] if out and self.on is not None else []
         return out
 

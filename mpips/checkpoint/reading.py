@@ -112,6 +112,7 @@ class Checkpoint:
         rows: dict[str, Rows] | None = None,
         initial: InitialValues | None = None,
         finite: str = "",
+        into: dict[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """Arrays for ``specs`` (variables) and ``slot_specs``, reassembled from their parts:
         whole, or for a name in ``rows`` only ``range(*rows[name])`` of axis 0, read from the
@@ -125,14 +126,17 @@ class Checkpoint:
         ``regenerated_bytes`` then say how much was read from the shards and how much
         computed. ``finite`` (what NaN or infinity would spoil, and what to do instead):
         every array is checked as it is read, and one holding NaN or infinity is a
-        CheckpointError naming it and saying ``finite``."""
-        rows = rows or {}
+        CheckpointError naming it and saying ``finite``. ``into``: arrays (C-contiguous, of
+        the rows wanted) to read some of them into, by name, instead of new ones."""
+        rows, into = rows or {}, into or {}
         wanted = [(s, False) for s in specs] + [(s, True) for s in slot_specs]
         out: dict[str, np.ndarray] = {}
         files: dict[int, _Shard] = {}
         entries = [self._entry(spec, is_slot) for spec, is_slot in wanted]
         need = sum(
-            _nbytes(e, rows.get(spec.name)) for e, (spec, _) in zip(entries, wanted, strict=True)
+            _nbytes(e, rows.get(spec.name))
+            for e, (spec, _) in zip(entries, wanted, strict=True)
+            if spec.name not in into
         )
         check_fits(need, f"reading checkpoint {self.path}", CheckpointError)
         self.stored_bytes = self.regenerated_bytes = 0
@@ -140,9 +144,8 @@ class Checkpoint:
         self._crcs = ThreadPoolExecutor(1, thread_name_prefix="mpips-crc32")
         try:
             for entry, (spec, is_slot) in zip(entries, wanted, strict=True):
-                out[spec.name] = self._assemble(
-                    _Wanted(spec.name, is_slot, entry, rows.get(spec.name), initial), files
-                )
+                w = _Wanted(spec.name, is_slot, entry, rows.get(spec.name), initial)
+                out[spec.name] = self._assemble(w, files, into.get(spec.name))
             for w, k, expected, got in self._checks:  # (damage first: it explains a NaN)
                 self._verify(w, k, expected, got.result())
             for spec, is_slot in wanted if finite else ():
@@ -165,17 +168,24 @@ class Checkpoint:
         if expected is not None:
             self._checks.append((w, shard, expected, self._crcs.submit(crc32, data)))
 
-    def _read_whole(self, w: _Wanted, shard: int, stored: _Dense) -> np.ndarray:
-        """Every row of a dense part; a large one read a block of rows at a time, each
-        block's crc32 taken in the thread while the next is read (a checksum after the
-        read made a restore from the page cache 2.5x slower; now it overlaps)."""
+    def _read_whole(
+        self, w: _Wanted, shard: int, stored: _Dense, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Every row of a dense part (into ``out``, if given); a large one read a block of
+        rows at a time, each block's crc32 taken in the thread while the next is read (a
+        checksum after the read made a restore from the page cache 2.5x slower; now it
+        overlaps)."""
         ds = stored.dataset
         with h5py_errors(self._damaged(shard)):
             if stored.crc is None or ds.ndim == 0 or ds.size <= 2 * READ_BLOCK_ELEMENTS:
-                whole = ds[()]
+                if out is None:
+                    whole = ds[()]
+                else:
+                    ds.read_direct(out)
+                    whole = out
                 self._verify_later(w, shard, stored.crc, whole)
                 return whole
-            whole = np.empty(ds.shape, ds.dtype)
+            whole = np.empty(ds.shape, ds.dtype) if out is None else out
             crc: Future[int] | None = None
             for lo, hi in row_chunks(len(whole), whole[:1].size, READ_BLOCK_ELEMENTS):
                 ds.read_direct(whole, np.s_[lo:hi], np.s_[lo:hi])
@@ -225,22 +235,27 @@ class Checkpoint:
             )
         return entry
 
-    def _assemble(self, w: _Wanted, files: dict[int, _Shard]) -> np.ndarray:
-        """The rows ``w`` wants, from every part that holds some of them."""
+    def _assemble(
+        self, w: _Wanted, files: dict[int, _Shard], into: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The rows ``w`` wants (in ``into``, if given), from every part that holds some."""
         full = (0, w.entry.shape[0] if w.entry.shape else 1, 1)
         target = range(*(w.rows or full))
+        shape = (len(target),) + w.entry.shape[1:]
+        if into is not None and (into.shape != shape or not into.flags.c_contiguous):
+            raise ValueError(f"{w.name}: read into an array that is not {list(shape)}")
         for part in w.entry.parts:  # the common cases: a whole array, or the same partition
             if range(*(part.rows or full)) == target:
                 stored = self._stored(w, part, files)
                 if isinstance(stored, _Dense):
-                    whole = self._read_whole(w, part.shard, stored)
+                    whole = self._read_whole(w, part.shard, stored, into)
                     self.stored_bytes += whole.nbytes
                     return whole
-                array = np.empty((len(target),) + w.entry.shape[1:], w.entry.dtype)
+                array = np.empty(shape, w.entry.dtype) if into is None else into
                 everything = slice(0, len(target), 1)
                 self._read_sparse(w, part.shard, stored, array, everything, everything)
                 return array
-        array = np.empty((len(target),) + w.entry.shape[1:], w.entry.dtype)
+        array = np.empty(shape, w.entry.dtype) if into is None else into
         for part in w.entry.parts:
             both = _overlap(target, range(*(part.rows or full)))
             if both is None:
@@ -382,7 +397,7 @@ class Checkpoint:
             return
         whole, crc = len(chosen) == len(part.rows), 0
         if part.on_step is not None:
-            view[...] = self._from_base(w, shard, part.on_step, part.rows[held])
+            self._from_base(w, shard, part, held, view)
         elif part.constant is not None:
             view[...] = part.constant
         else:
@@ -403,21 +418,53 @@ class Checkpoint:
         if whole:
             self._verify(w, shard, part.crc, crc)
 
-    def _from_base(self, w: _Wanted, shard: int, step: int, rows: range) -> np.ndarray:
-        """Rows ``rows`` of ``w`` as the checkpoint of global ``step`` holds them: the rows
-        an increment in ``shard`` does not store (read on any layout, through its parts)."""
-        name = self.shard_path(shard).name
+    def _from_base(
+        self, w: _Wanted, shard: int, part: SparsePart, held: slice, view: np.ndarray
+    ) -> None:
+        """Rows ``held`` of an increment's ``part`` as the checkpoint it overlays holds them,
+        read into ``view`` (the rows the increment does not store: theirs). That checkpoint
+        was written on the same layout (a writer overlays its own last shard): one part of
+        it holds these rows, so a chain reads one part a level, into the same array."""
+        step, name = part.on_step, self.shard_path(shard).name
+        assert step is not None
         if step not in self.bases:
             raise CheckpointError(
                 f"checkpoint {self.path}: shard {name} holds '{w.name}' as the rows changed "
                 f"since global_step {step}, a checkpoint its manifest does not name: damaged"
             )
+        base = self._base(step)
+        spec = VariableSpec(w.name, w.entry.shape, w.entry.dtype)
+        entry = base._entry(spec, w.is_slot)
+        full = (0, entry.shape[0] if entry.shape else 1, 1)
+        if not any(range(*(p.rows or full)) == part.rows for p in entry.parts):
+            raise CheckpointError(
+                f"checkpoint {self.path}: shard {name} overlays the checkpoint of global_step "
+                f"{step}, written on another layout: damaged; this checkpoint cannot be read"
+            )
+        rows = part.rows[held]
+        target = view if view.flags.c_contiguous else np.empty_like(view)
+        base.read(
+            [] if w.is_slot else [spec],
+            [spec] if w.is_slot else [],
+            rows={w.name: (rows.start, rows.stop, rows.step)},
+            initial=w.initial,
+            into={w.name: target},
+        )
+        if target is not view:
+            view[...] = target
+        self.stored_bytes += base.stored_bytes
+        self.regenerated_bytes += base.regenerated_bytes
+
+    def _base(self, step: int) -> Checkpoint:
+        """The committed checkpoint of ``step`` this one overlays, checked: there, of the
+        same run, and not past the chain's length."""
         path = self.directory / manifest_name(step)
         if not path.is_file():
             raise CheckpointError(
                 f"checkpoint {self.path}: holds only the table rows changed since the "
                 f"checkpoint of global_step {step}, and that one is gone ({path.name} is "
-                f"missing): this checkpoint cannot be read"
+                f"missing): this checkpoint cannot be read (a checkpoint is copied with the "
+                f"ones it overlays: its manifest's {BASES}, and theirs)"
             )
         if self.depth >= MAX_CHAIN:
             raise CheckpointError(
@@ -430,16 +477,7 @@ class Checkpoint:
                 f"checkpoint {self.path}: overlays {path.name}, written by another run "
                 f"({base.run}): this checkpoint cannot be read"
             )
-        spec = VariableSpec(w.name, w.entry.shape, w.entry.dtype)
-        got = base.read(
-            [] if w.is_slot else [spec],
-            [spec] if w.is_slot else [],
-            rows={w.name: (rows.start, rows.stop, rows.step)},
-            initial=w.initial,
-        )
-        self.stored_bytes += base.stored_bytes
-        self.regenerated_bytes += base.regenerated_bytes
-        return got[w.name]
+        return base
 
     def _regenerate(self, w: _Wanted, rows: range, seed: int, view: np.ndarray) -> None:
         """The initial values of ``rows`` of ``w`` (a table, or a slot of one) into ``view``,

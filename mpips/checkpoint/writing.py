@@ -20,7 +20,7 @@ from .increments import BASES, Increments, Plan
 from .lock import run_of
 from .manifest import encode_index
 from .pruning import prune
-from .sparse import SparseTables, sparse_parts, write_sparse
+from .sparse import SparseTables, integer, sparse_parts, write_sparse
 
 NOT_COMMITTED = "checkpoint at global_step {step} not committed; the ones before it are intact"
 
@@ -56,7 +56,7 @@ def write_shard(
     slots = slots or {}
     check_finite({**variables, **slots}, step)
     run = run or run_of(directory)
-    plan = Plan.of(variables, slots, tables, increments, directory)
+    plan = Plan.of(variables, slots, tables, increments, directory, step)
 
     def write(tmp: Path) -> None:
         sparse = plan.changed()
@@ -154,13 +154,19 @@ def _check_shards(d: Path, step: int, num_shards: int, run: str | None) -> list[
             except H5PY_ERRORS as e:
                 raise CheckpointError(f"{what}: unreadable ({reason(e)})") from None
         wrote = text_attr(attrs.get(RUN))
-        bases.update(int(b) for b in np.atleast_1d(attrs.get(BASES, [])))
         if run and wrote != run:
             raise ForeignShard(
                 f"checkpoint {d}: shard {path.name} was written by "
                 f"{f'run {wrote}' if wrote else 'a run with no id'}, not by this run "
                 f"({run}): not committed (another run writes into {d}?)"
             )
+        overlays = [integer(b) for b in np.atleast_1d(attrs.get(BASES, []))]
+        if any(b is None or not 0 <= b < step for b in overlays):
+            raise CheckpointError(
+                f"{what}: the checkpoints it overlays ({BASES}) are not steps before {step}; "
+                f"not committed"
+            )
+        bases.update(b for b in overlays if b is not None)
     for b in sorted(bases):
         if not (d / manifest_name(b)).is_file():
             raise CheckpointError(

@@ -121,15 +121,38 @@ def begin(comm: MPI.Intracomm, layout: Layout, mode: str, windows: Any) -> None:
         mode, windows.one_node, windows.updates_in_place, windows.control_shared, state.lib
     )
     state.survivable = not why
-    state.who = allgather_json(
-        comm, [socket.gethostname(), os.getpid()], "survive mode", start_timeout()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:  # (the lowest rank of each node names it)
+        first = node.allreduce(comm.rank, op=MPI.MIN)
+    finally:
+        node.Free()
+    ranks = allgather_json(
+        comm, [socket.gethostname(), os.getpid(), first], "survive mode", start_timeout()
     )
+    state.who = [r[:2] for r in ranks]
     role = layout.role(comm.rank)
-    supervise.tell(str(role), state.survivable and role.job == "worker")
+    near = near_a_ps(layout, [r[2] for r in ranks]) if not windows.one_node else set()
+    supervise.tell(str(role), state.survivable and role.job == "worker" and comm.rank not in near)
     if why and comm.rank == 0:
         log(role, f"survive mode off: {why}; a rank that dies ends the job")
+    elif state.survivable and near and comm.rank == 0:
+        log(
+            role,
+            f"survive mode: a worker on a PS task's node (rank {', '.join(map(str, sorted(near)))})"
+            f" ends the job if it dies (MPICH's lock for one-sided calls within a node could "
+            f"stay held); any other worker's death costs its step",
+        )
     if state.survivable:
         signals.STATE.notice = notice
+
+
+def near_a_ps(layout: Layout, nodes: list[int]) -> set[int]:
+    """The workers on a node that holds a PS task (``nodes``: each rank's node, as the
+    lowest rank on it). Their one-sided calls to that PS go through MPICH's shared-memory
+    path, whose lock a rank killed inside a call can leave held (one node, copied pulls:
+    5 of 8 trials stalled): such a worker's death is not survived in place."""
+    ps_nodes = {nodes[r] for r in layout.ps_ranks}
+    return {r for r in range(len(nodes)) if layout.role(r).job == "worker" and nodes[r] in ps_nodes}
 
 
 def failed() -> set[int]:
