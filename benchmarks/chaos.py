@@ -167,7 +167,11 @@ def node_proxy(pid: int) -> int:
     def parent(p: int) -> int:
         return int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
-    return parent(parent(pid))
+    proxy = parent(parent(pid))
+    name = Path(f"/proc/{proxy}/comm").read_text().strip()
+    if not name.startswith("hydra_pmi_prox"):  # (comm is cut at 15 characters)
+        raise RuntimeError(f"the rank's grandparent {proxy} is {name!r}, not MPICH's proxy")
+    return proxy
 
 
 def expected_ranks(mode: str) -> int:

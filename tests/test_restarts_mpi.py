@@ -15,9 +15,6 @@ from conftest import RESULT, ROOT, BackgroundJob, read_result
 
 from mpips import launch
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import chaos  # noqa: E402
-
 STEPS = {"async": 12000, "sync": 600}  # digits: a few seconds on the loaded 2 cores
 SAVED = re.compile(r"saved checkpoint \S+ \(global_step (\d+),")
 RESTART = "mpips.launch: restart "
@@ -113,6 +110,9 @@ def test_a_lost_node_is_left_out_of_the_restart(tmp_path, monkeypatch):
     node1 = [_rank_and_pid(job, f"/job:worker/task:{k}", 0)[1] for k in (1, 2)]  # ranks 2, 3
     job.wait_for(r"saved checkpoint \S+ \(global_step [1-9]\d{2,},", 120)
     down.write_text("node1\n")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import chaos
+
     for pid in [*node1, chaos.node_proxy(node1[0])]:  # (a lost node takes its proxy along)
         os.kill(pid, signal.SIGKILL)
     rc = job.end(180)
@@ -150,12 +150,12 @@ def test_the_hosts_left_for_a_restart(tmp_path, monkeypatch):
     assert hosts.on_what_is_left(plain, "x") == (plain, "")
     # a host file: the restart gets a new one of the hosts that answer
     listed = tmp_path / "hosts.txt"
-    listed.write_text("# the nodes\na:2\nb:1  # a comment\n\nc:2\n")
+    listed.write_text("# the nodes\na:2\nb:1 ifhn=10.0.0.2  # a comment\n\nc:2\n")
     cmd = ["mpiexec", "-f", str(listed), "-launcher-exec", shell, "-n", "5", "python"]
     down.write_text("c\n")
     new, line = hosts.on_what_is_left(cmd, "x")
     assert new[1] == "-f" and new[2] != str(listed) and new[6] == "3", new
-    assert open(new[2]).read() == "a:2\nb:1\n" and "c did not answer" in line
+    assert open(new[2]).read() == "a:2\nb:1 ifhn=10.0.0.2\n" and "c did not answer" in line
     down.write_text("")
     assert hosts.on_what_is_left(cmd, "x") == (cmd, "")
 

@@ -261,6 +261,14 @@ def test_table_offsets_name_tables_and_ids():
         mt.Model(net, loss, table_offsets={"a.weight": -1})
     model = mt.Model(net, loss, table_offsets={"a.weight": 0, "b.weight": 5})
     assert model.table_offsets() == {"a.weight": 0, "b.weight": 5}
+    import scipy.sparse as sp
+
+    from mpips.errors import DataError
+
+    past = sp.csr_matrix((np.ones(2, np.float32), ([0, 0], [3, 10])), shape=(1, 11))
+    with pytest.raises(DataError, match="no table serves an id past 9"):
+        model.prepare(past)  # (id 10: wrong offsets, or another file)
+    model.prepare(past[:, :10])
 
 
 def test_a_table_with_a_span_routes_only_its_ids():

@@ -15,6 +15,7 @@ import os
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 HOST_FLAGS = ("-hosts", "-host")
 FILE_FLAGS = ("-f", "-hostfile", "-machinefile")
@@ -72,14 +73,16 @@ def on_what_is_left(command: Sequence[str], prog: str) -> tuple[list[str], str]:
     if len(hosts) < 2:
         return command, ""
     shell = command[found["-launcher-exec"]] if "-launcher-exec" in found else "ssh"
-    alive = [h for h in hosts if answers(shell, h.split(":")[0])]
+    with ThreadPoolExecutor(min(len(hosts), 32)) as pool:  # (each may take ANSWER_SECONDS)
+        answered = list(pool.map(lambda h: answers(shell, _host(h)), hosts))
+    alive = [h for h, ok in zip(hosts, answered, strict=True) if ok]
     if not alive or len(alive) == len(hosts):
         return command, ""
     ranks = int(command[count])
     left = _ranks_on(alive, hosts, ranks)
     if left < 1:
         return command, ""
-    lost = ", ".join(h.split(":")[0] for h in hosts if h not in alive)
+    lost = ", ".join(_host(h) for h in hosts if h not in alive)
     if at is not None:
         command[at] = ",".join(alive)
     else:
@@ -88,21 +91,33 @@ def on_what_is_left(command: Sequence[str], prog: str) -> tuple[list[str], str]:
     command[count] = str(left)
     return command, (
         f"{prog}: {lost} did not answer ({shell}): the restart runs on "
-        f"{', '.join(h.split(':')[0] for h in alive)} with {left} ranks instead of {ranks} "
+        f"{', '.join(_host(h) for h in alive)} with {left} ranks instead of {ranks} "
         f"(checkpoints restore on any layout)"
     )
 
 
+def _host(entry: str) -> str:
+    """The host of a -hosts entry or a host file's line (``host[:slots] [options]``)."""
+    return entry.split()[0].split(":")[0]
+
+
+def _slots(entry: str) -> str:
+    """The slots of such an entry ("" where it gives none)."""
+    first = entry.split()[0]
+    return first.split(":", 1)[1] if ":" in first else ""
+
+
 def _host_file(path: str) -> list[str]:
-    """The hosts of an MPICH host file (``host`` or ``host:slots`` a line; # comments),
-    as ``-hosts`` names them; none if it cannot be read."""
+    """The lines of an MPICH host file that name a host (``host[:slots] [options]``; #
+    comments dropped); none if it is not a regular file or cannot be read."""
+    if not os.path.isfile(path):  # (a FIFO would block the restart)
+        return []
     try:
         with open(path) as f:
             lines = f.read(1 << 20).splitlines()
     except (OSError, UnicodeDecodeError):
         return []
-    words = [line.split("#", 1)[0].split() for line in lines]
-    return [w[0] for w in words if w]
+    return [kept for line in lines if (kept := line.split("#", 1)[0].strip())]
 
 
 def _write_host_file(hosts: list[str]) -> str:
@@ -116,7 +131,6 @@ def _write_host_file(hosts: list[str]) -> str:
 def _ranks_on(alive: list[str], hosts: list[str], ranks: int) -> int:
     """How many ranks the hosts ``alive`` take: their slots (``host:slots``, at most
     ``ranks``), or an equal share of ``ranks`` each where the hosts give none."""
-    slots = [h.split(":")[1] for h in hosts if ":" in h]
-    if len(slots) == len(hosts) and all(s.isdigit() for s in slots):
-        return min(ranks, sum(int(h.split(":")[1]) for h in alive))
+    if all(_slots(h).isdigit() for h in hosts):
+        return min(ranks, sum(int(_slots(h)) for h in alive))
     return ranks * len(alive) // len(hosts)

@@ -92,9 +92,11 @@ class Tables:
         self.names = set(self.params)
         self.offsets = _checked_offsets(dict(offsets or {}), self.names)
         self.initial = {n: p.detach().cpu().numpy() for n, p in self.params.items()}
-        # the ids every table without an offset serves: its rows
+        # the ids every table without an offset serves: its rows; the ids past every table
         whole = [p.shape[0] for n, p in self.params.items() if n not in self.offsets]
         self.num_rows = min(whole, default=None)
+        ends = [self.offsets[n] + p.shape[0] for n, p in self.params.items() if n in self.offsets]
+        self.past = max(ends, default=None)
         first = next(iter(self.initial.values()), None)
         self.dtype = first.dtype if first is not None else np.dtype(np.float32)
         self._values, self._grads = Views(), Views()
@@ -125,6 +127,12 @@ class Tables:
                 "mpips.torch.Model: a module with sparse embeddings (sparse=True) takes "
                 "sparse (CSR) rows or integer ids; this data is "
                 f"{getattr(x, 'dtype', type(x).__name__)}"
+            )
+        if self.num_rows is None and self.past is not None and width > self.past:
+            raise DataError(
+                f"mpips.torch.Model: the data has ids up to {width - 1}; no table serves an "
+                f"id past {self.past - 1} (table_offsets + rows): wrong offsets, or another "
+                f"data file?"
             )
         if self.num_rows is not None and width > self.num_rows:
             raise DataError(
