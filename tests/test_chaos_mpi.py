@@ -23,7 +23,6 @@ CASES = [  # (mode, victim, survived in place)
     ("sync", "replica", False),
     ("async", "node", False),  # the second of two emulated nodes: its ranks and MPI proxy
     ("async", "far", True),  # a worker on the second of two emulated nodes
-    ("sync_replicas", "far", True),
 ]
 
 

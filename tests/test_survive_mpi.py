@@ -132,7 +132,7 @@ def test_a_worker_killed_on_one_of_two_nodes_costs_its_step(tmp_path, mode, vict
         model = ZIPF_MODEL
     # (TCP between the nodes: slower; the table job's FTRL updates go through the PS's
     # mailbox, ~15 ms a step with 3 workers on the one node)
-    steps = 1500 if table else {"async": 8000, "sync_replicas": 1500}[mode]
+    steps = 800 if table else {"async": 8000, "sync_replicas": 1500}[mode]
     text, result, rank, _ = killed_mid_run(tmp_path, mode, steps, victim, model=model, nodes=(1, 3))
     assert [lost["rank"] for lost in result["lost"]] == [rank]
     assert "survive mode off" not in text and "Traceback" not in text, text[-3000:]

@@ -148,11 +148,11 @@ def _check_shards(d: Path, step: int, num_shards: int, run: str | None) -> list[
                 f"{step} is missing; not committed"
             )
         what = f"checkpoint {d}: shard {path.name}"
-        with open_plain(path, CheckpointError, what) as f:
-            try:
+        try:  # (checked as a reader checks it where a run is named: open_plain)
+            with open_plain(path, CheckpointError, what) if run else h5py.File(path, "r") as f:
                 attrs = plain_attrs(f)
-            except H5PY_ERRORS as e:
-                raise CheckpointError(f"{what}: unreadable ({reason(e)})") from None
+        except H5PY_ERRORS as e:
+            raise CheckpointError(f"{what}: unreadable ({reason(e)})") from None
         wrote = text_attr(attrs.get(RUN))
         if run and wrote != run:
             raise ForeignShard(
