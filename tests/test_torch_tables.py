@@ -84,6 +84,19 @@ def whole(x) -> object:
     )
 
 
+def pytorchs_loop(tmp_path, ref, forward, loss, steps=30):
+    """PyTorch's own loop: SGD (lr 0.5, the JOB's) on ``ref`` over the job's batches of
+    s.h5 (batch 8, seed 5, one worker's), ``forward(x)`` giving the outputs."""
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x, y = load_split(open_dataset(str(tmp_path / "s.h5")), "train")
+    stream = batches(x, y, 8, 5, 0, per_epoch=len(y) // 8)
+    for _ in range(steps):
+        _, bx, by = next(stream)
+        opt.zero_grad()
+        loss(forward(bx), torch.from_numpy(by)).backward()
+        opt.step()
+
+
 def test_a_step_moves_only_the_touched_rows_and_their_gradients_are_pytorchs(tmp_path):
     small_dataset(tmp_path / "s.h5")
     x, y = load_split(open_dataset(str(tmp_path / "s.h5")), "train")
@@ -137,14 +150,7 @@ def test_one_hybrid_worker_equals_pytorchs_loop(tmp_path):
     net = namespace()
     torch.manual_seed(4)  # model.init_seed: the factory is called after it
     ref = net["WideDeep"](FEATURES)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    x, y = load_split(open_dataset(str(tmp_path / "s.h5")), "train")
-    stream = batches(x, y, 8, 5, 0, per_epoch=len(y) // 8)
-    for _ in range(30):
-        _, bx, by = next(stream)
-        opt.zero_grad()
-        net["loss"](ref(whole(bx)), torch.from_numpy(by)).backward()
-        opt.step()
+    pytorchs_loop(tmp_path, ref, lambda x: ref(whole(x)), net["loss"])
     assert sorted(variables) == sorted(n for n, _ in ref.named_parameters())
     for name, p in ref.named_parameters():
         np.testing.assert_allclose(variables[name], p.detach().numpy(), rtol=1e-4, atol=1e-6)
@@ -224,7 +230,6 @@ def test_tables_that_serve_parts_of_the_id_space_train_as_pytorchs_loop(tmp_path
     assert variables["a.weight"].shape[0] == half and variables["b.weight"].shape[0] == half
     torch.manual_seed(4)  # model.init_seed: the factory is called after it
     ref = scope["Split"](FEATURES, half)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
 
     def forward(x):  # each table its own ids, as rows (the others weighted 0)
         b = whole(x)
@@ -234,13 +239,7 @@ def test_tables_that_serve_parts_of_the_id_space_train_as_pytorchs_loop(tmp_path
         o = ref.b(rows_b, b.offsets, per_sample_weights=b.weights * ~mine)
         return ref.out(a + o).squeeze(1)
 
-    x, y = load_split(open_dataset(str(tmp_path / "s.h5")), "train")
-    stream = batches(x, y, 8, 5, 0, per_epoch=len(y) // 8)
-    for _ in range(30):
-        _, bx, by = next(stream)
-        opt.zero_grad()
-        scope["loss"](forward(bx), torch.from_numpy(by)).backward()
-        opt.step()
+    pytorchs_loop(tmp_path, ref, forward, scope["loss"])
     for name, p in ref.named_parameters():
         np.testing.assert_allclose(variables[name], p.detach().numpy(), rtol=1e-4, atol=1e-6)
     torch.manual_seed(4)

@@ -56,28 +56,28 @@ class Table:
         on one PS task, the positions as a slice where they run on (all of them without a
         ``span``; with one, only the ids in it, as rows ``id - first``: found by bisection
         where the ids are ``ascending``)."""
-        inside: np.ndarray | None = None  # (with a span) positions of the ids in it
-        every: np.ndarray | slice = slice(None)
+        every: np.ndarray | slice = slice(None)  # the positions of the ids routed
         if self.span is not None:
             first, stop = self.span
-            if ascending:
-                a, b = (int(k) for k in np.searchsorted(ids, self.span))
-                inside = np.arange(a, b)
-            else:
-                inside = np.flatnonzero((ids >= first) & (ids < stop))
-            if not inside.size:
+            if ascending:  # (a run of them)
+                every = slice(*(int(k) for k in np.searchsorted(ids, self.span)))
+            else:  # (a slice too, where they run on)
+                every = np.flatnonzero((ids >= first) & (ids < stop))
+                if every.size and every[-1] - every[0] + 1 == every.size:
+                    every = slice(int(every[0]), int(every[-1]) + 1)
+            ids = ids[every] - first
+            if not ids.size:
                 return []
-            ids = ids[inside] - first
-            run = int(inside[-1] - inside[0]) + 1 == inside.size  # (ascending ids: always)
-            every = slice(int(inside[0]), int(inside[-1]) + 1) if run else inside
         if len(self.parts) == 1:
             return [(0, every, ids)]
         owner, row = owner_and_row(ids, self.num_rows, len(self.parts), self.rule)
+        if isinstance(every, slice) and self.span is not None:
+            every = np.arange(every.start, every.stop)
         out: list[tuple[int, np.ndarray | slice, np.ndarray]] = []
         for p in range(len(self.parts)):
             mine = np.flatnonzero(owner == p)
             if mine.size:
-                out.append((p, mine if inside is None else inside[mine], row[mine]))
+                out.append((p, every[mine] if isinstance(every, np.ndarray) else mine, row[mine]))
         return out
 
     def rows_type(self, rows: np.ndarray) -> MPI.Datatype:
@@ -388,7 +388,9 @@ class StoreClient:
         for r in self._routed:
             r.free()
         self._routed, self._row_grads = [], {}
-        ascending = len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())  # (a batch's unique ids)
+        # (a batch's unique ids are; checked only where a table serves a span of them)
+        spans = any(t.span is not None for t in self.tables.values())
+        ascending = spans and (len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()))
         for table in self.tables.values():
             for p, at, local in table.route(ids, ascending):
                 mpi_type = None if self.reads_in_place else table.rows_type(local)

@@ -74,7 +74,7 @@ class _MpiCounters(_Words):
     def __init__(self, windows: Windows):
         self.win, self.target = windows.control, windows.control_rank
         self.clocks_at, self.num_workers = windows.clocks_at, windows.layout.num_workers
-        self._end_types: dict[int, MPI.Datatype] = {}
+        self._end_types: dict[tuple[int, bool], MPI.Datatype] = {}
 
     @staticmethod
     def marks() -> bool:
@@ -143,12 +143,11 @@ class _MpiCounters(_Words):
 
     def _end_type(self, task: int, marked: bool) -> MPI.Datatype:
         """global_step and worker ``task``'s clock (and, ``marked``, its inflight word)."""
-        key = task if not marked else -1 - task
-        if key not in self._end_types:
+        if (task, marked) not in self._end_types:
             blocks = [GLOBAL_STEP, self.clocks_at + task]
             blocks += [self.inflight_at + task] if marked else []
-            self._end_types[key] = MPI.LONG.Create_indexed_block(1, blocks).Commit()
-        return self._end_types[key]
+            self._end_types[task, marked] = MPI.LONG.Create_indexed_block(1, blocks).Commit()
+        return self._end_types[task, marked]
 
     def end(self, task: int) -> int:
         """Count one update in global_step and worker ``task``'s clock; the old global_step.

@@ -98,14 +98,7 @@ def run_ps(
 
     def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
         checkpoint.write_shard(
-            job.checkpoint.dir,
-            step,
-            task,
-            num_shards,
-            variables,
-            slots,
-            tables,
-            increments=increments,
+            c.dir, step, task, num_shards, variables, slots, tables, increments=increments
         )
 
     timeline = job_timeline(job, "ps", task)
