@@ -141,6 +141,17 @@ class SummaryConfig:
 
 
 @dataclass
+class TablesConfig:
+    # "fixed": a table has the rows its model declares, one per data id below its row
+    # count; "dynamic": ids of any value below 2^63, each PS task keeps rows for the ids it
+    # owns, made when an id is first admitted (async and hybrid modes)
+    kind: str = "fixed"
+    capacity: int = 0  # dynamic: rows at most of a table on one PS task (0: no limit)
+    min_count: int = 1  # dynamic: training pulls of an id before it gets a row
+    ttl_steps: int = 0  # dynamic: a row not pulled for this many global steps is evicted
+
+
+@dataclass
 class LayoutConfig:
     ps: int | list[int] | str | None = None  # count, ranks or "per_node" (default: world // 4)
     world_size: int | None = None  # if set, the job refuses another world size
@@ -165,6 +176,7 @@ class Job:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     summary: SummaryConfig = field(default_factory=SummaryConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
+    tables: TablesConfig = field(default_factory=TablesConfig)
     source: str = "<defaults>"  # where it was read from (not a TOML key)
 
 
@@ -176,6 +188,7 @@ CHOICES = {
     "train.device": ("cpu", "gpu"),
     "data.builtin": ("", "digits"),
     "layout.placement": ("round_robin", "greedy"),
+    "tables.kind": ("fixed", "dynamic"),
 }
 NON_NEGATIVE = (
     "train.steps",
@@ -202,6 +215,8 @@ NON_NEGATIVE = (
     "layout.partition_min_bytes",
     "checkpoint.increments",
     "checkpoint.increments_min_mb",
+    "tables.capacity",
+    "tables.ttl_steps",
 )
 POSITIVE = (
     "train.batch_size",
@@ -213,6 +228,7 @@ POSITIVE = (
     "optimizer.decay_rate",
     "optimizer.decay_steps",
     "data.prefetch",
+    "tables.min_count",
 )
 UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
 MAX_INT = (1 << 62) - 1  # the largest integer a setting may be (a checkpoint holds it)

@@ -15,6 +15,7 @@ from ..errors import CheckpointError
 from ..process.files import TEXT_LIMIT, atomic_write
 from .checks import check_finite
 from .checksum import CHECKSUM, CRC32, write_array
+from .dynamic import DYNAMIC, Collected, collect, entries
 from .format import FORMAT, RUN, SHARDS, Entry, h5_path, manifest_name, shard_name, text_attr
 from .increments import BASES, Increments, Plan
 from .lock import run_of
@@ -41,6 +42,7 @@ def write_shard(
     tables: SparseTables | None = None,
     run: str | None = None,
     increments: Increments | None = None,
+    dynamic: str | None = None,
 ) -> Path:
     """Write one shard atomically: ``variables`` (name -> array, or the part of it this
     shard holds) and ``slots`` (``<variable>/<slot>`` -> array), tagged with ``run`` (by
@@ -50,7 +52,8 @@ def write_shard(
     carries the crc32 of the bytes written (see checksum). With ``increments`` too (the
     writer's memory of its last checkpoint), a table array holds only the rows changed
     since that checkpoint, if it is committed, until ``increments.every`` lie on one base
-    (see increments). NonFinite, and
+    (see increments). ``dynamic``: the arrays of dynamic tables among them
+    (dynamic.marked), indexed by the commit from the shards. NonFinite, and
     nothing written, if any value is NaN or infinite; WriteFailed (exit 1) if the file
     system refuses it (disk full, read-only)."""
     slots = slots or {}
@@ -71,6 +74,8 @@ def write_shard(
                 f.attrs[RUN] = fixed_text(run)
             if plan.overlays:
                 f.attrs[BASES] = np.array(plan.overlays, np.int64)
+            if dynamic:
+                f.attrs[DYNAMIC] = fixed_text(dynamic)
             for is_slot, arrays in ((False, variables), (True, slots)):
                 for name, value in arrays.items():
                     path = h5_path(name, is_slot)
@@ -105,7 +110,10 @@ def commit(
     uncommitted writes left behind."""
     d = Path(directory)
     run = run or run_of(d)
-    bases = _check_shards(d, step, num_shards, run)
+    found: Collected = {}
+    bases = _check_shards(d, step, num_shards, run, found)
+    more_variables, more_slots = entries(found)
+    variables, slots = {**variables, **more_variables}, {**slots, **more_slots}
     manifest = {
         "format": FORMAT,
         "global_step": step,
@@ -134,11 +142,14 @@ def commit(
     return path
 
 
-def _check_shards(d: Path, step: int, num_shards: int, run: str | None) -> list[int]:
+def _check_shards(
+    d: Path, step: int, num_shards: int, run: str | None, dynamic: Collected
+) -> list[int]:
     """Every shard of ``step`` is in place and, if ``run``, was written by that run, and
     every checkpoint one overlays (an increment) is committed: else CheckpointError (a shard
     missing, a base gone) or ForeignShard (another run's), nothing committed. The steps of
-    the checkpoints the shards overlay, ascending."""
+    the checkpoints the shards overlay, ascending; the dynamic tables' arrays they hold
+    added to ``dynamic``."""
     bases: set[int] = set()
     for k in range(num_shards):
         path = d / shard_name(step, k, num_shards)
@@ -151,6 +162,7 @@ def _check_shards(d: Path, step: int, num_shards: int, run: str | None) -> list[
         try:  # (checked as a reader checks it where a run is named: open_plain)
             with open_plain(path, CheckpointError, what) if run else h5py.File(path, "r") as f:
                 attrs = plain_attrs(f)
+                collect(f, k, attrs, dynamic, what)
         except H5PY_ERRORS as e:
             raise CheckpointError(f"{what}: unreadable ({reason(e)})") from None
         wrote = text_attr(attrs.get(RUN))

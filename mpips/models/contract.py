@@ -103,6 +103,14 @@ class Model:
         """The initial ``range(*rows)`` rows of a table (sparse models only)."""
         raise NotImplementedError(f"{type(self).__name__} declares no tables")
 
+    def initial_rows_of(self, table: str, ids: np.ndarray, seed: int) -> np.ndarray:
+        """The initial rows of a dynamic table (``tables.kind = "dynamic"``) for ``ids``,
+        a function of (seed, id) only. Default: the rows ``initial_rows`` gives for each id
+        as a row (right where those depend on the row alone, as the built-in models' do)."""
+        return np.concatenate(
+            [self.initial_rows(table, (int(i), int(i) + 1, 1), seed) for i in ids]
+        ) if len(ids) else np.zeros((0,), np.float32)
+
     def state(self) -> dict[str, np.ndarray]:
         """Optional: values the model keeps that are not trained (a framework module's
         buffers, BatchNorm's running statistics; frozen parameters), by name, as numpy

@@ -25,10 +25,14 @@ WIDE, EMBEDDING = "wide/weights", "deep/embedding"
 def init_rows(seed: int, rows: tuple[int, int, int], width: int, scale: float) -> np.ndarray:
     """Uniform(-scale, scale) rows ``range(*rows)`` of a table, a function of (seed, row id,
     column) only: the same values whatever the partition (a SplitMix64 hash)."""
-    r = (
-        np.arange(*rows, dtype=np.uint64)[:, None] * np.uint64(width)
-        + np.arange(width, dtype=np.uint64)[None, :]
-    )
+    return uniform_rows(seed, np.arange(*rows, dtype=np.uint64), width, scale)
+
+
+def uniform_rows(seed: int, ids: np.ndarray, width: int, scale: float) -> np.ndarray:
+    """Uniform(-scale, scale) rows for row ``ids`` (any values below 2^63), a function of
+    (seed, id, column) only: a fixed table's row ``i`` and a dynamic table's id ``i`` start
+    the same."""
+    r = ids.astype(np.uint64)[:, None] * np.uint64(width) + np.arange(width, dtype=np.uint64)
     with np.errstate(over="ignore"):
         z = r + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -91,6 +95,12 @@ class WideDeep(Model):
         if table == WIDE:
             return np.zeros((len(range(*rows)), 1), np.float32)
         return init_rows(seed, rows, self.dim, 0.05)
+
+    def initial_rows_of(self, table: str, ids: np.ndarray, seed: int) -> np.ndarray:
+        """A dynamic table's rows: those of the same ids in a fixed table."""
+        if table == WIDE:
+            return np.zeros((len(ids), 1), np.float32)
+        return uniform_rows(seed, ids, self.dim, 0.05)
 
     @staticmethod
     def prepare(x: sp.csr_matrix) -> tuple[sp.csr_matrix, np.ndarray]:

@@ -88,10 +88,15 @@ class Mode:
     def store_placement(self, job: Job, model: Any, num_ps: int) -> Placement:
         """What the PS tasks hold: the model's tables and (but in hybrid) its variables."""
         dense = model.variables() if self.dense_on_ps else []
-        return job_placement(job, dense, num_ps, model.tables())
+        # (dynamic tables live in the PS tasks' own memory, not in a window)
+        tables = model.tables() if job.tables.kind == "fixed" else []
+        return job_placement(job, dense, num_ps, tables)
 
     def check(self, job: Job, cluster: Cluster, model: Any, info: DatasetInfo) -> None:
         """What this mode refuses at start-up (one message, before anything is allocated)."""
+        from .engines.dynamic_tables import check  # (dynamic tables: only PS modes)
+
+        check(job, model)
         if model.tables() and not self.trains_tables:
             raise ConfigError(
                 f"{type(model).__name__} keeps row-partitioned tables on the PS "
@@ -127,6 +132,8 @@ class Mode:
         job, cluster = ctx.job, ctx.cluster
         if job.train.zero_copy is not None:
             return job.train.zero_copy
+        if job.tables.kind == "dynamic":  # (workers never address a dynamic table's rows)
+            return False
         if not (self.zero_copy_on_one_node and cluster.one_node and job.train.device == "cpu"):
             return False
         if not settings.current().shared_memory:  # (MPIPS_SHARED_MEMORY=0: none wanted)

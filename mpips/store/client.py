@@ -23,6 +23,7 @@ from mpi4py import MPI
 from ..device.pages import grown, page_aligned, page_zeros
 from ..placement.table import Placed, Placement, owner_and_row, views
 from .control import RunControl
+from .lookups import DynamicClient
 from .mailbox import WorkerMail
 from .rules import Apply
 from .window import Windows
@@ -180,6 +181,15 @@ class StoreClient:
         self._routed: list[Routed] = []
         self._posted = False  # an update is posted whose acknowledgement is not yet seen
         self.pulls = 0  # pulls made so far (whose buffers the last one filled)
+        # dynamic tables (tables.kind = "dynamic"): rows asked of the PS tasks by id
+        lookups = windows.lookups
+        self.dynamic = DynamicClient(lookups, task) if lookups is not None else None
+        self.dynamic_tables = {
+            t.name: Table(t.name, [], 0, t.width, t.dtype, "hash")
+            for t in (lookups.tables if lookups is not None else ())
+        }
+        self._dynamic_ids: np.ndarray | None = None  # the last training pull's ids
+        self._dynamic_posted = False
 
     def _dense_buffers(self, whole: list[Placed]) -> None:
         """``params`` and ``grads``: the whole variables as views into the buffers laid out
@@ -295,6 +305,7 @@ class StoreClient:
         then) get rows of their own."""
         if ids is not None and self.tables:
             self._route(ids)  # (while the PS applies this worker's last update)
+        asked = self._ask(ids, step)  # (answered while the dense variables come)
         self.settle()
         self.pulls += 1
         win = self.windows.params
@@ -305,7 +316,7 @@ class StoreClient:
             win.Sync()  # loads from the PS's memory see every update that has landed
         out = self.params
         fetched = []
-        if ids is not None and self.tables:
+        if ids is not None and (self.tables or self.dynamic_tables):
             out = {**self.params, **self._table_rows(len(ids), step)}
             for r in self._routed:
                 table = r.table
@@ -335,13 +346,44 @@ class StoreClient:
                 win.Flush(rank)
         for rows, at, staged in fetched:
             rows[at] = staged
+        if ids is not None and self.dynamic is not None:
+            self._dynamic_rows(ids, step, asked, out)
         return out
+
+    def _ask(self, ids: np.ndarray | None, step: bool) -> bool:
+        """Post the lookup of a pull's ids in dynamic tables, if they fit one lookup box
+        (an evaluation's may not: _dynamic_rows asks for them a box at a time)."""
+        if ids is None or self.dynamic is None or len(ids) > self.dynamic.lk.capacity:
+            return False
+        self.dynamic.ask(ids, train=step)
+        if step:
+            self._dynamic_ids = ids
+        return True
+
+    def _dynamic_rows(
+        self, ids: np.ndarray, step: bool, asked: bool, out: dict[str, np.ndarray]
+    ) -> None:
+        """The dynamic tables' rows of ``ids`` into ``out``: the answer to the lookup
+        posted (``asked``), else a box of ids at a time (never a training pull's: one batch's
+        ids fit one box)."""
+        assert self.dynamic is not None
+        if asked:
+            self.dynamic.receive(out)
+            return
+        if step:
+            raise ValueError(
+                f"{len(ids)} ids in one batch exceed the lookup box's {self.dynamic.lk.capacity}"
+            )
+        cap = self.dynamic.lk.capacity
+        for lo in range(0, len(ids), cap):
+            self.dynamic.ask(ids[lo : lo + cap], train=False)
+            self.dynamic.receive({n: out[n][lo : lo + cap] for n in self.dynamic_tables})
 
     def _table_rows(self, n: int, step: bool) -> dict[str, np.ndarray]:
         """Where a pull of ``n`` ids puts each table's rows (a ``step``'s: the kept
         buffers), their gradient rows set beside them (``gradients()``)."""
         out = {}
-        for table in self.tables.values():
+        for table in [*self.tables.values(), *self.dynamic_tables.values()]:
             shape = (n, table.width)
             out[table.name], self._row_grads[table.name] = (
                 self._kept_rows(table, n)
@@ -443,6 +485,7 @@ class StoreClient:
                 tags,
             )
             self._posted = True
+            self._post_dynamic(lr)
             return self.settle() if wait else True
         win = self.windows.params
         for seg in self._segments:
@@ -460,11 +503,30 @@ class StoreClient:
             )
         for rank in self.ps_ranks:
             win.Flush(rank)
+        self._post_dynamic(lr)
+        if wait:
+            self._settle_dynamic()
         return True
+
+    def _post_dynamic(self, lr: float) -> None:
+        """Post the gradient rows of the dynamic tables for the last training pull's ids
+        (the push before it applied first: the push box is free again)."""
+        if self.dynamic is None or self._dynamic_ids is None:
+            return
+        self._settle_dynamic()
+        self.dynamic.post(self._dynamic_ids, self._row_grads, lr)
+        self._dynamic_posted = True
+
+    def _settle_dynamic(self) -> None:
+        if self._dynamic_posted:
+            assert self.dynamic is not None
+            self._dynamic_posted = False
+            self.dynamic.wait_applied()
 
     def settle(self) -> bool:
         """Wait until every PS applied the update this worker posted last, if it has not
         seen that yet; False if a PS dropped it as too late (sync_replicas)."""
+        self._settle_dynamic()
         if not self._posted:
             return True
         self._posted = False

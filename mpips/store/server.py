@@ -33,6 +33,7 @@ from ..process.waits import poll
 from . import liveness
 from .cluster import POLL_SECONDS, Cluster, start_limit, unreachable
 from .control import RunControl
+from .lookups import DynamicServer
 from .mailbox import PsMail
 from .rules import Apply, apply_rows
 from .watchdog import Watchdog
@@ -56,6 +57,7 @@ def serve(
     stop_requested: Callable[[], int] = lambda: 0,
     aggregate: StepPolicy | None = None,
     on_applied: Callable[[int], None] | None = None,
+    dynamic: DynamicServer | None = None,
 ) -> int:
     """Serve this PS task from the chief's ready flag until the chief ends the run
     (RunControl.end_run); returns the updates applied.
@@ -69,6 +71,7 @@ def serve(
     each gradient posted for this PS's current step, and advance the step once it applied
     the step's; gradients that come later for an older step are dropped.
     ``on_applied(step)`` is called after each update this PS applies (summaries).
+    ``dynamic``: this task's dynamic tables, whose lookups and pushes it answers too.
     """
     control = RunControl(windows)
     task = cluster.role.task
@@ -78,6 +81,13 @@ def serve(
         lambda: _forward_signal(control, stop_requested),
     )
     chores = _Chores(control, windows, task, write_shard, watchdog, stop_requested)
+    chores.dynamic = dynamic
+    if apply is None and dynamic is not None:  # plain SGD: only the dynamic tables to serve
+        chores.drain = dynamic.sweep
+        pace = _Pace()
+        while not chores.run():
+            pace.wait(dynamic.sweep())
+        return 0
     if apply is None:
         # plain SGD: the workers' Gets and Accumulates need no PS code, but across nodes
         # (no shared memory) MPICH moves them only while the PS is inside MPI: enter it
@@ -99,7 +109,9 @@ def serve(
         return 0
     if aggregate is not None:
         return _aggregate_loop(cluster, windows, aggregate, chores, on_applied or _nothing)
-    return _apply_loop(cluster, windows, apply, slot_names, chores, on_applied or _nothing)
+    return _apply_loop(
+        cluster, windows, apply, slot_names, chores, on_applied or _nothing, dynamic
+    )
 
 
 class StepPolicy(Protocol):
@@ -155,6 +167,7 @@ class _Chores:
         # applies every update already posted (async, stateful): run before a shard is
         # written, as a worker counts its update in global_step once it is posted
         self.drain: Callable[[], object] = lambda: None
+        self.dynamic: DynamicServer | None = None  # told the global step (row ages)
 
     def run(self) -> bool:
         """Do what is due; True once the chief has ended the run."""
@@ -163,6 +176,8 @@ class _Chores:
         if now < self.next_look:
             return False
         self.next_look = now + CHORE_SECONDS
+        if self.dynamic is not None:
+            self.dynamic.tick(self.control.global_step())
         if self.write_shard is not None:
             number, step = self.control.checkpoint_request()
             if number > self.served:
@@ -243,6 +258,7 @@ def _apply_loop(
     slot_names: Sequence[str],
     chores: _Chores,
     on_applied: Callable[[int], None],
+    dynamic: DynamicServer | None,
 ) -> int:
     task = cluster.role.task
     variables, slot_views = windows.held(task)
@@ -257,7 +273,7 @@ def _apply_loop(
     def sweep() -> bool:
         """Apply every update posted now; whether there was one."""
         nonlocal t, applied
-        busy = False
+        busy = dynamic.sweep() if dynamic is not None else False
         for k in workers:
             posted = mail.take(k)
             if posted is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI
@@ -48,6 +48,9 @@ from ..process.memory import (
 )
 from . import atomics
 from .cluster import allgather_json, barrier, check_arrival
+
+if TYPE_CHECKING:
+    from .lookups import Lookups
 from .inbox import Inbox, mail_words
 
 # control window on ps task 0: int64 counters, then per PS task the number of the last
@@ -161,6 +164,7 @@ class Windows(WindowPlan):
         self.locks = _aligned_shared(comm, locks) if shared else None
         self._open_epochs()
         self._open = True
+        self.lookups: Lookups | None = None  # dynamic tables' window, if any (open_store)
         barrier(comm, "window creation")  # nobody reads a counter before its owner zeroed it
 
     def _own_bytes(self, rank: int) -> tuple[int, int, int, int]:
@@ -277,6 +281,8 @@ class Windows(WindowPlan):
         if not self._open:
             return
         self._open = False
+        if self.lookups is not None:
+            self.lookups.free()
         if self._progress is not None:
             self._progress.close()
         for win in self._wins:

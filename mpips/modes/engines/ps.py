@@ -35,6 +35,8 @@ from ...store import (
     stall_timeout,
 )
 from ..base import RunContext
+from . import dynamic_tables
+from .dynamic_tables import open_lookups
 
 
 def open_store(ctx: RunContext) -> Windows:
@@ -60,6 +62,7 @@ def open_store(ctx: RunContext) -> Windows:
         row_capacity=job.train.batch_size * max(1, prep.info.max_nnz),
         shared=zero_copy,
     )
+    open_lookups(ctx, windows, windows.row_capacity)  # (dynamic tables)
     liveness.begin(cluster.comm, cluster.layout, mode.name, windows)  # (survive mode)
     if prep.local:  # a PS task: restored state or fresh table partitions
         windows.fill_own(cluster.role.task, prep.local)
@@ -95,10 +98,21 @@ def run_ps(
     tables = sparse_tables(job, windows, task, model, optimizer)
     c = job.checkpoint
     increments = checkpoint.Increments(c.increments, int(c.increments_min_mb * 2**20))
+    dynamic = dynamic_tables.server(ctx, windows)
 
     def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
+        variables, slots = dict(variables), dict(slots)
+        marked = dynamic_tables.shard_part(dynamic, variables, slots)
         checkpoint.write_shard(
-            c.dir, step, task, num_shards, variables, slots, tables, increments=increments
+            c.dir,
+            step,
+            task,
+            num_shards,
+            variables,
+            slots,
+            tables,
+            increments=increments,
+            dynamic=marked,
         )
 
     timeline = job_timeline(job, "ps", task)
@@ -118,7 +132,9 @@ def run_ps(
         preemption.requested,
         aggregate=aggregate(apply) if aggregate is not None and apply is not None else None,
         on_applied=rate.applied if rate else None,
+        dynamic=dynamic,
     )
+    dynamic_tables.report(ctx, dynamic)
     if rate is not None:
         rate.close()
     if timeline is not None:

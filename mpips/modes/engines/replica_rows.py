@@ -116,7 +116,8 @@ class TableRows:
         this returns (and so before the dense update is shared, and before any replica's
         next pull); the step's clock, for the PS tasks' watchdogs."""
         if not self.ctx.optimizer.stateful:
-            sgd_deltas([grads[table] for table in self.client.tables], lr)
+            tables = [*self.client.tables, *self.client.dynamic_tables]
+            sgd_deltas([grads[table] for table in tables], lr)
         self.client.push(lr)
         self.control.publish_clock(self.task, clock + 1)
 

@@ -1,0 +1,157 @@
+"""Dynamic tables (``tables.kind = "dynamic"``) in the modes that keep tables on the PS
+tasks (async, hybrid): which tables, the checks, the lookup window every rank opens, a PS
+task's rows (fresh, or the rows it owns restored from a checkpoint of any layout), what it
+writes into its checkpoint shard, and what it reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ... import checkpoint
+from ...checkpoint.dynamic import IDS, marked
+from ...errors import ConfigError
+from ...job import Job
+from ...models.variables import VariableSpec
+from ...process.log import log
+from ...store import Windows
+from ...store.dynamic_rows import DynamicRows, Policy, owner_of
+from ...store.lookups import DynamicServer, DynamicSpec, Lookups
+from ..base import RunContext
+
+MODES = ("async", "hybrid")
+
+
+def dynamic_specs(job: Job, model: Any) -> list[DynamicSpec]:
+    """The model's tables, if the job makes them dynamic (else none)."""
+    if job.tables.kind != "dynamic" or model is None:
+        return []
+    return [
+        DynamicSpec(t.name, int(np.prod(t.shape[1:])), np.dtype(t.dtype)) for t in model.tables()
+    ]
+
+
+def check(job: Job, model: Any) -> None:
+    """What dynamic tables rule out, said before anything is allocated."""
+    if job.tables.kind != "dynamic":
+        return
+    if not model.tables():
+        raise ConfigError(
+            f'tables.kind = "dynamic": {type(model).__name__} has no tables (sparse models: '
+            f'model.kind = "logreg" or "wide_deep", or a module with sparse embeddings)'
+        )
+    if job.train.mode not in MODES:
+        raise ConfigError(
+            f'tables.kind = "dynamic": train.mode = "async" or "hybrid", not '
+            f'"{job.train.mode}" (a PS task answers each lookup)'
+        )
+    if job.train.zero_copy:
+        raise ConfigError(
+            'tables.kind = "dynamic": not with train.zero_copy (workers never address a '
+            "dynamic table's rows; set it to false)"
+        )
+    if getattr(model, "table_offsets", dict)():
+        raise ConfigError(
+            'tables.kind = "dynamic": not with table_offsets (a dynamic table serves every '
+            "id; give each feature's ids their own range of values instead)"
+        )
+    capacity = job.tables.capacity
+    if capacity and capacity < job.train.batch_size:
+        raise ConfigError(
+            f"tables.capacity = {capacity}: below train.batch_size ({job.train.batch_size}); "
+            f"a PS task must hold at least the rows one batch touches"
+        )
+
+
+def open_lookups(ctx: RunContext, windows: Windows, capacity: int) -> None:
+    """Every rank (collective): the window of the dynamic tables, if any, for ``capacity``
+    ids a pull."""
+    tables = dynamic_specs(ctx.job, ctx.model)
+    if tables:
+        comm, ranks = ctx.cluster.comm, ctx.cluster.layout.ps_ranks
+        windows.lookups = Lookups(comm, ranks, tables, capacity)
+
+
+def ps_rows(ctx: RunContext) -> dict[str, DynamicRows]:
+    """PS task: its rows of every dynamic table, restored from the checkpoint start-up
+    found (the rows whose ids it owns), or none yet."""
+    job, model, optimizer = ctx.job, ctx.model, ctx.optimizer
+    seed, t = job.model.init_seed, job.tables
+    policy = Policy(t.capacity, t.min_count, t.ttl_steps)
+
+    def initial(name: str) -> Any:
+        def rows(ids: np.ndarray) -> dict[str, np.ndarray]:
+            values = model.initial_rows_of(name, ids, seed)
+            return {"": values, **optimizer.init_slots(values)}
+
+        return rows
+
+    out = {
+        s.name: DynamicRows(s.name, s.width, s.dtype, optimizer.slots, initial(s.name), policy)
+        for s in dynamic_specs(job, model)
+    }
+    if ctx.prep.restored is not None:
+        _restore(ctx, out)
+    return out
+
+
+def _restore(ctx: RunContext, tables: dict[str, DynamicRows]) -> None:
+    """The rows this task owns of each table, from the checkpoint start-up restored."""
+    ckpt = checkpoint.Checkpoint(ctx.prep.restored)
+    task, num_ps = ctx.role.task, ctx.cluster.layout.num_ps
+    for name, table in tables.items():
+        if name + IDS not in ckpt.variables:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {ckpt.path}: table '{name}' was written as a fixed table; "
+                f'tables.kind = "dynamic" restores only what a dynamic table wrote'
+            )
+        names = [name, name + IDS]
+        specs = [VariableSpec(n, ckpt.variables[n].shape, ckpt.variables[n].dtype) for n in names]
+        slots = [f"{name}/{s}" for s in table.slot_names]
+        slot_specs = [VariableSpec(n, ckpt.slots[n].shape, ckpt.slots[n].dtype) for n in slots]
+        got = ckpt.read(specs, slot_specs, finite="restore an earlier checkpoint")
+        ids = got[name + IDS]
+        mine = owner_of(ids, num_ps) == task
+        table.load(
+            ids[mine],
+            got[name][mine],
+            {s: got[f"{name}/{s}"][mine] for s in table.slot_names},
+            ctx.prep.start_step,
+        )
+    if tables:
+        live = sum(t.live for t in tables.values())
+        log(ctx.role, f"restored {live} rows of dynamic tables from {ckpt.path.name}")
+
+
+def server(ctx: RunContext, windows: Windows) -> DynamicServer | None:
+    """PS task: what answers the dynamic tables' lookups and pushes (None: no such tables)."""
+    if windows.lookups is None:
+        return None
+    optimizer = ctx.optimizer
+    apply = optimizer.apply if optimizer.stateful else None
+    return DynamicServer(windows.lookups, ps_rows(ctx), apply, ctx.prep.start_step)
+
+
+def shard_part(
+    dynamic: DynamicServer | None, variables: dict[str, Any], slots: dict[str, Any]
+) -> str | None:
+    """Add every dynamic table's live rows (ids, rows, slots) to a shard's arrays; the
+    shard's ``dynamic`` attribute (None: no such tables)."""
+    if dynamic is None:
+        return None
+    names, slot_names = [], []
+    for name, table in dynamic.rows.items():
+        ids, rows, held = table.live_arrays()
+        variables[name], variables[name + IDS] = rows, ids
+        names += [name, name + IDS]
+        for s, a in held.items():
+            slots[f"{name}/{s}"] = a
+            slot_names.append(f"{name}/{s}")
+    return marked(names, slot_names)
+
+
+def report(ctx: RunContext, dynamic: DynamicServer | None) -> None:
+    """PS task, at the end: what each dynamic table did here."""
+    for name, table in (dynamic.rows if dynamic is not None else {}).items():
+        log(ctx.role, f"dynamic table {name}: {table.counts.line(table.live)}")

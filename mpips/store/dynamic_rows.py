@@ -1,0 +1,253 @@
+"""A dynamic table's rows on one PS task (``tables.kind = "dynamic"``): ids of any value up
+to 2^63 map to rows without collisions, a row is made the first time its id is admitted,
+and rows are evicted by age or, when the task's ``capacity`` is reached, by use.
+
+Every id has one owner, the PS task ``owner_of(id)`` (a hash of the id, not the id modulo
+the task count: ids of one feature often share their low bits). Its row there lives in
+this process's memory, not in a window: workers never address it, they ask for ids and get
+rows (store/lookups.py). The map is a Python dict (id -> row), the rows, slots and each
+row's id, last step and use count numpy arrays that grow by doubling; a freed row is reused.
+
+Admission (``min_count``): an id's pulls are counted in a count-min sketch (two rows of
+2^20 int32 counters: a fixed 8 MB, an estimate that may count an id high, never low); an id
+pulled fewer times reads a zero row and its gradients are dropped. A training pull counts;
+an evaluation's does not, and makes no row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .rules import Apply, apply_rows
+
+MAX_ID = (1 << 63) - 1  # ids are int64 >= 0
+SKETCH_BITS = 20  # counters per row of the admission sketch: 2^20
+# (ids) -> {"": the ids' initial rows, <slot>: their initial slot values}
+Initial = Callable[[np.ndarray], dict[str, np.ndarray]]
+
+
+def mix64(values: np.ndarray, salt: int = 0) -> np.ndarray:
+    """SplitMix64's finaliser of ``values + salt``, as uint64: a hash whose every bit depends
+    on every bit of the id."""
+    with np.errstate(over="ignore"):
+        z = values.astype(np.uint64) + np.uint64(salt) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def owner_of(ids: np.ndarray, num_ps: int) -> np.ndarray:
+    """The PS task that holds each id's row (the same on every rank, in every run)."""
+    return (mix64(ids, 1) % np.uint64(num_ps)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """When a row is made and when it goes (the job's [tables] section)."""
+
+    capacity: int = 0  # rows at most on one PS task (0: no limit)
+    min_count: int = 1  # training pulls of an id before it gets a row
+    ttl_steps: int = 0  # a row not pulled for this many global steps is evicted (0: never)
+
+
+@dataclass
+class Counts:
+    """What a table did on one PS task, for the summaries and the end-of-run line."""
+
+    created: int = 0
+    evicted_age: int = 0
+    evicted_full: int = 0
+    not_admitted: int = 0  # training pulls of ids below min_count (read a zero row)
+    dropped: int = 0  # gradient rows of ids with no row (not admitted, or evicted since)
+
+    def line(self, live: int) -> str:
+        return (
+            f"{live} rows live, {self.created} made, {self.evicted_age} evicted by age, "
+            f"{self.evicted_full} evicted at capacity, {self.not_admitted} pulls not admitted, "
+            f"{self.dropped} gradient rows dropped"
+        )
+
+
+class _Sketch:
+    """A count-min sketch of how often ids were pulled (admission)."""
+
+    def __init__(self, bits: int = SKETCH_BITS):
+        self.mask = np.uint64((1 << bits) - 1)
+        self.counts = np.zeros((2, 1 << bits), np.int32)
+
+    def add(self, ids: np.ndarray) -> np.ndarray:
+        """Count one more pull of each (unique) id; the estimated counts after it."""
+        out = None
+        for k in range(2):
+            at = (mix64(ids, 2 + k) & self.mask).astype(np.int64)
+            np.add.at(self.counts[k], at, 1)
+            got = self.counts[k][at]
+            out = got if out is None else np.minimum(out, got)
+        assert out is not None
+        return out
+
+
+@dataclass
+class DynamicRows:
+    """One dynamic table's rows (and optimizer slots) on this PS task."""
+
+    name: str
+    width: int
+    dtype: np.dtype
+    slot_names: Sequence[str]
+    initial: Initial
+    policy: Policy = field(default_factory=Policy)
+
+    def __post_init__(self) -> None:
+        self.map: dict[int, int] = {}
+        self.counts = Counts()
+        self.rows = np.zeros((0, self.width), self.dtype)
+        self.slots = {s: np.zeros((0, self.width), self.dtype) for s in self.slot_names}
+        self.ids = np.zeros(0, np.int64)  # each row's id (-1: free)
+        self.last = np.zeros(0, np.int64)  # the global step of its last training pull
+        self.uses = np.zeros(0, np.int64)  # its training pulls
+        self._free: list[int] = []
+        self._sketch = _Sketch() if self.policy.min_count > 1 else None
+
+    @property
+    def live(self) -> int:
+        return len(self.map)
+
+    def slots_of(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's row, or -1 where it has none."""
+        get = self.map.get
+        return np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+
+    def lookup(self, ids: np.ndarray, out: np.ndarray, step: int, train: bool = True) -> None:
+        """The rows of unique ``ids`` into ``out`` (zero for ids with none). A training pull
+        (``train``) counts them, makes the rows of ids now admitted and marks every row it
+        reads as used at ``step``; any other pull only reads."""
+        at = self.slots_of(ids)
+        if train:
+            new = np.flatnonzero(at < 0)
+            if new.size:
+                at[new] = self._admit(ids[new], step, at[at >= 0])
+        have = at >= 0
+        out[have] = self.rows[at[have]]
+        out[~have] = 0
+        if train:
+            used = at[have]
+            self.last[used] = step
+            self.uses[used] += 1
+            self.counts.not_admitted += int(len(ids) - have.sum())
+
+    def _admit(self, ids: np.ndarray, step: int, keep: np.ndarray) -> np.ndarray:
+        """Rows for the ``ids`` that have none and are admitted now (-1 for the others),
+        made from the initial values; ``keep``: rows this pull reads, never evicted for them."""
+        at = np.full(len(ids), -1, np.int64)
+        ok = np.ones(len(ids), bool)
+        if self._sketch is not None:
+            ok = self._sketch.add(ids) >= self.policy.min_count
+        take = np.flatnonzero(ok)
+        if not take.size:
+            return at
+        rows = self._allocate(len(take), step, keep)
+        got = self.initial(ids[take])
+        self.rows[rows] = got[""]
+        for s in self.slot_names:
+            self.slots[s][rows] = got[s]
+        self.ids[rows], self.last[rows], self.uses[rows] = ids[take], step, 0
+        self.map.update(zip(ids[take].tolist(), rows.tolist(), strict=True))
+        self.counts.created += len(take)
+        at[take] = rows
+        return at
+
+    def _allocate(self, n: int, step: int, keep: np.ndarray) -> np.ndarray:
+        """``n`` free rows: free ones, then new ones up to the capacity, then the least used
+        rows (oldest first among equals), evicted, but never one of ``keep``."""
+        cap = self.policy.capacity
+        if len(self._free) < n:
+            size = len(self.ids)
+            want = max(2 * size, size + n - len(self._free), 1024)
+            self._grow(min(want, cap) if cap else want)
+        if len(self._free) < n:  # at capacity
+            score = np.where(self.ids >= 0, self.uses, np.iinfo(np.int64).max)
+            score[keep] = np.iinfo(np.int64).max
+            need = n - len(self._free)
+            if need > int((score < np.iinfo(np.int64).max).sum()):
+                raise ValueError(
+                    f"table {self.name}: {n} new rows in one pull exceed what tables.capacity "
+                    f"= {cap} leaves free (raise it above the rows one batch touches)"
+                )
+            order = np.lexsort((self.last, score))[:need]
+            self.counts.evicted_full += self._evict(order)
+        rows = np.array(self._free[-n:][::-1], np.int64)
+        del self._free[-n:]
+        return rows
+
+    def _grow(self, size: int) -> None:
+        """Room for ``size`` rows; the new ones free."""
+        old = len(self.ids)
+        if size <= old:
+            return
+
+        def grown(a: np.ndarray, fill: int = 0) -> np.ndarray:
+            b = np.full((size, *a.shape[1:]), fill, a.dtype)
+            b[:old] = a
+            return b
+
+        self.rows = grown(self.rows)
+        self.slots = {s: grown(a) for s, a in self.slots.items()}
+        self.ids, self.last, self.uses = grown(self.ids, -1), grown(self.last), grown(self.uses)
+        self._free[:0] = range(size - 1, old - 1, -1)  # (taken from the end: low rows first)
+
+    def _evict(self, rows: np.ndarray) -> int:
+        """Free ``rows``; how many."""
+        for i in self.ids[rows].tolist():
+            del self.map[i]
+        self.ids[rows] = -1
+        self._free.extend(rows.tolist())
+        return len(rows)
+
+    def expire(self, step: int) -> None:
+        """Evict the rows not pulled for ``policy.ttl_steps`` global steps (0: none)."""
+        ttl = self.policy.ttl_steps
+        if ttl:
+            old = np.flatnonzero((self.ids >= 0) & (self.last < step - ttl))
+            if old.size:
+                self.counts.evicted_age += self._evict(old)
+
+    def update(self, ids: np.ndarray, grads: np.ndarray, apply: Apply | None, lr: float, t: int):
+        """Apply one pushed gradient: ``apply`` with ``lr`` and ``t`` to the rows of ``ids``
+        and their slots (None: plain SGD, ``grads`` are deltas, added). Rows of ids with no
+        row (not admitted, or evicted since the pull) are dropped."""
+        at = self.slots_of(ids)
+        have = at >= 0
+        self.counts.dropped += int(len(ids) - have.sum())
+        if not have.all():
+            at, grads = at[have], grads[have]
+        if apply is None:
+            self.rows[at] += grads
+        else:
+            apply_rows(apply, self.rows, self.slots, at, grads, lr, t)
+
+    def live_arrays(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """(ids, rows, slots) of every live row, in id order (a checkpoint's shard)."""
+        at = np.flatnonzero(self.ids >= 0)
+        at = at[np.argsort(self.ids[at], kind="stable")]
+        return self.ids[at], self.rows[at], {s: a[at] for s, a in self.slots.items()}
+
+    def load(self, ids: np.ndarray, rows: np.ndarray, slots: dict[str, np.ndarray], step: int):
+        """Take these rows (a restore), as pulled at ``step``."""
+        if not len(ids):
+            return
+        at = self._allocate(len(ids), step, np.zeros(0, np.int64))
+        self.rows[at] = rows
+        for s in self.slot_names:
+            self.slots[s][at] = slots[s]
+        self.ids[at], self.last[at], self.uses[at] = ids, step, 0
+        self.map.update(zip(ids.tolist(), at.tolist(), strict=True))
+
+    def nbytes(self) -> int:
+        """Bytes held beyond the map: the rows, slots and per-row words allocated."""
+        return sum(a.nbytes for a in (self.rows, self.ids, self.last, self.uses)) + sum(
+            a.nbytes for a in self.slots.values()
+        )

@@ -1,0 +1,276 @@
+"""Dynamic tables over MPI: a worker asks a PS task for the rows of ids, and posts their
+gradients back; the PS keeps the rows in its own memory (dynamic_rows.py).
+
+One more window, allocated on the PS ranks (the workers' part is empty). Per worker it has
+three int64 words, ``[lookup flag, push flag, learning rate]``, then two boxes, each
+``[count | ids | one block of rows per table]`` for at most ``capacity`` ids (the most
+unique ids one batch can touch): the lookup box, whose rows the PS fills, and the push box,
+whose rows are the worker's gradients. Every table of a task serves the same ids (an id's
+owner is a hash of the id alone), so one list of ids serves them all.
+
+A pull: the worker Puts the ids it needs from each PS task into its lookup box there,
+flushes, raises the lookup flag (an atomic; 2 for a training pull, which counts, admits
+and makes rows, 1 for an evaluation's read), and goes on with the dense variables; the PS,
+polling its flags with its mail, writes the rows into the box and clears the flag; the
+worker, polling with plain Gets as the mailbox does, then Gets the rows. A push: ids and
+gradient rows into the push box, the learning rate, the push flag; the PS applies them
+with the optimizer's rule (plain SGD: adds the deltas) and clears it. A worker's push is
+applied before its next lookup is answered (the PS looks at the push flag first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import Stalled
+from ..placement.table import align
+from ..process.waits import poll
+from .cluster import stall_limit, stall_timeout
+from .dynamic_rows import DynamicRows, owner_of
+from .mailbox import ACK_FAST_SECONDS
+from .rules import Apply
+
+LOOKUP, PUSH, LR, WORDS = 0, 1, 2, 3  # a worker's int64 words
+TRAIN, READ = 2, 1  # a lookup flag's values
+
+
+@dataclass(frozen=True)
+class DynamicSpec:
+    """A dynamic table as both ends see it."""
+
+    name: str
+    width: int
+    dtype: np.dtype
+
+
+class _Box:
+    """``[count | ids | rows of each table]`` for ``capacity`` ids, at byte ``start``."""
+
+    def __init__(self, start: int, capacity: int, tables: Sequence[DynamicSpec]):
+        self.count = start
+        self.ids = align(start + 8)
+        at = align(self.ids + 8 * capacity)
+        self.rows: dict[str, int] = {}
+        for t in tables:
+            self.rows[t.name] = at
+            at = align(at + capacity * t.width * t.dtype.itemsize)
+        self.end = at
+
+
+class Lookups:
+    """The window of dynamic tables (collective to make and to free) and its layout."""
+
+    def __init__(
+        self, comm: MPI.Intracomm, ps_ranks: Sequence[int], tables: Sequence[DynamicSpec], capacity: int
+    ):
+        self.tables, self.capacity = list(tables), max(1, capacity)
+        self.ps_ranks = list(ps_ranks)
+        self.num_workers = comm.size - len(self.ps_ranks)
+        self.words = align(8 * WORDS * self.num_workers)
+        self.boxes: list[tuple[_Box, _Box]] = []
+        at = self.words
+        for _ in range(self.num_workers):
+            lookup = _Box(at, self.capacity, self.tables)
+            push = _Box(lookup.end, self.capacity, self.tables)
+            self.boxes.append((lookup, push))
+            at = push.end
+        self.nbytes = at
+        mine = self.nbytes if comm.rank in self.ps_ranks else 0
+        self.win = MPI.Win.Allocate(mine, 1, comm=comm)
+        # (mpi4py's stub gives MPI.buffer its __buffer__ only for Python >= 3.12)
+        self.memory = np.frombuffer(self.win.tomemory(), np.uint8)  # type: ignore[call-overload]
+        if mine:
+            self.memory[:] = 0
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self._open = True
+
+    def word(self, worker: int, which: int) -> int:
+        return 8 * (WORDS * worker + which)
+
+    def free(self) -> None:
+        """Close the epoch and free the window (collective). Safe to call twice."""
+        if self._open:
+            self._open = False
+            self.win.Unlock_all()
+            self.win.Free()
+
+
+class DynamicClient:
+    """A worker's end: rows for ids, gradients for them."""
+
+    def __init__(self, lookups: Lookups, task: int):
+        self.lk, self.task = lookups, task
+        self.lookup_box, self.push_box = lookups.boxes[task]
+        self._asked: list[tuple[int, np.ndarray]] = []  # (ps task, positions) of a pull
+        self._pushed: list[int] = []  # the ranks a push is posted to
+        self._routes: list[tuple[int, np.ndarray]] = []  # the last training pull's
+
+    def route(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """(ps task, positions in ``ids``) of every task that owns some of them."""
+        owner = owner_of(ids, len(self.lk.ps_ranks))
+        return [(p, at) for p in range(len(self.lk.ps_ranks)) if (at := np.flatnonzero(owner == p)).size]
+
+    def ask(self, ids: np.ndarray, train: bool) -> None:
+        """Post a lookup of unique ``ids`` (at most ``capacity``) to the tasks that own them."""
+        win, box, staged = self.lk.win, self.lookup_box, []
+        self._asked = self.route(ids)
+        if train:
+            self._routes = self._asked
+        for p, at in self._asked:
+            rank, sent = self.lk.ps_ranks[p], np.ascontiguousarray(ids[at], np.int64)
+            staged += [np.array([len(at)], np.int64), sent]
+            win.Put([staged[-2], MPI.BYTE], rank, [box.count, 8, MPI.BYTE])
+            win.Put([sent, MPI.BYTE], rank, [box.ids, sent.nbytes, MPI.BYTE])
+        self._raise([p for p, _ in self._asked], LOOKUP, TRAIN if train else READ)
+
+    def _raise(self, tasks: list[int], which: int, value: int) -> None:
+        """Flush what was Put to ``tasks``, then raise this worker's flag ``which`` there."""
+        win, old = self.lk.win, np.zeros(1, np.int64)
+        ranks = [self.lk.ps_ranks[p] for p in tasks]
+        for rank in ranks:
+            win.Flush(rank)  # the box is in place before the flag
+        flag = np.array([value], np.int64)
+        for rank in ranks:
+            win.Fetch_and_op(flag, old, rank, self.lk.word(self.task, which), MPI.REPLACE)
+        for rank in ranks:
+            win.Flush(rank)
+
+    def receive(self, out: dict[str, np.ndarray]) -> None:
+        """Wait for the lookup posted last, and Get its rows into ``out`` (by table, a row
+        per id asked, in the order asked)."""
+        self._wait([p for p, _ in self._asked], LOOKUP, "answer this worker's lookup")
+        win, box, got = self.lk.win, self.lookup_box, []
+        for p, at in self._asked:
+            rank = self.lk.ps_ranks[p]
+            for t in self.lk.tables:
+                staged = np.empty((len(at), t.width), t.dtype)
+                win.Get([staged, MPI.BYTE], rank, [box.rows[t.name], staged.nbytes, MPI.BYTE])
+                got.append((out[t.name], at, staged))
+        for p, _ in self._asked:
+            win.Flush(self.lk.ps_ranks[p])
+        for rows, at, staged in got:
+            rows[at] = staged
+
+    def post(self, ids: np.ndarray, grads: dict[str, np.ndarray], lr: float) -> None:
+        """Post the gradient rows (by table, a row per id of the last training pull) to the
+        tasks that own their ids; ``wait_applied`` waits for them."""
+        win, box, staged = self.lk.win, self.push_box, []
+        tasks = [p for p, _ in self._routes]
+        lr_word = np.array([lr], np.float64).view(np.int64)
+        for p, at in self._routes:
+            rank = self.lk.ps_ranks[p]
+            staged += [np.array([len(at)], np.int64), np.ascontiguousarray(ids[at], np.int64)]
+            win.Put([staged[-2], MPI.BYTE], rank, [box.count, 8, MPI.BYTE])
+            win.Put([staged[-1], MPI.BYTE], rank, [box.ids, staged[-1].nbytes, MPI.BYTE])
+            for t in self.lk.tables:
+                staged.append(np.ascontiguousarray(grads[t.name][at]))
+                win.Put([staged[-1], MPI.BYTE], rank, [box.rows[t.name], staged[-1].nbytes, MPI.BYTE])
+            win.Put([lr_word, MPI.BYTE], rank, [self.lk.word(self.task, LR), 8, MPI.BYTE])
+        self._raise(tasks, PUSH, 1)
+        self._pushed = tasks
+
+    def wait_applied(self) -> None:
+        """Until every task the last push went to has applied it."""
+        tasks, self._pushed = self._pushed, []
+        self._wait(tasks, PUSH, "apply this worker's gradient rows")
+
+    def _wait(self, tasks: list[int], which: int, what: str) -> None:
+        win, word = self.lk.win, self.lk.word(self.task, which) // 8
+        out, pending = np.zeros(1, np.int64), list(tasks)
+        view = _WordsView(win)
+
+        def done() -> bool:
+            pending[:] = [p for p in pending if view.peek(self.lk.ps_ranks[p], word, out)]
+            return not pending
+
+        def late(waited: float) -> NoReturn:
+            names = ", ".join(f"/job:ps/task:{p}" for p in pending)
+            raise Stalled(
+                f"{names} did not {what} within {stall_timeout():.0f} s: hung? "
+                f"(MPIPS_STALL_TIMEOUT sets the limit); aborting the job"
+            )
+
+        poll(done, stall_limit(self.task), late, fast=ACK_FAST_SECONDS)
+
+
+class _WordsView:
+    """A plain Get of one int64 word (a poll that usually finds nothing new)."""
+
+    def __init__(self, win: MPI.Win):
+        self.win = win
+
+    def peek(self, rank: int, word: int, out: np.ndarray) -> int:
+        self.win.Get([out, MPI.BYTE], rank, [8 * word, 8, MPI.BYTE])
+        self.win.Flush(rank)
+        return int(out[0])
+
+
+class DynamicServer:
+    """A PS task's end: answers lookups and applies pushes, from its own memory."""
+
+    def __init__(
+        self,
+        lookups: Lookups,
+        rows: dict[str, DynamicRows],
+        apply: Apply | None,
+        t: int,
+    ):
+        self.lk, self.rows, self.apply, self.t = lookups, rows, apply, t
+        self.step = t  # the global step, as last read (DynamicRows.last)
+        memory = lookups.memory
+        self.words = memory[: lookups.words].view(np.int64)
+        self.views = []
+        for lookup, push in lookups.boxes:
+            self.views.append((self._views(memory, lookup), self._views(memory, push)))
+
+    def _views(self, memory: np.ndarray, box: _Box) -> tuple[np.ndarray, np.ndarray, dict]:
+        cap = self.lk.capacity
+        rows = {
+            t.name: memory[box.rows[t.name] : box.rows[t.name] + cap * t.width * t.dtype.itemsize]
+            .view(t.dtype)
+            .reshape(cap, t.width)
+            for t in self.lk.tables
+        }
+        return memory[box.count : box.count + 8].view(np.int64), memory[box.ids : box.ids + 8 * cap].view(np.int64), rows
+
+    def sweep(self) -> bool:
+        """Apply every push and answer every lookup posted now; whether there was one."""
+        win, busy = self.lk.win, False
+        win.Sync()  # loads of its own memory see what the workers wrote
+        for k in range(self.lk.num_workers):
+            base = WORDS * k
+            if self.words[base + PUSH]:
+                count, ids, grads = self.views[k][1]
+                n = int(count[0])
+                lr = float(self.words[base + LR : base + LR + 1].view(np.float64)[0])
+                self.t += 1
+                for name, table in self.rows.items():
+                    table.update(ids[:n], grads[name][:n], self.apply, lr, self.t)
+                self._clear(base + PUSH)
+                busy = True
+            flag = int(self.words[base + LOOKUP])
+            if flag:
+                count, ids, rows = self.views[k][0]
+                n = int(count[0])
+                for name, table in self.rows.items():
+                    table.lookup(ids[:n], rows[name][:n], self.step, flag == TRAIN)
+                self._clear(base + LOOKUP)
+                busy = True
+        return busy
+
+    def _clear(self, word: int) -> None:
+        """The answer is in place (visible) before the flag clears."""
+        self.lk.win.Sync()
+        self.words[word] = 0
+        self.lk.win.Sync()
+
+    def tick(self, step: int) -> None:
+        """The global step now: rows pulled from now on are marked with it; old ones expire."""
+        self.step = step
+        for table in self.rows.values():
+            table.expire(step)
