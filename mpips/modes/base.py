@@ -96,7 +96,7 @@ class Mode:
         """What this mode refuses at start-up (one message, before anything is allocated)."""
         from .engines.dynamic_tables import check  # (dynamic tables: only PS modes)
 
-        check(job, model)
+        check(job, model, info.max_nnz)
         if model.tables() and not self.trains_tables:
             raise ConfigError(
                 f"{type(model).__name__} keeps row-partitioned tables on the PS "

@@ -32,8 +32,9 @@ def dynamic_specs(job: Job, model: Any) -> list[DynamicSpec]:
     ]
 
 
-def check(job: Job, model: Any) -> None:
-    """What dynamic tables rule out, said before anything is allocated."""
+def check(job: Job, model: Any, max_nnz: int) -> None:
+    """What dynamic tables rule out, said before anything is allocated (``max_nnz``: the
+    data's most ids in a row)."""
     if job.tables.kind != "dynamic":
         return
     if not model.tables():
@@ -56,11 +57,11 @@ def check(job: Job, model: Any) -> None:
             'tables.kind = "dynamic": not with table_offsets (a dynamic table serves every '
             "id; give each feature's ids their own range of values instead)"
         )
-    capacity = job.tables.capacity
-    if capacity and capacity < job.train.batch_size:
+    capacity, most = job.tables.capacity, job.train.batch_size * max(1, max_nnz)
+    if capacity and capacity < most:
         raise ConfigError(
-            f"tables.capacity = {capacity}: below train.batch_size ({job.train.batch_size}); "
-            f"a PS task must hold at least the rows one batch touches"
+            f"tables.capacity = {capacity}: below the {most} ids one batch may touch "
+            f"(train.batch_size x the data's longest row); a PS task must hold them all"
         )
 
 

@@ -1,0 +1,210 @@
+"""Dynamic tables (tables.kind = "dynamic"): a PS task's rows (admission, eviction by age
+and at capacity, restore), and under mpiexec: training equal to the dense one-process
+computation where no id collides, checkpoints restored onto 1, 2 and 3 PS tasks, ids far
+past any fixed table, the counts reported, export, and what is refused."""
+
+import h5py
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from conftest import run_mpi, run_py
+from test_ctr_mpi import FEATURES, JOB, reference, small_dataset
+
+from mpips.checkpoint import Checkpoint
+from mpips.data import sparse
+from mpips.job import parse_job
+from mpips.store.dynamic_rows import DynamicRows, Policy, owner_of
+
+DYNAMIC = '\n[tables]\nkind = "dynamic"\n'
+
+
+def table(policy=Policy(), slots=("accumulator",)):
+    """A table of 2-wide rows, each id's initial row (id, -id), its accumulator 0.1."""
+
+    def initial(ids):
+        rows = np.stack([ids, -ids], axis=1).astype(np.float32)
+        return {"": rows, "accumulator": np.full_like(rows, 0.1)}
+
+    return DynamicRows("t", 2, np.dtype(np.float32), slots, initial, policy)
+
+
+def pulled(t, ids, step, train=True):
+    out = np.full((len(ids), 2), np.nan, np.float32)
+    t.lookup(np.asarray(ids, np.int64), out, step, train)
+    return out
+
+
+def test_rows_are_made_once_for_ids_of_any_value_and_read_back():
+    t = table()
+    big = [0, 7, 2**40 + 3, 2**63 - 1]
+    np.testing.assert_array_equal(pulled(t, big, 1)[:, 0], np.float32(big))
+    assert t.counts.created == 4 and t.live == 4
+    t.update(np.array([7], np.int64), np.float32([[1, 1]]), None, 0.0, 1)  # SGD: deltas added
+    assert pulled(t, [7, 9], 2).tolist() == [[8, -6], [9, -9]]
+    assert t.counts.created == 5  # only 9 is new
+    # an evaluation's pull makes no row and counts nothing
+    assert pulled(t, [11], 3, train=False).tolist() == [[0, 0]] and t.live == 5
+
+
+def test_ids_below_min_count_read_zero_and_are_not_trained():
+    t = table(Policy(min_count=3))
+    for step in (1, 2):
+        assert pulled(t, [5], step).tolist() == [[0, 0]]
+    t.update(np.array([5], np.int64), np.float32([[1, 1]]), None, 0.0, 2)  # dropped
+    assert t.counts.dropped == 1 and t.counts.not_admitted == 2 and t.live == 0
+    assert pulled(t, [5], 3).tolist() == [[5, -5]]  # the third pull admits it, afresh
+
+
+def test_rows_not_pulled_for_ttl_steps_are_evicted():
+    t = table(Policy(ttl_steps=10))
+    pulled(t, [1, 2], 0)
+    pulled(t, [2], 8)
+    t.expire(10)
+    assert t.live == 2
+    t.expire(11)  # 1 was last pulled at 0: 11 steps ago
+    assert sorted(t.map) == [2] and t.counts.evicted_age == 1
+    t.update(np.array([1], np.int64), np.float32([[1, 1]]), None, 0.0, 1)
+    assert t.counts.dropped == 1  # a gradient for an evicted row goes nowhere
+
+
+def test_at_capacity_the_least_used_rows_go_never_those_of_the_pull():
+    t = table(Policy(capacity=3))
+    for step, ids in enumerate(([1, 2, 3], [1, 2], [1])):
+        pulled(t, ids, step)
+    pulled(t, [4], 3)  # 3 is the least used
+    assert sorted(t.map) == [1, 2, 4] and t.counts.evicted_full == 1
+    pulled(t, [5, 6], 4)  # 4 and then 2 go: 1 was used most
+    assert sorted(t.map) == [1, 5, 6] and t.counts.evicted_full == 3
+    assert len(t.ids) == 3  # never more rows than the capacity
+    with pytest.raises(ValueError, match="tables.capacity"):
+        pulled(t, [7, 8, 9, 10], 5)
+
+
+def test_adagrad_on_rows_and_a_restore_keep_rows_and_slots():
+    from mpips.optim import build_optimizer
+    from mpips.job import OptimizerConfig
+
+    opt = build_optimizer(OptimizerConfig(kind="adagrad", learning_rate=0.5))
+    t = table()
+    pulled(t, [3, 4], 1)
+    t.update(np.array([4, 3], np.int64), np.float32([[1, 2], [3, 4]]), opt.apply, 0.5, 1)
+    ids, rows, slots = t.live_arrays()
+    assert ids.tolist() == [3, 4]
+    want = np.float32([[3, -3], [4, -4]])
+    acc = np.float32(0.1) + np.float32([[3, 4], [1, 2]]) ** 2
+    want -= 0.5 * np.float32([[3, 4], [1, 2]]) / (np.sqrt(acc) + np.float32(1e-7))
+    np.testing.assert_allclose(rows, want, rtol=1e-6)
+    np.testing.assert_allclose(slots["accumulator"], acc, rtol=1e-6)
+    again = table()
+    again.load(ids, rows, slots, 1)
+    assert pulled(again, [4], 2).tolist() == rows[1:].tolist()
+    np.testing.assert_array_equal(again.live_arrays()[2]["accumulator"], acc)
+
+
+def test_owners_are_a_hash_of_the_id_spread_over_the_tasks():
+    ids = np.arange(0, 3000 * 1024, 1024, dtype=np.int64)  # low bits all alike
+    owner = owner_of(ids, 3)
+    assert set(np.bincount(owner).tolist()) <= set(range(900, 1100))
+    np.testing.assert_array_equal(owner, owner_of(ids.copy(), 3))  # the same everywhere
+
+
+# under mpiexec: the small CTR data of test_ctr_mpi (40 ids), one worker throughout
+
+
+def test_dynamic_tables_train_as_the_dense_computation_over_1_2_and_3_ps_tasks(tmp_path):
+    """10 + 10 + 10 steps on 2, 1 and 3 PS tasks, each restoring the one before it, equal
+    30 steps of one process with whole tables (no id collides; untouched rows have no row)."""
+    small_dataset(tmp_path / "s.h5")
+    for steps, ranks, ps in ((10, 3, "2"), (20, 2, "1"), (30, 4, "3")):
+        text = JOB.format(model="wide_deep", rule="mod", opt="adagrad", lr=0.3, steps=steps)
+        (tmp_path / "job.toml").write_text(text + DYNAMIC)
+        r = run_mpi(ranks, ["-m", "mpips", "train", "job.toml", "--ps", ps], cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        if steps > 10:
+            assert f"restored global_step {steps - 10}" in r.stdout
+            restored = sum(
+                int(line.split("restored ")[1].split()[0])
+                for line in r.stdout.splitlines()
+                if "rows of dynamic tables" in line
+            )
+            assert restored == 2 * live  # both tables' rows, each on the task owning its id
+        live = sum(  # the rows held at the end, over every PS task
+            int(line.split("deep/embedding: ")[1].split()[0])
+            for line in r.stdout.splitlines()
+            if "dynamic table deep/embedding: " in line
+        )
+    ckpt = Checkpoint(tmp_path / "runs/s/ckpt-30.json")
+    assert len(ckpt.variables["deep/embedding"].parts) == 3  # a part a PS task
+    text = JOB.format(model="wide_deep", rule="mod", opt="adagrad", lr=0.3, steps=30)
+    job = parse_job(text.replace('"s.h5"', f'"{tmp_path / "s.h5"}"'))
+    want, want_slots = reference(job, 30)
+    variables, slots = ckpt.read_all()
+    for name in ("wide/weights", "deep/embedding"):
+        ids = variables[name + ":ids"]
+        assert len(np.unique(ids)) == len(ids) and ids.max() < FEATURES
+        np.testing.assert_allclose(variables[name], want[name][ids], rtol=1e-4, atol=1e-6)
+        acc = slots[f"{name}/accumulator"]
+        np.testing.assert_allclose(acc, want_slots[name]["accumulator"][ids], rtol=1e-4)
+        untouched = np.setdiff1d(np.arange(FEATURES), ids)  # never pulled: as initialised
+        np.testing.assert_allclose(want_slots[name]["accumulator"][untouched], 0.1)
+    for name in ("wide/bias", "deep/dense_0/kernel"):
+        np.testing.assert_allclose(variables[name], want[name], rtol=1e-4, atol=1e-6)
+    out = run_py(["-m", "mpips", "ckpt", "export", "runs/s", "out.h5"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    with h5py.File(tmp_path / "out.h5") as f:
+        np.testing.assert_array_equal(f["deep/embedding:ids"][()], variables["deep/embedding:ids"])
+
+
+def big_id_dataset(path, rows=400, seed=0):
+    """Ids far past any table one could allocate (2^40 + k * 2^32): 60 distinct ones, a
+    few of them frequent, labels from a planted weight per id."""
+    rng = np.random.default_rng(seed)
+    distinct = (1 << 40) + (np.arange(60, dtype=np.int64) << 32)
+    ids = distinct[np.minimum(rng.zipf(1.3, (rows, 4)) - 1, 59)]
+    weight = np.sin(np.arange(60))
+    x = sp.csr_matrix(
+        (np.ones(rows * 4, np.float32), ids.ravel(), np.arange(0, rows * 4 + 1, 4)),
+        shape=(rows, int(distinct[-1]) + 1),
+    )
+    x.sum_duplicates()
+    score = [
+        weight[np.searchsorted(distinct, x.indices[a:b])].sum()
+        for a, b in zip(x.indptr[:-1], x.indptr[1:], strict=True)
+    ]
+    y = (np.array(score) > 0).astype(np.int8)
+    sparse.write_csr(path, (x[:300], y[:300]), (x[300:], y[300:]), int(distinct[-1]) + 1)
+
+
+def test_admission_and_eviction_at_scale_of_ids_are_counted_and_kept_in_bounds(tmp_path):
+    big_id_dataset(tmp_path / "b.h5")
+    text = JOB.format(model="logreg", rule="mod", opt="ftrl", lr=0.3, steps=60)
+    text = text.replace('"s.h5"', '"b.h5"') + DYNAMIC
+    text += "capacity = 16\nmin_count = 3\nttl_steps = 20\n"
+    (tmp_path / "job.toml").write_text(text.replace("batch_size = 8", "batch_size = 4"))
+    r = run_mpi(4, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = [s for s in r.stdout.splitlines() if "dynamic table wide/weights" in s]
+    assert len(lines) == 2  # one a PS task
+    said = [[int(w) for w in s.split(": ")[1].replace(",", "").split() if w.isdigit()] for s in lines]
+    live, made, by_age, at_capacity, not_admitted, _ = np.sum(said, axis=0)
+    assert all(s[0] <= 16 for s in said)  # never more than the capacity
+    assert not_admitted > 0 and made > live and by_age + at_capacity == made - live
+    ckpt = Checkpoint(tmp_path / "runs/s/ckpt-60.json")
+    ids = ckpt.read_all()[0]["wide/weights:ids"]
+    assert ids.min() >= 1 << 40 and len(ids) == live
+
+
+REFUSED = [
+    ("[train]\n", "zero_copy = true", "not with train.zero_copy"),
+    ("[tables]\n", "capacity = 39", "capacity = 39: below the 40 ids one batch may touch"),
+]
+
+
+@pytest.mark.parametrize("section,setting,said", REFUSED)
+def test_what_dynamic_tables_rule_out_is_said_once(tmp_path, section, setting, said):
+    small_dataset(tmp_path / "s.h5")
+    text = JOB.format(model="logreg", rule="mod", opt="sgd", lr=0.3, steps=5) + DYNAMIC
+    (tmp_path / "job.toml").write_text(text.replace(section, f"{section}{setting}\n"))
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml"], cwd=tmp_path)
+    assert r.returncode != 0 and said in r.stderr + r.stdout
+    assert "Traceback" not in r.stderr
