@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import ROOT, need, run_mpi
+from conftest import ROOT, need, run_mpi, run_py
 from test_ctr_mpi import FEATURES, clothing, small_dataset  # noqa: F401 (a fixture)
 
 from mpips.checkpoint import Checkpoint
@@ -291,3 +291,32 @@ def test_a_table_with_a_span_routes_only_its_ids():
     plain = Table("t", [None], 500, 4, np.dtype(np.float32), "div")
     ((_, at, rows),) = plain.route(ids)
     assert at == slice(None) and rows is ids
+
+
+@pytest.mark.launcher
+def test_a_module_with_dynamic_tables_trains_on_ids_past_2_40_and_exports(tmp_path):
+    """tables.kind = "dynamic": the module is built with 64 rows a table, the data's ids
+    are past 2^40; hybrid on 2 PS tasks trains, and the .pt export holds each table's live
+    rows, with their ids beside it, loading strictly into a module of that many rows."""
+    from test_dynamic_tables import big_id_dataset
+
+    big_id_dataset(tmp_path / "b.h5")
+    (tmp_path / "net.py").write_text(NET.replace("WideDeep(data.num_inputs)", "WideDeep(64)"))
+    job = JOB.replace('"s.h5"', '"b.h5"') + '[tables]\nkind = "dynamic"\n'
+    (tmp_path / "job.toml").write_text(job)
+    r = run_mpi(4, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    made = sum(
+        int(s.split("made")[0].split(",")[-1])
+        for s in r.stdout.splitlines()
+        if "dynamic table embedding.weight" in s
+    )
+    assert made > 0
+    out = run_py(["-m", "mpips", "ckpt", "export", "runs/s", "m.pt"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    state, ids = torch.load(tmp_path / "m.pt"), torch.load(tmp_path / "m.ids.pt")
+    assert sorted(ids) == ["embedding.weight", "wide.weight"]
+    assert len(ids["embedding.weight"]) == made and ids["embedding.weight"].min() >= 1 << 40
+    module = namespace()["WideDeep"](made)
+    module.wide = torch.nn.EmbeddingBag(len(ids["wide.weight"]), 1, mode="sum", sparse=True)
+    module.load_state_dict(state, strict=True)

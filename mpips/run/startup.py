@@ -237,6 +237,8 @@ def prepare(start: StartUp, factory: Any = None, arrays: Any = None) -> Prepared
         if isinstance(wrote, str) and wrote != job.model.kind:
             prep.model_changed = wrote
     model = prep.model = build_model(job.model, info, start.xp, job.source, factory)
+    if job.tables.kind == "dynamic" and hasattr(model, "use_dynamic_tables"):
+        model.use_dynamic_tables()  # (a framework module's tables take any ids)
     model.worker = cluster.role.task if not cluster.is_ps else 0
     prep.fingerprints = model.fingerprints()  # (as built: compared once every rank is here)
     start.mode.check(job, cluster, model, info)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint
+from ..checkpoint.dynamic import IDS
 from ..errors import CheckpointError
 from ..models.initial import InitialValues
 from ..process.files import atomic_write
@@ -40,7 +41,21 @@ def export_state_dict(
             )
         values[name] = value
     values.update(replace or {})
+    ids = {n.removesuffix(IDS): values.pop(n) for n in list(values) if n.endswith(IDS)}
+    if ids:  # dynamic tables: row i of a weight is the row of id ids[i]
+        write_tensors(ids_path(Path(out)), ids)
+    return write_tensors(Path(out), values)
+
+
+def ids_path(out: Path) -> Path:
+    """Where an export of dynamic tables puts their ids, beside the state_dict: by the
+    weight's name, the id of each of its rows (``model.pt`` -> ``model.ids.pt``)."""
+    return out.with_suffix(".ids" + out.suffix)
+
+
+def write_tensors(out: Path, values: dict[str, np.ndarray]) -> Path:
+    """``values`` as a dict of CPU tensors that ``torch.load`` reads, atomically."""
     state = OrderedDict(
         (name, torch.from_numpy(np.ascontiguousarray(value))) for name, value in values.items()
     )
-    return atomic_write(Path(out), lambda tmp: torch.save(state, tmp), "nothing exported")
+    return atomic_write(out, lambda tmp: torch.save(state, tmp), "nothing exported")

@@ -204,6 +204,13 @@ class Model(_Model):
     def initial_rows(self, table: str, rows: tuple[int, int, int], seed: int) -> np.ndarray:
         return self.table_set.initial_rows(table, rows)
 
+    def initial_rows_of(self, table: str, ids: np.ndarray, seed: int) -> np.ndarray:
+        return self.table_set.initial_rows_of(table, ids, seed)
+
+    def use_dynamic_tables(self) -> None:
+        """tables.kind = "dynamic": the data's ids are any values below 2^63."""
+        self.table_set.dynamic = True
+
     def _kept(self) -> dict[str, torch.Tensor]:
         """What the module keeps untrained, by state_dict name: its persistent buffers and
         frozen parameters."""

@@ -101,6 +101,9 @@ class Tables:
         self.dtype = first.dtype if first is not None else np.dtype(np.float32)
         self._values, self._grads = Views(), Views()
         self._bound: dict[str, torch.Tensor] = {}  # each .grad as bound before backward
+        self.dynamic = False  # tables.kind = "dynamic": the data's ids are any values
+        # a dynamic table's rows start uniform, with the variance of the module's own
+        self.scales = {n: float(np.sqrt(3) * a.std()) for n, a in self.initial.items()}
 
     def specs(self) -> list[VariableSpec]:
         return [VariableSpec(n, tuple(p.shape), numpy_dtype(p, n)) for n, p in self.params.items()]
@@ -108,6 +111,15 @@ class Tables:
     def initial_rows(self, table: str, rows: tuple[int, int, int]) -> np.ndarray:
         """The module's initial values of rows ``range(*rows)`` of ``table``."""
         return np.ascontiguousarray(self.initial[table][slice(*rows)])
+
+    def initial_rows_of(self, table: str, ids: np.ndarray, seed: int) -> np.ndarray:
+        """A dynamic table's initial rows: uniform, a function of (seed, id), with the
+        variance of the module's own initial rows."""
+        from ..models.ctr import uniform_rows
+
+        width = int(np.prod(self.params[table].shape[1:]))
+        rows = uniform_rows(seed, ids, width, self.scales[table])
+        return rows.astype(self.dtype, copy=False)
 
     def prepare(self, x: Any) -> tuple[Any, np.ndarray]:
         """(the batch over its unique ids, those ids): CSR rows of (id, value) features give a
@@ -128,6 +140,8 @@ class Tables:
                 "sparse (CSR) rows or integer ids; this data is "
                 f"{getattr(x, 'dtype', type(x).__name__)}"
             )
+        if self.dynamic:  # (any ids: the PS tasks make their rows)
+            return batch, ids
         if self.num_rows is None and self.past is not None and width > self.past:
             raise DataError(
                 f"mpips.torch.Model: the data has ids up to {width - 1}; no table serves an "
