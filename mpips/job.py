@@ -149,6 +149,10 @@ class TablesConfig:
     capacity: int = 0  # dynamic: rows at most of a table on one PS task (0: no limit)
     min_count: int = 1  # dynamic: training pulls of an id before it gets a row
     ttl_steps: int = 0  # dynamic: a row not pulled for this many global steps is evicted
+    # dynamic: "rowwise_adagrad", one Adagrad accumulator a row (optimizer.kind = "adagrad"
+    # and its settings), or "" (the job's optimizer, slots as big as the rows)
+    optimizer: str = ""
+    dtype: str = "float32"  # dynamic: how rows are stored; "float16" halves them
 
 
 @dataclass
@@ -189,6 +193,8 @@ CHOICES = {
     "data.builtin": ("", "digits"),
     "layout.placement": ("round_robin", "greedy"),
     "tables.kind": ("fixed", "dynamic"),
+    "tables.optimizer": ("", "rowwise_adagrad"),
+    "tables.dtype": ("float32", "float16"),
 }
 NON_NEGATIVE = (
     "train.steps",

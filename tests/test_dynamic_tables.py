@@ -101,6 +101,52 @@ def test_adagrad_on_rows_and_a_restore_keep_rows_and_slots():
     np.testing.assert_array_equal(again.live_arrays()[2]["accumulator"], acc)
 
 
+@pytest.mark.parametrize("storage", ["float32", "float16"])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_adagrad_full_and_rowwise_on_float32_and_float16_rows_follow_float64(rowwise, storage):
+    """50 updates of random rows against the same rule in float64: float32 rows within
+    float32 rounding, float16 rows within one unit of the rounding of one store a step
+    (the update is computed in float32 from the stored row, then rounded); the
+    accumulators (one a row, row-wise) as exact as float32 allows."""
+    from mpips.optim.rules import apply_adagrad, apply_rowwise_adagrad
+
+    rng, lr, eps, width = np.random.default_rng(1), 0.05, 1e-7, 8
+    rule = apply_rowwise_adagrad if rowwise else apply_adagrad
+
+    def initial(ids):
+        rows = np.cos(ids[:, None] + np.arange(width)).astype(np.float32)
+        return {"": rows, "accumulator": np.full((len(ids), 1 if rowwise else width), 0.1, np.float32)}
+
+    t = DynamicRows(
+        "t", width, np.dtype(np.float32), ("accumulator",), initial,
+        storage=np.dtype(storage), slot_width=1 if rowwise else None,
+    )
+
+    def apply(var, grad, slots, lr, step):
+        rule(var, grad, slots["accumulator"], lr, eps)
+
+    ids = np.arange(6, dtype=np.int64)
+    ref = initial(ids)[""].astype(np.float16 if storage == "float16" else np.float32)
+    ref, acc = ref.astype(np.float64), np.full((6, 1 if rowwise else width), 0.1)
+    out = np.empty((6, width), np.float32)
+    for step in range(50):
+        t.lookup(ids, out, step)
+        # as stored, widened; a store's rounding may differ by one unit where the float32
+        # update and the float64 one straddle a midpoint
+        np.testing.assert_allclose(out, ref, rtol=0, atol=2e-3 if storage == "float16" else 1e-5)
+        g = rng.normal(size=(6, width)).astype(np.float32)
+        t.update(ids, g, apply, lr, step + 1)
+        rule(ref, g.astype(np.float64), acc, lr, eps)  # (float64: the rule's exact course)
+        if storage == "float16":
+            ref = ref.astype(np.float16).astype(np.float64)  # what one rounded store keeps
+        else:
+            ref = ref.astype(np.float32).astype(np.float64)
+    _, rows, slots = t.live_arrays()
+    assert rows.dtype == np.dtype(storage) and slots["accumulator"].shape == acc.shape
+    np.testing.assert_allclose(slots["accumulator"], acc, rtol=1e-5)
+    assert t.rows.nbytes == len(t.ids) * width * np.dtype(storage).itemsize
+
+
 def test_owners_are_a_hash_of_the_id_spread_over_the_tasks():
     ids = np.arange(0, 3000 * 1024, 1024, dtype=np.int64)  # low bits all alike
     owner = owner_of(ids, 3)

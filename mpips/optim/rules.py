@@ -180,6 +180,14 @@ def apply_adagrad(var: Array, grad: Array, acc: Array, lr: float, epsilon: float
     var -= lr * grad / (array_module(var).sqrt(acc) + epsilon)
 
 
+def apply_rowwise_adagrad(var: Array, grad: Array, acc: Array, lr: float, epsilon: float) -> None:
+    """Row-wise Adagrad (TorchRec's and FBGEMM's default for tables): one accumulator a
+    row, ``acc`` of shape (rows, 1): acc += mean(g^2) of the row; var -= lr g / (sqrt(acc) +
+    eps). A table's slot memory is its row count in words, not its size."""
+    acc += (grad * grad).mean(axis=1, keepdims=True)
+    var -= lr * grad / (array_module(var).sqrt(acc) + epsilon)
+
+
 def _adagrad_kernel(var, grad, acc, lr, epsilon):
     for i in range(var.size):
         gi = grad[i]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .rules import Apply, apply_rows
+from .rules import Apply
 
 MAX_ID = (1 << 63) - 1  # ids are int64 >= 0
 SKETCH_BITS = 20  # counters per row of the admission sketch: 2^20
@@ -100,12 +100,17 @@ class DynamicRows:
     slot_names: Sequence[str]
     initial: Initial
     policy: Policy = field(default_factory=Policy)
+    # how the rows are stored (None: ``dtype``, the model's); float16 halves them, and
+    # every update is computed in ``dtype`` and stored rounded
+    storage: np.dtype | None = None
+    slot_width: int | None = None  # elements of a slot's row (None: the row's; 1: row-wise)
 
     def __post_init__(self) -> None:
         self.map: dict[int, int] = {}
         self.counts = Counts()
-        self.rows = np.zeros((0, self.width), self.dtype)
-        self.slots = {s: np.zeros((0, self.width), self.dtype) for s in self.slot_names}
+        self.rows = np.zeros((0, self.width), self.storage or self.dtype)
+        slot = (0, self.slot_width or self.width)
+        self.slots = {s: np.zeros(slot, self.dtype) for s in self.slot_names}
         self.ids = np.zeros(0, np.int64)  # each row's id (-1: free)
         self.last = np.zeros(0, np.int64)  # the global step of its last training pull
         self.uses = np.zeros(0, np.int64)  # its training pulls
@@ -224,10 +229,15 @@ class DynamicRows:
         self.counts.dropped += int(len(ids) - have.sum())
         if not have.all():
             at, grads = at[have], grads[have]
+        v = self.rows[at].astype(grads.dtype)  # (float16 rows: computed in float32)
         if apply is None:
-            self.rows[at] += grads
+            v += grads
         else:
-            apply_rows(apply, self.rows, self.slots, at, grads, lr, t)
+            s = {k: a[at] for k, a in self.slots.items()}
+            apply(v, grads, s, lr, t)
+            for k, a in self.slots.items():
+                a[at] = s[k]
+        self.rows[at] = v
 
     def live_arrays(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """(ids, rows, slots) of every live row, in id order (a checkpoint's shard)."""

@@ -14,6 +14,7 @@ from ...checkpoint.dynamic import IDS, marked
 from ...errors import ConfigError
 from ...job import Job
 from ...models.variables import VariableSpec
+from ...optim.rules import apply_rowwise_adagrad
 from ...process.log import log
 from ...store import Windows
 from ...store.dynamic_rows import DynamicRows, Policy, owner_of
@@ -35,8 +36,20 @@ def dynamic_specs(job: Job, model: Any) -> list[DynamicSpec]:
 def check(job: Job, model: Any, max_nnz: int) -> None:
     """What dynamic tables rule out, said before anything is allocated (``max_nnz``: the
     data's most ids in a row)."""
-    if job.tables.kind != "dynamic":
+    t = job.tables
+    if t.kind != "dynamic":
+        if t.optimizer or t.dtype != "float32":
+            raise ConfigError(
+                'tables.optimizer and tables.dtype: for tables.kind = "dynamic" (a fixed '
+                "table's rows are stored and updated as the model's variables)"
+            )
         return
+    if t.optimizer == "rowwise_adagrad" and job.optimizer.kind != "adagrad":
+        raise ConfigError(
+            f'tables.optimizer = "rowwise_adagrad": with optimizer.kind = "adagrad" (its '
+            f"learning rate, epsilon and initial_accumulator_value), not "
+            f'"{job.optimizer.kind}"'
+        )
     if not model.tables():
         raise ConfigError(
             f'tables.kind = "dynamic": {type(model).__name__} has no tables (sparse models: '
@@ -80,16 +93,29 @@ def ps_rows(ctx: RunContext) -> dict[str, DynamicRows]:
     job, model, optimizer = ctx.job, ctx.model, ctx.optimizer
     seed, t = job.model.init_seed, job.tables
     policy = Policy(t.capacity, t.min_count, t.ttl_steps)
+    rowwise = t.optimizer == "rowwise_adagrad"
+    first = job.optimizer.initial_accumulator_value
 
     def initial(name: str) -> Any:
         def rows(ids: np.ndarray) -> dict[str, np.ndarray]:
             values = model.initial_rows_of(name, ids, seed)
+            if rowwise:
+                return {"": values, "accumulator": np.full((len(ids), 1), first, values.dtype)}
             return {"": values, **optimizer.init_slots(values)}
 
         return rows
 
     out = {
-        s.name: DynamicRows(s.name, s.width, s.dtype, optimizer.slots, initial(s.name), policy)
+        s.name: DynamicRows(
+            s.name,
+            s.width,
+            s.dtype,
+            optimizer.slots,
+            initial(s.name),
+            policy,
+            storage=np.dtype(t.dtype),
+            slot_width=1 if rowwise else None,
+        )
         for s in dynamic_specs(job, model)
     }
     if ctx.prep.restored is not None:
@@ -129,8 +155,14 @@ def server(ctx: RunContext, windows: Windows) -> DynamicServer | None:
     """PS task: what answers the dynamic tables' lookups and pushes (None: no such tables)."""
     if windows.lookups is None:
         return None
-    optimizer = ctx.optimizer
+    optimizer, job = ctx.optimizer, ctx.job
     apply = optimizer.apply if optimizer.stateful else None
+    if job.tables.optimizer == "rowwise_adagrad":
+        epsilon = job.optimizer.epsilon
+
+        def apply(var: Any, grad: Any, slots: dict[str, Any], lr: float, t: int) -> None:
+            apply_rowwise_adagrad(var, grad, slots["accumulator"], lr, epsilon)
+
     return DynamicServer(windows.lookups, ps_rows(ctx), apply, ctx.prep.start_step)
 
 
