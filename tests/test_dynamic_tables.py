@@ -18,14 +18,14 @@ from mpips.store.dynamic_rows import DynamicRows, Policy, owner_of
 DYNAMIC = '\n[tables]\nkind = "dynamic"\n'
 
 
-def table(policy=Policy(), slots=("accumulator",)):
+def table(policy=None, slots=("accumulator",)):
     """A table of 2-wide rows, each id's initial row (id, -id), its accumulator 0.1."""
 
     def initial(ids):
         rows = np.stack([ids, -ids], axis=1).astype(np.float32)
         return {"": rows, "accumulator": np.full_like(rows, 0.1)}
 
-    return DynamicRows("t", 2, np.dtype(np.float32), slots, initial, policy)
+    return DynamicRows("t", 2, np.dtype(np.float32), slots, initial, policy or Policy())
 
 
 def pulled(t, ids, step, train=True):
@@ -81,8 +81,8 @@ def test_at_capacity_the_least_used_rows_go_never_those_of_the_pull():
 
 
 def test_adagrad_on_rows_and_a_restore_keep_rows_and_slots():
-    from mpips.optim import build_optimizer
     from mpips.job import OptimizerConfig
+    from mpips.optim import build_optimizer
 
     opt = build_optimizer(OptimizerConfig(kind="adagrad", learning_rate=0.5))
     t = table()
@@ -115,11 +115,19 @@ def test_adagrad_full_and_rowwise_on_float32_and_float16_rows_follow_float64(row
 
     def initial(ids):
         rows = np.cos(ids[:, None] + np.arange(width)).astype(np.float32)
-        return {"": rows, "accumulator": np.full((len(ids), 1 if rowwise else width), 0.1, np.float32)}
+        return {
+            "": rows,
+            "accumulator": np.full((len(ids), 1 if rowwise else width), 0.1, np.float32),
+        }
 
     t = DynamicRows(
-        "t", width, np.dtype(np.float32), ("accumulator",), initial,
-        storage=np.dtype(storage), slot_width=1 if rowwise else None,
+        "t",
+        width,
+        np.dtype(np.float32),
+        ("accumulator",),
+        initial,
+        storage=np.dtype(storage),
+        slot_width=1 if rowwise else None,
     )
 
     def apply(var, grad, slots, lr, step):
@@ -161,6 +169,7 @@ def test_dynamic_tables_train_as_the_dense_computation_over_1_2_and_3_ps_tasks(t
     """10 + 10 + 10 steps on 2, 1 and 3 PS tasks, each restoring the one before it, equal
     30 steps of one process with whole tables (no id collides; untouched rows have no row)."""
     small_dataset(tmp_path / "s.h5")
+    live = 0  # the rows held at the end of the run before, over every PS task
     for steps, ranks, ps in ((10, 3, "2"), (20, 2, "1"), (30, 4, "3")):
         text = JOB.format(model="wide_deep", rule="mod", opt="adagrad", lr=0.3, steps=steps)
         (tmp_path / "job.toml").write_text(text + DYNAMIC)
@@ -174,7 +183,7 @@ def test_dynamic_tables_train_as_the_dense_computation_over_1_2_and_3_ps_tasks(t
                 if "rows of dynamic tables" in line
             )
             assert restored == 2 * live  # both tables' rows, each on the task owning its id
-        live = sum(  # the rows held at the end, over every PS task
+        live = sum(
             int(line.split("deep/embedding: ")[1].split()[0])
             for line in r.stdout.splitlines()
             if "dynamic table deep/embedding: " in line
@@ -195,6 +204,9 @@ def test_dynamic_tables_train_as_the_dense_computation_over_1_2_and_3_ps_tasks(t
         np.testing.assert_allclose(want_slots[name]["accumulator"][untouched], 0.1)
     for name in ("wide/bias", "deep/dense_0/kernel"):
         np.testing.assert_allclose(variables[name], want[name], rtol=1e-4, atol=1e-6)
+    final = r.stdout.split("test_auc ")[-1].split()[0]
+    ev = run_py(["-m", "mpips", "eval", "job.toml"], cwd=tmp_path)  # rows by id, one process
+    assert ev.returncode == 0 and f"test_auc {final}" in ev.stdout, ev.stdout + ev.stderr
     out = run_py(["-m", "mpips", "ckpt", "export", "runs/s", "out.h5"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     with h5py.File(tmp_path / "out.h5") as f:
@@ -231,7 +243,9 @@ def test_admission_and_eviction_at_scale_of_ids_are_counted_and_kept_in_bounds(t
     assert r.returncode == 0, r.stderr
     lines = [s for s in r.stdout.splitlines() if "dynamic table wide/weights" in s]
     assert len(lines) == 2  # one a PS task
-    said = [[int(w) for w in s.split(": ")[1].replace(",", "").split() if w.isdigit()] for s in lines]
+    said = [
+        [int(w) for w in s.split(": ")[1].replace(",", "").split() if w.isdigit()] for s in lines
+    ]
     live, made, by_age, at_capacity, not_admitted, _ = np.sum(said, axis=0)
     assert all(s[0] <= 16 for s in said)  # never more than the capacity
     assert not_admitted > 0 and made > live and by_age + at_capacity == made - live

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import h5py
+
 from ..errors import CheckpointError
 from .format import Entry, Part, h5_path, text_attr
 
@@ -58,4 +59,3 @@ def entries(collected: Collected) -> tuple[dict[str, Entry], dict[str, Entry]]:
             at += n
         out[is_slot][name] = Entry((at, *row), dtype, tuple(index))
     return out
-

@@ -107,9 +107,11 @@ class Model:
         """The initial rows of a dynamic table (``tables.kind = "dynamic"``) for ``ids``,
         a function of (seed, id) only. Default: the rows ``initial_rows`` gives for each id
         as a row (right where those depend on the row alone, as the built-in models' do)."""
-        return np.concatenate(
-            [self.initial_rows(table, (int(i), int(i) + 1, 1), seed) for i in ids]
-        ) if len(ids) else np.zeros((0,), np.float32)
+        return (
+            np.concatenate([self.initial_rows(table, (int(i), int(i) + 1, 1), seed) for i in ids])
+            if len(ids)
+            else np.zeros((0,), np.float32)
+        )
 
     def state(self) -> dict[str, np.ndarray]:
         """Optional: values the model keeps that are not trained (a framework module's

@@ -32,7 +32,10 @@ def uniform_rows(seed: int, ids: np.ndarray, width: int, scale: float) -> np.nda
     """Uniform(-scale, scale) rows for row ``ids`` (any values below 2^63), a function of
     (seed, id, column) only: a fixed table's row ``i`` and a dynamic table's id ``i`` start
     the same."""
-    r = ids.astype(np.uint64)[:, None] * np.uint64(width) + np.arange(width, dtype=np.uint64)
+    r = np.asarray(
+        ids.astype(np.uint64)[:, None] * np.uint64(width) + np.arange(width, dtype=np.uint64),
+        np.uint64,
+    )
     with np.errstate(over="ignore"):
         z = r + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)

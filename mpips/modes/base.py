@@ -24,6 +24,7 @@ from ..run.hooks import Hook, StepInfo
 from ..run.result import TrainResult
 from ..run.startup import Prepared
 from ..store import Cluster, WindowPlan, has_inboxes
+from .tables import check as check_tables
 
 
 class Mode:
@@ -94,9 +95,7 @@ class Mode:
 
     def check(self, job: Job, cluster: Cluster, model: Any, info: DatasetInfo) -> None:
         """What this mode refuses at start-up (one message, before anything is allocated)."""
-        from .engines.dynamic_tables import check  # (dynamic tables: only PS modes)
-
-        check(job, model, info.max_nnz)
+        check_tables(job, model, info.max_nnz)
         if model.tables() and not self.trains_tables:
             raise ConfigError(
                 f"{type(model).__name__} keeps row-partitioned tables on the PS "

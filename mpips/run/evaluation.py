@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 
 from .. import checkpoint
+from ..checkpoint.dynamic import IDS
 from ..data.batches import (
     NUMPY_ERRORS,
     DatasetInfo,
@@ -58,8 +59,10 @@ def restore_model(
             f"checkpoint {ckpt.path} was written by model {wrote!r}, but the "
             f"job's model.kind is {job.model.kind!r}"
         )
+    dynamic = [t for t in model.tables() if t.name + IDS in ckpt.variables]
+    fixed = [t for t in model.tables() if t not in dynamic]
     params = ckpt.read(
-        model.variables() + model.tables(),
+        model.variables() + fixed,
         initial=from_model(model),
         finite=(
             f"its metrics and predictions would be meaningless; use an earlier checkpoint "
@@ -67,6 +70,13 @@ def restore_model(
             f"{ckpt.directory})"
         ),
     )
+    for t in dynamic:  # (tables.kind = "dynamic": rows by id)
+        if hasattr(model, "use_dynamic_tables"):
+            model.use_dynamic_tables()
+        names = [t.name, t.name + IDS]
+        got = ckpt.read([VariableSpec(n, *_shape_dtype(ckpt, n)) for n in names])
+        # (read by _params_for, the one reader of a table's value here)
+        params[t.name] = ByIds(got[t.name + IDS], got[t.name].astype(t.dtype))  # type: ignore[assignment]
     kept = [
         VariableSpec(n, tuple(a.shape), a.dtype.name)
         for n, a in model.state().items()
@@ -75,6 +85,27 @@ def restore_model(
     if kept:  # the chief's buffers and frozen parameters, as the run evaluated with them
         model.load_state(ckpt.read(kept))
     return model, params, ckpt, info
+
+
+def _shape_dtype(ckpt: checkpoint.Checkpoint, name: str) -> tuple[tuple[int, ...], str]:
+    entry = ckpt.variables[name]
+    return entry.shape, entry.dtype
+
+
+class ByIds:
+    """A dynamic table as a checkpoint holds it: its live rows and their ids; an id with
+    no row reads a zero row, as a worker's pull does."""
+
+    def __init__(self, ids: np.ndarray, rows: np.ndarray):
+        order = np.argsort(ids, kind="stable")
+        self.ids, self.rows = ids[order], rows[order]
+
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        at = np.minimum(np.searchsorted(self.ids, ids), max(len(self.ids) - 1, 0))
+        found = self.ids[at] == ids if len(self.ids) else np.zeros(len(ids), bool)
+        out = np.zeros((len(ids),) + self.rows.shape[1:], self.rows.dtype)
+        out[found] = self.rows[at[found]]
+        return out
 
 
 def _params_for(model: Model, params: dict[str, np.ndarray], x: Any) -> tuple[Any, dict]:
@@ -88,6 +119,8 @@ def _params_for(model: Model, params: dict[str, np.ndarray], x: Any) -> tuple[An
 
     def rows(name: str, table: np.ndarray) -> np.ndarray:
         """The table's rows for the ids (those it does not serve: zero, as pulled)."""
+        if isinstance(table, ByIds):
+            return table.rows_of(ids)
         first = offsets.get(name)
         if first is None:
             return table[ids]

@@ -32,11 +32,11 @@ from ..placement.table import align
 from ..process.waits import poll
 from .cluster import stall_limit, stall_timeout
 from .dynamic_rows import DynamicRows, owner_of
-from .mailbox import ACK_FAST_SECONDS
 from .rules import Apply
 
 LOOKUP, PUSH, LR, WORDS = 0, 1, 2, 3  # a worker's int64 words
 TRAIN, READ = 2, 1  # a lookup flag's values
+FAST_SECONDS = 0.02  # how long a worker looks every 50 us for an answer (as the mailbox)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,11 @@ class Lookups:
     """The window of dynamic tables (collective to make and to free) and its layout."""
 
     def __init__(
-        self, comm: MPI.Intracomm, ps_ranks: Sequence[int], tables: Sequence[DynamicSpec], capacity: int
+        self,
+        comm: MPI.Intracomm,
+        ps_ranks: Sequence[int],
+        tables: Sequence[DynamicSpec],
+        capacity: int,
     ):
         self.tables, self.capacity = list(tables), max(1, capacity)
         self.ps_ranks = list(ps_ranks)
@@ -113,7 +117,9 @@ class DynamicClient:
     def route(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """(ps task, positions in ``ids``) of every task that owns some of them."""
         owner = owner_of(ids, len(self.lk.ps_ranks))
-        return [(p, at) for p in range(len(self.lk.ps_ranks)) if (at := np.flatnonzero(owner == p)).size]
+        return [
+            (p, at) for p in range(len(self.lk.ps_ranks)) if (at := np.flatnonzero(owner == p)).size
+        ]
 
     def ask(self, ids: np.ndarray, train: bool) -> None:
         """Post a lookup of unique ``ids`` (at most ``capacity``) to the tasks that own them."""
@@ -169,7 +175,9 @@ class DynamicClient:
             win.Put([staged[-1], MPI.BYTE], rank, [box.ids, staged[-1].nbytes, MPI.BYTE])
             for t in self.lk.tables:
                 staged.append(np.ascontiguousarray(grads[t.name][at]))
-                win.Put([staged[-1], MPI.BYTE], rank, [box.rows[t.name], staged[-1].nbytes, MPI.BYTE])
+                win.Put(
+                    [staged[-1], MPI.BYTE], rank, [box.rows[t.name], staged[-1].nbytes, MPI.BYTE]
+                )
             win.Put([lr_word, MPI.BYTE], rank, [self.lk.word(self.task, LR), 8, MPI.BYTE])
         self._raise(tasks, PUSH, 1)
         self._pushed = tasks
@@ -195,7 +203,7 @@ class DynamicClient:
                 f"(MPIPS_STALL_TIMEOUT sets the limit); aborting the job"
             )
 
-        poll(done, stall_limit(self.task), late, fast=ACK_FAST_SECONDS)
+        poll(done, stall_limit(self.task), late, fast=FAST_SECONDS)
 
 
 class _WordsView:
@@ -236,7 +244,11 @@ class DynamicServer:
             .reshape(cap, t.width)
             for t in self.lk.tables
         }
-        return memory[box.count : box.count + 8].view(np.int64), memory[box.ids : box.ids + 8 * cap].view(np.int64), rows
+        return (
+            memory[box.count : box.count + 8].view(np.int64),
+            memory[box.ids : box.ids + 8 * cap].view(np.int64),
+            rows,
+        )
 
     def sweep(self) -> bool:
         """Apply every push and answer every lookup posted now; whether there was one."""

@@ -83,11 +83,7 @@ def serve(
     chores = _Chores(control, windows, task, write_shard, watchdog, stop_requested)
     chores.dynamic = dynamic
     if apply is None and dynamic is not None:  # plain SGD: only the dynamic tables to serve
-        chores.drain = dynamic.sweep
-        pace = _Pace()
-        while not chores.run():
-            pace.wait(dynamic.sweep())
-        return 0
+        return _dynamic_loop(chores, dynamic)
     if apply is None:
         # plain SGD: the workers' Gets and Accumulates need no PS code, but across nodes
         # (no shared memory) MPICH moves them only while the PS is inside MPI: enter it
@@ -109,9 +105,7 @@ def serve(
         return 0
     if aggregate is not None:
         return _aggregate_loop(cluster, windows, aggregate, chores, on_applied or _nothing)
-    return _apply_loop(
-        cluster, windows, apply, slot_names, chores, on_applied or _nothing, dynamic
-    )
+    return _apply_loop(cluster, windows, apply, slot_names, chores, on_applied or _nothing, dynamic)
 
 
 class StepPolicy(Protocol):
@@ -249,6 +243,15 @@ class _Pace:
             cap = WARM_POLL_SECONDS if now - self.last_busy < WARM_SECONDS else POLL_SECONDS
             self.sleep = min(cap, self.sleep * 2)
         time.sleep(self.sleep)
+
+
+def _dynamic_loop(chores: _Chores, dynamic: DynamicServer) -> int:
+    """Plain SGD with dynamic tables: answer their lookups and pushes until the run ends."""
+    chores.drain = dynamic.sweep
+    pace = _Pace()
+    while not chores.run():
+        pace.wait(dynamic.sweep())
+    return 0
 
 
 def _apply_loop(

@@ -11,7 +11,7 @@ import numpy as np
 
 from ... import checkpoint
 from ...checkpoint.dynamic import IDS, marked
-from ...errors import ConfigError
+from ...errors import CheckpointError
 from ...job import Job
 from ...models.variables import VariableSpec
 from ...optim.rules import apply_rowwise_adagrad
@@ -21,8 +21,6 @@ from ...store.dynamic_rows import DynamicRows, Policy, owner_of
 from ...store.lookups import DynamicServer, DynamicSpec, Lookups
 from ..base import RunContext
 
-MODES = ("async", "hybrid")
-
 
 def dynamic_specs(job: Job, model: Any) -> list[DynamicSpec]:
     """The model's tables, if the job makes them dynamic (else none)."""
@@ -31,51 +29,6 @@ def dynamic_specs(job: Job, model: Any) -> list[DynamicSpec]:
     return [
         DynamicSpec(t.name, int(np.prod(t.shape[1:])), np.dtype(t.dtype)) for t in model.tables()
     ]
-
-
-def check(job: Job, model: Any, max_nnz: int) -> None:
-    """What dynamic tables rule out, said before anything is allocated (``max_nnz``: the
-    data's most ids in a row)."""
-    t = job.tables
-    if t.kind != "dynamic":
-        if t.optimizer or t.dtype != "float32":
-            raise ConfigError(
-                'tables.optimizer and tables.dtype: for tables.kind = "dynamic" (a fixed '
-                "table's rows are stored and updated as the model's variables)"
-            )
-        return
-    if t.optimizer == "rowwise_adagrad" and job.optimizer.kind != "adagrad":
-        raise ConfigError(
-            f'tables.optimizer = "rowwise_adagrad": with optimizer.kind = "adagrad" (its '
-            f"learning rate, epsilon and initial_accumulator_value), not "
-            f'"{job.optimizer.kind}"'
-        )
-    if not model.tables():
-        raise ConfigError(
-            f'tables.kind = "dynamic": {type(model).__name__} has no tables (sparse models: '
-            f'model.kind = "logreg" or "wide_deep", or a module with sparse embeddings)'
-        )
-    if job.train.mode not in MODES:
-        raise ConfigError(
-            f'tables.kind = "dynamic": train.mode = "async" or "hybrid", not '
-            f'"{job.train.mode}" (a PS task answers each lookup)'
-        )
-    if job.train.zero_copy:
-        raise ConfigError(
-            'tables.kind = "dynamic": not with train.zero_copy (workers never address a '
-            "dynamic table's rows; set it to false)"
-        )
-    if getattr(model, "table_offsets", dict)():
-        raise ConfigError(
-            'tables.kind = "dynamic": not with table_offsets (a dynamic table serves every '
-            "id; give each feature's ids their own range of values instead)"
-        )
-    capacity, most = job.tables.capacity, job.train.batch_size * max(1, max_nnz)
-    if capacity and capacity < most:
-        raise ConfigError(
-            f"tables.capacity = {capacity}: below the {most} ids one batch may touch "
-            f"(train.batch_size x the data's longest row); a PS task must hold them all"
-        )
 
 
 def open_lookups(ctx: RunContext, windows: Windows, capacity: int) -> None:
@@ -125,11 +78,12 @@ def ps_rows(ctx: RunContext) -> dict[str, DynamicRows]:
 
 def _restore(ctx: RunContext, tables: dict[str, DynamicRows]) -> None:
     """The rows this task owns of each table, from the checkpoint start-up restored."""
+    assert ctx.prep.restored is not None
     ckpt = checkpoint.Checkpoint(ctx.prep.restored)
     task, num_ps = ctx.role.task, ctx.cluster.layout.num_ps
     for name, table in tables.items():
         if name + IDS not in ckpt.variables:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {ckpt.path}: table '{name}' was written as a fixed table; "
                 f'tables.kind = "dynamic" restores only what a dynamic table wrote'
             )
