@@ -153,6 +153,10 @@ class TablesConfig:
     # and its settings), or "" (the job's optimizer, slots as big as the rows)
     optimizer: str = ""
     dtype: str = "float32"  # dynamic: how rows are stored; "float16" halves them
+    # dynamic: each worker caches the rows of its this many hottest ids (0: none), each at
+    # most cache_steps of its steps old (its own pushes refresh them)
+    cache_rows: int = 0
+    cache_steps: int = 10
 
 
 @dataclass
@@ -223,6 +227,8 @@ NON_NEGATIVE = (
     "checkpoint.increments_min_mb",
     "tables.capacity",
     "tables.ttl_steps",
+    "tables.cache_rows",
+    "tables.cache_steps",
 )
 POSITIVE = (
     "train.batch_size",

@@ -389,5 +389,9 @@ class PsSummaries:
             )
             self.busy, self.t0 = 0.0, now
 
+    def record(self, step: int, values: dict[str, float]) -> None:
+        """Other values of this PS task at global ``step`` (its dynamic tables' counts)."""
+        self.out.record(step, values)
+
     def close(self) -> None:
         self.out.close()

@@ -355,6 +355,8 @@ class StoreClient:
         (an evaluation's may not: _dynamic_rows asks for them a box at a time)."""
         if ids is None or self.dynamic is None or len(ids) > self.dynamic.lk.capacity:
             return False
+        if step and self.dynamic.cache is not None:
+            self._settle_dynamic()  # (the last push's rows refresh the cache first)
         self.dynamic.ask(ids, train=step)
         if step:
             self._dynamic_ids = ids
@@ -437,6 +439,16 @@ class StoreClient:
             for p, at, local in table.route(ids, ascending):
                 mpi_type = None if self.reads_in_place else table.rows_type(local)
                 self._routed.append(Routed(table, p, at, local, mpi_type))
+
+    def cache_line(self) -> str:
+        """What this worker's cache of hot rows did ('' without one)."""
+        cache = self.dynamic.cache if self.dynamic is not None else None
+        if cache is None:
+            return ""
+        return (
+            f"row cache: {cache.hit_rate:.1%} of {cache.looked} ids of training pulls read "
+            f"from it ({cache.capacity} rows, at most {cache.max_age} steps old)"
+        )
 
     def serve_from(self, first_ids: Mapping[str, int]) -> None:
         """Tables that serve a part of the data's id space: by name, the data id of row 0;

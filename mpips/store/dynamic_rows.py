@@ -5,8 +5,9 @@ and rows are evicted by age or, when the task's ``capacity`` is reached, by use.
 Every id has one owner, the PS task ``owner_of(id)`` (a hash of the id, not the id modulo
 the task count: ids of one feature often share their low bits). Its row there lives in
 this process's memory, not in a window: workers never address it, they ask for ids and get
-rows (store/lookups.py). The map is a Python dict (id -> row), the rows, slots and each
-row's id, last step and use count numpy arrays that grow by doubling; a freed row is reused.
+rows (store/lookups.py). The map (id -> row) is a numpy hash table (id_map.py), the rows,
+slots and each row's id, last step and use count numpy arrays that grow by doubling; a freed
+row is reused.
 
 Admission (``min_count``): an id's pulls are counted in a count-min sketch (two rows of
 2^20 int32 counters: a fixed 8 MB, an estimate that may count an id high, never low); an id
@@ -21,22 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .id_map import IdMap, mix64
 from .rules import Apply
 
 MAX_ID = (1 << 63) - 1  # ids are int64 >= 0
 SKETCH_BITS = 20  # counters per row of the admission sketch: 2^20
 # (ids) -> {"": the ids' initial rows, <slot>: their initial slot values}
 Initial = Callable[[np.ndarray], dict[str, np.ndarray]]
-
-
-def mix64(values: np.ndarray, salt: int = 0) -> np.ndarray:
-    """SplitMix64's finaliser of ``values + salt``, as uint64: a hash whose every bit depends
-    on every bit of the id."""
-    with np.errstate(over="ignore"):
-        z = values.astype(np.uint64) + np.uint64(salt) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
 
 
 def owner_of(ids: np.ndarray, num_ps: int) -> np.ndarray:
@@ -71,7 +63,7 @@ class Counts:
         )
 
 
-class _Sketch:
+class Sketch:
     """A count-min sketch of how often ids were pulled (admission)."""
 
     def __init__(self, bits: int = SKETCH_BITS):
@@ -106,7 +98,7 @@ class DynamicRows:
     slot_width: int | None = None  # elements of a slot's row (None: the row's; 1: row-wise)
 
     def __post_init__(self) -> None:
-        self.map: dict[int, int] = {}
+        self.map = IdMap()
         self.counts = Counts()
         self.rows = np.zeros((0, self.width), self.storage or self.dtype)
         slot = (0, self.slot_width or self.width)
@@ -115,7 +107,7 @@ class DynamicRows:
         self.last = np.zeros(0, np.int64)  # the global step of its last training pull
         self.uses = np.zeros(0, np.int64)  # its training pulls
         self._free: list[int] = []
-        self._sketch = _Sketch() if self.policy.min_count > 1 else None
+        self._sketch = Sketch() if self.policy.min_count > 1 else None
 
     @property
     def live(self) -> int:
@@ -123,8 +115,7 @@ class DynamicRows:
 
     def slots_of(self, ids: np.ndarray) -> np.ndarray:
         """Each id's row, or -1 where it has none."""
-        get = self.map.get
-        return np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+        return self.map.find(ids)
 
     def lookup(self, ids: np.ndarray, out: np.ndarray, step: int, train: bool = True) -> None:
         """The rows of unique ``ids`` into ``out`` (zero for ids with none). A training pull
@@ -160,7 +151,7 @@ class DynamicRows:
         for s in self.slot_names:
             self.slots[s][rows] = got[s]
         self.ids[rows], self.last[rows], self.uses[rows] = ids[take], step, 0
-        self.map.update(zip(ids[take].tolist(), rows.tolist(), strict=True))
+        self.map.insert(ids[take], rows)
         self.counts.created += len(take)
         at[take] = rows
         return at
@@ -206,8 +197,7 @@ class DynamicRows:
 
     def _evict(self, rows: np.ndarray) -> int:
         """Free ``rows``; how many."""
-        for i in self.ids[rows].tolist():
-            del self.map[i]
+        self.map.remove(self.ids[rows])
         self.ids[rows] = -1
         self._free.extend(rows.tolist())
         return len(rows)
@@ -220,10 +210,19 @@ class DynamicRows:
             if old.size:
                 self.counts.evicted_age += self._evict(old)
 
-    def update(self, ids: np.ndarray, grads: np.ndarray, apply: Apply | None, lr: float, t: int):
+    def update(
+        self,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        apply: Apply | None,
+        lr: float,
+        t: int,
+        step: int | None = None,
+    ) -> None:
         """Apply one pushed gradient: ``apply`` with ``lr`` and ``t`` to the rows of ``ids``
-        and their slots (None: plain SGD, ``grads`` are deltas, added). Rows of ids with no
-        row (not admitted, or evicted since the pull) are dropped."""
+        and their slots (None: plain SGD, ``grads`` are deltas, added); the rows count as
+        used at ``step`` (a worker that caches a row pushes it without pulling it). Rows of
+        ids with no row (not admitted, or evicted since the pull) are dropped."""
         at = self.slots_of(ids)
         have = at >= 0
         self.counts.dropped += int(len(ids) - have.sum())
@@ -238,6 +237,9 @@ class DynamicRows:
             for k, a in self.slots.items():
                 a[at] = s[k]
         self.rows[at] = v
+        if step is not None:
+            self.last[at] = step
+            self.uses[at] += 1
 
     def live_arrays(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """(ids, rows, slots) of every live row, in id order (a checkpoint's shard)."""
@@ -254,7 +256,7 @@ class DynamicRows:
         for s in self.slot_names:
             self.slots[s][at] = slots[s]
         self.ids[at], self.last[at], self.uses[at] = ids, step, 0
-        self.map.update(zip(ids.tolist(), at.tolist(), strict=True))
+        self.map.insert(ids, at)
 
     def nbytes(self) -> int:
         """Bytes held beyond the map: the rows, slots and per-row words allocated."""

@@ -20,7 +20,7 @@ applied before its next lookup is answered (the PS looks at the push flag first)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -32,10 +32,12 @@ from ..placement.table import align
 from ..process.waits import poll
 from .cluster import stall_limit, stall_timeout
 from .dynamic_rows import DynamicRows, owner_of
+from .row_cache import RowCache
 from .rules import Apply
 
 LOOKUP, PUSH, LR, WORDS = 0, 1, 2, 3  # a worker's int64 words
 TRAIN, READ = 2, 1  # a lookup flag's values
+ANSWER = 2  # a push flag's: answer with the rows it was applied to (a worker's cache)
 FAST_SECONDS = 0.02  # how long a worker looks every 50 us for an answer (as the mailbox)
 
 
@@ -71,8 +73,11 @@ class Lookups:
         ps_ranks: Sequence[int],
         tables: Sequence[DynamicSpec],
         capacity: int,
+        cache: tuple[int, int] = (0, 0),
     ):
+        """``cache``: (rows, steps) of each worker's cache of hot rows (row_cache.py)."""
         self.tables, self.capacity = list(tables), max(1, capacity)
+        self.cache = cache
         self.ps_ranks = list(ps_ranks)
         self.num_workers = comm.size - len(self.ps_ranks)
         self.words = align(8 * WORDS * self.num_workers)
@@ -113,6 +118,20 @@ class DynamicClient:
         self._asked: list[tuple[int, np.ndarray]] = []  # (ps task, positions) of a pull
         self._pushed: list[int] = []  # the ranks a push is posted to
         self._routes: list[tuple[int, np.ndarray]] = []  # the last training pull's
+        rows, steps = lookups.cache
+        self.cache = (
+            RowCache(
+                [t.name for t in lookups.tables],
+                [t.width for t in lookups.tables],
+                lookups.tables[0].dtype,
+                rows,
+                steps,
+            )
+            if rows and lookups.tables
+            else None
+        )
+        self._ids = np.zeros(0, np.int64)  # the last pull's ids
+        self._hit: tuple[np.ndarray, np.ndarray] | None = None  # (positions, cache slots)
 
     def route(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """(ps task, positions in ``ids``) of every task that owns some of them."""
@@ -122,11 +141,19 @@ class DynamicClient:
         ]
 
     def ask(self, ids: np.ndarray, train: bool) -> None:
-        """Post a lookup of unique ``ids`` (at most ``capacity``) to the tasks that own them."""
+        """Post a lookup of unique ``ids`` (at most ``capacity``) to the tasks that own them
+        (a training pull with a cache: of those it does not hold fresh)."""
         win, box, staged = self.lk.win, self.lookup_box, []
+        self._ids, self._hit = ids, None
         self._asked = self.route(ids)
         if train:
-            self._routes = self._asked
+            self._routes = self._asked  # (every gradient row is pushed)
+        if train and self.cache is not None:
+            self._hit = self.cache.split(ids)
+            miss = np.ones(len(ids), bool)
+            miss[self._hit[0]] = False
+            left = np.flatnonzero(miss)
+            self._asked = [(p, left[at]) for p, at in self.route(ids[left])]
         for p, at in self._asked:
             rank, sent = self.lk.ps_ranks[p], np.ascontiguousarray(ids[at], np.int64)
             staged += [np.array([len(at)], np.int64), sent]
@@ -161,12 +188,18 @@ class DynamicClient:
             win.Flush(self.lk.ps_ranks[p])
         for rows, at, staged in got:
             rows[at] = staged
+        if self._hit is not None:
+            assert self.cache is not None
+            self.cache.read(self._hit[1], self._hit[0], out)
+            asked = np.concatenate([at for _, at in self._asked] or [np.zeros(0, np.int64)])
+            self.cache.store(self._ids, asked, out)
 
     def post(self, ids: np.ndarray, grads: dict[str, np.ndarray], lr: float) -> None:
         """Post the gradient rows (by table, a row per id of the last training pull) to the
         tasks that own their ids; ``wait_applied`` waits for them."""
         win, box, staged = self.lk.win, self.push_box, []
         tasks = [p for p, _ in self._routes]
+        self._pushed_ids = ids
         lr_word = np.array([lr], np.float64).view(np.int64)
         for p, at in self._routes:
             rank = self.lk.ps_ranks[p]
@@ -179,13 +212,31 @@ class DynamicClient:
                     [staged[-1], MPI.BYTE], rank, [box.rows[t.name], staged[-1].nbytes, MPI.BYTE]
                 )
             win.Put([lr_word, MPI.BYTE], rank, [self.lk.word(self.task, LR), 8, MPI.BYTE])
-        self._raise(tasks, PUSH, 1)
+        self._raise(tasks, PUSH, ANSWER if self.cache is not None else 1)
         self._pushed = tasks
 
     def wait_applied(self) -> None:
-        """Until every task the last push went to has applied it."""
+        """Until every task the last push went to has applied it (with a cache: then the
+        rows it applied it to refresh those cached)."""
         tasks, self._pushed = self._pushed, []
         self._wait(tasks, PUSH, "apply this worker's gradient rows")
+        if self.cache is None or not tasks:
+            return
+        win, box, got = self.lk.win, self.push_box, []
+        for p, at in self._routes:
+            rank = self.lk.ps_ranks[p]
+            rows = {t.name: np.empty((len(at), t.width), t.dtype) for t in self.lk.tables}
+            for t in self.lk.tables:
+                win.Get(
+                    [rows[t.name], MPI.BYTE],
+                    rank,
+                    [box.rows[t.name], rows[t.name].nbytes, MPI.BYTE],
+                )
+            got.append((self._pushed_ids[at], rows))
+        for p, _ in self._routes:
+            win.Flush(self.lk.ps_ranks[p])
+        for ids, rows in got:
+            self.cache.refresh(ids, rows)
 
     def _wait(self, tasks: list[int], which: int, what: str) -> None:
         win, word = self.lk.win, self.lk.word(self.task, which) // 8
@@ -230,6 +281,8 @@ class DynamicServer:
     ):
         self.lk, self.rows, self.apply, self.t = lookups, rows, apply, t
         self.step = t  # the global step, as last read (DynamicRows.last)
+        self._report: Callable[[int, dict[str, float]], None] | None = None
+        self._every, self._next = 0, 0
         memory = lookups.memory
         self.words = memory[: lookups.words].view(np.int64)
         self.views = []
@@ -262,7 +315,9 @@ class DynamicServer:
                 lr = float(self.words[base + LR : base + LR + 1].view(np.float64)[0])
                 self.t += 1
                 for name, table in self.rows.items():
-                    table.update(ids[:n], grads[name][:n], self.apply, lr, self.t)
+                    table.update(ids[:n], grads[name][:n], self.apply, lr, self.t, self.step)
+                    if self.words[base + PUSH] == ANSWER:  # (into the box: the rows now)
+                        table.lookup(ids[:n], grads[name][:n], self.step, train=False)
                 self._clear(base + PUSH)
                 busy = True
             flag = int(self.words[base + LOOKUP])
@@ -281,8 +336,26 @@ class DynamicServer:
         self.words[word] = 0
         self.lk.win.Sync()
 
+    def reports(self, record: Callable[[int, dict[str, float]], None], every: int) -> None:
+        """Hand ``record(step, values)`` each table's counts every ``every`` global steps
+        (the PS task's summaries: ``tables/<name>/live``, ``.../made``, ...)."""
+        self._report, self._every, self._next = record, every, self.step + every
+
     def tick(self, step: int) -> None:
-        """The global step now: rows pulled from now on are marked with it; old ones expire."""
+        """The global step now: rows pulled from now on are marked with it; old ones expire;
+        the counts are reported when due."""
         self.step = step
         for table in self.rows.values():
             table.expire(step)
+        if self._report is not None and self._every and step >= self._next:
+            self._next = step + self._every
+            self._report(step, self.counts())
+
+    def counts(self) -> dict[str, float]:
+        """Every table's counts so far, by summary name."""
+        out: dict[str, float] = {}
+        for name, table in self.rows.items():
+            out[f"tables/{name}/live"] = table.live
+            for key, value in vars(table.counts).items():
+                out[f"tables/{name}/{key}"] = value
+        return out

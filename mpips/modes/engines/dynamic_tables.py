@@ -37,7 +37,8 @@ def open_lookups(ctx: RunContext, windows: Windows, capacity: int) -> None:
     tables = dynamic_specs(ctx.job, ctx.model)
     if tables:
         comm, ranks = ctx.cluster.comm, ctx.cluster.layout.ps_ranks
-        windows.lookups = Lookups(comm, ranks, tables, capacity)
+        t = ctx.job.tables
+        windows.lookups = Lookups(comm, ranks, tables, capacity, (t.cache_rows, t.cache_steps))
 
 
 def ps_rows(ctx: RunContext) -> dict[str, DynamicRows]:

@@ -34,6 +34,7 @@ from ...store import (
     stall_limit,
     stall_timeout,
 )
+from ...store.lookups import DynamicServer
 from ..base import RunContext
 from . import dynamic_tables
 from .dynamic_tables import open_lookups
@@ -93,12 +94,50 @@ def run_ps(
     are the untouched ones), or only their rows changed since its last checkpoint
     (checkpoint.increments). ``aggregate(apply)``: sync_replicas' policy for the gradients
     posted for a step (store.serve), given the rule it applies them with."""
-    job, cluster, optimizer, model = ctx.job, ctx.cluster, ctx.optimizer, ctx.model
+    job, cluster, optimizer = ctx.job, ctx.cluster, ctx.optimizer
     task = cluster.role.task
-    tables = sparse_tables(job, windows, task, model, optimizer)
+    dynamic = dynamic_tables.server(ctx, windows)
+    write_shard = _shard_writer(ctx, windows, num_shards, dynamic)
+    timeline = job_timeline(job, "ps", task)
+    apply = optimizer.apply if windows.inboxes else None
+    # this PS's apply rate and dynamic tables' counts, where it has them and summaries are on
+    rate = ps_summaries(job, task) if apply is not None or dynamic is not None else None
+    if apply is not None and rate is not None:
+        apply = rate.timed(apply)
+    if dynamic is not None and rate is not None:
+        dynamic.reports(rate.record, job.summary.every_steps)
+    if timeline is not None:
+        apply = apply and timeline.timed("apply", apply)
+        write_shard = timeline.timed("checkpoint write", write_shard)
+    serve(
+        cluster,
+        windows,
+        apply,
+        optimizer.slots,
+        write_shard if job.checkpoint.dir else None,
+        preemption.requested,
+        aggregate=aggregate(apply) if aggregate is not None and apply is not None else None,
+        on_applied=rate.applied if rate and windows.inboxes else None,
+        dynamic=dynamic,
+    )
+    dynamic_tables.report(ctx, dynamic)
+    if rate is not None:
+        rate.close()
+    if timeline is not None:
+        timeline.write()
+    return TrainResult(cluster.role, 0, 0)
+
+
+def _shard_writer(
+    ctx: RunContext, windows: Windows, num_shards: int, dynamic: DynamicServer | None
+) -> Callable[[int, dict[str, Any], dict[str, Any]], None]:
+    """How PS task ``ctx.role.task`` writes its shard of a checkpoint at ``step``: what it
+    holds in its window (its table partitions sparsely, or as increments), and its dynamic
+    tables' live rows."""
+    job, task = ctx.job, ctx.role.task
+    tables = sparse_tables(job, windows, task, ctx.model, ctx.optimizer)
     c = job.checkpoint
     increments = checkpoint.Increments(c.increments, int(c.increments_min_mb * 2**20))
-    dynamic = dynamic_tables.server(ctx, windows)
 
     def write_shard(step: int, variables: dict[str, Any], slots: dict[str, Any]) -> None:
         variables, slots = dict(variables), dict(slots)
@@ -115,31 +154,7 @@ def run_ps(
             dynamic=marked,
         )
 
-    timeline = job_timeline(job, "ps", task)
-    apply = optimizer.apply if windows.inboxes else None
-    rate = None  # this PS's apply rate, when it applies and summaries are on
-    if apply is not None and (rate := ps_summaries(job, task)):
-        apply = rate.timed(apply)
-    if timeline is not None:
-        apply = apply and timeline.timed("apply", apply)
-        write_shard = timeline.timed("checkpoint write", write_shard)
-    serve(
-        cluster,
-        windows,
-        apply,
-        optimizer.slots,
-        write_shard if job.checkpoint.dir else None,
-        preemption.requested,
-        aggregate=aggregate(apply) if aggregate is not None and apply is not None else None,
-        on_applied=rate.applied if rate else None,
-        dynamic=dynamic,
-    )
-    dynamic_tables.report(ctx, dynamic)
-    if rate is not None:
-        rate.close()
-    if timeline is not None:
-        timeline.write()
-    return TrainResult(cluster.role, 0, 0)
+    return write_shard
 
 
 def sparse_tables(

@@ -11,6 +11,7 @@ from typing import Any
 from ...allreduce import stop_from_ps
 from ...optim import sgd_deltas
 from ...process import preemption
+from ...process.log import log
 from ...run.checkpoints import save_whole
 from ...run.hooks import PendingSave
 from ...store import StoreClient, Windows, start_limit
@@ -92,6 +93,8 @@ class TableRows:
         """This worker is done; the chief, after the last checkpoint and evaluation, ends
         the run (the PS tasks stop serving)."""
         self.control.publish_clock(self.task, clock, done=True)
+        if line := self.client.cache_line():
+            log(self.ctx.role, line)
         if self.ctx.cluster.is_chief:
             self.control.end_run()
 

@@ -106,6 +106,8 @@ class StoreWorker:
         session.loop(self)
         self.client.settle()  # its last update is applied before it says it is done
         control.publish_clock(self.role.task, self.clock, done=True)
+        if line := self.client.cache_line():
+            log(self.role, line)
         session.done(
             f"; {run.save_seconds:.2f} s of it writing checkpoints, the chief's duty"
             if run.save_seconds
