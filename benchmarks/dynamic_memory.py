@@ -29,14 +29,17 @@ def main() -> None:
     n = ap.parse_args().rows
     ids = np.random.default_rng(0).choice(1 << 62, n, replace=False).astype(np.int64)
     table = DynamicRows(
-        "t", WIDTH, np.dtype(np.float32), (), lambda i: {"": uniform_rows(0, i, WIDTH, 0.05)}
+        {"t": WIDTH},
+        np.dtype(np.float32),
+        (),
+        lambda i: {"t": {"": uniform_rows(0, i, WIDTH, 0.05)}},
     )
     out = np.empty((100_000, WIDTH), np.float32)
     gc.collect()
     before = resident()
     for lo in range(0, n, len(out)):
         part = ids[lo : lo + len(out)]
-        table.lookup(part, out[: len(part)], 1)
+        table.lookup(part, {"t": out[: len(part)]}, 1)
     gc.collect()
     grown = resident() - before
     rows = table.live * WIDTH * 4

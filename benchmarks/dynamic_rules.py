@@ -24,22 +24,19 @@ def table(rowwise: bool, storage: str) -> tuple[DynamicRows, object]:
 
     def initial(ids: np.ndarray) -> dict[str, np.ndarray]:
         rows = uniform_rows(0, ids, WIDTH, 0.05)
-        return {
-            "": rows,
-            "accumulator": np.full((len(ids), 1 if rowwise else WIDTH), 0.1, np.float32),
-        }
+        acc = np.full((len(ids), 1 if rowwise else WIDTH), 0.1, np.float32)
+        return {"t": {"": rows, "accumulator": acc}}
 
     def apply(var, grad, slots, lr, t):  # noqa: ANN001 (the store's Apply)
         rule(var, grad, slots["accumulator"], lr, 1e-7)
 
     t = DynamicRows(
-        "t",
-        WIDTH,
+        {"t": WIDTH},
         np.dtype(np.float32),
         ("accumulator",),
         initial,
         storage=np.dtype(storage),
-        slot_width=1 if rowwise else None,
+        rowwise=rowwise,
     )
     return t, apply
 
@@ -59,16 +56,17 @@ def main() -> None:
         for storage in ("float32", "float16"):
             t, apply = table(rowwise, storage)
             for ids in batches:  # (the rows made first)
-                t.lookup(ids, out[: len(ids)], 0)
+                t.lookup(ids, {"t": out[: len(ids)]}, 0)
             best = float("inf")
             for _ in range(3):
                 start = time.perf_counter()
                 for ids in batches:
-                    t.update(ids, grads[: len(ids)], apply, 0.05, 1)
+                    t.update(ids, {"t": grads[: len(ids)]}, apply, 0.05, 1)
                 best = min(best, time.perf_counter() - start)
             n = sum(map(len, batches))
-            row = t.rows.itemsize * WIDTH
-            slot = t.slots["accumulator"].itemsize * t.slots["accumulator"].shape[1]
+            row = t.rows["t"].itemsize * WIDTH
+            acc = t.slots["t"]["accumulator"]
+            slot = acc.itemsize * acc.shape[1]
             name = ("row-wise Adagrad" if rowwise else "Adagrad") + f", {storage} rows"
             print(f"{name:32s} {best / n * 1e9:6.0f} ns a row applied; {row} B row + {slot} B slot")
 

@@ -7,7 +7,8 @@ Run:  python benchmarks/dynamic_tables.py [--rows 100000] [--cache 4096]
 The data: `python -m mpips data zipf` (Zipf(1.2) ids over 1M features, 32 a row, labels
 from a planted logistic model). The fixed tables have a row per feature (1M); the dynamic
 ones make a row per id pulled. The same seeds and steps in each run; each run's
-examples/s is its chief's (the workers' examples over the run's training time).
+examples/s is its chief's (the workers' examples over the run's training time); the
+three runs are repeated --rounds times, interleaved (on a shared machine, compare rounds).
 """
 
 from __future__ import annotations
@@ -56,12 +57,12 @@ def run(workdir: Path, name: str, tables: str, data: Path, steps: int) -> dict[s
         raise SystemExit(f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     auc = re.search(r"test_auc ([0-9.]+)", r.stdout)
     hits = re.findall(r"row cache: ([0-9.]+)%", r.stdout)
-    live = re.findall(r"dynamic table deep/embedding: ([0-9]+) rows live", r.stdout)
+    live = re.findall(r"dynamic tables \(.*\): ([0-9]+) rows live", r.stdout)
     return {
         "examples/s": rate.group(1),
         "test_auc": auc.group(1) if auc else "?",
         "cache hits": "/".join(f"{h}%" for h in hits) or "-",
-        "rows (embedding)": live[0] if live else "1000000 (fixed)",
+        "ids with rows": live[0] if live else "1000000 (fixed)",
     }
 
 
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--cache", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each, interleaved")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -98,9 +100,10 @@ def main() -> None:
             + f"cache_rows = {args.cache}\ncache_steps = 10\n",
         }
         print(f"wide & deep, Adagrad, async, 1 PS + 2 workers, {args.steps} steps of 256")
-        for name, tables in runs.items():
-            got = run(d, name.split(",")[0], tables, data, args.steps)
-            print(f"{name:24s} " + "  ".join(f"{k} {v}" for k, v in got.items()))
+        for r in range(args.rounds):
+            for name, tables in runs.items():
+                got = run(d, name.split(",")[0], tables, data, args.steps)
+                print(f"round {r + 1} {name:24s} " + "  ".join(f"{k} {v}" for k, v in got.items()))
 
 
 if __name__ == "__main__":

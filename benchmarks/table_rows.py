@@ -77,13 +77,12 @@ def main() -> None:
     unique = sum(len(s) for s in steps)
     if cluster.is_ps:
         rows = DynamicRows(
-            "t",
-            WIDTH,
+            {"t": WIDTH},
             np.dtype(np.float32),
             (),
-            lambda ids: {"": uniform_rows(0, ids, WIDTH, 0.05)},
+            lambda ids: {"t": {"": uniform_rows(0, ids, WIDTH, 0.05)}},
         )
-        server = DynamicServer(lookups, {"t": rows}, None, 0)
+        server = DynamicServer(lookups, rows, None, 0)
         limits = []
         for _ in range(args.reps + 1):  # (the first dynamic pass makes the rows)
             serve(server)  # the dynamic pass

@@ -21,19 +21,32 @@ DYNAMIC = '\n[tables]\nkind = "dynamic"\n'
 
 
 def table(policy=None, slots=("accumulator",)):
-    """A table of 2-wide rows, each id's initial row (id, -id), its accumulator 0.1."""
+    """Two tables of one map: "t" of 2-wide rows, each id's initial row (id, -id), and "u"
+    of 1-wide rows (10 id); each accumulator 0.1."""
 
     def initial(ids):
-        rows = np.stack([ids, -ids], axis=1).astype(np.float32)
-        return {"": rows, "accumulator": np.full_like(rows, 0.1)}
+        rows = {"t": np.stack([ids, -ids], axis=1), "u": 10 * ids[:, None]}
+        return {
+            n: {"": r.astype(np.float32), "accumulator": np.full(r.shape, 0.1, np.float32)}
+            for n, r in rows.items()
+        }
 
-    return DynamicRows("t", 2, np.dtype(np.float32), slots, initial, policy or Policy())
+    return DynamicRows({"t": 2, "u": 1}, np.dtype(np.float32), slots, initial, policy or Policy())
 
 
 def pulled(t, ids, step, train=True):
-    out = np.full((len(ids), 2), np.nan, np.float32)
+    """Table "t"'s rows of a pull (and "u"'s, checked to be the same ids')."""
+    out = {"t": np.full((len(ids), 2), np.nan, np.float32), "u": np.full((len(ids), 1), np.nan)}
     t.lookup(np.asarray(ids, np.int64), out, step, train)
-    return out
+    np.testing.assert_array_equal(out["u"][:, 0] == 0, (out["t"] == 0).all(axis=1))  # (one map)
+    return out["t"]
+
+
+def push(t, ids, g, apply=None, lr=0.0):
+    """A push of gradient rows ``g`` of table "t" (zero for "u")."""
+    g = np.float32(g)
+    u = np.zeros((len(g), 1), np.float32)
+    t.update(np.asarray(ids, np.int64), {"t": g, "u": u}, apply, lr, 1)
 
 
 def test_rows_are_made_once_for_ids_of_any_value_and_read_back():
@@ -41,7 +54,7 @@ def test_rows_are_made_once_for_ids_of_any_value_and_read_back():
     big = [0, 7, 2**40 + 3, 2**63 - 1]
     np.testing.assert_array_equal(pulled(t, big, 1)[:, 0], np.float32(big))
     assert t.counts.created == 4 and t.live == 4
-    t.update(np.array([7], np.int64), np.float32([[1, 1]]), None, 0.0, 1)  # SGD: deltas added
+    push(t, [7], [[1, 1]])  # SGD: deltas added
     assert pulled(t, [7, 9], 2).tolist() == [[8, -6], [9, -9]]
     assert t.counts.created == 5  # only 9 is new
     # an evaluation's pull makes no row and counts nothing
@@ -52,7 +65,7 @@ def test_ids_below_min_count_read_zero_and_are_not_trained():
     t = table(Policy(min_count=3))
     for step in (1, 2):
         assert pulled(t, [5], step).tolist() == [[0, 0]]
-    t.update(np.array([5], np.int64), np.float32([[1, 1]]), None, 0.0, 2)  # dropped
+    push(t, [5], [[1, 1]])  # dropped
     assert t.counts.dropped == 1 and t.counts.not_admitted == 2 and t.live == 0
     assert pulled(t, [5], 3).tolist() == [[5, -5]]  # the third pull admits it, afresh
 
@@ -65,7 +78,7 @@ def test_rows_not_pulled_for_ttl_steps_are_evicted():
     assert t.live == 2
     t.expire(11)  # 1 was last pulled at 0: 11 steps ago
     assert sorted(t.map.items()[0].tolist()) == [2] and t.counts.evicted_age == 1
-    t.update(np.array([1], np.int64), np.float32([[1, 1]]), None, 0.0, 1)
+    push(t, [1], [[1, 1]])
     assert t.counts.dropped == 1  # a gradient for an evicted row goes nowhere
 
 
@@ -89,18 +102,18 @@ def test_adagrad_on_rows_and_a_restore_keep_rows_and_slots():
     opt = build_optimizer(OptimizerConfig(kind="adagrad", learning_rate=0.5))
     t = table()
     pulled(t, [3, 4], 1)
-    t.update(np.array([4, 3], np.int64), np.float32([[1, 2], [3, 4]]), opt.apply, 0.5, 1)
+    push(t, [4, 3], [[1, 2], [3, 4]], opt.apply, 0.5)
     ids, rows, slots = t.live_arrays()
     assert ids.tolist() == [3, 4]
     want = np.float32([[3, -3], [4, -4]])
     acc = np.float32(0.1) + np.float32([[3, 4], [1, 2]]) ** 2
     want -= 0.5 * np.float32([[3, 4], [1, 2]]) / (np.sqrt(acc) + np.float32(1e-7))
-    np.testing.assert_allclose(rows, want, rtol=1e-6)
-    np.testing.assert_allclose(slots["accumulator"], acc, rtol=1e-6)
+    np.testing.assert_allclose(rows["t"], want, rtol=1e-6)
+    np.testing.assert_allclose(slots["t"]["accumulator"], acc, rtol=1e-6)
     again = table()
-    again.load(ids, rows, slots, 1)
-    assert pulled(again, [4], 2).tolist() == rows[1:].tolist()
-    np.testing.assert_array_equal(again.live_arrays()[2]["accumulator"], acc)
+    again.load(ids, {n: {"": rows[n], **slots[n]} for n in rows}, 1)
+    assert pulled(again, [4], 2).tolist() == rows["t"][1:].tolist()
+    np.testing.assert_array_equal(again.live_arrays()[2]["t"]["accumulator"], acc)
 
 
 @pytest.mark.parametrize("storage", ["float32", "float16"])
@@ -117,44 +130,41 @@ def test_adagrad_full_and_rowwise_on_float32_and_float16_rows_follow_float64(row
 
     def initial(ids):
         rows = np.cos(ids[:, None] + np.arange(width)).astype(np.float32)
-        return {
-            "": rows,
-            "accumulator": np.full((len(ids), 1 if rowwise else width), 0.1, np.float32),
-        }
+        acc = np.full((len(ids), 1 if rowwise else width), 0.1, np.float32)
+        return {"t": {"": rows, "accumulator": acc}}
 
     t = DynamicRows(
-        "t",
-        width,
+        {"t": width},
         np.dtype(np.float32),
         ("accumulator",),
         initial,
         storage=np.dtype(storage),
-        slot_width=1 if rowwise else None,
+        rowwise=rowwise,
     )
 
     def apply(var, grad, slots, lr, step):
         rule(var, grad, slots["accumulator"], lr, eps)
 
     ids = np.arange(6, dtype=np.int64)
-    ref = initial(ids)[""].astype(np.float16 if storage == "float16" else np.float32)
+    ref = initial(ids)["t"][""].astype(np.float16 if storage == "float16" else np.float32)
     ref, acc = ref.astype(np.float64), np.full((6, 1 if rowwise else width), 0.1)
     out = np.empty((6, width), np.float32)
     for step in range(50):
-        t.lookup(ids, out, step)
+        t.lookup(ids, {"t": out}, step)
         # as stored, widened; a store's rounding may differ by one unit where the float32
         # update and the float64 one straddle a midpoint
         np.testing.assert_allclose(out, ref, rtol=0, atol=2e-3 if storage == "float16" else 1e-5)
         g = rng.normal(size=(6, width)).astype(np.float32)
-        t.update(ids, g, apply, lr, step + 1)
+        t.update(ids, {"t": g.copy()}, apply, lr, step + 1)
         rule(ref, g.astype(np.float64), acc, lr, eps)  # (float64: the rule's exact course)
         if storage == "float16":
             ref = ref.astype(np.float16).astype(np.float64)  # what one rounded store keeps
         else:
             ref = ref.astype(np.float32).astype(np.float64)
     _, rows, slots = t.live_arrays()
-    assert rows.dtype == np.dtype(storage) and slots["accumulator"].shape == acc.shape
-    np.testing.assert_allclose(slots["accumulator"], acc, rtol=1e-5)
-    assert t.rows.nbytes == len(t.ids) * width * np.dtype(storage).itemsize
+    assert rows["t"].dtype == np.dtype(storage) and slots["t"]["accumulator"].shape == acc.shape
+    np.testing.assert_allclose(slots["t"]["accumulator"], acc, rtol=1e-5)
+    assert t.rows["t"].nbytes == len(t.ids) * width * np.dtype(storage).itemsize
 
 
 def test_the_id_map_agrees_with_a_dict_through_inserts_removals_and_rebuilds():
@@ -232,11 +242,11 @@ def test_dynamic_tables_train_as_the_dense_computation_over_1_2_and_3_ps_tasks(t
                 for line in r.stdout.splitlines()
                 if "rows of dynamic tables" in line
             )
-            assert restored == 2 * live  # both tables' rows, each on the task owning its id
+            assert restored == live  # each id's rows, on the task owning it
         live = sum(
-            int(line.split("deep/embedding: ")[1].split()[0])
+            int(line.split("deep/embedding): ")[1].split()[0])
             for line in r.stdout.splitlines()
-            if "dynamic table deep/embedding: " in line
+            if "dynamic tables (wide/weights, deep/embedding): " in line
         )
     hits = float(r.stdout.split("row cache: ")[1].split("%")[0])
     assert hits > 10  # (the cache is used: 8 hot ids of the 40)
@@ -293,7 +303,7 @@ def test_admission_and_eviction_at_scale_of_ids_are_counted_and_kept_in_bounds(t
     (tmp_path / "job.toml").write_text(text.replace("batch_size = 8", "batch_size = 4"))
     r = run_mpi(4, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    lines = [s for s in r.stdout.splitlines() if "dynamic table wide/weights" in s]
+    lines = [s for s in r.stdout.splitlines() if "dynamic tables (wide/weights)" in s]
     assert len(lines) == 2  # one a PS task
     said = [
         [int(w) for w in s.split(": ")[1].replace(",", "").split() if w.isdigit()] for s in lines

@@ -27,8 +27,8 @@ from .rules import Apply
 
 MAX_ID = (1 << 63) - 1  # ids are int64 >= 0
 SKETCH_BITS = 20  # counters per row of the admission sketch: 2^20
-# (ids) -> {"": the ids' initial rows, <slot>: their initial slot values}
-Initial = Callable[[np.ndarray], dict[str, np.ndarray]]
+# (ids) -> by table, {"": the ids' initial rows, <slot>: their initial slot values}
+Initial = Callable[[np.ndarray], dict[str, dict[str, np.ndarray]]]
 
 
 def owner_of(ids: np.ndarray, num_ps: int) -> np.ndarray:
@@ -70,13 +70,19 @@ class Sketch:
         self.mask = np.uint64((1 << bits) - 1)
         self.counts = np.zeros((2, 1 << bits), np.int32)
 
-    def add(self, ids: np.ndarray) -> np.ndarray:
-        """Count one more pull of each (unique) id; the estimated counts after it."""
+    def add(self, ids: np.ndarray, exact: bool = True) -> np.ndarray:
+        """Count one more pull of each (unique) id; the estimated counts after it. Not
+        ``exact``: two ids of one call that share a counter add one to it, not two (3x
+        faster; a worker's cache, where a count only ranks ids)."""
         out = None
         for k in range(2):
             at = (mix64(ids, 2 + k) & self.mask).astype(np.int64)
-            np.add.at(self.counts[k], at, 1)
-            got = self.counts[k][at]
+            if exact:
+                np.add.at(self.counts[k], at, 1)
+                got = self.counts[k][at]
+            else:
+                got = self.counts[k][at] + 1
+                self.counts[k][at] = got
             out = got if out is None else np.minimum(out, got)
         assert out is not None
         return out
@@ -84,28 +90,33 @@ class Sketch:
 
 @dataclass
 class DynamicRows:
-    """One dynamic table's rows (and optimizer slots) on this PS task."""
+    """The rows of a PS task's dynamic tables (and their optimizer slots): one id map for
+    all of them (every table of a task serves the same ids, so one decision makes, keeps or
+    evicts an id's row in each), and a row of each table for each live id."""
 
-    name: str
-    width: int
-    dtype: np.dtype
+    widths: dict[str, int]  # by table name: elements of a row
+    dtype: np.dtype  # the model's: what pulls read and pushes bring
     slot_names: Sequence[str]
-    initial: Initial
+    initial: Initial  # ids -> {table: {"": rows, <slot>: values}}
     policy: Policy = field(default_factory=Policy)
-    # how the rows are stored (None: ``dtype``, the model's); float16 halves them, and
-    # every update is computed in ``dtype`` and stored rounded
+    # how the rows are stored (None: ``dtype``); float16 halves them, and every update is
+    # computed in ``dtype`` and stored rounded
     storage: np.dtype | None = None
-    slot_width: int | None = None  # elements of a slot's row (None: the row's; 1: row-wise)
+    rowwise: bool = False  # one slot value a row (row-wise Adagrad), not one a value
 
     def __post_init__(self) -> None:
         self.map = IdMap()
         self.counts = Counts()
-        self.rows = np.zeros((0, self.width), self.storage or self.dtype)
-        slot = (0, self.slot_width or self.width)
-        self.slots = {s: np.zeros(slot, self.dtype) for s in self.slot_names}
+        self.rows = {
+            t: np.zeros((0, w), self.storage or self.dtype) for t, w in self.widths.items()
+        }
+        self.slots = {
+            t: {s: np.zeros((0, 1 if self.rowwise else w), self.dtype) for s in self.slot_names}
+            for t, w in self.widths.items()
+        }
         self.ids = np.zeros(0, np.int64)  # each row's id (-1: free)
-        self.last = np.zeros(0, np.int64)  # the global step of its last training pull
-        self.uses = np.zeros(0, np.int64)  # its training pulls
+        self.last = np.zeros(0, np.int64)  # the global step it was last pulled or pushed at
+        self.uses = np.zeros(0, np.int64)  # its training pulls and pushes
         self._free: list[int] = []
         self._sketch = Sketch() if self.policy.min_count > 1 else None
 
@@ -113,27 +124,26 @@ class DynamicRows:
     def live(self) -> int:
         return len(self.map)
 
-    def slots_of(self, ids: np.ndarray) -> np.ndarray:
-        """Each id's row, or -1 where it has none."""
-        return self.map.find(ids)
-
-    def lookup(self, ids: np.ndarray, out: np.ndarray, step: int, train: bool = True) -> None:
-        """The rows of unique ``ids`` into ``out`` (zero for ids with none). A training pull
-        (``train``) counts them, makes the rows of ids now admitted and marks every row it
-        reads as used at ``step``; any other pull only reads."""
-        at = self.slots_of(ids)
+    def lookup(
+        self, ids: np.ndarray, out: dict[str, np.ndarray], step: int, train: bool = True
+    ) -> None:
+        """The rows of unique ``ids`` into ``out`` (by table; zero for ids with none). A
+        training pull (``train``) counts them, makes the rows of ids now admitted and marks
+        every row it reads as used at ``step``; any other pull only reads."""
+        at = self.map.find(ids)
         if train:
             new = np.flatnonzero(at < 0)
             if new.size:
                 at[new] = self._admit(ids[new], step, at[at >= 0])
         have = at >= 0
-        out[have] = self.rows[at[have]]
-        out[~have] = 0
+        rows = at[have]
+        for t, a in self.rows.items():
+            out[t][have] = a[rows]
+            out[t][~have] = 0
         if train:
-            used = at[have]
-            self.last[used] = step
-            self.uses[used] += 1
-            self.counts.not_admitted += int(len(ids) - have.sum())
+            self.last[rows] = step
+            self.uses[rows] += 1
+            self.counts.not_admitted += int(len(ids) - len(rows))
 
     def _admit(self, ids: np.ndarray, step: int, keep: np.ndarray) -> np.ndarray:
         """Rows for the ``ids`` that have none and are admitted now (-1 for the others),
@@ -146,15 +156,19 @@ class DynamicRows:
         if not take.size:
             return at
         rows = self._allocate(len(take), step, keep)
-        got = self.initial(ids[take])
-        self.rows[rows] = got[""]
-        for s in self.slot_names:
-            self.slots[s][rows] = got[s]
-        self.ids[rows], self.last[rows], self.uses[rows] = ids[take], step, 0
-        self.map.insert(ids[take], rows)
+        self._set(rows, ids[take], self.initial(ids[take]), step)
         self.counts.created += len(take)
         at[take] = rows
         return at
+
+    def _set(self, rows: np.ndarray, ids: np.ndarray, values: dict, step: int) -> None:
+        """Rows ``rows`` become those of ``ids``: ``values[table]`` ("" and each slot)."""
+        for t, a in self.rows.items():
+            a[rows] = values[t][""]
+            for s in self.slot_names:
+                self.slots[t][s][rows] = values[t][s]
+        self.ids[rows], self.last[rows], self.uses[rows] = ids, step, 0
+        self.map.insert(ids, rows)
 
     def _allocate(self, n: int, step: int, keep: np.ndarray) -> np.ndarray:
         """``n`` free rows: free ones, then new ones up to the capacity, then the least used
@@ -170,7 +184,7 @@ class DynamicRows:
             need = n - len(self._free)
             if need > int((score < np.iinfo(np.int64).max).sum()):
                 raise ValueError(
-                    f"table {self.name}: {n} new rows in one pull exceed what tables.capacity "
+                    f"dynamic tables: {n} new rows in one pull exceed what tables.capacity "
                     f"= {cap} leaves free (raise it above the rows one batch touches)"
                 )
             order = np.lexsort((self.last, score))[:need]
@@ -190,8 +204,8 @@ class DynamicRows:
             b[:old] = a
             return b
 
-        self.rows = grown(self.rows)
-        self.slots = {s: grown(a) for s, a in self.slots.items()}
+        self.rows = {t: grown(a) for t, a in self.rows.items()}
+        self.slots = {t: {s: grown(a) for s, a in held.items()} for t, held in self.slots.items()}
         self.ids, self.last, self.uses = grown(self.ids, -1), grown(self.last), grown(self.uses)
         self._free[:0] = range(size - 1, old - 1, -1)  # (taken from the end: low rows first)
 
@@ -203,7 +217,7 @@ class DynamicRows:
         return len(rows)
 
     def expire(self, step: int) -> None:
-        """Evict the rows not pulled for ``policy.ttl_steps`` global steps (0: none)."""
+        """Evict the rows not used for ``policy.ttl_steps`` global steps (0: none)."""
         ttl = self.policy.ttl_steps
         if ttl:
             old = np.flatnonzero((self.ids >= 0) & (self.last < step - ttl))
@@ -213,53 +227,57 @@ class DynamicRows:
     def update(
         self,
         ids: np.ndarray,
-        grads: np.ndarray,
+        grads: dict[str, np.ndarray],
         apply: Apply | None,
         lr: float,
         t: int,
         step: int | None = None,
+        answer: bool = False,
     ) -> None:
-        """Apply one pushed gradient: ``apply`` with ``lr`` and ``t`` to the rows of ``ids``
-        and their slots (None: plain SGD, ``grads`` are deltas, added); the rows count as
-        used at ``step`` (a worker that caches a row pushes it without pulling it). Rows of
-        ids with no row (not admitted, or evicted since the pull) are dropped."""
-        at = self.slots_of(ids)
+        """Apply one pushed gradient (by table, a row an id): ``apply`` with ``lr`` and
+        ``t`` to the rows of ``ids`` and their slots (None: plain SGD, the grads are deltas,
+        added); the rows count as used at ``step`` (a worker that caches a row pushes it
+        without pulling it). Rows of ids with no row (not admitted, or evicted since the
+        pull) are dropped. ``answer``: each grads array then holds the rows as stored now
+        (zero where dropped), for the worker's cache."""
+        at = self.map.find(ids)
         have = at >= 0
         self.counts.dropped += int(len(ids) - have.sum())
-        if not have.all():
-            at, grads = at[have], grads[have]
-        v = self.rows[at].astype(grads.dtype)  # (float16 rows: computed in float32)
-        if apply is None:
-            v += grads
-        else:
-            s = {k: a[at] for k, a in self.slots.items()}
-            apply(v, grads, s, lr, t)
-            for k, a in self.slots.items():
-                a[at] = s[k]
-        self.rows[at] = v
+        at = at[have]
+        for name, rows in self.rows.items():
+            g = grads[name][have] if len(at) < len(ids) else grads[name]
+            v = rows[at].astype(g.dtype)  # (float16 rows: computed in float32)
+            if apply is None:
+                v += g
+            else:
+                held = self.slots[name]
+                s = {k: a[at] for k, a in held.items()}
+                apply(v, g, s, lr, t)
+                for k, a in held.items():
+                    a[at] = s[k]
+            rows[at] = v
+            if answer:
+                grads[name][have] = rows[at]
+                grads[name][~have] = 0
         if step is not None:
             self.last[at] = step
             self.uses[at] += 1
 
-    def live_arrays(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-        """(ids, rows, slots) of every live row, in id order (a checkpoint's shard)."""
+    def live_arrays(self) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, dict]]:
+        """(ids, rows by table, slots by table) of every live id, in id order (a shard)."""
         at = np.flatnonzero(self.ids >= 0)
         at = at[np.argsort(self.ids[at], kind="stable")]
-        return self.ids[at], self.rows[at], {s: a[at] for s, a in self.slots.items()}
+        rows = {t: a[at] for t, a in self.rows.items()}
+        slots = {t: {s: a[at] for s, a in held.items()} for t, held in self.slots.items()}
+        return self.ids[at], rows, slots
 
-    def load(self, ids: np.ndarray, rows: np.ndarray, slots: dict[str, np.ndarray], step: int):
-        """Take these rows (a restore), as pulled at ``step``."""
-        if not len(ids):
-            return
-        at = self._allocate(len(ids), step, np.zeros(0, np.int64))
-        self.rows[at] = rows
-        for s in self.slot_names:
-            self.slots[s][at] = slots[s]
-        self.ids[at], self.last[at], self.uses[at] = ids, step, 0
-        self.map.insert(ids, at)
+    def load(self, ids: np.ndarray, values: dict[str, dict[str, np.ndarray]], step: int) -> None:
+        """Take these rows (a restore): by table, "" the rows and each slot's values."""
+        if len(ids):
+            self._set(self._allocate(len(ids), step, np.zeros(0, np.int64)), ids, values, step)
 
     def nbytes(self) -> int:
-        """Bytes held beyond the map: the rows, slots and per-row words allocated."""
-        return sum(a.nbytes for a in (self.rows, self.ids, self.last, self.uses)) + sum(
-            a.nbytes for a in self.slots.values()
-        )
+        """Bytes held beyond the id map: the rows, slots and per-row words allocated."""
+        held = [*self.rows.values(), self.ids, self.last, self.uses]
+        held += [a for slots in self.slots.values() for a in slots.values()]
+        return sum(a.nbytes for a in held)

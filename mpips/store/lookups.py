@@ -275,7 +275,7 @@ class DynamicServer:
     def __init__(
         self,
         lookups: Lookups,
-        rows: dict[str, DynamicRows],
+        rows: DynamicRows,
         apply: Apply | None,
         t: int,
     ):
@@ -314,18 +314,17 @@ class DynamicServer:
                 n = int(count[0])
                 lr = float(self.words[base + LR : base + LR + 1].view(np.float64)[0])
                 self.t += 1
-                for name, table in self.rows.items():
-                    table.update(ids[:n], grads[name][:n], self.apply, lr, self.t, self.step)
-                    if self.words[base + PUSH] == ANSWER:  # (into the box: the rows now)
-                        table.lookup(ids[:n], grads[name][:n], self.step, train=False)
+                answer = bool(self.words[base + PUSH] == ANSWER)  # (the rows now, in the box)
+                got = {name: g[:n] for name, g in grads.items()}
+                self.rows.update(ids[:n], got, self.apply, lr, self.t, self.step, answer)
                 self._clear(base + PUSH)
                 busy = True
             flag = int(self.words[base + LOOKUP])
             if flag:
                 count, ids, rows = self.views[k][0]
                 n = int(count[0])
-                for name, table in self.rows.items():
-                    table.lookup(ids[:n], rows[name][:n], self.step, flag == TRAIN)
+                out = {name: r[:n] for name, r in rows.items()}
+                self.rows.lookup(ids[:n], out, self.step, flag == TRAIN)
                 self._clear(base + LOOKUP)
                 busy = True
         return busy
@@ -345,17 +344,14 @@ class DynamicServer:
         """The global step now: rows pulled from now on are marked with it; old ones expire;
         the counts are reported when due."""
         self.step = step
-        for table in self.rows.values():
-            table.expire(step)
+        self.rows.expire(step)
         if self._report is not None and self._every and step >= self._next:
             self._next = step + self._every
             self._report(step, self.counts())
 
     def counts(self) -> dict[str, float]:
-        """Every table's counts so far, by summary name."""
-        out: dict[str, float] = {}
-        for name, table in self.rows.items():
-            out[f"tables/{name}/live"] = table.live
-            for key, value in vars(table.counts).items():
-                out[f"tables/{name}/{key}"] = value
-        return out
+        """The rows' counts so far, by summary name (``tables/live``, ``tables/created``,
+        ...: every dynamic table of a task has a row for each live id)."""
+        return {"tables/live": self.rows.live} | {
+            f"tables/{key}": value for key, value in vars(self.rows.counts).items()
+        }

@@ -48,7 +48,7 @@ class RowCache:
         """A training pull of unique ``ids``: (positions whose rows are cached fresh, their
         slots); counts the pull of every id."""
         self.clock += 1
-        counts = self.sketch.add(ids)
+        counts = self.sketch.add(ids, exact=False)
         slot = self.map.find(ids)
         held = np.flatnonzero(slot >= 0)
         self.score[slot[held]] = counts[held]

@@ -41,48 +41,46 @@ def open_lookups(ctx: RunContext, windows: Windows, capacity: int) -> None:
         windows.lookups = Lookups(comm, ranks, tables, capacity, (t.cache_rows, t.cache_steps))
 
 
-def ps_rows(ctx: RunContext) -> dict[str, DynamicRows]:
-    """PS task: its rows of every dynamic table, restored from the checkpoint start-up
-    found (the rows whose ids it owns), or none yet."""
+def ps_rows(ctx: RunContext) -> DynamicRows:
+    """PS task: its rows of the dynamic tables, restored from the checkpoint start-up found
+    (the rows whose ids it owns), or none yet."""
     job, model, optimizer = ctx.job, ctx.model, ctx.optimizer
     seed, t = job.model.init_seed, job.tables
-    policy = Policy(t.capacity, t.min_count, t.ttl_steps)
     rowwise = t.optimizer == "rowwise_adagrad"
     first = job.optimizer.initial_accumulator_value
+    specs = dynamic_specs(job, model)
 
-    def initial(name: str) -> Any:
-        def rows(ids: np.ndarray) -> dict[str, np.ndarray]:
-            values = model.initial_rows_of(name, ids, seed)
+    def initial(ids: np.ndarray) -> dict[str, dict[str, np.ndarray]]:
+        out = {}
+        for s in specs:
+            values = model.initial_rows_of(s.name, ids, seed)
             if rowwise:
-                return {"": values, "accumulator": np.full((len(ids), 1), first, values.dtype)}
-            return {"": values, **optimizer.init_slots(values)}
+                out[s.name] = {"": values, "accumulator": np.full((len(ids), 1), first, s.dtype)}
+            else:
+                out[s.name] = {"": values, **optimizer.init_slots(values)}
+        return out
 
-        return rows
-
-    out = {
-        s.name: DynamicRows(
-            s.name,
-            s.width,
-            s.dtype,
-            optimizer.slots,
-            initial(s.name),
-            policy,
-            storage=np.dtype(t.dtype),
-            slot_width=1 if rowwise else None,
-        )
-        for s in dynamic_specs(job, model)
-    }
+    rows = DynamicRows(
+        {s.name: s.width for s in specs},
+        specs[0].dtype,
+        optimizer.slots,
+        initial,
+        Policy(t.capacity, t.min_count, t.ttl_steps),
+        storage=np.dtype(t.dtype),
+        rowwise=rowwise,
+    )
     if ctx.prep.restored is not None:
-        _restore(ctx, out)
-    return out
+        _restore(ctx, rows)
+    return rows
 
 
-def _restore(ctx: RunContext, tables: dict[str, DynamicRows]) -> None:
+def _restore(ctx: RunContext, rows: DynamicRows) -> None:
     """The rows this task owns of each table, from the checkpoint start-up restored."""
     assert ctx.prep.restored is not None
     ckpt = checkpoint.Checkpoint(ctx.prep.restored)
     task, num_ps = ctx.role.task, ctx.cluster.layout.num_ps
-    for name, table in tables.items():
+    ids, values = None, {}
+    for name in rows.widths:
         if name + IDS not in ckpt.variables:
             raise CheckpointError(
                 f"checkpoint {ckpt.path}: table '{name}' was written as a fixed table; "
@@ -90,20 +88,26 @@ def _restore(ctx: RunContext, tables: dict[str, DynamicRows]) -> None:
             )
         names = [name, name + IDS]
         specs = [VariableSpec(n, ckpt.variables[n].shape, ckpt.variables[n].dtype) for n in names]
-        slots = [f"{name}/{s}" for s in table.slot_names]
+        slots = [f"{name}/{s}" for s in rows.slot_names]
         slot_specs = [VariableSpec(n, ckpt.slots[n].shape, ckpt.slots[n].dtype) for n in slots]
         got = ckpt.read(specs, slot_specs, finite="restore an earlier checkpoint")
-        ids = got[name + IDS]
-        mine = owner_of(ids, num_ps) == task
-        table.load(
-            ids[mine],
-            got[name][mine],
-            {s: got[f"{name}/{s}"][mine] for s in table.slot_names},
-            ctx.prep.start_step,
-        )
-    if tables:
-        live = sum(t.live for t in tables.values())
-        log(ctx.role, f"restored {live} rows of dynamic tables from {ckpt.path.name}")
+        if ids is None:
+            ids = got[name + IDS]
+        elif not np.array_equal(ids, got[name + IDS]):
+            raise CheckpointError(
+                f"checkpoint {ckpt.path}: the dynamic tables' ids differ ('{name}' has "
+                f"others): not written by mpips, or damaged"
+            )
+        values[name] = {"": got[name]} | {s: got[f"{name}/{s}"] for s in rows.slot_names}
+    if ids is None:
+        return
+    mine = owner_of(ids, num_ps) == task
+    rows.load(
+        ids[mine],
+        {t: {k: a[mine] for k, a in v.items()} for t, v in values.items()},
+        ctx.prep.start_step,
+    )
+    log(ctx.role, f"restored {rows.live} ids' rows of dynamic tables from {ckpt.path.name}")
 
 
 def server(ctx: RunContext, windows: Windows) -> DynamicServer | None:
@@ -129,11 +133,11 @@ def shard_part(
     if dynamic is None:
         return None
     names, slot_names = [], []
-    for name, table in dynamic.rows.items():
-        ids, rows, held = table.live_arrays()
-        variables[name], variables[name + IDS] = rows, ids
+    ids, rows, held = dynamic.rows.live_arrays()
+    for name in rows:
+        variables[name], variables[name + IDS] = rows[name], ids
         names += [name, name + IDS]
-        for s, a in held.items():
+        for s, a in held[name].items():
             slots[f"{name}/{s}"] = a
             slot_names.append(f"{name}/{s}")
     return marked(names, slot_names)
@@ -141,5 +145,6 @@ def shard_part(
 
 def report(ctx: RunContext, dynamic: DynamicServer | None) -> None:
     """PS task, at the end: what each dynamic table did here."""
-    for name, table in (dynamic.rows if dynamic is not None else {}).items():
-        log(ctx.role, f"dynamic table {name}: {table.counts.line(table.live)}")
+    if dynamic is not None:
+        rows = dynamic.rows
+        log(ctx.role, f"dynamic tables ({', '.join(rows.widths)}): {rows.counts.line(rows.live)}")
