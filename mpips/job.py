@@ -228,7 +228,6 @@ NON_NEGATIVE = (
     "tables.capacity",
     "tables.ttl_steps",
     "tables.cache_rows",
-    "tables.cache_steps",
 )
 POSITIVE = (
     "train.batch_size",
@@ -241,6 +240,7 @@ POSITIVE = (
     "optimizer.decay_steps",
     "data.prefetch",
     "tables.min_count",
+    "tables.cache_steps",
 )
 UNIT_INTERVAL = ("optimizer.beta1", "optimizer.beta2")  # [0, 1)
 MAX_INT = (1 << 62) - 1  # the largest integer a setting may be (a checkpoint holds it)

@@ -181,6 +181,8 @@ def test_the_id_map_agrees_with_a_dict_through_inserts_removals_and_rebuilds():
         ask = np.concatenate([rng.choice(list(ref), 50), gone[:20], rng.integers(0, 9, 5)])
         np.testing.assert_array_equal(m.find(ask), [ref.get(i, -1) for i in ask.tolist()])
     assert len(m) == len(ref) and sorted(m.items()[0].tolist()) == sorted(ref)
+    # the marks of empty and removed slots are never an id's: -1 and -2 find nothing
+    assert m.find(np.array([-1, -2], np.int64)).tolist() == [-1, -1]
     assert len(m.keys) <= 3 * 2 * len(ref)  # never more than 6 slots a live id
 
 
@@ -201,7 +203,7 @@ def test_the_row_cache_keeps_the_most_pulled_ids_fresh_for_max_age_steps():
 
     assert pull([1, 2, 3], [[1, 1], [2, 2], [3, 3]]) == ([], [[1, 1], [2, 2], [3, 3]])
     assert pull([1, 2], [[9, 9], [9, 9]]) == ([0, 1], [[1, 1], [2, 2]])  # cached: 1 and 2
-    cache.refresh(np.array([2, 5], np.int64), {"t": np.float32([[7, 7], [5, 5]])})
+    cache.refresh(np.array([2, 5], np.int64), {"t": np.float32([[7, 7], [5, 5]])}, np.ones(2, bool))
     assert pull([2], [[9, 9]]) == ([0], [[7, 7]])  # its own push's row
     assert pull([1], [[8, 8]]) == ([], [[8, 8]])  # 1 was read 3 steps ago: asked again
     assert pull([1], [[9, 9]]) == ([0], [[8, 8]])  # ... and cached anew
@@ -209,6 +211,22 @@ def test_the_row_cache_keeps_the_most_pulled_ids_fresh_for_max_age_steps():
         pull([3], [[3, 3]])  # 3 is now pulled more often than 2 (4 times to 3)
     assert sorted(cache.map.items()[0].tolist()) == [1, 3]
     assert cache.hits == 4 and cache.looked == 11
+    # a push answered "no row" for 3 (evicted on its PS task): it leaves the cache
+    cache.refresh(np.array([3], np.int64), {"t": np.zeros((1, 2), np.float32)}, np.zeros(1, bool))
+    assert cache.map.items()[0].tolist() == [1] and pull([3], [[4, 4]]) == ([], [[4, 4]])
+
+
+def test_ids_outside_0_to_2_63_are_refused_before_anything_moves():
+    from types import SimpleNamespace
+
+    from mpips.errors import DataError
+    from mpips.store.lookups import DynamicClient
+
+    lookups = SimpleNamespace(boxes=[(None, None)], cache=(0, 0), tables=[], win=None)
+    client = DynamicClient(lookups, 0)
+    for bad in (np.array([3, -1]), np.array([2**63], np.uint64)):
+        with pytest.raises(DataError, match=r"integers in \[0, 2\^63\)"):
+            client.ask(bad, train=True)
 
 
 def test_owners_are_a_hash_of_the_id_spread_over_the_tasks():
@@ -268,9 +286,14 @@ def test_dynamic_tables_train_as_the_dense_computation_over_1_2_and_3_ps_tasks(t
         np.testing.assert_allclose(variables[name], want[name], rtol=1e-4, atol=1e-6)
     final = r.stdout.split("test_auc ")[-1].split()[0]
     ev = run_py(["-m", "mpips", "eval", "job.toml"], cwd=tmp_path)  # rows by id, one process
+    (tmp_path / "fixed.toml").write_text(text.replace("steps = 30", "steps = 40"))
     assert ev.returncode == 0 and f"test_auc {final}" in ev.stdout, ev.stdout + ev.stderr
+    fixed = run_mpi(2, ["-m", "mpips", "train", "fixed.toml"], cwd=tmp_path)  # (see below)
     out = run_py(["-m", "mpips", "ckpt", "export", "runs/s", "out.h5"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+    # the checkpoint resumed with fixed tables: one line (fixed.toml, written above)
+    said = 'written as a dynamic table: restore it with tables.kind = "dynamic"'
+    assert fixed.returncode != 0 and said in fixed.stderr, fixed.stderr
     with h5py.File(tmp_path / "out.h5") as f:
         np.testing.assert_array_equal(f["deep/embedding:ids"][()], variables["deep/embedding:ids"])
 
@@ -299,12 +322,12 @@ def test_admission_and_eviction_at_scale_of_ids_are_counted_and_kept_in_bounds(t
     big_id_dataset(tmp_path / "b.h5")
     text = JOB.format(model="logreg", rule="mod", opt="ftrl", lr=0.3, steps=60)
     text = text.replace('"s.h5"', '"b.h5"') + DYNAMIC
-    text += "capacity = 16\nmin_count = 3\nttl_steps = 20\n"
+    text += "capacity = 16\nmin_count = 3\nttl_steps = 20\ncache_rows = 4\ncache_steps = 5\n"
     (tmp_path / "job.toml").write_text(text.replace("batch_size = 8", "batch_size = 4"))
-    r = run_mpi(4, ["-m", "mpips", "train", "job.toml", "--ps", "2"], cwd=tmp_path)
+    r = run_mpi(3, ["-m", "mpips", "train", "job.toml", "--ps", "1"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     lines = [s for s in r.stdout.splitlines() if "dynamic tables (wide/weights)" in s]
-    assert len(lines) == 2  # one a PS task
+    assert len(lines) == 1  # (one PS task: 16 rows for the 60 ids)
     said = [
         [int(w) for w in s.split(": ")[1].replace(",", "").split() if w.isdigit()] for s in lines
     ]
@@ -314,6 +337,18 @@ def test_admission_and_eviction_at_scale_of_ids_are_counted_and_kept_in_bounds(t
     ckpt = Checkpoint(tmp_path / "runs/s/ckpt-60.json")
     ids = ckpt.read_all()[0]["wide/weights:ids"]
     assert ids.min() >= 1 << 40 and len(ids) == live
+    # the hottest id is admitted and kept, though the workers cache it (a cache that kept
+    # the zero row of an id not yet admitted would never ask for it again)
+    assert 1 << 40 in ids.tolist()
+    # resumed with room for fewer rows than the checkpoint gives the PS task (batches of
+    # 2 x 4 ids: 8 rows are enough for one): one line, nothing lost
+    text = (tmp_path / "job.toml").read_text().replace("capacity = 16", "capacity = 8")
+    text = text.replace("steps = 60", "steps = 70").replace("batch_size = 4", "batch_size = 2")
+    (tmp_path / "again.toml").write_text(text)
+    r = run_mpi(3, ["-m", "mpips", "train", "again.toml", "--ps", "1"], cwd=tmp_path)
+    said = "more than tables.capacity = 8: raise the capacity, or restore onto more PS tasks"
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert Checkpoint(tmp_path / "runs/s/ckpt-60.json").step == 60  # (still the latest)
 
 
 def test_what_dynamic_tables_rule_out_is_said_in_one_line():

@@ -7,8 +7,19 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..job import Job
+from ..process.memory import check_fits
 
 MODES = ("async", "hybrid")
+# the [tables] keys of dynamic tables only, with their defaults
+DYNAMIC_ONLY = {
+    "capacity": 0,
+    "min_count": 1,
+    "ttl_steps": 0,
+    "optimizer": "",
+    "dtype": "float32",
+    "cache_rows": 0,
+    "cache_steps": 10,
+}
 
 
 def check(job: Job, model: Any, max_nnz: int) -> None:
@@ -16,12 +27,18 @@ def check(job: Job, model: Any, max_nnz: int) -> None:
     data's most ids in a row)."""
     t = job.tables
     if t.kind != "dynamic":
-        if t.optimizer or t.dtype != "float32":
+        given = [k for k, v in DYNAMIC_ONLY.items() if getattr(t, k) != v]
+        if given:
             raise ConfigError(
-                'tables.optimizer and tables.dtype: for tables.kind = "dynamic" (a fixed '
-                "table's rows are stored and updated as the model's variables)"
+                f'tables.{given[0]}: for tables.kind = "dynamic" only (a fixed table has '
+                f"the rows its model declares, stored and updated as its variables)"
             )
         return
+    if t.cache_rows and model.tables():
+        row = sum(s.nbytes // max(1, s.shape[0]) for s in model.tables())
+        check_fits(  # (a worker's cache: its rows, and 2 map slots of 16 B a row)
+            t.cache_rows * (row + 32), f"tables.cache_rows = {t.cache_rows}", ConfigError
+        )
     if t.optimizer == "rowwise_adagrad" and job.optimizer.kind != "adagrad":
         raise ConfigError(
             f'tables.optimizer = "rowwise_adagrad": with optimizer.kind = "adagrad" (its '

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import checkpoint
+from ..checkpoint.dynamic import IDS
 from ..data.batches import (
     DatasetInfo,
     InMemoryPart,
@@ -481,6 +482,12 @@ def _ps_fill(
                         _fill_rows, model, optimizer, e.name, e.rows, seed, slot
                     )
         return out
+    written = [e.name for e in mine if e.table and e.name + IDS in ckpt.variables]
+    if written:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path}: table '{written[0]}' was written as a dynamic table: "
+            f'restore it with tables.kind = "dynamic"'
+        )
     t0 = time.perf_counter()
     out = ckpt.read(
         [e.whole or e.spec for e in mine],

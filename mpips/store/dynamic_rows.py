@@ -69,8 +69,18 @@ class Sketch:
     def __init__(self, bits: int = SKETCH_BITS):
         self.mask = np.uint64((1 << bits) - 1)
         self.counts = np.zeros((2, 1 << bits), np.int32)
+        # every counter halved after this many ids counted (TinyLFU's reset): the counts
+        # stay those of recent pulls, and a full sketch does not admit every id
+        self.period, self.added = 8 << bits, 0
 
     def add(self, ids: np.ndarray, exact: bool = True) -> np.ndarray:
+        self.added += len(ids)
+        if self.added >= self.period:
+            self.counts >>= 1
+            self.added = 0
+        return self._add(ids, exact)
+
+    def _add(self, ids: np.ndarray, exact: bool) -> np.ndarray:
         """Count one more pull of each (unique) id; the estimated counts after it. Not
         ``exact``: two ids of one call that share a counter add one to it, not two (3x
         faster; a worker's cache, where a count only ranks ids)."""
@@ -119,6 +129,8 @@ class DynamicRows:
         self.uses = np.zeros(0, np.int64)  # its training pulls and pushes
         self._free: list[int] = []
         self._sketch = Sketch() if self.policy.min_count > 1 else None
+        self._expired = -(1 << 62)  # the step rows were last expired at
+        self._decay = self.policy.capacity  # rows made when use counts are halved next
 
     @property
     def live(self) -> int:
@@ -126,10 +138,11 @@ class DynamicRows:
 
     def lookup(
         self, ids: np.ndarray, out: dict[str, np.ndarray], step: int, train: bool = True
-    ) -> None:
+    ) -> np.ndarray:
         """The rows of unique ``ids`` into ``out`` (by table; zero for ids with none). A
         training pull (``train``) counts them, makes the rows of ids now admitted and marks
-        every row it reads as used at ``step``; any other pull only reads."""
+        every row it reads as used at ``step``; any other pull only reads. Returns which ids
+        have a row."""
         at = self.map.find(ids)
         if train:
             new = np.flatnonzero(at < 0)
@@ -144,6 +157,7 @@ class DynamicRows:
             self.last[rows] = step
             self.uses[rows] += 1
             self.counts.not_admitted += int(len(ids) - len(rows))
+        return have
 
     def _admit(self, ids: np.ndarray, step: int, keep: np.ndarray) -> np.ndarray:
         """Rows for the ``ids`` that have none and are admitted now (-1 for the others),
@@ -158,6 +172,9 @@ class DynamicRows:
         rows = self._allocate(len(take), step, keep)
         self._set(rows, ids[take], self.initial(ids[take]), step)
         self.counts.created += len(take)
+        if self._decay and self.counts.created >= self._decay:  # (uses: recent ones count)
+            self.uses >>= 1
+            self._decay = self.counts.created + self.policy.capacity
         at[take] = rows
         return at
 
@@ -178,17 +195,21 @@ class DynamicRows:
             size = len(self.ids)
             want = max(2 * size, size + n - len(self._free), 1024)
             self._grow(min(want, cap) if cap else want)
-        if len(self._free) < n:  # at capacity
-            score = np.where(self.ids >= 0, self.uses, np.iinfo(np.int64).max)
-            score[keep] = np.iinfo(np.int64).max
+        if len(self._free) < n:  # at capacity: evict a 64th of it at once, or what is needed
+            never = np.iinfo(np.int64).max
+            # least used first, the oldest first among equals: one key, uses then last step
+            key = self.uses * (int(self.last.max(initial=0)) + 1) + self.last
+            key[self.ids < 0] = never
+            key[keep] = never
             need = n - len(self._free)
-            if need > int((score < np.iinfo(np.int64).max).sum()):
+            evictable = int((key < never).sum())
+            if need > evictable:
                 raise ValueError(
                     f"dynamic tables: {n} new rows in one pull exceed what tables.capacity "
                     f"= {cap} leaves free (raise it above the rows one batch touches)"
                 )
-            order = np.lexsort((self.last, score))[:need]
-            self.counts.evicted_full += self._evict(order)
+            k = min(evictable, max(need, cap // 64))
+            self.counts.evicted_full += self._evict(np.argpartition(key, k - 1)[:k])
         rows = np.array(self._free[-n:][::-1], np.int64)
         del self._free[-n:]
         return rows
@@ -217,12 +238,15 @@ class DynamicRows:
         return len(rows)
 
     def expire(self, step: int) -> None:
-        """Evict the rows not used for ``policy.ttl_steps`` global steps (0: none)."""
+        """Evict the rows not used for ``policy.ttl_steps`` global steps (0: none), looked
+        for each time the step moved on by an eighth of them."""
         ttl = self.policy.ttl_steps
-        if ttl:
-            old = np.flatnonzero((self.ids >= 0) & (self.last < step - ttl))
-            if old.size:
-                self.counts.evicted_age += self._evict(old)
+        if not ttl or step - self._expired < max(1, ttl // 8):  # (a scan of every row)
+            return
+        self._expired = step
+        old = np.flatnonzero((self.ids >= 0) & (self.last < step - ttl))
+        if old.size:
+            self.counts.evicted_age += self._evict(old)
 
     def update(
         self,
@@ -233,13 +257,13 @@ class DynamicRows:
         t: int,
         step: int | None = None,
         answer: bool = False,
-    ) -> None:
+    ) -> np.ndarray:
         """Apply one pushed gradient (by table, a row an id): ``apply`` with ``lr`` and
         ``t`` to the rows of ``ids`` and their slots (None: plain SGD, the grads are deltas,
         added); the rows count as used at ``step`` (a worker that caches a row pushes it
         without pulling it). Rows of ids with no row (not admitted, or evicted since the
         pull) are dropped. ``answer``: each grads array then holds the rows as stored now
-        (zero where dropped), for the worker's cache."""
+        (zero where dropped), for the worker's cache. Returns which ids have a row."""
         at = self.map.find(ids)
         have = at >= 0
         self.counts.dropped += int(len(ids) - have.sum())
@@ -262,6 +286,7 @@ class DynamicRows:
         if step is not None:
             self.last[at] = step
             self.uses[at] += 1
+        return have
 
     def live_arrays(self) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, dict]]:
         """(ids, rows by table, slots by table) of every live id, in id order (a shard)."""

@@ -54,7 +54,7 @@ class IdMap:
         mask = int(self.mask)
         while todo.size:
             k = self.keys[at[todo]]
-            hit = k == ids[todo]
+            hit = (k == ids[todo]) & (k >= 0)  # (never an EMPTY or GONE mark)
             found[todo[hit]] = True
             more = ~hit & (k != EMPTY)
             todo = todo[more]

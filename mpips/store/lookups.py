@@ -27,17 +27,18 @@ from typing import NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import Stalled
+from ..errors import DataError, Stalled
 from ..placement.table import align
 from ..process.waits import poll
 from .cluster import stall_limit, stall_timeout
-from .dynamic_rows import DynamicRows, owner_of
+from .dynamic_rows import MAX_ID, DynamicRows, owner_of
 from .row_cache import RowCache
 from .rules import Apply
 
 LOOKUP, PUSH, LR, WORDS = 0, 1, 2, 3  # a worker's int64 words
 TRAIN, READ = 2, 1  # a lookup flag's values
 ANSWER = 2  # a push flag's: answer with the rows it was applied to (a worker's cache)
+NO_ROW = -1  # what an answer puts in place of an id with no row (not admitted, evicted)
 FAST_SECONDS = 0.02  # how long a worker looks every 50 us for an answer (as the mailbox)
 
 
@@ -144,6 +145,13 @@ class DynamicClient:
         """Post a lookup of unique ``ids`` (at most ``capacity``) to the tasks that own them
         (a training pull with a cache: of those it does not hold fresh)."""
         win, box, staged = self.lk.win, self.lookup_box, []
+        if len(ids) and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > MAX_ID):
+            bad = ids[(ids < 0) | (ids > MAX_ID)][:1].tolist() or [ids.dtype]
+            raise DataError(
+                f"a dynamic table's ids are integers in [0, 2^63); this batch has {bad[0]} "
+                f"(padding? drop it from the batch, or map it to an id of its own)"
+            )
+        ids = ids.astype(np.int64, copy=False)
         self._ids, self._hit = ids, None
         self._asked = self.route(ids)
         if train:
@@ -178,12 +186,16 @@ class DynamicClient:
         per id asked, in the order asked)."""
         self._wait([p for p, _ in self._asked], LOOKUP, "answer this worker's lookup")
         win, box, got = self.lk.win, self.lookup_box, []
+        answered = []  # (with a cache) the ids as answered: NO_ROW where an id has none
         for p, at in self._asked:
             rank = self.lk.ps_ranks[p]
             for t in self.lk.tables:
                 staged = np.empty((len(at), t.width), t.dtype)
                 win.Get([staged, MPI.BYTE], rank, [box.rows[t.name], staged.nbytes, MPI.BYTE])
                 got.append((out[t.name], at, staged))
+            if self._hit is not None:
+                answered.append(np.empty(len(at), np.int64))
+                win.Get([answered[-1], MPI.BYTE], rank, [box.ids, 8 * len(at), MPI.BYTE])
         for p, _ in self._asked:
             win.Flush(self.lk.ps_ranks[p])
         for rows, at, staged in got:
@@ -192,7 +204,8 @@ class DynamicClient:
             assert self.cache is not None
             self.cache.read(self._hit[1], self._hit[0], out)
             asked = np.concatenate([at for _, at in self._asked] or [np.zeros(0, np.int64)])
-            self.cache.store(self._ids, asked, out)
+            found = np.concatenate(answered or [np.zeros(0, np.int64)]) != NO_ROW
+            self.cache.store(self._ids, asked[found], out)
 
     def post(self, ids: np.ndarray, grads: dict[str, np.ndarray], lr: float) -> None:
         """Post the gradient rows (by table, a row per id of the last training pull) to the
@@ -232,11 +245,13 @@ class DynamicClient:
                     rank,
                     [box.rows[t.name], rows[t.name].nbytes, MPI.BYTE],
                 )
-            got.append((self._pushed_ids[at], rows))
+            answered = np.empty(len(at), np.int64)  # (NO_ROW: the id has no row now)
+            win.Get([answered, MPI.BYTE], rank, [box.ids, answered.nbytes, MPI.BYTE])
+            got.append((self._pushed_ids[at], rows, answered))
         for p, _ in self._routes:
             win.Flush(self.lk.ps_ranks[p])
-        for ids, rows in got:
-            self.cache.refresh(ids, rows)
+        for ids, rows, answered in got:
+            self.cache.refresh(ids, rows, answered != NO_ROW)
 
     def _wait(self, tasks: list[int], which: int, what: str) -> None:
         win, word = self.lk.win, self.lk.word(self.task, which) // 8
@@ -309,6 +324,11 @@ class DynamicServer:
         win.Sync()  # loads of its own memory see what the workers wrote
         for k in range(self.lk.num_workers):
             base = WORDS * k
+            # the lookup flag first: a push the worker raised before it is then seen too,
+            # and applied before the lookup is answered
+            flag = int(self.words[base + LOOKUP])
+            if flag:
+                win.Sync()
             if self.words[base + PUSH]:
                 count, ids, grads = self.views[k][1]
                 n = int(count[0])
@@ -316,15 +336,17 @@ class DynamicServer:
                 self.t += 1
                 answer = bool(self.words[base + PUSH] == ANSWER)  # (the rows now, in the box)
                 got = {name: g[:n] for name, g in grads.items()}
-                self.rows.update(ids[:n], got, self.apply, lr, self.t, self.step, answer)
+                have = self.rows.update(ids[:n], got, self.apply, lr, self.t, self.step, answer)
+                if answer:
+                    ids[:n][~have] = NO_ROW  # (the worker's cache drops them)
                 self._clear(base + PUSH)
                 busy = True
-            flag = int(self.words[base + LOOKUP])
             if flag:
                 count, ids, rows = self.views[k][0]
                 n = int(count[0])
                 out = {name: r[:n] for name, r in rows.items()}
-                self.rows.lookup(ids[:n], out, self.step, flag == TRAIN)
+                have = self.rows.lookup(ids[:n], out, self.step, flag == TRAIN)
+                ids[:n][~have] = NO_ROW  # (read back by a worker's cache: not cached)
                 self._clear(base + LOOKUP)
                 busy = True
         return busy

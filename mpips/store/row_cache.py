@@ -64,7 +64,8 @@ class RowCache:
             out[name][at] = rows[slots]
 
     def store(self, ids: np.ndarray, at: np.ndarray, out: dict[str, np.ndarray]) -> None:
-        """Rows just read from the PS tasks (``out`` at positions ``at``, for ``ids[at]``):
+        """Rows just read from the PS tasks (``out`` at positions ``at``, for ``ids[at]``,
+        each an id with a row there: one not admitted reads a zero row that is not its):
         a cached id's row is refreshed, a hot new id's row cached."""
         got, counts = ids[at], self._counts[at]
         slot = self.map.find(got)
@@ -91,11 +92,16 @@ class RowCache:
             rows[slots] = out[name][at]
         self.fetched[slots] = self.clock
 
-    def refresh(self, ids: np.ndarray, rows: dict[str, np.ndarray]) -> None:
-        """Rows the PS tasks applied this worker's push to: those cached are refreshed."""
+    def refresh(self, ids: np.ndarray, rows: dict[str, np.ndarray], found: np.ndarray) -> None:
+        """Rows the PS tasks applied this worker's push to: those cached are refreshed; a
+        cached id that has no row there any more (``found`` False: evicted) leaves."""
         slot = self.map.find(ids)
-        have = np.flatnonzero(slot >= 0)
+        have = np.flatnonzero((slot >= 0) & found)
         self._write(slot[have], have, rows)
+        gone = np.flatnonzero((slot >= 0) & ~found)
+        if gone.size:
+            self.map.remove(ids[gone])
+            self.ids[slot[gone]], self.score[slot[gone]] = -1, -1
 
     def cached(self, ids: np.ndarray) -> np.ndarray:
         """The positions of ``ids`` that are cached."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from ... import checkpoint
 from ...checkpoint.dynamic import IDS, marked
-from ...errors import CheckpointError
+from ...errors import CheckpointError, ConfigError
 from ...job import Job
 from ...models.variables import VariableSpec
 from ...optim.rules import apply_rowwise_adagrad
@@ -101,7 +101,19 @@ def _restore(ctx: RunContext, rows: DynamicRows) -> None:
         values[name] = {"": got[name]} | {s: got[f"{name}/{s}"] for s in rows.slot_names}
     if ids is None:
         return
+    if len(np.unique(ids)) < len(ids):
+        raise CheckpointError(
+            f"checkpoint {ckpt.path}: a dynamic table holds an id twice: not written by "
+            f"mpips, or damaged"
+        )
     mine = owner_of(ids, num_ps) == task
+    cap = ctx.job.tables.capacity
+    if cap and int(mine.sum()) > cap:
+        raise ConfigError(
+            f"checkpoint {ckpt.path} gives /job:ps/task:{task} {int(mine.sum())} rows of each "
+            f"dynamic table, more than tables.capacity = {cap}: raise the capacity, or "
+            f"restore onto more PS tasks"
+        )
     rows.load(
         ids[mine],
         {t: {k: a[mine] for k, a in v.items()} for t, v in values.items()},
