@@ -355,9 +355,7 @@ class StoreClient:
         (an evaluation's may not: _dynamic_rows asks for them a box at a time)."""
         if ids is None or self.dynamic is None or len(ids) > self.dynamic.lk.capacity:
             return False
-        if step and self.dynamic.cache is not None:
-            self._settle_dynamic()  # (the last push's rows refresh the cache first)
-        self.dynamic.ask(ids, train=step)
+        self.dynamic.ask(ids, train=step)  # (a cache is refreshed by settle, before receive)
         if step:
             self._dynamic_ids = ids
         return True

@@ -256,18 +256,19 @@ class DynamicRows:
         lr: float,
         t: int,
         step: int | None = None,
-        answer: bool = False,
+        answer: int = 0,
     ) -> np.ndarray:
         """Apply one pushed gradient (by table, a row an id): ``apply`` with ``lr`` and
         ``t`` to the rows of ``ids`` and their slots (None: plain SGD, the grads are deltas,
         added); the rows count as used at ``step`` (a worker that caches a row pushes it
         without pulling it). Rows of ids with no row (not admitted, or evicted since the
-        pull) are dropped. ``answer``: each grads array then holds the rows as stored now
-        (zero where dropped), for the worker's cache. Returns which ids have a row."""
-        at = self.map.find(ids)
-        have = at >= 0
+        pull) are dropped. ``answer``: the grads of the first ``answer`` ids then hold
+        their rows as stored now (zero where dropped), for the worker's cache. Returns
+        which ids have a row."""
+        found = self.map.find(ids)
+        have = found >= 0
         self.counts.dropped += int(len(ids) - have.sum())
-        at = at[have]
+        at = found[have]
         for name, rows in self.rows.items():
             g = grads[name][have] if len(at) < len(ids) else grads[name]
             v = rows[at].astype(g.dtype)  # (float16 rows: computed in float32)
@@ -281,8 +282,9 @@ class DynamicRows:
                     a[at] = s[k]
             rows[at] = v
             if answer:
-                grads[name][have] = rows[at]
-                grads[name][~have] = 0
+                first, ok = found[:answer], have[:answer]
+                grads[name][:answer][ok] = rows[first[ok]]
+                grads[name][:answer][~ok] = 0
         if step is not None:
             self.last[at] = step
             self.uses[at] += 1

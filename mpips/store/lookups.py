@@ -35,9 +35,8 @@ from .dynamic_rows import MAX_ID, DynamicRows, owner_of
 from .row_cache import RowCache
 from .rules import Apply
 
-LOOKUP, PUSH, LR, WORDS = 0, 1, 2, 3  # a worker's int64 words
+LOOKUP, PUSH, LR, CACHED, WORDS = 0, 1, 2, 3, 4  # a worker's int64 words
 TRAIN, READ = 2, 1  # a lookup flag's values
-ANSWER = 2  # a push flag's: answer with the rows it was applied to (a worker's cache)
 NO_ROW = -1  # what an answer puts in place of an id with no row (not admitted, evicted)
 FAST_SECONDS = 0.02  # how long a worker looks every 50 us for an answer (as the mailbox)
 
@@ -144,7 +143,6 @@ class DynamicClient:
     def ask(self, ids: np.ndarray, train: bool) -> None:
         """Post a lookup of unique ``ids`` (at most ``capacity``) to the tasks that own them
         (a training pull with a cache: of those it does not hold fresh)."""
-        win, box, staged = self.lk.win, self.lookup_box, []
         if len(ids) and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > MAX_ID):
             bad = ids[(ids < 0) | (ids > MAX_ID)][:1].tolist() or [ids.dtype]
             raise DataError(
@@ -162,12 +160,17 @@ class DynamicClient:
             miss[self._hit[0]] = False
             left = np.flatnonzero(miss)
             self._asked = [(p, left[at]) for p, at in self.route(ids[left])]
-        for p, at in self._asked:
+        self._send(ids, self._asked, TRAIN if train else READ)
+
+    def _send(self, ids: np.ndarray, asked: list[tuple[int, np.ndarray]], flag: int) -> None:
+        """Put ``ids`` at positions ``asked`` into the lookup boxes; raise the flags."""
+        win, box, staged = self.lk.win, self.lookup_box, []
+        for p, at in asked:
             rank, sent = self.lk.ps_ranks[p], np.ascontiguousarray(ids[at], np.int64)
             staged += [np.array([len(at)], np.int64), sent]
             win.Put([staged[-2], MPI.BYTE], rank, [box.count, 8, MPI.BYTE])
             win.Put([sent, MPI.BYTE], rank, [box.ids, sent.nbytes, MPI.BYTE])
-        self._raise([p for p, _ in self._asked], LOOKUP, TRAIN if train else READ)
+        self._raise([p for p, _ in asked], LOOKUP, flag)
 
     def _raise(self, tasks: list[int], which: int, value: int) -> None:
         """Flush what was Put to ``tasks``, then raise this worker's flag ``which`` there."""
@@ -183,49 +186,73 @@ class DynamicClient:
 
     def receive(self, out: dict[str, np.ndarray]) -> None:
         """Wait for the lookup posted last, and Get its rows into ``out`` (by table, a row
-        per id asked, in the order asked)."""
-        self._wait([p for p, _ in self._asked], LOOKUP, "answer this worker's lookup")
-        win, box, got = self.lk.win, self.lookup_box, []
-        answered = []  # (with a cache) the ids as answered: NO_ROW where an id has none
-        for p, at in self._asked:
+        per id asked, in the order asked). With a cache, the rest from it: refreshed by the
+        last push (settled since the lookup was posted); a cached id the push's answer
+        found without a row (evicted) is asked for now."""
+        answered = self._fetch(self._asked, out)
+        if self._hit is None:
+            return
+        assert self.cache is not None
+        hit, slots = self._hit
+        self.cache.read(slots, hit, out)
+        asked = np.concatenate([at for _, at in self._asked] or [np.zeros(0, np.int64)])
+        self.cache.store(self._ids, asked[answered != NO_ROW], out)
+        gone = hit[self.cache.ids[slots] != self._ids[hit]]
+        if gone.size:  # (left the cache since: rare)
+            again = [(p, gone[at]) for p, at in self.route(self._ids[gone])]
+            self._send(self._ids, again, TRAIN)
+            self._fetch(again, out)
+
+    def _fetch(self, asked: list[tuple[int, np.ndarray]], out: dict[str, np.ndarray]) -> np.ndarray:
+        """Wait for the answer to the lookup of ``asked`` and Get its rows into ``out`` at
+        those positions; the ids as answered (NO_ROW where an id has none)."""
+        self._wait([p for p, _ in asked], LOOKUP, "answer this worker's lookup")
+        win, box, got, answered = self.lk.win, self.lookup_box, [], []
+        for p, at in asked:
             rank = self.lk.ps_ranks[p]
             for t in self.lk.tables:
                 staged = np.empty((len(at), t.width), t.dtype)
                 win.Get([staged, MPI.BYTE], rank, [box.rows[t.name], staged.nbytes, MPI.BYTE])
                 got.append((out[t.name], at, staged))
-            if self._hit is not None:
+            if self.cache is not None:
                 answered.append(np.empty(len(at), np.int64))
                 win.Get([answered[-1], MPI.BYTE], rank, [box.ids, 8 * len(at), MPI.BYTE])
-        for p, _ in self._asked:
+        for p, _ in asked:
             win.Flush(self.lk.ps_ranks[p])
         for rows, at, staged in got:
             rows[at] = staged
-        if self._hit is not None:
-            assert self.cache is not None
-            self.cache.read(self._hit[1], self._hit[0], out)
-            asked = np.concatenate([at for _, at in self._asked] or [np.zeros(0, np.int64)])
-            found = np.concatenate(answered or [np.zeros(0, np.int64)]) != NO_ROW
-            self.cache.store(self._ids, asked[found], out)
+        return np.concatenate(answered or [np.zeros(0, np.int64)])
 
     def post(self, ids: np.ndarray, grads: dict[str, np.ndarray], lr: float) -> None:
         """Post the gradient rows (by table, a row per id of the last training pull) to the
-        tasks that own their ids; ``wait_applied`` waits for them."""
+        tasks that own their ids; ``wait_applied`` waits for them. With a cache, the ids it
+        holds go first, and their count: the PS task answers with those rows."""
         win, box, staged = self.lk.win, self.push_box, []
         tasks = [p for p, _ in self._routes]
-        self._pushed_ids = ids
+        self._pushed_ids, self._pushed_routes = ids, []
         lr_word = np.array([lr], np.float64).view(np.int64)
         for p, at in self._routes:
-            rank = self.lk.ps_ranks[p]
-            staged += [np.array([len(at)], np.int64), np.ascontiguousarray(ids[at], np.int64)]
-            win.Put([staged[-2], MPI.BYTE], rank, [box.count, 8, MPI.BYTE])
-            win.Put([staged[-1], MPI.BYTE], rank, [box.ids, staged[-1].nbytes, MPI.BYTE])
+            rank, cached = self.lk.ps_ranks[p], 0
+            if self.cache is not None:
+                held = self.cache.cached(ids[at])
+                cached = len(held)
+                rest = np.ones(len(at), bool)
+                rest[held] = False
+                at = np.concatenate([at[held], at[rest]])
+            self._pushed_routes.append((p, at, cached))
+            count, sent = np.array([len(at)], np.int64), np.ascontiguousarray(ids[at], np.int64)
+            first = np.array([cached], np.int64)
+            staged += [count, sent, first]
+            win.Put([count, MPI.BYTE], rank, [box.count, 8, MPI.BYTE])
+            win.Put([sent, MPI.BYTE], rank, [box.ids, sent.nbytes, MPI.BYTE])
             for t in self.lk.tables:
                 staged.append(np.ascontiguousarray(grads[t.name][at]))
                 win.Put(
                     [staged[-1], MPI.BYTE], rank, [box.rows[t.name], staged[-1].nbytes, MPI.BYTE]
                 )
             win.Put([lr_word, MPI.BYTE], rank, [self.lk.word(self.task, LR), 8, MPI.BYTE])
-        self._raise(tasks, PUSH, ANSWER if self.cache is not None else 1)
+            win.Put([first, MPI.BYTE], rank, [self.lk.word(self.task, CACHED), 8, MPI.BYTE])
+        self._raise(tasks, PUSH, 1)
         self._pushed = tasks
 
     def wait_applied(self) -> None:
@@ -236,20 +263,23 @@ class DynamicClient:
         if self.cache is None or not tasks:
             return
         win, box, got = self.lk.win, self.push_box, []
-        for p, at in self._routes:
+        for p, at, cached in self._pushed_routes:
+            if not cached:
+                continue
             rank = self.lk.ps_ranks[p]
-            rows = {t.name: np.empty((len(at), t.width), t.dtype) for t in self.lk.tables}
+            rows = {t.name: np.empty((cached, t.width), t.dtype) for t in self.lk.tables}
             for t in self.lk.tables:
                 win.Get(
                     [rows[t.name], MPI.BYTE],
                     rank,
                     [box.rows[t.name], rows[t.name].nbytes, MPI.BYTE],
                 )
-            answered = np.empty(len(at), np.int64)  # (NO_ROW: the id has no row now)
+            answered = np.empty(cached, np.int64)  # (NO_ROW: the id has no row now)
             win.Get([answered, MPI.BYTE], rank, [box.ids, answered.nbytes, MPI.BYTE])
-            got.append((self._pushed_ids[at], rows, answered))
-        for p, _ in self._routes:
-            win.Flush(self.lk.ps_ranks[p])
+            got.append((self._pushed_ids[at[:cached]], rows, answered))
+        for p, _, cached in self._pushed_routes:
+            if cached:
+                win.Flush(self.lk.ps_ranks[p])
         for ids, rows, answered in got:
             self.cache.refresh(ids, rows, answered != NO_ROW)
 
@@ -334,11 +364,10 @@ class DynamicServer:
                 n = int(count[0])
                 lr = float(self.words[base + LR : base + LR + 1].view(np.float64)[0])
                 self.t += 1
-                answer = bool(self.words[base + PUSH] == ANSWER)  # (the rows now, in the box)
+                cached = int(self.words[base + CACHED])  # (its first ids: answered with rows)
                 got = {name: g[:n] for name, g in grads.items()}
-                have = self.rows.update(ids[:n], got, self.apply, lr, self.t, self.step, answer)
-                if answer:
-                    ids[:n][~have] = NO_ROW  # (the worker's cache drops them)
+                have = self.rows.update(ids[:n], got, self.apply, lr, self.t, self.step, cached)
+                ids[:cached][~have[:cached]] = NO_ROW  # (the worker's cache drops them)
                 self._clear(base + PUSH)
                 busy = True
             if flag:

@@ -72,6 +72,7 @@ class RowCache:
         have = slot >= 0
         self._write(slot[have], at[have], out)
         new = np.flatnonzero(~have)
+        new = new[counts[new] > self.score.min()]  # (only those that would take a place)
         if not new.size:
             return
         new = new[np.argsort(-counts[new], kind="stable")][: self.capacity]
