@@ -239,6 +239,7 @@ def test_owners_are_a_hash_of_the_id_spread_over_the_tasks():
 # under mpiexec: the small CTR data of test_ctr_mpi (40 ids), one worker throughout
 
 
+@pytest.mark.launcher
 def test_dynamic_tables_train_as_the_dense_computation_over_1_2_and_3_ps_tasks(tmp_path):
     """10 + 10 + 10 steps on 2, 1 and 3 PS tasks, each restoring the one before it, equal
     30 steps of one process with whole tables (no id collides; untouched rows have no row).
@@ -318,6 +319,7 @@ def big_id_dataset(path, rows=400, seed=0):
     sparse.write_csr(path, (x[:300], y[:300]), (x[300:], y[300:]), int(distinct[-1]) + 1)
 
 
+@pytest.mark.launcher
 def test_admission_and_eviction_at_scale_of_ids_are_counted_and_kept_in_bounds(tmp_path):
     big_id_dataset(tmp_path / "b.h5")
     text = JOB.format(model="logreg", rule="mod", opt="ftrl", lr=0.3, steps=60)
@@ -378,6 +380,7 @@ def test_what_dynamic_tables_rule_out_is_said_in_one_line():
         check(fixed, model, nnz)
 
 
+@pytest.mark.launcher
 def test_a_refusal_under_mpiexec_is_one_line_and_no_traceback(tmp_path):
     small_dataset(tmp_path / "s.h5")
     text = JOB.format(model="logreg", rule="mod", opt="sgd", lr=0.3, steps=5) + DYNAMIC
