@@ -288,3 +288,12 @@ class Cluster:
     def free(self) -> None:
         if not self.departing:  # (after a loss it would wait for the dead: liveness.py)
             self.workers.Free()
+
+
+def peek(win: MPI.Win, rank: int, index: int, out: np.ndarray) -> int:
+    """Word ``index`` (at displacement ``index`` in ``win``'s units) of ``rank``'s memory,
+    read with a plain Get, not an atomic: a poll of a flag that usually finds nothing new
+    (the mailbox's and the dynamic tables' lookups; mailbox.py says why not an atomic)."""
+    win.Get([out, MPI.LONG], rank, [index, 1, MPI.LONG])
+    win.Flush(rank)
+    return int(out[0])

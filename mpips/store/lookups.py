@@ -30,7 +30,7 @@ from mpi4py import MPI
 from ..errors import DataError, Stalled
 from ..placement.table import align
 from ..process.waits import poll
-from .cluster import stall_limit, stall_timeout
+from .cluster import peek, stall_limit, stall_timeout
 from .dynamic_rows import MAX_ID, DynamicRows, owner_of
 from .row_cache import RowCache
 from .rules import Apply
@@ -284,12 +284,11 @@ class DynamicClient:
             self.cache.refresh(ids, rows, answered != NO_ROW)
 
     def _wait(self, tasks: list[int], which: int, what: str) -> None:
-        win, word = self.lk.win, self.lk.word(self.task, which) // 8
+        win, at = self.lk.win, self.lk.word(self.task, which)  # (a byte displacement)
         out, pending = np.zeros(1, np.int64), list(tasks)
-        view = _WordsView(win)
 
         def done() -> bool:
-            pending[:] = [p for p in pending if view.peek(self.lk.ps_ranks[p], word, out)]
+            pending[:] = [p for p in pending if peek(win, self.lk.ps_ranks[p], at, out)]
             return not pending
 
         def late(waited: float) -> NoReturn:
@@ -300,18 +299,6 @@ class DynamicClient:
             )
 
         poll(done, stall_limit(self.task), late, fast=FAST_SECONDS)
-
-
-class _WordsView:
-    """A plain Get of one int64 word (a poll that usually finds nothing new)."""
-
-    def __init__(self, win: MPI.Win):
-        self.win = win
-
-    def peek(self, rank: int, word: int, out: np.ndarray) -> int:
-        self.win.Get([out, MPI.BYTE], rank, [8 * word, 8, MPI.BYTE])
-        self.win.Flush(rank)
-        return int(out[0])
 
 
 class DynamicServer:

@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from ..errors import Stalled
 from ..process.waits import poll
-from .cluster import stall_limit, stall_timeout
+from .cluster import peek, stall_limit, stall_timeout
 from .inbox import MAIL_FLAG, MAIL_LR, MAIL_WORDS, mail_words
 from .window import Windows
 
@@ -47,14 +47,6 @@ RoutedRows = tuple[str, int, np.ndarray | slice, np.ndarray]  # slice(None): all
 
 
 DROPPED = -1  # a PS's answer to a gradient that came too late for its step (sync_replicas)
-
-
-def peek(win: MPI.Win, rank: int, index: int, out: np.ndarray) -> int:
-    """Word ``index`` of ``rank``'s mail read with a plain Get, not an atomic: a poll that
-    usually finds nothing new (see the module's docstring)."""
-    win.Get([out, MPI.LONG], rank, [index, 1, MPI.LONG])
-    win.Flush(rank)
-    return int(out[0])
 
 
 class WorkerMail:
