@@ -74,7 +74,8 @@ def restore_model(
         if hasattr(model, "use_dynamic_tables"):
             model.use_dynamic_tables()
         names = [t.name, t.name + IDS]
-        got = ckpt.read([VariableSpec(n, *_shape_dtype(ckpt, n)) for n in names])
+        entries = {n: ckpt.variables[n] for n in names}
+        got = ckpt.read([VariableSpec(n, e.shape, e.dtype) for n, e in entries.items()])
         # (read by _params_for, the one reader of a table's value here)
         params[t.name] = ByIds(got[t.name + IDS], got[t.name].astype(t.dtype))  # type: ignore[assignment]
     kept = [
@@ -85,11 +86,6 @@ def restore_model(
     if kept:  # the chief's buffers and frozen parameters, as the run evaluated with them
         model.load_state(ckpt.read(kept))
     return model, params, ckpt, info
-
-
-def _shape_dtype(ckpt: checkpoint.Checkpoint, name: str) -> tuple[tuple[int, ...], str]:
-    entry = ckpt.variables[name]
-    return entry.shape, entry.dtype
 
 
 class ByIds:

@@ -102,8 +102,7 @@ class Tables:
         self._values, self._grads = Views(), Views()
         self._bound: dict[str, torch.Tensor] = {}  # each .grad as bound before backward
         self.dynamic = False  # tables.kind = "dynamic": the data's ids are any values
-        # a dynamic table's rows start uniform, with the variance of the module's own
-        self.scales = {n: float(np.sqrt(3) * a.std()) for n, a in self.initial.items()}
+        self._scales: dict[str, float] = {}  # (initial_rows_of: found when first asked)
 
     def specs(self) -> list[VariableSpec]:
         return [VariableSpec(n, tuple(p.shape), numpy_dtype(p, n)) for n, p in self.params.items()]
@@ -118,7 +117,9 @@ class Tables:
         from ..models.ctr import uniform_rows
 
         width = int(np.prod(self.params[table].shape[1:]))
-        rows = uniform_rows(seed, ids, width, self.scales[table])
+        if table not in self._scales:  # (a PS task's: it keeps the initial tables)
+            self._scales[table] = float(np.sqrt(3) * self.initial[table].std())
+        rows = uniform_rows(seed, ids, width, self._scales[table])
         return rows.astype(self.dtype, copy=False)
 
     def prepare(self, x: Any) -> tuple[Any, np.ndarray]:
