@@ -81,34 +81,91 @@ class Table:
                 out.append((p, every[mine] if isinstance(every, np.ndarray) else mine, row[mine]))
         return out
 
-    def rows_type(self, rows: np.ndarray) -> MPI.Datatype:
-        """The target rows as one committed indexed datatype (caller frees it). A list, not
-        an array: mpi4py converts a list of 650 ints in 10 us, a numpy array in 45 us."""
-        return self.base.Create_indexed_block(self.width, (rows * self.width).tolist()).Commit()
-
 
 @dataclass
 class Routed:
-    """One table's rows of the current step on one PS task: positions in the step's ids,
-    rows in that task's part, and their datatype there (shared by the pull and the push;
-    made on first use where _route left it out)."""
+    """One table's rows of the current step on one PS task: positions in the step's ids and
+    rows in that task's part."""
 
     table: Table
     ps_task: int
     at: np.ndarray | slice
     local: np.ndarray
-    _type: MPI.Datatype | None = None
+
+
+INT_MAX = 2**31 - 1  # (an MPI datatype's displacements are C ints)
+
+
+@dataclass
+class Gathered:
+    """The step's rows on one PS task of every table of one element type and row width, as
+    one indexed datatype (what the pull Gets and the push Accumulates there): a step makes
+    one call per PS task, not one per table (DLRM's 26 tables: 26 of each, ~20 us apiece on
+    one node). Its displacements count elements from ``disp`` (bytes) in the window."""
+
+    ps_task: int
+    routed: list[Routed]
+    disp: int
+    mpi_type: MPI.Datatype
 
     @property
-    def mpi_type(self) -> MPI.Datatype:
-        if self._type is None:
-            self._type = self.table.rows_type(self.local)
-        return self._type
+    def table(self) -> Table:
+        return self.routed[0].table
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r.local) for r in self.routed)
 
     def free(self) -> None:
-        if self._type is not None:
-            self._type.Free()
-            self._type = None
+        self.mpi_type.Free()
+
+
+def _gather(routed: list[Routed]) -> list[Gathered]:
+    """The routed rows as one datatype per (PS task, element type, row width), or one per
+    table where their displacements would not fit one (parts not whole elements apart, or
+    2^31 elements or more)."""
+    groups: dict[tuple[int, str, int], list[Routed]] = {}
+    for r in routed:
+        groups.setdefault((r.ps_task, r.table.dtype.str, r.table.width), []).append(r)
+    out = []
+    for group in groups.values():
+        offsets = [r.table.parts[r.ps_task].offset for r in group]
+        item, width = group[0].table.dtype.itemsize, group[0].table.width
+        first = min(offsets)
+        apart = [(o - first) // item for o in offsets]
+        fits = all((o - first) % item == 0 for o in offsets) and all(
+            a + (int(r.local.max()) + 1) * width <= INT_MAX
+            for a, r in zip(apart, group, strict=True)
+            if r.local.size
+        )
+        if len(group) > 1 and not fits:
+            out += [g for r in group for g in _gather([r])]
+            continue
+        counts = [len(r.local) for r in group]
+        disps = np.concatenate([r.local for r in group]) * width + np.repeat(apart, counts)
+        base = MPI.Datatype.fromcode(group[0].table.dtype.char)
+        # a list, not an array: mpi4py converts a list of 650 ints in 10 us, an array in 45
+        mpi_type = base.Create_indexed_block(width, disps.tolist()).Commit()
+        out.append(Gathered(group[0].ps_task, group, first, mpi_type))
+    return out
+
+
+def _row_groups(tables: list[Table]) -> dict[str, str]:
+    """Tables that serve disjoint spans of the data's ids, of one element type and row
+    width, keep a step's rows in one buffer, named by the first of them: each table's rows
+    at the positions of its own ids (DLRM's 26 tables: one pull buffer, one gradient buffer,
+    one zeroing, not 26). By table name, the group's name."""
+    groups: dict[str, str] = {}
+    last: dict[tuple[str, int], tuple[str, int]] = {}  # by (dtype, width): (group, its end)
+    for t in sorted((t for t in tables if t.span is not None), key=lambda t: t.span or (0, 0)):
+        assert t.span is not None
+        kind = (t.dtype.str, t.width)
+        group, end = last.get(kind, (t.name, t.span[0]))
+        if t.span[0] < end:  # (spans that overlap: a group of its own)
+            group = t.name
+        last[kind] = (group, t.span[1])
+        groups[t.name] = group
+    return groups
 
 
 def _tables(placement: Placement) -> dict[str, Table]:
@@ -176,9 +233,14 @@ class StoreClient:
         # their first rows) and made anew, twice as long, for a batch with more ids than any
         # before; ``on_new_buffers`` hears of each new pair (a GPU worker page-locks them)
         self._rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._written: dict[str, list[np.ndarray | slice]] = {}  # (tables with a span: _clear)
+        # tables with a span (serve_from): their names, spans' bounds, and row groups
+        self._spanned: list[str] = []
+        self._bounds = np.zeros(0, np.int64)
+        self._groups: dict[str, str] = {}
+        self._served: dict[str, slice] = {}  # each one's run of the step's ids (_route)
         self.on_new_buffers: Callable[[list[np.ndarray]], None] | None = None
         self._routed: list[Routed] = []
+        self._gathered: list[Gathered] = []  # (the routed rows' datatypes: _route)
         self._posted = False  # an update is posted whose acknowledgement is not yet seen
         self.pulls = 0  # pulls made so far (whose buffers the last one filled)
         # dynamic tables (tables.kind = "dynamic"): rows asked of the PS tasks by id
@@ -315,40 +377,54 @@ class StoreClient:
         if self.reads_in_place:
             win.Sync()  # loads from the PS's memory see every update that has landed
         out = self.params
-        fetched = []
+        fetched: list[tuple[Gathered, np.ndarray]] = []
         if ids is not None and (self.tables or self.dynamic_tables):
             out = {**self.params, **self._table_rows(len(ids), step)}
-            for r in self._routed:
-                table = r.table
-                if self.reads_in_place:  # zero copy: the rows straight from the PS's memory
-                    part = self._parts_in_place[table.name, r.ps_task]
-                    if isinstance(r.at, slice):  # one PS task: a run of them, in order
-                        np.take(part, r.local, axis=0, out=out[table.name][r.at])
-                    else:
-                        out[table.name][r.at] = part[r.local]
-                    continue
-                staged = np.empty((len(r.local), table.width), table.dtype)
-                target = [table.parts[r.ps_task].offset, 1, r.mpi_type]
-                if self.windows.one_node:
-                    # an atomic read (Get_accumulate NO_OP; its origin is not read), not a
-                    # Get: on one node MPICH's Get through a new indexed datatype costs
-                    # ~200 us of CPU, this ~20 us (measured). Across nodes MPICH runs such
-                    # atomics on the target's CPU, so a Get (RDMA) needs no PS call there.
-                    origin = [np.empty_like(staged), table.base]
-                    win.Get_accumulate(
-                        origin, [staged, table.base], self.ps_ranks[r.ps_task], target, MPI.NO_OP
-                    )
-                else:
-                    win.Get([staged, table.base], self.ps_ranks[r.ps_task], target)
-                fetched.append((out[table.name], r.at, staged))
+            if self.reads_in_place:  # zero copy: the rows straight from the PS's memory
+                self._read_rows_in_place(out)
+            fetched = self._get_rows()
         if fetched or self.nbytes:  # else nothing to complete (zero copy)
             for rank in self.ps_ranks:
                 win.Flush(rank)
-        for rows, at, staged in fetched:
-            rows[at] = staged
+        for g, staged in fetched:
+            start = 0
+            for r in g.routed:
+                out[r.table.name][r.at] = staged[start : start + len(r.local)]
+                start += len(r.local)
         if ids is not None and self.dynamic is not None:
             self._dynamic_rows(ids, step, asked, out)
         return out
+
+    def _get_rows(self) -> list[tuple[Gathered, np.ndarray]]:
+        """Start reading the step's table rows, one call per PS task and row type; the
+        buffers they land in, once flushed."""
+        win, fetched = self.windows.params, []
+        for g in self._gathered:
+            table = g.table
+            staged = np.empty((g.rows, table.width), table.dtype)
+            target = [g.disp, 1, g.mpi_type]
+            if self.windows.one_node:
+                # an atomic read (Get_accumulate NO_OP; its origin is not read), not a Get:
+                # on one node MPICH's Get through a new indexed datatype costs ~200 us of
+                # CPU, this ~20 us (measured). Across nodes MPICH runs such atomics on the
+                # target's CPU, so a Get (RDMA) needs no PS call there.
+                origin = [np.empty_like(staged), table.base]
+                win.Get_accumulate(
+                    origin, [staged, table.base], self.ps_ranks[g.ps_task], target, MPI.NO_OP
+                )
+            else:
+                win.Get([staged, table.base], self.ps_ranks[g.ps_task], target)
+            fetched.append((g, staged))
+        return fetched
+
+    def _read_rows_in_place(self, out: dict[str, np.ndarray]) -> None:
+        """Zero copy: the step's rows of every table read straight from the PS's memory."""
+        for r in self._routed:
+            part = self._parts_in_place[r.table.name, r.ps_task]
+            if isinstance(r.at, slice):  # one PS task: a run of them, in order
+                np.take(part, r.local, axis=0, out=out[r.table.name][r.at])
+            else:
+                out[r.table.name][r.at] = part[r.local]
 
     def _ask(self, ids: np.ndarray | None, step: bool) -> bool:
         """Post the lookup of a pull's ids in dynamic tables, if they fit one lookup box
@@ -381,45 +457,33 @@ class StoreClient:
 
     def _table_rows(self, n: int, step: bool) -> dict[str, np.ndarray]:
         """Where a pull of ``n`` ids puts each table's rows (a ``step``'s: the kept
-        buffers), their gradient rows set beside them (``gradients()``)."""
-        out = {}
+        buffers), their gradient rows set beside them (``gradients()``). The tables of one
+        row group (``_row_groups``) share one buffer of rows and one of gradients: each
+        table's rows sit at the positions of its own ids."""
+        out: dict[str, np.ndarray] = {}
+        shared: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for table in [*self.tables.values(), *self.dynamic_tables.values()]:
-            shape = (n, table.width)
-            out[table.name], self._row_grads[table.name] = (
-                self._kept_rows(table, n)
-                if step
-                else (np.empty(shape, table.dtype), np.empty(shape, table.dtype))
-            )
-            if table.span is not None:  # the ids it does not serve read zero rows
-                self._clear(table, out[table.name], step)
+            key = self._groups.get(table.name, table.name)
+            if key not in shared:
+                shape = (n, table.width)
+                shared[key] = (
+                    self._kept_rows(key, table, n)
+                    if step
+                    else (np.empty(shape, table.dtype), np.empty(shape, table.dtype))
+                )
+            out[table.name], self._row_grads[table.name] = shared[key]
         return out
 
-    def _clear(self, table: Table, rows: np.ndarray, step: bool) -> None:
-        """Zero ``rows`` (a pull's rows of a table with a span) where the pull writes none:
-        a step's kept buffer holds zeros but for the rows its last step's pull wrote
-        (zeroed again here: a few of the step's ids are a table's, not its whole buffer);
-        any other pull's rows are new."""
-        if not step:
-            rows[:] = 0
-            return
-        kept = self._rows[table.name][0]
-        for at in self._written.pop(table.name, ()):
-            kept[at] = 0
-        self._written[table.name] = [r.at for r in self._routed if r.table is table]
-
-    def _kept_rows(self, table: Table, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """``n`` rows of ``table``'s kept buffers: where a pull puts them, and where the
-        model writes their gradients."""
-        kept = self._rows.get(table.name)
+    def _kept_rows(self, key: str, table: Table, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` rows of the kept buffers of ``table``'s row group (``key``): where a pull
+        puts them, and where the model writes their gradients."""
+        kept = self._rows.get(key)
         if kept is None or len(kept[0]) < n:
             shape = (grown(len(kept[0]) if kept else 0, n), table.width)
-            kept = self._rows[table.name] = (
+            kept = self._rows[key] = (
                 page_aligned(shape, table.dtype),
                 page_aligned(shape, table.dtype),
             )
-            if table.span is not None:  # (kept zero but where a pull writes: _clear)
-                kept[0][:] = 0
-                self._written.pop(table.name, None)
             if self.on_new_buffers is not None:
                 self.on_new_buffers(list(kept))
         return kept[0][:n], kept[1][:n]
@@ -427,16 +491,29 @@ class StoreClient:
     def _route(self, ids: np.ndarray) -> None:
         """Which rows of which PS the step's ids are, and their datatypes (made once a step;
         zero copy reads rows in place, so only a push of SGD deltas makes them there)."""
-        for r in self._routed:
-            r.free()
+        for g in self._gathered:
+            g.free()
         self._routed, self._row_grads = [], {}
-        # (a batch's unique ids are; checked only where a table serves a span of them)
-        spans = any(t.span is not None for t in self.tables.values())
-        ascending = spans and (len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()))
+        self._served = self._runs(ids)
         for table in self.tables.values():
-            for p, at, local in table.route(ids, ascending):
-                mpi_type = None if self.reads_in_place else table.rows_type(local)
-                self._routed.append(Routed(table, p, at, local, mpi_type))
+            run = self._served.get(table.name)
+            if run is not None and len(table.parts) == 1:  # (one PS task: the run itself)
+                if run.stop > run.start:
+                    assert table.span is not None
+                    self._routed.append(Routed(table, 0, run, ids[run] - table.span[0]))
+                continue
+            for p, at, local in table.route(ids, ascending=True):
+                self._routed.append(Routed(table, p, at, local))
+        self._gathered = [] if self.reads_in_place else _gather(self._routed)
+
+    def _runs(self, ids: np.ndarray) -> dict[str, slice]:
+        """Each table with a span: the run of the step's ids it serves (positions)."""
+        if not self._spanned:
+            return {}
+        if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("tables with table_offsets: a pull's ids must be sorted and unique")
+        at = np.searchsorted(ids, self._bounds).tolist()
+        return {name: slice(at[2 * i], at[2 * i + 1]) for i, name in enumerate(self._spanned)}
 
     def cache_line(self) -> str:
         """What this worker's cache of hot rows did ('' without one)."""
@@ -455,11 +532,19 @@ class StoreClient:
         for name, first in first_ids.items():
             table = self.tables[name]
             table.span = (int(first), int(first) + table.num_rows)
+        self._spanned = [name for name, t in self.tables.items() if t.span is not None]
+        self._bounds = np.array([self.tables[n].span for n in self._spanned], np.int64).ravel()
+        self._groups = _row_groups(list(self.tables.values()))
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Where the model writes this step's gradients: every whole variable, and the rows of
-        every table for the ids of the last pull."""
-        return {**self.grads, **self._row_grads} if self._row_grads else self.grads
+        every table for the ids of the last pull (of a table with a span: those of the ids
+        it serves, so that no two tables' rows are one memory)."""
+        if not self._row_grads:
+            return self.grads
+        served = self._served
+        rows = {n: g[served[n]] if n in served else g for n, g in self._row_grads.items()}
+        return {**self.grads, **rows}
 
     def push(
         self, lr: float = 0.0, tags: list[int] | None = None, wait: bool = True, t: int = 0
@@ -503,13 +588,14 @@ class StoreClient:
             mpi_type = MPI.Datatype.fromcode(seg.dtype.char)  # predefined: fast path
             win.Accumulate([data, mpi_type], seg.rank, [seg.offset, data.size, mpi_type], MPI.SUM)
         staged = []  # alive until the Flush
-        for r in self._routed:
-            staged.append(np.ascontiguousarray(self._row_grads[r.table.name][r.at]))
+        for g in self._gathered:
+            grads = [self._row_grads[r.table.name][r.at] for r in g.routed]
+            staged.append(
+                np.concatenate(grads) if len(grads) > 1 else np.ascontiguousarray(grads[0])
+            )
+            base = g.table.base
             win.Accumulate(
-                [staged[-1], r.table.base],
-                self.ps_ranks[r.ps_task],
-                [r.table.parts[r.ps_task].offset, 1, r.mpi_type],
-                MPI.SUM,
+                [staged[-1], base], self.ps_ranks[g.ps_task], [g.disp, 1, g.mpi_type], MPI.SUM
             )
         for rank in self.ps_ranks:
             win.Flush(rank)

@@ -82,6 +82,64 @@ class Views:
         return as_tensor(a)
 
 
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+class RowViews:
+    """Tensors viewing a table's rows in the buffers mpips keeps them in from step to step,
+    by name, made anew only when the rows are in another buffer. A step's rows are the
+    first ``n`` of such a buffer (``n`` changes every step), so the tensor views every row
+    the buffer holds: the module's table is bound once per buffer, not once a step, and
+    indexes only its first ``n`` rows (the batch's ids)."""
+
+    def __init__(self) -> None:
+        self.bound: dict[str, tuple[Any, int, torch.Tensor]] = {}  # (buffer, address, view)
+
+    def of(self, name: str, a: Any, before: int = 0) -> torch.Tensor | None:
+        """A tensor whose rows from ``before`` on are ``a``'s memory and the rest of its
+        buffer (row 0 is ``before`` rows ahead of ``a``); None where ``a``'s buffer is not
+        a numpy array that holds them (a GPU's array, a copy)."""
+        base = getattr(a, "base", None)
+        if not isinstance(base, np.ndarray) or not isinstance(a, np.ndarray) or a.ndim < 1:
+            return None
+        row = a.strides[0]  # (C-contiguous rows: _to_buffer_end checks)
+        at = _address(a) - before * row
+        kept = self.bound.get(name)
+        if kept is not None and kept[0] is base and kept[1] == at:
+            return kept[2]
+        view = _to_buffer_end(a, base, at, row)
+        if view is not None:
+            self.bound[name] = (base, at, view)
+        return view
+
+
+def _to_buffer_end(a: np.ndarray, base: np.ndarray, at: int, row: int) -> torch.Tensor | None:
+    """The rows of ``a``'s shape from address ``at`` to the end of ``base`` (contiguous, and
+    holding ``a``), as a tensor; None where that is not so."""
+    whole_row = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+    if not a.flags.c_contiguous or not base.flags.c_contiguous or row != whole_row or not row:
+        return None
+    start = at - _address(base)
+    if start < 0 or at + a.nbytes > _address(base) + base.nbytes:
+        return None
+    rows = (base.nbytes - start) // row
+    flat = base.reshape(-1).view(np.uint8)[start : start + rows * row]
+    return as_tensor(flat.view(a.dtype).reshape(rows, *a.shape[1:]))
+
+
+def cut_to_both(
+    cut: dict[str, tuple[torch.Tensor, ...]], name: str, data: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight and its .grad (RowViews of two buffers, whose ends differ) cut to the rows
+    both hold (a .grad has its weight's shape); kept in ``cut`` while the views are."""
+    kept = cut.get(name)
+    if kept is None or kept[0] is not data or kept[1] is not grad:
+        m = min(data.shape[0], grad.shape[0])
+        kept = cut[name] = (data, grad, data[:m], grad[:m])
+    return kept[2], kept[3]
+
+
 @dataclass
 class Traffic:
     """What binding cost in a step: views made (cheap, no bytes move), bytes copied beyond

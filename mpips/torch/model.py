@@ -294,7 +294,8 @@ class Model(_Model):
         self.table_set.bind(params, grads)
         b.gradients(grads)
         b.ready = ready
-        self.module.train()
+        if not self.module.training:  # (an evaluation left it in eval mode)
+            self.module.train()
         try:
             loss = self._loss(x, y)
             loss.backward()

@@ -22,7 +22,8 @@ import torch
 from ..device.arrays import issparse
 from ..errors import ConfigError, DataError
 from ..models.variables import VariableSpec
-from .binding import Traffic, Views, as_tensor, numpy_dtype
+from .binding import RowViews, Traffic, as_tensor, cut_to_both, numpy_dtype
+from .spans import Spans
 
 SPARSE_KINDS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
@@ -99,7 +100,10 @@ class Tables:
         self.past = max(ends, default=None)
         first = next(iter(self.initial.values()), None)
         self.dtype = first.dtype if first is not None else np.dtype(np.float32)
-        self._values, self._grads = Views(), Views()
+        self._values, self._grads = RowViews(), RowViews()
+        self._data: dict[str, torch.Tensor] = {}  # each weight as bound
+        self._cut: dict[str, tuple[torch.Tensor, ...]] = {}  # (cut_to_both)
+        self.spans = Spans(self.params, self.offsets)  # (the tables with an offset)
         self._bound: dict[str, torch.Tensor] = {}  # each .grad as bound before backward
         self.dynamic = False  # tables.kind = "dynamic": the data's ids are any values
         self._scales: dict[str, float] = {}  # (initial_rows_of: found when first asked)
@@ -143,6 +147,8 @@ class Tables:
             )
         if self.dynamic:  # (any ids: the PS tasks make their rows)
             return batch, ids
+        if self.offsets:
+            self.spans.prepare(ids)
         if self.num_rows is None and self.past is not None and width > self.past:
             raise DataError(
                 f"mpips.torch.Model: the data has ids up to {width - 1}; no table serves an "
@@ -158,31 +164,45 @@ class Tables:
         return batch, ids
 
     def bind(self, params: dict[str, Any], grads: dict[str, Any] | None) -> None:
-        """Each table's weight a view of its pulled rows, and (training) its .grad a zeroed
-        view of the rows' push buffer. A worker's first training step lets the module's
-        whole initial tables go (the PS tasks made the rows from theirs)."""
+        """Each table's weight a view of its pulled rows, and (training) its .grad a view of
+        the rows' push buffer, the batch's rows zeroed. Both run on to the end of the buffer
+        mpips keeps them in (RowViews: bound once per buffer, not once a step; the module
+        indexes only the batch's rows). Tables with an offset: Spans. A worker's first
+        training step lets the module's whole initial tables go (the PS tasks made the rows
+        from theirs)."""
         if grads is not None:
             self.initial.clear()
         for n, p in self.params.items():
-            t = self._values.of(n, params[n], p.data)
-            if t is not None:
-                p.data = t
+            if n in self.offsets:
+                continue
+            rows = params[n]
+            t = self._values.of(n, rows)
+            if t is None:
+                t = as_tensor(rows)
+            if t is not self._data.get(n):
+                p.data = self._data[n] = t
             if grads is None:
                 p.grad = None
                 continue
-            t = self._grads.of(n, grads[n], p.grad)
-            if t is not None:
-                p.grad = t
-            g = p.grad
-            assert g is not None
-            self._bound[n] = g
-            g.zero_()
+            g = self._grads.of(n, grads[n])
+            if g is None:
+                g = as_tensor(grads[n])
+            t, g = cut_to_both(self._cut, n, t, g)
+            if t is not self._data[n]:
+                p.data = self._data[n] = t
+            if g is not self._bound.get(n) or p.grad is None:
+                p.grad = self._bound[n] = g
+            g[: len(rows)].zero_()
+        if self.offsets:
+            self.spans.bind(params, grads)
 
     def collect(self, traffic: Traffic) -> None:
         """A table gradient torch made anew (not accumulated into the buffer) copied in."""
         for n, p in self.params.items():
             g = p.grad
-            if g is not None and g is not self._bound[n]:
+            if n not in self.offsets and g is not None and g is not self._bound[n]:
                 self._bound[n].copy_(g)
                 traffic.copied_bytes += g.nbytes
                 p.grad = None
+        if self.offsets:
+            self.spans.collect(traffic)
