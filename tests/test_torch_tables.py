@@ -248,6 +248,85 @@ def test_tables_that_serve_parts_of_the_id_space_train_as_pytorchs_loop(tmp_path
         assert not np.allclose(variables[t], dict(fresh.named_parameters())[t].detach().numpy())
 
 
+class Columns(torch.nn.Module):
+    """Table f indexed only with column f of each row (DLRM's way: it keeps to its span),
+    or (``every``) each table with all of a row's ids, reading zero rows for the others'."""
+
+    def __init__(self, sizes, every=False, dim=3):
+        super().__init__()
+        self.every = every
+        self.tables = torch.nn.ModuleList(
+            torch.nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in sizes
+        )
+        self.out = torch.nn.Linear(dim * len(sizes), 1)
+
+    def forward(self, x):
+        if self.every:
+            bags = [t(x.indices, x.offsets, per_sample_weights=x.weights) for t in self.tables]
+        else:
+            cols = x.indices.view(len(x), -1)
+            bags = [t(cols[:, f : f + 1]) for f, t in enumerate(self.tables)]
+        return self.out(torch.cat(bags, 1)).squeeze(1)
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_span_tables_share_the_pulled_buffer_where_the_module_keeps_to_its_spans(every):
+    """Tables with offsets read the batch's rows from one buffer, as the store pulls them
+    (each table's rows at its own ids' positions, other rows another table's): a module
+    that indexes each table only with its ids is bound to that buffer from its second step
+    on (its first runs on copies and shows it keeps to them); one that indexes every table
+    with every id stays on copies with zero rows for the others' ids. Both give PyTorch's
+    loss and gradients on the whole tables, step after step."""
+    import scipy.sparse as sp
+
+    from mpips.device.pages import page_aligned
+
+    def loss(z, y):
+        return torch.nn.functional.binary_cross_entropy_with_logits(z, y.float())
+
+    sizes, offsets = (5, 7, 4), (0, 5, 12)
+    torch.manual_seed(0)
+    net = Columns(sizes, every)
+    names = [f"tables.{f}.weight" for f in range(3)]
+    tables = {n: t.weight.detach().numpy().copy() for n, t in zip(names, net.tables, strict=True)}
+    ref = Columns((16, 16, 16), every)  # each table over the whole id space: zero but its own
+    ref.out.load_state_dict(net.out.state_dict())
+    with torch.no_grad():
+        for t, n, o in zip(ref.tables, names, offsets, strict=True):
+            t.weight.zero_()[o : o + len(tables[n])] = torch.from_numpy(tables[n])
+    model = mt.Model(net, loss, table_offsets=dict(zip(names, offsets, strict=True)))
+    values = {n: v.copy() for n, v in model.initial_values(0).items()}
+    rng = np.random.default_rng(1)
+    rows_w, rows_g = page_aligned((64, 3), np.float32), page_aligned((64, 3), np.float32)
+    for step in range(3):
+        cols = np.stack([o + rng.integers(0, n, 6) for n, o in zip(sizes, offsets, strict=True)], 1)
+        x = sp.csr_matrix((np.ones(18, np.float32), cols.ravel(), np.arange(0, 19, 3)), (6, 16))
+        y = rng.integers(0, 2, 6)
+        batch, ids = model.prepare(x)
+        rows_w[:] = 7.0  # (rows no table serves: never read by a module that keeps to spans)
+        runs = []
+        for n, o in zip(names, offsets, strict=True):
+            a, b = np.searchsorted(ids, [o, o + len(tables[n])])
+            rows_w[a:b] = tables[n][ids[a:b] - o]
+            runs.append((a, b))
+        k = len(ids)
+        params = {**values, **{n: rows_w[:k] for n in names}}
+        grads = {n: np.zeros_like(v) for n, v in values.items()}
+        grads.update({n: rows_g[:k][a:b] for n, (a, b) in zip(names, runs, strict=True)})
+        got = model.loss_and_grads(params, batch, y, grads)
+        ref.zero_grad()
+        want = loss(ref(whole(x)), torch.from_numpy(y))
+        want.backward()
+        assert got == pytest.approx(float(want.detach()), rel=1e-6)
+        for n, (a, b), t in zip(names, runs, ref.tables, strict=True):
+            dense = t.weight.grad.to_dense().numpy()
+            np.testing.assert_allclose(grads[n], dense[ids[a:b]], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(grads["out.weight"], ref.out.weight.grad.numpy(), rtol=1e-5)
+        shared = net.tables[1].weight.data_ptr() == rows_w.ctypes.data
+        assert model.table_set.spans.keeps_to_spans is (not every)
+        assert shared is (step > 0 and not every)
+
+
 def test_table_offsets_name_tables_and_ids():
     from mpips.errors import ConfigError
 
@@ -291,6 +370,45 @@ def test_a_table_with_a_span_routes_only_its_ids():
     plain = Table("t", [None], 500, 4, np.dtype(np.float32), "div")
     ((_, at, rows),) = plain.route(ids)
     assert at == slice(None) and rows is ids
+
+
+def test_span_tables_share_a_buffer_and_their_rows_move_in_one_datatype():
+    """The store keeps the rows of tables with disjoint spans (one element type and width)
+    in one buffer, and a step's rows of every table on a PS task move through one indexed
+    datatype: displacements counted in elements from the first table's part; parts not a
+    whole element apart, or another row width, get datatypes of their own."""
+    from mpips.store.client import Routed, Table, _gather, _row_groups
+
+    class Part:
+        def __init__(self, offset):
+            self.offset = offset
+
+    f32 = np.dtype(np.float32)
+    a = Table("a", [Part(0)], 5, 4, f32, "div", span=(0, 5))
+    b = Table("b", [Part(80)], 7, 4, f32, "div", span=(5, 12))
+    c = Table("c", [Part(192)], 4, 2, f32, "div", span=(12, 16))
+    d = Table("d", [Part(256)], 6, 4, f32, "div", span=(3, 9))  # (overlaps a and b)
+    e = Table("e", [Part(352)], 100, 4, f32, "div")  # (no span: every id is a row)
+    assert _row_groups([a, b, c, d, e]) == {"a": "a", "d": "d", "b": "a", "c": "c"}
+    one = _gather(
+        [Routed(a, 0, slice(0, 2), np.array([1, 3])), Routed(b, 0, slice(2, 4), np.array([0, 6]))]
+    )
+    (g,) = one
+    made = g.mpi_type.decode()[2]
+    assert (made["blocklength"], list(made["displacements"])) == (4, [4, 12, 20, 44])
+    assert (g.disp, g.rows) == (0, 4)
+    g.free()
+    b.parts = [Part(82)]  # (not a whole float32 after a's part)
+    each = _gather(
+        [
+            Routed(a, 0, slice(0, 1), np.array([1])),
+            Routed(b, 0, slice(1, 2), np.array([2])),
+            Routed(c, 0, slice(2, 3), np.array([3])),
+        ]
+    )
+    assert [(x.table.name, x.disp) for x in each] == [("a", 0), ("b", 82), ("c", 192)]
+    for x in each:
+        x.free()
 
 
 @pytest.mark.launcher

@@ -132,17 +132,13 @@ def _gather(routed: list[Routed]) -> list[Gathered]:
         offsets = [r.table.parts[r.ps_task].offset for r in group]
         item, width = group[0].table.dtype.itemsize, group[0].table.width
         first = min(offsets)
-        apart = [(o - first) // item for o in offsets]
-        fits = all((o - first) % item == 0 for o in offsets) and all(
-            a + (int(r.local.max()) + 1) * width <= INT_MAX
-            for a, r in zip(apart, group, strict=True)
-            if r.local.size
-        )
-        if len(group) > 1 and not fits:
+        counts = [len(r.local) for r in group]
+        apart = np.repeat([(o - first) // item for o in offsets], counts)
+        disps = np.concatenate([r.local for r in group]) * width + apart
+        whole = all((o - first) % item == 0 for o in offsets)
+        if len(group) > 1 and not (whole and int(disps.max(initial=0)) + width <= INT_MAX):
             out += [g for r in group for g in _gather([r])]
             continue
-        counts = [len(r.local) for r in group]
-        disps = np.concatenate([r.local for r in group]) * width + np.repeat(apart, counts)
         base = MPI.Datatype.fromcode(group[0].table.dtype.char)
         # a list, not an array: mpi4py converts a list of 650 ints in 10 us, an array in 45
         mpi_type = base.Create_indexed_block(width, disps.tolist()).Commit()
@@ -156,14 +152,12 @@ def _row_groups(tables: list[Table]) -> dict[str, str]:
     at the positions of its own ids (DLRM's 26 tables: one pull buffer, one gradient buffer,
     one zeroing, not 26). By table name, the group's name."""
     groups: dict[str, str] = {}
-    last: dict[tuple[str, int], tuple[str, int]] = {}  # by (dtype, width): (group, its end)
+    ends: dict[tuple[str, int], dict[str, int]] = {}  # by (dtype, width): each group's end
     for t in sorted((t for t in tables if t.span is not None), key=lambda t: t.span or (0, 0)):
         assert t.span is not None
-        kind = (t.dtype.str, t.width)
-        group, end = last.get(kind, (t.name, t.span[0]))
-        if t.span[0] < end:  # (spans that overlap: a group of its own)
-            group = t.name
-        last[kind] = (group, t.span[1])
+        kind = ends.setdefault((t.dtype.str, t.width), {})
+        group = next((g for g, end in kind.items() if end <= t.span[0]), t.name)
+        kind[group] = t.span[1]
         groups[t.name] = group
     return groups
 
