@@ -176,17 +176,15 @@ class Tables:
             if n in self.offsets:
                 continue
             rows = params[n]
-            t = self._values.of(n, rows)
-            if t is None:
-                t = as_tensor(rows)
+            view = self._values.of(n, rows)
+            t = view if view is not None else as_tensor(rows)
             if t is not self._data.get(n):
                 p.data = self._data[n] = t
             if grads is None:
                 p.grad = None
                 continue
-            g = self._grads.of(n, grads[n])
-            if g is None:
-                g = as_tensor(grads[n])
+            viewed = self._grads.of(n, grads[n])
+            g = viewed if viewed is not None else as_tensor(grads[n])
             t, g = cut_to_both(self._cut, n, t, g)
             if t is not self._data[n]:
                 p.data = self._data[n] = t
