@@ -1,24 +1,24 @@
-"""DLRM from PyTorch (jobs/torch_dlrm.py) trained by mpips in hybrid mode, 1 PS + 2 workers,
-against one plain PyTorch process of the same module on the same data: examples/s, and the
-test AUC of both at the same number of examples.
+"""DLRM from PyTorch (jobs/torch_dlrm.py) trained by mpips in hybrid mode, 1 PS + 2 workers
+(or ``--ps``, ``--workers``), against one plain PyTorch process of the same module on the same
+data: examples/s, and the test AUC of both at the same number of examples.
 
 Run:  python benchmarks/dlrm.py [--rows 200000] [--max-cardinality 10000] [--steps 200,1000]
-          [--rounds 2] [--fused]       (needs torch)
+          [--rounds 2] [--fused] [--ps 1] [--workers 2]       (needs torch)
 
 Data: ``python -m mpips data criteo-synthetic`` (``--rows`` train rows, cardinalities capped
 at ``--max-cardinality``), made once in a temporary folder. Model: the shipped job's
 (jobs/torch_dlrm.toml: 16-wide embeddings, bottom 13-64-32-16, top 367-64-32-1), SGD at its
 learning rate, batch 128 per worker. Every process uses 1 thread (OMP_NUM_THREADS=1).
 
-* mpips: ``mpiexec -n 3 python -m mpips train`` in hybrid mode (a global step is both
-  workers' batches, 256 examples), measured from outside as benchmarks/torch_frontend.py
-  does: each round runs the job to two global-step targets (``--steps``), and the rate is
-  the extra examples over the extra wall seconds (start-up, imports, data loading, the
-  final evaluation and checkpoint cancel out). The AUC is the longer run's test AUC.
+* mpips: ``mpiexec -n 3 python -m mpips train --ps 1`` in hybrid mode (a global step is
+  every worker's batch: 256 examples with 2 workers), measured from outside as
+  benchmarks/torch_frontend.py does: each round runs the job to two global-step targets
+  (``--steps``), and the rate is the extra examples over the extra wall seconds (start-up,
+  imports, data loading, the final evaluation and checkpoint cancel out). The AUC is the longer run's test AUC.
 * one PyTorch process: the module with ``torch.optim.SGD`` (it takes the tables' sparse
   gradients) on 128-row batches of the same train rows in a seeded order, the whole tables
   in its memory and the ids as they are; timed after 20 warm-up steps, for as many examples
-  as the longer mpips run (2 x 128 x the longer target), then its test AUC.
+  as the longer mpips run (workers x 128 x the longer target), then its test AUC.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import numpy as np
 from common import mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
-BATCH, WORKERS, RANKS = 128, 2, 3
+BATCH = 128
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -54,11 +54,13 @@ def write_job(work: Path, data: Path, fused: bool) -> Path:
     return work / "dlrm.toml"
 
 
-def mpips_run(job: Path, steps: int) -> tuple[float, dict]:
-    """Wall seconds of ``mpiexec -n 3 python -m mpips train JOB --steps STEPS``, its result."""
+def mpips_run(job: Path, steps: int, ps: int, workers: int) -> tuple[float, dict]:
+    """Wall seconds of ``mpiexec -n PS+WORKERS python -m mpips train JOB --ps PS --steps
+    STEPS``, its result."""
     result = job.parent / "result.json"
-    argv = [mpiexec(), "-n", str(RANKS), sys.executable, "-m", "mpips", "train", str(job)]
-    argv += ["--steps", str(steps), "--no-restore", "--no-progress", "--result", str(result)]
+    argv = [mpiexec(), "-n", str(ps + workers), sys.executable, "-m", "mpips", "train", str(job)]
+    argv += ["--ps", str(ps), "--steps", str(steps), "--no-restore", "--no-progress"]
+    argv += ["--result", str(result)]
     shutil.rmtree(job.parent / "runs", ignore_errors=True)  # (each run starts afresh)
     argv += ["--ckpt-dir", str(job.parent / "runs")]
     t0 = time.perf_counter()
@@ -131,6 +133,8 @@ def main() -> None:
     p.add_argument("--steps", default="200,1000", help="two global-step targets, short,long")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--fused", action="store_true", help="one table for the 26 (model.args.fused)")
+    p.add_argument("--ps", type=int, default=1, help="PS tasks")
+    p.add_argument("--workers", type=int, default=2, help="workers (synchronous replicas)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="mpips-dlrm-"))
     try:
@@ -153,11 +157,12 @@ def measure(work: Path, args: argparse.Namespace) -> None:
         f"steps {short},{long}"
     )
     for r in range(args.rounds):
-        (w0, _), (w1, res) = mpips_run(job, short), mpips_run(job, long)
-        rate = (long - short) * WORKERS * BATCH / (w1 - w0)
-        plain = one_torch_process(data, long * WORKERS * BATCH, spec)
+        ps, workers = args.ps, args.workers
+        (w0, _), (w1, res) = mpips_run(job, short, ps, workers), mpips_run(job, long, ps, workers)
+        rate = (long - short) * workers * BATCH / (w1 - w0)
+        plain = one_torch_process(data, long * workers * BATCH, spec)
         print(
-            f"round {r}: mpips hybrid 1 PS + 2 workers {rate:.0f} examples/s, AUC "
+            f"round {r}: mpips hybrid {ps} PS + {workers} workers {rate:.0f} examples/s, AUC "
             f"{res['test_auc']:.4f} at {res['total_examples']} examples | one PyTorch process "
             f"{plain['examples/s']:.0f} examples/s, AUC {plain['auc']:.4f} at "
             f"{plain['examples']} examples | ratio {rate / plain['examples/s']:.2f}x",

@@ -95,8 +95,11 @@ class Model:
     def table_offsets(self) -> dict[str, int]:
         """Optional (tables that each serve a part of the data's one id space, as DLRM's
         per-feature tables do): by table name, the data id its row 0 serves. Such a table
-        is pulled and pushed only for the batch's ids in ``[offset, offset + rows)``, and
-        reads zero rows for the others. Default: none (a table's rows are the ids)."""
+        is pulled and pushed only for the batch's ids in ``[offset, offset + rows)``. A
+        pull's rows of it are still one per id of the batch, but only those at its own
+        ids' positions are its rows (tables whose spans do not overlap share one buffer:
+        the others are other tables' rows), and its gradient rows (``grads``) are those
+        of its own ids alone, in order. Default: none (a table's rows are the ids)."""
         return {}
 
     def initial_rows(self, table: str, rows: tuple[int, int, int], seed: int) -> np.ndarray:

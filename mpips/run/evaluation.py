@@ -114,7 +114,7 @@ def _params_for(model: Model, params: dict[str, np.ndarray], x: Any) -> tuple[An
     offsets: dict[str, int] = getattr(model, "table_offsets", dict)()
 
     def rows(name: str, table: np.ndarray) -> np.ndarray:
-        """The table's rows for the ids (those it does not serve: zero, as pulled)."""
+        """The table's rows for the ids (those it does not serve: zero)."""
         if isinstance(table, ByIds):
             return table.rows_of(ids)
         first = offsets.get(name)

@@ -134,7 +134,8 @@ class Model(_Model):
     (``"embeddings.3.weight"``), the data id their row 0 serves; only the batch's ids in a
     table's ``[offset, offset + rows)`` are pulled and pushed for it. The module still
     indexes every table with the batch's ids renumbered to the rows mpips pulled (one
-    numbering for every table: a table's rows for the ids it does not serve read zero).
+    numbering for every table: a table's rows for the ids it does not serve read zero, or,
+    where the module indexes each table only with its own ids, are not read: spans.py).
 
     Trainable parameters are the variables, named as ``named_parameters()`` names them;
     ``nn.Embedding`` and ``nn.EmbeddingBag`` modules made with ``sparse=True`` are tables
