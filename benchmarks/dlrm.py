@@ -14,7 +14,8 @@ learning rate, batch 128 per worker. Every process uses 1 thread (OMP_NUM_THREAD
   every worker's batch: 256 examples with 2 workers), measured from outside as
   benchmarks/torch_frontend.py does: each round runs the job to two global-step targets
   (``--steps``), and the rate is the extra examples over the extra wall seconds (start-up,
-  imports, data loading, the final evaluation and checkpoint cancel out). The AUC is the longer run's test AUC.
+  imports, data loading, the final evaluation and checkpoint cancel out). The AUC is the
+  longer run's test AUC.
 * one PyTorch process: the module with ``torch.optim.SGD`` (it takes the tables' sparse
   gradients) on 128-row batches of the same train rows in a seeded order, the whole tables
   in its memory and the ids as they are; timed after 20 warm-up steps, for as many examples
