@@ -116,6 +116,23 @@ class Gathered:
     def rows(self) -> int:
         return sum(len(r.local) for r in self.routed)
 
+    def run(self, arrays: dict[str, np.ndarray]) -> slice | None:
+        """The positions of the step's ids its rows are in ``arrays`` (by table), where
+        every table's are one array and they run on in order (a row group's tables on one
+        PS task): one slice; else None."""
+        first, stop = self.routed[0], None
+        for r in self.routed:
+            at = r.at
+            if not isinstance(at, slice) or at.start is None or at.stop is None:
+                return None
+            if (stop is not None and at.start != stop) or arrays[r.table.name] is not arrays[
+                first.table.name
+            ]:
+                return None
+            stop = at.stop
+        assert isinstance(first.at, slice)
+        return slice(first.at.start, stop)
+
     def free(self) -> None:
         self.mpi_type.Free()
 
@@ -381,6 +398,10 @@ class StoreClient:
             for rank in self.ps_ranks:
                 win.Flush(rank)
         for g, staged in fetched:
+            run = g.run(out)
+            if run is not None:  # (a row group's rows, in order: one copy)
+                out[g.table.name][run] = staged
+                continue
             start = 0
             for r in g.routed:
                 out[r.table.name][r.at] = staged[start : start + len(r.local)]
@@ -583,7 +604,12 @@ class StoreClient:
             win.Accumulate([data, mpi_type], seg.rank, [seg.offset, data.size, mpi_type], MPI.SUM)
         staged = []  # alive until the Flush
         for g in self._gathered:
-            grads = [self._row_grads[r.table.name][r.at] for r in g.routed]
+            run = g.run(self._row_grads)
+            grads = (
+                [self._row_grads[g.table.name][run]]
+                if run is not None
+                else [self._row_grads[r.table.name][r.at] for r in g.routed]
+            )
             staged.append(
                 np.concatenate(grads) if len(grads) > 1 else np.ascontiguousarray(grads[0])
             )
