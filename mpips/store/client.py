@@ -602,27 +602,30 @@ class StoreClient:
             data = seg.grads.view(seg.dtype)
             mpi_type = MPI.Datatype.fromcode(seg.dtype.char)  # predefined: fast path
             win.Accumulate([data, mpi_type], seg.rank, [seg.offset, data.size, mpi_type], MPI.SUM)
-        staged = []  # alive until the Flush
-        for g in self._gathered:
-            run = g.run(self._row_grads)
-            grads = (
-                [self._row_grads[g.table.name][run]]
-                if run is not None
-                else [self._row_grads[r.table.name][r.at] for r in g.routed]
-            )
-            staged.append(
-                np.concatenate(grads) if len(grads) > 1 else np.ascontiguousarray(grads[0])
-            )
-            base = g.table.base
-            win.Accumulate(
-                [staged[-1], base], self.ps_ranks[g.ps_task], [g.disp, 1, g.mpi_type], MPI.SUM
-            )
+        staged = [self._accumulate_rows(g) for g in self._gathered]
         for rank in self.ps_ranks:
             win.Flush(rank)
+        del staged  # (the origin buffers live until the Flush)
         self._post_dynamic(lr)
         if wait:
             self._settle_dynamic()
         return True
+
+    def _accumulate_rows(self, g: Gathered) -> np.ndarray:
+        """Start adding the step's gradient rows (deltas) of ``g``'s tables on its PS task;
+        the origin buffer, which must live until the Flush."""
+        run = g.run(self._row_grads)
+        grads = (
+            [self._row_grads[g.table.name][run]]
+            if run is not None
+            else [self._row_grads[r.table.name][r.at] for r in g.routed]
+        )
+        rows = np.concatenate(grads) if len(grads) > 1 else np.ascontiguousarray(grads[0])
+        target = [g.disp, 1, g.mpi_type]
+        self.windows.params.Accumulate(
+            [rows, g.table.base], self.ps_ranks[g.ps_task], target, MPI.SUM
+        )
+        return rows
 
     def _post_dynamic(self, lr: float) -> None:
         """Post the gradient rows of the dynamic tables for the last training pull's ids
