@@ -269,27 +269,34 @@ class Columns(torch.nn.Module):
         return self.out(torch.cat(bags, 1)).squeeze(1)
 
 
-@pytest.mark.parametrize("every", [False, True])
-def test_span_tables_share_the_pulled_buffer_where_the_module_keeps_to_its_spans(every):
+@pytest.mark.parametrize("strays_from", [None, 0, 3])
+def test_span_tables_share_the_pulled_buffer_where_the_module_keeps_to_its_spans(
+    strays_from, monkeypatch, capfd
+):
     """Tables with offsets read the batch's rows from one buffer, as the store pulls them
     (each table's rows at its own ids' positions, other rows another table's): a module
-    that indexes each table only with its ids is bound to that buffer from its second step
-    on (its first runs on copies and shows it keeps to them); one that indexes every table
-    with every id stays on copies with zero rows for the others' ids. Both give PyTorch's
-    loss and gradients on the whole tables, step after step."""
+    that indexes each table only with its ids is bound to that buffer but at the steps
+    that check it on copies (the first, then every RECHECK-th), and reads zero rows past
+    the batch's; one that indexes every table with every id (from the start, or from a
+    later step: found at the next check, and said) runs on copies with zero rows for the
+    others' ids. All give PyTorch's loss and gradients on the whole tables, step after
+    step."""
     import scipy.sparse as sp
 
+    import mpips.torch.spans
     from mpips.device.pages import page_aligned
+
+    monkeypatch.setattr(mpips.torch.spans, "RECHECK", 3)
 
     def loss(z, y):
         return torch.nn.functional.binary_cross_entropy_with_logits(z, y.float())
 
     sizes, offsets = (5, 7, 4), (0, 5, 12)
     torch.manual_seed(0)
-    net = Columns(sizes, every)
+    net = Columns(sizes, strays_from == 0)
     names = [f"tables.{f}.weight" for f in range(3)]
     tables = {n: t.weight.detach().numpy().copy() for n, t in zip(names, net.tables, strict=True)}
-    ref = Columns((16, 16, 16), every)  # each table over the whole id space: zero but its own
+    ref = Columns((16, 16, 16), net.every)  # each table over all ids: zero but its own
     ref.out.load_state_dict(net.out.state_dict())
     with torch.no_grad():
         for t, n, o in zip(ref.tables, names, offsets, strict=True):
@@ -298,12 +305,13 @@ def test_span_tables_share_the_pulled_buffer_where_the_module_keeps_to_its_spans
     values = {n: v.copy() for n, v in model.initial_values(0).items()}
     rng = np.random.default_rng(1)
     rows_w, rows_g = page_aligned((64, 3), np.float32), page_aligned((64, 3), np.float32)
-    for step in range(3):
+    for step in range(6):
+        net.every = ref.every = strays_from is not None and step >= strays_from
         cols = np.stack([o + rng.integers(0, n, 6) for n, o in zip(sizes, offsets, strict=True)], 1)
         x = sp.csr_matrix((np.ones(18, np.float32), cols.ravel(), np.arange(0, 19, 3)), (6, 16))
         y = rng.integers(0, 2, 6)
         batch, ids = model.prepare(x)
-        rows_w[:] = 7.0  # (rows no table serves: never read by a module that keeps to spans)
+        rows_w[: len(ids)] = 7.0  # (positions no table serves: never read where kept to)
         runs = []
         for n, o in zip(names, offsets, strict=True):
             a, b = np.searchsorted(ids, [o, o + len(tables[n])])
@@ -323,8 +331,15 @@ def test_span_tables_share_the_pulled_buffer_where_the_module_keeps_to_its_spans
             np.testing.assert_allclose(grads[n], dense[ids[a:b]], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(grads["out.weight"], ref.out.weight.grad.numpy(), rtol=1e-5)
         shared = net.tables[1].weight.data_ptr() == rows_w.ctypes.data
-        assert model.table_set.spans.keeps_to_spans is (not every)
-        assert shared is (step > 0 and not every)
+        kept = strays_from is None or step < strays_from
+        assert model.table_set.spans.keeps_to_spans is kept
+        assert shared is (kept and step % 3 != 0)
+        if shared:  # (a dense read of the weight: the batch's rows, then zeros)
+            assert not net.tables[1].weight[k:].any()
+    said = capfd.readouterr()
+    assert ("indexes a table with ids it does not serve" in said.out + said.err) is (
+        strays_from == 3
+    )
 
 
 def test_table_offsets_name_tables_and_ids():

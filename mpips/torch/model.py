@@ -183,6 +183,7 @@ class Model(_Model):
         self.steps = 0
         self.device: torch.device | None = None  # where the module computes (mpips's arrays')
         self.unused_said = False
+        self.evaluated = False  # the module was put in eval mode since the last step
 
     # -- the contract ---------------------------------------------------------------------
 
@@ -295,8 +296,9 @@ class Model(_Model):
         self.table_set.bind(params, grads)
         b.gradients(grads)
         b.ready = ready
-        if not self.module.training:  # (an evaluation left it in eval mode)
+        if self.evaluated or not self.steps:  # (once, and after each evaluation's eval())
             self.module.train()
+            self.evaluated = False
         try:
             loss = self._loss(x, y)
             loss.backward()
@@ -305,6 +307,7 @@ class Model(_Model):
         b.collect()
         self.table_set.collect(self.traffic)
         self._say_unused()
+        self._say_spans()
         self.steps += 1
         return float(loss.detach())
 
@@ -398,6 +401,7 @@ class Model(_Model):
         """The module's outputs on a whole split, EVAL_ROWS rows at a time, in eval mode."""
         self._bind_values(params)
         self.module.eval()
+        self.evaluated = True
         with torch.no_grad():
             if isinstance(x, SparseInput):
                 return self.module(x.to(self.device))
@@ -415,6 +419,12 @@ class Model(_Model):
             out["accuracy"], out["auc"] = binary_accuracy, binary_auc
         out.update(self.metrics)
         return out
+
+    def _say_spans(self) -> None:
+        """What the check of the module's indexing of its tables with offsets found, once."""
+        news, self.table_set.spans.news = self.table_set.spans.news, ""
+        if news:
+            log(f"/job:worker/task:{self.worker}", f"warning: mpips.torch.Model: the module {news}")
 
     def _say_unused(self) -> None:
         """A parameter that got no gradient is said (its buffer holds zeros: the loss does

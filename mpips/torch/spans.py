@@ -23,6 +23,8 @@ import torch
 
 from .binding import RowViews, Traffic, as_tensor, cut_to_both
 
+RECHECK = 64  # training steps between two on copies that check the module's indexing
+
 
 class Spans:
     """The tables with a span, by variable name: each one's run of the batch's positions,
@@ -44,6 +46,10 @@ class Spans:
         self._copies: dict[str, torch.Tensor] = {}  # each table's rows among zeros
         self._copied: dict[str, Any] = {}  # tables on copies this step: their gradient rows
         self._last: tuple[Any, torch.Tensor | None] = (None, None)  # (_shared)
+        self._extent: dict[int, int] = {}  # a shared buffer's rows the last step used
+        self.steps = 0  # training steps bound
+        self.checking = False  # this step runs on copies to see the module's indexing
+        self.news = ""  # what a check found (said once by the model)
 
     def prepare(self, ids: np.ndarray) -> None:
         """The batch's ids (sorted, unique): each table's run of their positions."""
@@ -56,7 +62,14 @@ class Spans:
         where the module keeps to the spans, else copies."""
         self._copied.clear()
         self._last = (None, None)
-        zeroed: set[int] = set()
+        self.checking = grads is not None and (
+            self.keeps_to_spans is None or (self.keeps_to_spans and self.steps % RECHECK == 0)
+        )
+        if grads is not None:  # (a training pull wrote this many rows of each kept buffer)
+            self.steps += 1
+            for key, high in self._extent.items():
+                self._extent[key] = max(high, self.rows)
+        cleared: set[int] = set()
         for n, p in self.params.items():
             shared = self._shared(n, params[n], None if grads is None else grads[n])
             if shared is None:
@@ -70,16 +83,34 @@ class Spans:
                 p.data = data
                 p.grad = grad
                 self._bound[n] = (data, grad)
-            if grad is not None and grad.data_ptr() not in zeroed:
-                zeroed.add(grad.data_ptr())
-                grad[: self.rows].zero_()
+            if data.data_ptr() not in cleared:
+                cleared.add(data.data_ptr())
+                self._clear(data, grad)
+
+    def _clear(self, data: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """A shared buffer for the step: zero rows past the batch's (rows earlier steps
+        wrote since the last time, and at first all of them: a dense read of the weight
+        sees the batch's rows and zeros), and its gradient rows a backward may have
+        written."""
+        key, rows = data.data_ptr(), self.rows
+        high = self._extent.get(key)
+        if high is None:
+            data[rows:].zero_()
+            if grad is not None:
+                grad.zero_()
+        else:
+            if high > rows:
+                data[rows:high].zero_()
+            if grad is not None:
+                grad[: max(rows, high)].zero_()
+        self._extent[key] = rows
 
     def _shared(
         self, n: str, rows: Any, grad_rows: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The table's weight and .grad as views of mpips's whole buffers (the gradient
         rows given are those of its own ids, ``runs[n][0]`` rows in), or None: copies."""
-        if not self.keeps_to_spans:
+        if not self.keeps_to_spans or self.checking:
             return None
         if rows is not self._last[0]:  # (a row group's tables share one array: viewed once)
             self._last = (rows, self._values.of(n, rows))
@@ -121,19 +152,32 @@ class Spans:
             if g.is_sparse:
                 idx, values = g._indices()[0], g._values()
                 inside = (idx >= a) & (idx < b)
-                if self.keeps_to_spans is None:
+                if self.checking:
                     strays = strays or not bool(inside.all())
                 out.index_add_(0, idx[inside] - a, values[inside])
             else:  # (a dense use of the weight reads every row)
                 strays = True
                 out.copy_(g[a:b])
             traffic.copied_bytes += out.nbytes
-        if self._copied and self.keeps_to_spans is None:
-            self.keeps_to_spans = not strays
+        if self.checking:
+            self._checked(strays)
         for n, (_, grad) in self._bound.items():
             g = self.params[n].grad
             if grad is not None and g is not None and g is not grad:
-                grad.copy_(g)
-                traffic.copied_bytes += g.nbytes
+                a, b = self.runs[n]  # (its own rows: the others are other tables')
+                grad[a:b].copy_((g.to_dense() if g.is_sparse else g)[a:b])
+                traffic.copied_bytes += grad[a:b].nbytes
                 self.params[n].grad = None
                 self._bound[n] = (self._bound[n][0], None)
+
+    def _checked(self, strays: bool) -> None:
+        """What a step on copies showed: the module keeps to its tables' ids (the shared
+        buffers from the next step on) or not (copies from now on; said once if it kept to
+        them before: the steps since the last check read other tables' rows there)."""
+        if self.keeps_to_spans and strays:
+            self.news = (
+                "indexes a table with ids it does not serve (table_offsets), which it did "
+                f"not before: its tables are copies from now on (the up to {RECHECK} steps "
+                "since the last check read other tables' rows at those ids, not zeros)"
+            )
+        self.keeps_to_spans = not strays

@@ -22,7 +22,7 @@ import torch
 from ..device.arrays import issparse
 from ..errors import ConfigError, DataError
 from ..models.variables import VariableSpec
-from .binding import RowViews, Traffic, as_tensor, cut_to_both, numpy_dtype
+from .binding import Traffic, Views, as_tensor, numpy_dtype
 from .spans import Spans
 
 SPARSE_KINDS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -100,9 +100,7 @@ class Tables:
         self.past = max(ends, default=None)
         first = next(iter(self.initial.values()), None)
         self.dtype = first.dtype if first is not None else np.dtype(np.float32)
-        self._values, self._grads = RowViews(), RowViews()
-        self._data: dict[str, torch.Tensor] = {}  # each weight as bound
-        self._cut: dict[str, tuple[torch.Tensor, ...]] = {}  # (cut_to_both)
+        self._values, self._grads = Views(), Views()
         self.spans = Spans(self.params, self.offsets)  # (the tables with an offset)
         self._bound: dict[str, torch.Tensor] = {}  # each .grad as bound before backward
         self.dynamic = False  # tables.kind = "dynamic": the data's ids are any values
@@ -164,10 +162,8 @@ class Tables:
         return batch, ids
 
     def bind(self, params: dict[str, Any], grads: dict[str, Any] | None) -> None:
-        """Each table's weight a view of its pulled rows, and (training) its .grad a view of
-        the rows' push buffer, the batch's rows zeroed. Both run on to the end of the buffer
-        mpips keeps them in (RowViews: bound once per buffer, not once a step; the module
-        indexes only the batch's rows). Tables with an offset: Spans. A worker's first
+        """Each table's weight a view of its pulled rows, and (training) its .grad a zeroed
+        view of the rows' push buffer (tables with an offset: Spans). A worker's first
         training step lets the module's whole initial tables go (the PS tasks made the rows
         from theirs)."""
         if grads is not None:
@@ -175,22 +171,19 @@ class Tables:
         for n, p in self.params.items():
             if n in self.offsets:
                 continue
-            rows = params[n]
-            view = self._values.of(n, rows)
-            t = view if view is not None else as_tensor(rows)
-            if t is not self._data.get(n):
-                p.data = self._data[n] = t
+            t = self._values.of(n, params[n], p.data)
+            if t is not None:
+                p.data = t
             if grads is None:
                 p.grad = None
                 continue
-            viewed = self._grads.of(n, grads[n])
-            g = viewed if viewed is not None else as_tensor(grads[n])
-            t, g = cut_to_both(self._cut, n, t, g)
-            if t is not self._data[n]:
-                p.data = self._data[n] = t
-            if g is not self._bound.get(n) or p.grad is None:
-                p.grad = self._bound[n] = g
-            g[: len(rows)].zero_()
+            t = self._grads.of(n, grads[n], p.grad)
+            if t is not None:
+                p.grad = t
+            g = p.grad
+            assert g is not None
+            self._bound[n] = g
+            g.zero_()
         if self.offsets:
             self.spans.bind(params, grads)
 
