@@ -10,8 +10,9 @@ buffer: nothing is copied, one zeroing a step. A module that indexes a table wit
 too (a bag of all of a row's ids in every table) must read zero rows for them: each table
 then gets its own rows among zeros, and its gradient rows are copied out. Which kind a
 module is shows in its first training step: it runs on the copies, and the rows each
-table's backward touched say whether any lies outside the table's own. Where mpips's rows
-are not in a numpy buffer (a GPU's), the copies always.
+table's backward touched say whether any lies outside the table's own; every RECHECK-th
+step does so again (a module that strays later, by the data, goes to the copies, and is
+said). Where mpips's rows are not in a numpy buffer (a GPU's), the copies always.
 """
 
 from __future__ import annotations
