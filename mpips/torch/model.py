@@ -296,7 +296,7 @@ class Model(_Model):
         self.table_set.bind(params, grads)
         b.gradients(grads)
         b.ready = ready
-        if self.evaluated or not self.steps:  # (once, and after each evaluation's eval())
+        if self.evaluated or not self.steps or not self.module.training:  # (after an eval())
             self.module.train()
             self.evaluated = False
         try:
