@@ -51,16 +51,18 @@ class Table:
         return MPI.Datatype.fromcode(self.dtype.char)
 
     def route(
-        self, ids: np.ndarray, ascending: bool = False
+        self, ids: np.ndarray, ascending: bool = False, run: slice | None = None
     ) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
         """(ps task, positions in ``ids``, row in that task's part) for every task touched;
         on one PS task, the positions as a slice where they run on (all of them without a
-        ``span``; with one, only the ids in it, as rows ``id - first``: found by bisection
-        where the ids are ``ascending``)."""
+        ``span``; with one, only the ids in it, as rows ``id - first``: ``run`` where known,
+        else found by bisection where the ids are ``ascending``)."""
         every: np.ndarray | slice = slice(None)  # the positions of the ids routed
         if self.span is not None:
             first, stop = self.span
-            if ascending:  # (a run of them)
+            if run is not None:
+                every = run
+            elif ascending:  # (a run of them)
                 every = slice(*(int(k) for k in np.searchsorted(ids, self.span)))
             else:  # (a slice too, where they run on)
                 every = np.flatnonzero((ids >= first) & (ids < stop))
@@ -107,6 +109,9 @@ class Gathered:
     routed: list[Routed]
     disp: int
     mpi_type: MPI.Datatype
+    # the positions of the step's ids its rows are, where they run on in order in one
+    # array (a row group's tables on one PS task): one copy in and out; else None
+    run: slice | None = None
 
     @property
     def table(self) -> Table:
@@ -116,31 +121,25 @@ class Gathered:
     def rows(self) -> int:
         return sum(len(r.local) for r in self.routed)
 
-    def run(self, arrays: dict[str, np.ndarray]) -> slice | None:
-        """The positions of the step's ids its rows are in ``arrays`` (by table), where
-        every table's are one array and they run on in order (a row group's tables on one
-        PS task): one slice; else None."""
-        first, stop = self.routed[0], None
-        for r in self.routed:
-            at = r.at
-            if not isinstance(at, slice) or at.start is None or at.stop is None:
-                return None
-            if (stop is not None and at.start != stop) or arrays[r.table.name] is not arrays[
-                first.table.name
-            ]:
-                return None
-            stop = at.stop
-        assert isinstance(first.at, slice)
-        return slice(first.at.start, stop)
-
     def free(self) -> None:
         self.mpi_type.Free()
 
 
-def _gather(routed: list[Routed]) -> list[Gathered]:
+def _run(group: list[Routed], groups: Mapping[str, str]) -> slice | None:
+    """The positions of ``group``'s rows, where they are one run of one row group's array
+    (``groups``: table name to its row group's)."""
+    if len({groups.get(r.table.name, r.table.name) for r in group}) > 1:
+        return None
+    ats = [r.at for r in group if isinstance(r.at, slice) and r.at.start is not None]
+    if len(ats) < len(group) or any(x.stop != y.start for x, y in zip(ats, ats[1:], strict=False)):
+        return None
+    return slice(ats[0].start, ats[-1].stop)
+
+
+def _gather(routed: list[Routed], row_groups: Mapping[str, str] | None = None) -> list[Gathered]:
     """The routed rows as one datatype per (PS task, element type, row width), or one per
     table where their displacements would not fit one (parts not whole elements apart, or
-    2^31 elements or more)."""
+    2^31 elements or more); ``row_groups``: the tables' row groups (``_row_groups``)."""
     groups: dict[tuple[int, str, int], list[Routed]] = {}
     for r in routed:
         groups.setdefault((r.ps_task, r.table.dtype.str, r.table.width), []).append(r)
@@ -154,12 +153,14 @@ def _gather(routed: list[Routed]) -> list[Gathered]:
         disps = np.concatenate([r.local for r in group]) * width + apart
         whole = all((o - first) % item == 0 for o in offsets)
         if len(group) > 1 and not (whole and int(disps.max(initial=0)) + width <= INT_MAX):
-            out += [g for r in group for g in _gather([r])]
+            out += [g for r in group for g in _gather([r], row_groups)]
             continue
         base = MPI.Datatype.fromcode(group[0].table.dtype.char)
         # a list, not an array: mpi4py converts a list of 650 ints in 10 us, an array in 45
         mpi_type = base.Create_indexed_block(width, disps.tolist()).Commit()
-        out.append(Gathered(group[0].ps_task, group, first, mpi_type))
+        out.append(
+            Gathered(group[0].ps_task, group, first, mpi_type, _run(group, row_groups or {}))
+        )
     return out
 
 
@@ -398,9 +399,8 @@ class StoreClient:
             for rank in self.ps_ranks:
                 win.Flush(rank)
         for g, staged in fetched:
-            run = g.run(out)
-            if run is not None:  # (a row group's rows, in order: one copy)
-                out[g.table.name][run] = staged
+            if g.run is not None:  # (a row group's rows, in order: one copy)
+                out[g.table.name][g.run] = staged
                 continue
             start = 0
             for r in g.routed:
@@ -511,15 +511,9 @@ class StoreClient:
         self._routed, self._row_grads = [], {}
         self._served = self._runs(ids)
         for table in self.tables.values():
-            run = self._served.get(table.name)
-            if run is not None and len(table.parts) == 1:  # (one PS task: the run itself)
-                if run.stop > run.start:
-                    assert table.span is not None
-                    self._routed.append(Routed(table, 0, run, ids[run] - table.span[0]))
-                continue
-            for p, at, local in table.route(ids, ascending=True):
+            for p, at, local in table.route(ids, True, self._served.get(table.name)):
                 self._routed.append(Routed(table, p, at, local))
-        self._gathered = [] if self.reads_in_place else _gather(self._routed)
+        self._gathered = [] if self.reads_in_place else _gather(self._routed, self._groups)
 
     def _runs(self, ids: np.ndarray) -> dict[str, slice]:
         """Each table with a span: the run of the step's ids it serves (positions)."""
@@ -614,10 +608,9 @@ class StoreClient:
     def _accumulate_rows(self, g: Gathered) -> np.ndarray:
         """Start adding the step's gradient rows (deltas) of ``g``'s tables on its PS task;
         the origin buffer, which must live until the Flush."""
-        run = g.run(self._row_grads)
         grads = (
-            [self._row_grads[g.table.name][run]]
-            if run is not None
+            [self._row_grads[g.table.name][g.run]]
+            if g.run is not None
             else [self._row_grads[r.table.name][r.at] for r in g.routed]
         )
         rows = np.concatenate(grads) if len(grads) > 1 else np.ascontiguousarray(grads[0])

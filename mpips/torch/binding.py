@@ -55,11 +55,15 @@ def as_tensor(a: Any) -> torch.Tensor:
     return torch.as_tensor(a)
 
 
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
 def same_memory(t: torch.Tensor, a: Any) -> bool:
     """Whether tensor ``t`` is a view of all of array ``a`` (same start and shape), for the
     arrays whose address is known here (numpy's, cupy's); False for others."""
     if isinstance(a, np.ndarray):
-        start = a.__array_interface__["data"][0]
+        start = _address(a)
     elif hasattr(a, "data") and hasattr(a.data, "ptr"):  # cupy
         start = int(a.data.ptr)
     else:
@@ -80,10 +84,6 @@ class Views:
             return None
         self.arrays[name] = a
         return as_tensor(a)
-
-
-def _address(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
 
 
 class RowViews:

@@ -183,7 +183,6 @@ class Model(_Model):
         self.steps = 0
         self.device: torch.device | None = None  # where the module computes (mpips's arrays')
         self.unused_said = False
-        self.evaluated = False  # the module was put in eval mode since the last step
 
     # -- the contract ---------------------------------------------------------------------
 
@@ -296,9 +295,8 @@ class Model(_Model):
         self.table_set.bind(params, grads)
         b.gradients(grads)
         b.ready = ready
-        if self.evaluated or not self.steps or not self.module.training:  # (after an eval())
+        if not self.steps or not self.module.training:  # (once, and after an eval())
             self.module.train()
-            self.evaluated = False
         try:
             loss = self._loss(x, y)
             loss.backward()
@@ -401,7 +399,6 @@ class Model(_Model):
         """The module's outputs on a whole split, EVAL_ROWS rows at a time, in eval mode."""
         self._bind_values(params)
         self.module.eval()
-        self.evaluated = True
         with torch.no_grad():
             if isinstance(x, SparseInput):
                 return self.module(x.to(self.device))

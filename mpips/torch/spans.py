@@ -47,7 +47,7 @@ class Spans:
         self._copies: dict[str, torch.Tensor] = {}  # each table's rows among zeros
         self._copied: dict[str, Any] = {}  # tables on copies this step: their gradient rows
         self._last: tuple[Any, torch.Tensor | None] = (None, None)  # (_shared)
-        self._extent: dict[int, int] = {}  # a shared buffer's rows the last step used
+        self._extent: dict[int, int] = {}  # each buffer the last step cleared: its rows
         self.steps = 0  # training steps bound
         self.checking = False  # this step runs on copies to see the module's indexing
         self.news = ""  # what a check found (said once by the model)
@@ -66,11 +66,10 @@ class Spans:
         self.checking = grads is not None and (
             self.keeps_to_spans is None or (self.keeps_to_spans and self.steps % RECHECK == 0)
         )
-        if grads is not None:  # (a training pull wrote this many rows of each kept buffer)
-            self.steps += 1
-            for key, high in self._extent.items():
-                self._extent[key] = max(high, self.rows)
-        cleared: set[int] = set()
+        self.steps += grads is not None
+        last, cleared = self._extent, set()
+        if grads is not None:  # (the buffers this step clears: _clear)
+            self._extent = {}
         for n, p in self.params.items():
             shared = self._shared(n, params[n], None if grads is None else grads[n])
             if shared is None:
@@ -84,27 +83,23 @@ class Spans:
                 p.data = data
                 p.grad = grad
                 self._bound[n] = (data, grad)
-            if data.data_ptr() not in cleared:
+            if grad is not None and data.data_ptr() not in cleared:
                 cleared.add(data.data_ptr())
-                self._clear(data, grad)
+                self._clear(data, grad, last.get(data.data_ptr()))
 
-    def _clear(self, data: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """A shared buffer for the step: zero rows past the batch's (rows earlier steps
-        wrote since the last time, and at first all of them: a dense read of the weight
-        sees the batch's rows and zeros), and its gradient rows a backward may have
-        written."""
-        key, rows = data.data_ptr(), self.rows
-        high = self._extent.get(key)
+    def _clear(self, data: torch.Tensor, grad: torch.Tensor, high: int | None) -> None:
+        """A shared buffer for a training step: zero its rows past the batch's (those the
+        last step's pull wrote; all of them where this buffer was not cleared at the last
+        step: new, or a step on copies since), so that a read of the whole weight sees the
+        batch's rows and zeros, and its gradient rows a backward may have written."""
+        rows = self.rows
         if high is None:
             data[rows:].zero_()
-            if grad is not None:
-                grad.zero_()
+            grad.zero_()
         else:
-            if high > rows:
-                data[rows:high].zero_()
-            if grad is not None:
-                grad[: max(rows, high)].zero_()
-        self._extent[key] = rows
+            data[rows:high].zero_()
+            grad[: max(rows, high)].zero_()
+        self._extent[data.data_ptr()] = rows
 
     def _shared(
         self, n: str, rows: Any, grad_rows: Any
